@@ -1,0 +1,843 @@
+//! The manager's task: the only code that touches the connection.
+//!
+//! It keeps, per key, one local owner and a FIFO queue of waiters; tries every due key
+//! in one statement; runs the heartbeat; and ends the generation (revoking every lease
+//! at once) *before* it reconnects.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::mpsc::{UnboundedReceiver, WeakUnboundedSender};
+use tokio::sync::oneshot;
+use tokio::time::sleep_until;
+use tokio_postgres::error::SqlState;
+use tracing::{debug, info, warn};
+
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::lease::{FencingToken, Lease};
+use crate::manager::{LockInfo, LockState};
+use crate::session::{self, ConnEvent, Fault, Generation, Session, classify, error_text};
+use crate::shared::Shared;
+use crate::status::{ConnectionStatus, DisconnectReason};
+
+pub(crate) enum Command {
+    Acquire(Waiter),
+    Release {
+        key: LockKey,
+        lease_id: u64,
+        reply: Option<oneshot::Sender<Result<()>>>,
+    },
+    Locks(oneshot::Sender<Vec<LockInfo>>),
+    Shutdown(oneshot::Sender<()>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Wait,
+    Try,
+}
+
+pub(crate) struct Waiter {
+    pub(crate) id: u64,
+    pub(crate) key: LockKey,
+    pub(crate) name: Arc<str>,
+    pub(crate) poll_interval: Duration,
+    pub(crate) mode: Mode,
+    pub(crate) since: SystemTime,
+    pub(crate) reply: oneshot::Sender<Result<Option<Lease>>>,
+}
+
+struct Holder {
+    id: u64,
+    token: FencingToken,
+    since: SystemTime,
+    generation: u64,
+}
+
+/// One key. Invariant between steps: the session holds the key at the server iff
+/// `holder` is `Some` or the key is in `Driver::unlocks`.
+struct Slot {
+    name: Arc<str>,
+    holder: Option<Holder>,
+    waiters: VecDeque<Waiter>,
+    next_try: Instant,
+}
+
+enum Exit {
+    Lost(DisconnectReason),
+    Shutdown,
+}
+
+pub(crate) struct Driver {
+    shared: Arc<Shared>,
+    rx: UnboundedReceiver<Command>,
+    weak_tx: WeakUnboundedSender<Command>,
+    slots: HashMap<LockKey, Slot>,
+    releases: Vec<(LockKey, u64)>,
+    release_replies: Vec<oneshot::Sender<Result<()>>>,
+    unlocks: Vec<LockKey>,
+    shutdown_replies: Vec<oneshot::Sender<()>>,
+    shutting_down: bool,
+    generations: u64,
+    current: Option<Arc<Generation>>,
+    last_reason: DisconnectReason,
+    rng: u64,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // The task ended (shutdown, or the runtime dropped it): nothing it granted may
+        // be trusted any more.
+        self.shared.invalidate();
+        if let Some(generation) = self.current.take() {
+            generation.revoke(DisconnectReason::Shutdown);
+        }
+    }
+}
+
+impl Driver {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        rx: UnboundedReceiver<Command>,
+        weak_tx: WeakUnboundedSender<Command>,
+    ) -> Self {
+        let seed = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id()).rotate_left(32)
+            ^ (Arc::as_ptr(&shared) as u64);
+        Self {
+            shared,
+            rx,
+            weak_tx,
+            slots: HashMap::new(),
+            releases: Vec::new(),
+            release_replies: Vec::new(),
+            unlocks: Vec::new(),
+            shutdown_replies: Vec::new(),
+            shutting_down: false,
+            generations: 1,
+            current: None,
+            last_reason: DisconnectReason::ConnectFailed {
+                message: "not connected yet".to_owned(),
+            },
+            rng: seed | 1,
+        }
+    }
+
+    pub(crate) async fn run(mut self, first: Session) {
+        let mut next = Some(first);
+        loop {
+            let session = match next.take() {
+                Some(s) => s,
+                None => match self.reconnect().await {
+                    Some(s) => s,
+                    None => break,
+                },
+            };
+            match self.serve(session).await {
+                Exit::Lost(_) => {}
+                Exit::Shutdown => break,
+            }
+        }
+        self.finish();
+    }
+
+    // ---- connected -------------------------------------------------------------
+
+    async fn serve(&mut self, mut s: Session) -> Exit {
+        let generation = Arc::clone(&s.generation);
+        self.current = Some(Arc::clone(&generation));
+        self.shared
+            .extend_validity(s.proven_at + self.shared.options.lease_timeout);
+        self.shared
+            .status
+            .send_replace(ConnectionStatus::Connected {
+                generation: generation.id,
+                backend_pid: s.backend_pid,
+            });
+        info!(
+            node_id = %self.shared.options.node_id,
+            generation = generation.id,
+            backend_pid = s.backend_pid,
+            "lock session connected"
+        );
+        let now = Instant::now();
+        for slot in self.slots.values_mut() {
+            slot.next_try = now;
+        }
+        let heartbeat_interval = self.shared.options.heartbeat_interval;
+        let mut next_heartbeat = s.proven_at + heartbeat_interval;
+
+        let exit = loop {
+            // Take everything already queued first, so releases and requests batch.
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd, true);
+            }
+            if self.shutting_down {
+                break Exit::Shutdown;
+            }
+            if let Err(reason) = self.step(&mut s).await {
+                break Exit::Lost(reason);
+            }
+            let watchdog = tokio::time::Instant::from_std(self.shared.valid_until());
+            let next_poll = self.next_poll().map(tokio::time::Instant::from_std);
+            tokio::select! {
+                biased;
+                event = s.events.recv() => match event {
+                    Some(ConnEvent::Notification(tag)) => self.on_release_announced(&tag),
+                    Some(ConnEvent::Closed(message)) => {
+                        break Exit::Lost(DisconnectReason::ConnectionLost { message });
+                    }
+                    None => break Exit::Lost(DisconnectReason::ConnectionLost {
+                        message: "the connection task ended".to_owned(),
+                    }),
+                },
+                () = sleep_until(watchdog) => break Exit::Lost(self.overdue()),
+                () = sleep_until(tokio::time::Instant::from_std(next_heartbeat)) => {
+                    let sent = Instant::now();
+                    if let Err(reason) = self.heartbeat(&s).await {
+                        break Exit::Lost(reason);
+                    }
+                    self.shared.extend_validity(sent + self.shared.options.lease_timeout);
+                    next_heartbeat = sent + heartbeat_interval;
+                }
+                cmd = self.rx.recv() => match cmd {
+                    Some(cmd) => self.handle(cmd, true),
+                    None => break Exit::Shutdown,
+                },
+                () = sleep_until(next_poll.unwrap_or(watchdog)), if next_poll.is_some() => {}
+            }
+        };
+        match exit {
+            Exit::Lost(reason) => {
+                self.end_generation(&generation, reason.clone());
+                drop(s);
+                Exit::Lost(reason)
+            }
+            Exit::Shutdown => {
+                self.graceful_close(s, &generation).await;
+                Exit::Shutdown
+            }
+        }
+    }
+
+    fn overdue(&self) -> DisconnectReason {
+        DisconnectReason::HeartbeatOverdue {
+            lease_timeout: self.shared.options.lease_timeout,
+        }
+    }
+
+    /// Runs a query, giving up at the watchdog deadline.
+    async fn guarded<T>(
+        &self,
+        query: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, Fault> {
+        let deadline = tokio::time::Instant::from_std(self.shared.valid_until());
+        tokio::select! {
+            biased;
+            result = query => result.map_err(classify),
+            () = sleep_until(deadline) => Err(Fault::Lost(self.overdue())),
+        }
+    }
+
+    async fn heartbeat(&self, s: &Session) -> Result<(), DisconnectReason> {
+        let started = Instant::now();
+        let row = match self
+            .guarded(s.client.query_one(&s.stmts.heartbeat, &[]))
+            .await
+        {
+            Ok(row) => row,
+            Err(Fault::Lost(reason)) => return Err(reason),
+            Err(Fault::Query(e)) => {
+                return Err(DisconnectReason::ConnectionLost {
+                    message: format!("heartbeat failed: {}", error_text(&e)),
+                });
+            }
+        };
+        let pid: i32 = row.get(0);
+        let in_recovery: bool = row.get(1);
+        if pid != s.backend_pid {
+            return Err(DisconnectReason::BackendChanged {
+                expected: s.backend_pid,
+                found: pid,
+            });
+        }
+        if in_recovery {
+            return Err(DisconnectReason::ServerInRecovery);
+        }
+        debug!(rtt_us = started.elapsed().as_micros() as u64, "heartbeat");
+        Ok(())
+    }
+
+    /// Releases, hand-offs, then one statement for every due key.
+    async fn step(&mut self, s: &mut Session) -> Result<(), DisconnectReason> {
+        self.flush_releases(s).await?;
+        self.poll_due(s).await?;
+        self.flush_unlocks(s).await?;
+        self.answer_releases();
+        Ok(())
+    }
+
+    async fn flush_releases(&mut self, s: &Session) -> Result<(), DisconnectReason> {
+        let mut handoffs = Vec::new();
+        for (key, lease_id) in std::mem::take(&mut self.releases) {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if slot.holder.as_ref().map(|h| h.id) != Some(lease_id) {
+                continue; // revoked with an old generation, or already released
+            }
+            slot.holder = None;
+            debug!(lock = %slot.name, key = %key, "released");
+            slot.waiters.retain(|w| !w.reply.is_closed());
+            if slot.waiters.is_empty() {
+                self.unlocks.push(key);
+            } else {
+                handoffs.push(key);
+            }
+        }
+        if handoffs.is_empty() {
+            return Ok(());
+        }
+        // Hand the lock to the next local waiter without releasing it at the server,
+        // under a new, larger fencing token.
+        match self.guarded(s.client.query_one(&s.stmts.token, &[])).await {
+            Ok(row) => {
+                let token = FencingToken::new(row.get::<_, i64>(0) as u64);
+                for key in handoffs {
+                    self.grant(&s.generation, key, token);
+                }
+                Ok(())
+            }
+            Err(Fault::Lost(reason)) => Err(reason),
+            Err(Fault::Query(e)) => {
+                warn!(error = %error_text(&e), "could not get a fencing token for a local hand-off; releasing instead");
+                self.unlocks.extend(handoffs);
+                Ok(())
+            }
+        }
+    }
+
+    async fn poll_due(&mut self, s: &Session) -> Result<(), DisconnectReason> {
+        let now = Instant::now();
+        self.prune();
+        let due: Vec<LockKey> = self
+            .slots
+            .iter()
+            .filter(|(_, slot)| {
+                slot.holder.is_none() && !slot.waiters.is_empty() && slot.next_try <= now
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        if due.is_empty() {
+            return Ok(());
+        }
+        let (a, b, big) = key_arrays(&due);
+        match self
+            .guarded(s.client.query(&s.stmts.acquire, &[&a, &b, &big]))
+            .await
+        {
+            Ok(rows) => {
+                let mut won = vec![None; due.len()];
+                for row in rows {
+                    let i: i64 = row.get(0);
+                    let token: Option<i64> = row.get(1);
+                    if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| won.get_mut(i)) {
+                        *slot = token;
+                    }
+                }
+                for (key, token) in due.into_iter().zip(won) {
+                    match token {
+                        Some(t) => self.grant(&s.generation, key, FencingToken::new(t as u64)),
+                        None => self.not_acquired(key, None),
+                    }
+                }
+                Ok(())
+            }
+            Err(Fault::Lost(reason)) => Err(reason),
+            Err(Fault::Query(e)) => {
+                let full = e.code() == Some(&SqlState::OUT_OF_MEMORY);
+                if full {
+                    warn!(keys = due.len(), error = %error_text(&e), "the server's lock table is full (SQLSTATE 53200); locks not acquired, will retry. Raise max_locks_per_transaction or hold fewer locks");
+                } else {
+                    warn!(keys = due.len(), error = %error_text(&e), "acquire statement failed; will retry");
+                }
+                // Session locks taken before the error survive it: undo them.
+                match self
+                    .guarded(s.client.query(&s.stmts.cleanup, &[&a, &b, &big]))
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(Fault::Lost(reason)) => return Err(reason),
+                    Err(Fault::Query(e2)) => {
+                        return Err(DisconnectReason::ConnectionLost {
+                            message: format!(
+                                "could not undo a failed acquire ({}); dropping the session to release everything",
+                                error_text(&e2)
+                            ),
+                        });
+                    }
+                }
+                let error = (!full).then(|| Arc::new(e));
+                for key in due {
+                    self.not_acquired(key, error.as_ref());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Gives a lock the session now holds to the oldest live waiter, or queues its
+    /// unlock when nobody takes it.
+    fn grant(&mut self, generation: &Arc<Generation>, key: LockKey, token: FencingToken) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            self.unlocks.push(key);
+            return;
+        };
+        while let Some(waiter) = slot.waiters.pop_front() {
+            if waiter.reply.is_closed() {
+                continue;
+            }
+            let Some(tx) = self.weak_tx.upgrade() else {
+                break;
+            };
+            let lease = Lease {
+                id: waiter.id,
+                name: Arc::clone(&waiter.name),
+                key,
+                token,
+                acquired_at: SystemTime::now(),
+                generation: Arc::clone(generation),
+                shared: Arc::clone(&self.shared),
+                tx: Some(tx),
+            };
+            match waiter.reply.send(Ok(Some(lease))) {
+                Ok(()) => {
+                    debug!(lock = %waiter.name, key = %key, token = token.get(), "acquired");
+                    slot.holder = Some(Holder {
+                        id: waiter.id,
+                        token,
+                        since: SystemTime::now(),
+                        generation: generation.id,
+                    });
+                    return;
+                }
+                Err(returned) => {
+                    // The request was withdrawn at this very moment.
+                    if let Ok(Some(mut lease)) = returned {
+                        lease.disarm();
+                    }
+                }
+            }
+        }
+        self.unlocks.push(key);
+    }
+
+    /// The key is held elsewhere (or the attempt failed): answer tries, reschedule waits.
+    fn not_acquired(&mut self, key: LockKey, error: Option<&Arc<tokio_postgres::Error>>) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        while slot.waiters.front().is_some_and(|w| w.mode == Mode::Try) {
+            let waiter = slot.waiters.pop_front().expect("BUG: front checked");
+            let answer = match &error {
+                Some(e) => Err(Error::Database(Arc::clone(e))),
+                None => Ok(None),
+            };
+            let _ = waiter.reply.send(answer);
+        }
+        if let Some(front) = slot.waiters.front() {
+            let interval = front.poll_interval;
+            slot.next_try = Instant::now() + jitter(&mut self.rng, interval);
+        }
+    }
+
+    async fn flush_unlocks(&mut self, s: &Session) -> Result<(), DisconnectReason> {
+        if self.unlocks.is_empty() {
+            return Ok(());
+        }
+        let keys = std::mem::take(&mut self.unlocks);
+        let (a, b, big) = key_arrays(&keys);
+        let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
+        match self
+            .guarded(s.client.query(&s.stmts.release, &[&a, &b, &big, &tags]))
+            .await
+        {
+            Ok(rows) => {
+                for row in rows {
+                    if !row.get::<_, bool>(1) {
+                        let i: i64 = row.get(0);
+                        warn!(key = ?keys.get((i - 1) as usize), "the server says this session did not hold a lock it released");
+                    }
+                }
+            }
+            Err(Fault::Lost(reason)) => return Err(reason),
+            Err(Fault::Query(e)) => {
+                return Err(DisconnectReason::ConnectionLost {
+                    message: format!(
+                        "could not release locks ({}); dropping the session to release them",
+                        error_text(&e)
+                    ),
+                });
+            }
+        }
+        let now = Instant::now();
+        for key in keys {
+            if let Some(slot) = self.slots.get_mut(&key) {
+                slot.next_try = now;
+            }
+        }
+        self.prune();
+        Ok(())
+    }
+
+    fn answer_releases(&mut self) {
+        for reply in self.release_replies.drain(..) {
+            let _ = reply.send(Ok(()));
+        }
+    }
+
+    fn on_release_announced(&mut self, tag: &str) {
+        if let Some(key) = LockKey::from_tag(tag)
+            && let Some(slot) = self.slots.get_mut(&key)
+            && slot.holder.is_none()
+        {
+            slot.next_try = Instant::now();
+        }
+    }
+
+    /// Drops withdrawn requests and slots that neither hold nor wait.
+    fn prune(&mut self) {
+        let unlocks = &self.unlocks;
+        self.slots.retain(|key, slot| {
+            slot.waiters.retain(|w| !w.reply.is_closed());
+            slot.holder.is_some() || !slot.waiters.is_empty() || unlocks.contains(key)
+        });
+    }
+
+    fn next_poll(&self) -> Option<Instant> {
+        self.slots
+            .values()
+            .filter(|slot| slot.holder.is_none() && !slot.waiters.is_empty())
+            .map(|slot| slot.next_try)
+            .min()
+    }
+
+    // ---- commands ----------------------------------------------------------------
+
+    fn handle(&mut self, cmd: Command, connected: bool) {
+        match cmd {
+            Command::Acquire(waiter) => self.on_acquire(waiter, connected),
+            Command::Release {
+                key,
+                lease_id,
+                reply,
+            } => {
+                self.releases.push((key, lease_id));
+                if let Some(reply) = reply {
+                    self.release_replies.push(reply);
+                }
+                if !connected {
+                    // Nothing is held while disconnected.
+                    self.releases.clear();
+                    self.answer_releases();
+                }
+            }
+            Command::Locks(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::Shutdown(reply) => {
+                self.shutdown_replies.push(reply);
+                self.shutting_down = true;
+            }
+        }
+    }
+
+    fn on_acquire(&mut self, waiter: Waiter, connected: bool) {
+        let max = self.shared.options.max_locks;
+        if !self.slots.contains_key(&waiter.key) && self.slots.len() >= max {
+            let _ = waiter.reply.send(Err(Error::TooManyLocks { limit: max }));
+            return;
+        }
+        if waiter.mode == Mode::Try {
+            let busy = self.slots.get(&waiter.key).is_some_and(|slot| {
+                slot.holder.is_some() || slot.waiters.iter().any(|w| !w.reply.is_closed())
+            });
+            if busy {
+                let _ = waiter.reply.send(Ok(None));
+                return;
+            }
+            if !connected {
+                let _ = waiter
+                    .reply
+                    .send(Err(Error::NotConnected(self.last_reason.clone())));
+                return;
+            }
+        }
+        let now = Instant::now();
+        let slot = self.slots.entry(waiter.key).or_insert_with(|| Slot {
+            name: Arc::clone(&waiter.name),
+            holder: None,
+            waiters: VecDeque::new(),
+            next_try: now,
+        });
+        if slot.holder.is_none() && slot.waiters.is_empty() {
+            slot.next_try = now;
+        }
+        slot.waiters.push_back(waiter);
+    }
+
+    fn snapshot(&self) -> Vec<LockInfo> {
+        let node_id = &self.shared.options.node_id;
+        let mut out = Vec::new();
+        for (key, slot) in &self.slots {
+            if let Some(h) = &slot.holder {
+                out.push(LockInfo {
+                    name: slot.name.to_string(),
+                    key: *key,
+                    state: LockState::Held {
+                        token: h.token,
+                        generation: h.generation,
+                    },
+                    request_id: h.id,
+                    node_id: node_id.clone(),
+                    since: h.since,
+                });
+            }
+            for (position, w) in slot
+                .waiters
+                .iter()
+                .filter(|w| !w.reply.is_closed())
+                .enumerate()
+            {
+                out.push(LockInfo {
+                    name: w.name.to_string(),
+                    key: *key,
+                    state: LockState::Waiting { position },
+                    request_id: w.id,
+                    node_id: node_id.clone(),
+                    since: w.since,
+                });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name).then(a.request_id.cmp(&b.request_id)));
+        out
+    }
+
+    // ---- ending and reconnecting ---------------------------------------------------
+
+    /// Revokes every lease of the generation at once, before anything else happens.
+    fn end_generation(&mut self, generation: &Generation, reason: DisconnectReason) {
+        self.shared.invalidate();
+        generation.revoke(reason.clone());
+        self.current = None;
+        let held = self.slots.values().filter(|s| s.holder.is_some()).count();
+        warn!(
+            node_id = %self.shared.options.node_id,
+            generation = generation.id,
+            revoked_leases = held,
+            %reason,
+            "lock session lost; every lease revoked"
+        );
+        let now = Instant::now();
+        for slot in self.slots.values_mut() {
+            slot.holder = None;
+            slot.next_try = now;
+        }
+        // The session is gone, and every lock with it.
+        self.releases.clear();
+        self.unlocks.clear();
+        self.answer_releases();
+        self.prune();
+        self.last_reason = reason.clone();
+        self.shared
+            .status
+            .send_replace(ConnectionStatus::Disconnected {
+                reason,
+                since: SystemTime::now(),
+            });
+    }
+
+    async fn graceful_close(&mut self, s: Session, generation: &Generation) {
+        // Stop trusting the leases first, then release at the server and announce it,
+        // so that no moment has two holders.
+        self.shared.invalidate();
+        generation.revoke(DisconnectReason::Shutdown);
+        self.current = None;
+        self.unlocks.extend(
+            self.slots
+                .iter()
+                .filter(|(_, slot)| slot.holder.is_some())
+                .map(|(key, _)| *key),
+        );
+        for slot in self.slots.values_mut() {
+            slot.holder = None;
+        }
+        self.releases.clear();
+        if let Err(reason) = self.flush_unlocks(&s).await {
+            debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
+        }
+        drop(s);
+        info!(node_id = %self.shared.options.node_id, "lock manager shut down");
+    }
+
+    async fn reconnect(&mut self) -> Option<Session> {
+        let options = self.shared.options.clone();
+        let mut delay = options.reconnect_min;
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            self.generations += 1;
+            self.shared
+                .status
+                .send_replace(ConnectionStatus::Connecting { attempt });
+            let connect = session::connect(&options, self.generations);
+            tokio::pin!(connect);
+            let result = loop {
+                tokio::select! {
+                    result = &mut connect => break result,
+                    cmd = self.rx.recv() => match cmd {
+                        Some(cmd) => self.handle(cmd, false),
+                        None => return None,
+                    },
+                }
+                if self.shutting_down {
+                    return None;
+                }
+            };
+            let error = match result {
+                Ok(session) => return Some(session),
+                Err(e) => e,
+            };
+            let reason = match &error {
+                Error::Refused(reason) | Error::NotConnected(reason) => reason.clone(),
+                other => DisconnectReason::ConnectFailed {
+                    message: error_chain(other),
+                },
+            };
+            warn!(attempt, error = %error_chain(&error), "lock session reconnect failed");
+            self.last_reason = reason.clone();
+            self.shared
+                .status
+                .send_replace(ConnectionStatus::Disconnected {
+                    reason,
+                    since: SystemTime::now(),
+                });
+            let wait = delay / 2 + jitter_below(&mut self.rng, delay / 2);
+            delay = (delay * 2).min(options.reconnect_max);
+            let until = tokio::time::Instant::now() + wait;
+            loop {
+                tokio::select! {
+                    () = sleep_until(until) => break,
+                    cmd = self.rx.recv() => match cmd {
+                        Some(cmd) => self.handle(cmd, false),
+                        None => return None,
+                    },
+                }
+                if self.shutting_down {
+                    return None;
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        self.shared.invalidate();
+        if let Some(generation) = self.current.take() {
+            generation.revoke(DisconnectReason::Shutdown);
+        }
+        // Dropping the waiters' reply senders answers them with `Error::Closed`.
+        self.slots.clear();
+        self.answer_releases();
+        self.shared
+            .status
+            .send_replace(ConnectionStatus::Disconnected {
+                reason: DisconnectReason::Shutdown,
+                since: SystemTime::now(),
+            });
+        self.rx.close();
+        for reply in self.shutdown_replies.drain(..) {
+            let _ = reply.send(());
+        }
+    }
+}
+
+/// The three parallel arrays the batched statements `unnest`.
+type KeyArrays = (Vec<Option<i32>>, Vec<Option<i32>>, Vec<Option<i64>>);
+
+fn key_arrays(keys: &[LockKey]) -> KeyArrays {
+    let mut a = Vec::with_capacity(keys.len());
+    let mut b = Vec::with_capacity(keys.len());
+    let mut big = Vec::with_capacity(keys.len());
+    for key in keys {
+        match *key {
+            LockKey::Pair(x, y) => {
+                a.push(Some(x));
+                b.push(Some(y));
+                big.push(None);
+            }
+            LockKey::Int(k) => {
+                a.push(None);
+                b.push(None);
+                big.push(Some(k));
+            }
+        }
+    }
+    (a, b, big)
+}
+
+fn next_random(state: &mut u64) -> u64 {
+    // xorshift64*: enough to spread polls and backoffs, no dependency.
+    let mut x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+fn jitter_below(state: &mut u64, max: Duration) -> Duration {
+    let nanos = max.as_nanos() as u64;
+    if nanos == 0 {
+        return Duration::ZERO;
+    }
+    Duration::from_nanos(next_random(state) % nanos)
+}
+
+/// `interval` ± 10 %.
+fn jitter(state: &mut u64, interval: Duration) -> Duration {
+    interval - interval / 10 + jitter_below(state, interval / 5)
+}
+
+/// An error with its sources, for logs.
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_ten_percent() {
+        let mut rng = 0x1234_5678_9abc_def1;
+        for _ in 0..10_000 {
+            let d = jitter(&mut rng, Duration::from_millis(300));
+            assert!(
+                d >= Duration::from_millis(270) && d < Duration::from_millis(330),
+                "{d:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! The error type of chosen-core.
+
+use std::time::Duration;
+
+use crate::status::DisconnectReason;
+
+/// A `Result` whose error defaults to [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in chosen-core.
+///
+/// Contention is not an error: [`LockManager::try_acquire`](crate::LockManager::try_acquire)
+/// answers `Ok(None)` when another session holds the lock.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The options are invalid; the message names the setting, the value and the fix.
+    #[error("invalid chosen configuration: {0}")]
+    InvalidConfig(String),
+
+    /// The connection string could not be parsed.
+    #[error("invalid PostgreSQL connection string: {message}")]
+    InvalidUrl {
+        /// What was wrong, with the password never included.
+        message: String,
+    },
+
+    /// The server could not be reached or refused the connection.
+    #[error(
+        "could not connect to PostgreSQL ({target}); check that the server runs and accepts TCP connections there"
+    )]
+    Connect {
+        /// Hosts and ports that were tried (no credentials).
+        target: String,
+        /// The underlying error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// The server rejected the credentials.
+    #[error(
+        "PostgreSQL rejected the login of user {user:?} ({target}); check the user name and password"
+    )]
+    Authentication {
+        /// The user name that was tried.
+        user: String,
+        /// Hosts and ports that were tried.
+        target: String,
+        /// The underlying error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// The server is not one chosen can safely hold locks on (standby, too old, pooler).
+    #[error("refusing to hold locks on this server: {0}")]
+    Refused(DisconnectReason),
+
+    /// A query on the lock session failed (the session itself is still fine, e.g. the
+    /// server's lock table is full). Requests made with
+    /// [`acquire`](crate::LockManager::acquire) are retried instead.
+    #[error("query on the lock session failed")]
+    Database(#[source] std::sync::Arc<tokio_postgres::Error>),
+
+    /// Connecting and proving the session took longer than the connect timeout.
+    #[error(
+        "connecting to PostgreSQL ({target}) did not finish within {after:?}; check that the host is reachable, or raise ManagerOptions::connect_timeout"
+    )]
+    ConnectTimeout {
+        /// Hosts and ports that were tried.
+        target: String,
+        /// The time allowed.
+        after: Duration,
+    },
+
+    /// The lock session is down right now; requests made with
+    /// [`acquire`](crate::LockManager::acquire) wait for it instead.
+    #[error("the lock session is not connected ({0}); try again once it reconnects")]
+    NotConnected(DisconnectReason),
+
+    /// The manager already tracks as many locks as
+    /// [`ManagerOptions::max_locks`](crate::ManagerOptions::max_locks) allows.
+    #[error(
+        "this manager already holds or waits for {limit} locks, its limit; release some, or raise ManagerOptions::max_locks after checking the server's lock table capacity (max_locks_per_transaction)"
+    )]
+    TooManyLocks {
+        /// The configured limit.
+        limit: usize,
+    },
+
+    /// The lock name is not usable.
+    #[error("invalid lock name: {0}")]
+    InvalidName(String),
+
+    /// The poll interval of a request is outside the accepted range.
+    #[error("poll interval {0:?} is out of range: use between 10 ms and 1 hour")]
+    InvalidPollInterval(Duration),
+
+    /// The manager has shut down (or its task ended); create a new one.
+    #[error("the lock manager has shut down")]
+    Closed,
+}

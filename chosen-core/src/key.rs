@@ -1,0 +1,138 @@
+//! Lock names and the PostgreSQL advisory-lock keys they map to.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// The namespace used when none is configured.
+///
+/// Part of the key derivation: changing it changes every key. Do not change.
+pub const DEFAULT_NAMESPACE: &str = "chosen";
+
+/// The PostgreSQL advisory-lock key a lock is taken under.
+///
+/// PostgreSQL has two key spaces for advisory locks that never conflict with each
+/// other: one `bigint` key, and a pair of `integer` keys. Named locks live in the
+/// pair space ([`LockKey::Pair`]), away from the `bigint` keys most applications use;
+/// both forms are accepted as raw keys for interoperability with other programs.
+///
+/// # Derivation of named keys
+///
+/// A name maps to a key as follows, and this never changes across versions
+/// (golden vectors in the test suite freeze it):
+///
+/// 1. `digest = SHA-256(namespace || 0x00 || name)`, strings as UTF-8 bytes;
+/// 2. `key1` = the first 4 bytes of `digest` as a big-endian signed 32-bit integer,
+///    `key2` = the next 4 bytes, likewise;
+/// 3. the lock is `pg_try_advisory_lock(key1, key2)`.
+///
+/// The same computation in SQL, to find a lock by name:
+///
+/// ```sql
+/// SELECT ('x' || encode(substr(h, 1, 4), 'hex'))::bit(32)::int4 AS key1,
+///        ('x' || encode(substr(h, 5, 4), 'hex'))::bit(32)::int4 AS key2
+/// FROM (SELECT sha256(convert_to('chosen', 'UTF8') || '\x00'::bytea
+///                     || convert_to('my-job', 'UTF8')) AS h) AS d;
+/// ```
+///
+/// and in [`pg_locks`](https://www.postgresql.org/docs/current/view-pg-locks.html)
+/// such a lock is the row with `locktype = 'advisory'`, `objsubid = 2`,
+/// `classid = key1::oid` and `objid = key2::oid` (the `oid` columns show the keys as
+/// unsigned numbers).
+///
+/// ```
+/// use chosen_core::LockKey;
+///
+/// let key = LockKey::derive("chosen", "my-job");
+/// assert_eq!(key, LockKey::derive("chosen", "my-job"));
+/// assert_ne!(key, LockKey::derive("other-app", "my-job"));
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub enum LockKey {
+    /// `pg_advisory_lock(integer, integer)`: the space named locks use.
+    Pair(i32, i32),
+    /// `pg_advisory_lock(bigint)`: for interoperability with programs that use it.
+    Int(i64),
+}
+
+impl LockKey {
+    /// Derives the key of lock `name` in `namespace` (see the type docs).
+    #[must_use]
+    pub fn derive(namespace: &str, name: &str) -> Self {
+        // Do not change: the derivation is part of the on-database contract.
+        let mut hasher = Sha256::new();
+        hasher.update(namespace.as_bytes());
+        hasher.update([0u8]);
+        hasher.update(name.as_bytes());
+        let digest = hasher.finalize();
+        let key1 = i32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]);
+        let key2 = i32::from_be_bytes([digest[4], digest[5], digest[6], digest[7]]);
+        Self::Pair(key1, key2)
+    }
+
+    /// The `(classid, objid, objsubid)` columns of this lock's row in `pg_locks`.
+    #[must_use]
+    pub fn pg_locks_columns(self) -> (u32, u32, i16) {
+        match self {
+            // `as` reinterprets the bits, which is what the int4 -> oid cast does.
+            Self::Pair(a, b) => (a as u32, b as u32, 2),
+            Self::Int(k) => ((k >> 32) as u32, k as u32, 1),
+        }
+    }
+
+    /// The text used in `NOTIFY` payloads and logs: `pair:<key1>:<key2>` or `int:<key>`.
+    pub(crate) fn tag(self) -> String {
+        match self {
+            Self::Pair(a, b) => format!("pair:{a}:{b}"),
+            Self::Int(k) => format!("int:{k}"),
+        }
+    }
+
+    pub(crate) fn from_tag(tag: &str) -> Option<Self> {
+        let mut parts = tag.split(':');
+        let key = match (parts.next()?, parts.next()?, parts.next()) {
+            ("pair", a, Some(b)) => Self::Pair(a.parse().ok()?, b.parse().ok()?),
+            ("int", k, None) => Self::Int(k.parse().ok()?),
+            _ => return None,
+        };
+        parts.next().is_none().then_some(key)
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Pair(a, b) => write!(f, "({a}, {b})"),
+            Self::Int(k) => write!(f, "({k})"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_round_trip() {
+        for key in [
+            LockKey::Pair(i32::MIN, i32::MAX),
+            LockKey::Pair(-1, 0),
+            LockKey::Int(i64::MIN),
+            LockKey::Int(42),
+        ] {
+            assert_eq!(LockKey::from_tag(&key.tag()), Some(key));
+        }
+        for bad in ["", "pair:1", "pair:1:2:3", "int:x", "int:1:2", "other:1:2"] {
+            assert_eq!(LockKey::from_tag(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn pg_locks_columns_match_postgres_encoding() {
+        assert_eq!(LockKey::Pair(-1, 5).pg_locks_columns(), (u32::MAX, 5, 2));
+        assert_eq!(
+            LockKey::Int(0x0000_0001_ffff_fffe).pg_locks_columns(),
+            (1, 0xffff_fffe, 1)
+        );
+    }
+}

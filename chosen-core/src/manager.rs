@@ -1,0 +1,325 @@
+//! The lock manager handle.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::driver::{Command, Driver, Mode, Waiter};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::lease::{FencingToken, Lease};
+use crate::options::ManagerOptions;
+use crate::session;
+use crate::shared::Shared;
+use crate::status::ConnectionStatus;
+
+/// One PostgreSQL session holding any number of advisory locks for this process.
+///
+/// The Rust form of Elixir's `Chosen.LockManager`:
+///
+/// | Elixir `chosen` | chosen-core |
+/// |---|---|
+/// | `start_link(connect_opts: ..)` / `repo:` | [`LockManager::connect`] with [`ManagerOptions::from_url`], [`from_pg_config`](ManagerOptions::from_pg_config) or `from_deadpool` |
+/// | `request_lock(name, polling_interval)` | [`acquire`](Self::acquire) (with [`LockRequest::poll_interval`]) |
+/// | (none) | [`try_acquire`](Self::try_acquire) |
+/// | `release_lock(name)` | [`Lease::release`] or dropping the [`Lease`] |
+/// | `list_locks()` | [`locks`](Self::locks) |
+/// | `connection_status()` | [`connection_status`](Self::connection_status) |
+///
+/// What happens in the database:
+///
+/// * One dedicated connection (never from a pool), driven by the manager's own task:
+///   1,000 held locks are one row in `pg_stat_activity`. Several managers (e.g. one
+///   per database) work side by side.
+/// * Session-level advisory locks (`pg_try_advisory_lock`), which PostgreSQL
+///   grants re-entrantly to one session; the manager therefore decides locally
+///   between requests of this process: one owner per lock, a FIFO queue of waiters.
+/// * Only the oldest waiter of each lock contends at the server, and all due locks are
+///   tried in **one statement per poll tick**. A graceful release is announced with
+///   `NOTIFY`, so waiting managers on other nodes retry at once.
+/// * Every acquisition carries a [`FencingToken`].
+///
+/// The handle is cheap to clone. The task (and the session) ends when
+/// [`shutdown`](Self::shutdown) is called or when every handle and every lease is dropped.
+///
+/// ```no_run
+/// use chosen_core::{LockManager, ManagerOptions};
+///
+/// # async fn demo() -> chosen_core::Result<()> {
+/// let manager = LockManager::connect(ManagerOptions::from_url("postgres://app@db/app")?).await?;
+/// let lease = manager.acquire("nightly-report").await?;
+/// println!("running with fencing token {}", lease.fencing_token());
+/// tokio::select! {
+///     reason = lease.lost() => eprintln!("lost the lock: {reason}"),
+///     () = tokio::time::sleep(std::time::Duration::from_secs(10)) => {}
+/// }
+/// lease.release().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct LockManager {
+    shared: Arc<Shared>,
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+/// What to lock, and how to wait for it.
+///
+/// Built from a name (`&str`, `String`) or a raw [`LockKey`]:
+///
+/// ```
+/// use std::time::Duration;
+/// use chosen_core::{LockKey, LockRequest};
+///
+/// let by_name = LockRequest::from("billing-sync").poll_interval(Duration::from_secs(1));
+/// let raw = LockRequest::from(LockKey::Int(42));
+/// # let _ = (by_name, raw);
+/// ```
+#[derive(Clone, Debug)]
+pub struct LockRequest {
+    target: Target,
+    poll_interval: Option<Duration>,
+}
+
+#[derive(Clone, Debug)]
+enum Target {
+    Name(String),
+    Key(LockKey),
+}
+
+impl LockRequest {
+    /// How often this request retries while another session holds the lock
+    /// (10 ms to 1 hour; default: the manager's poll interval).
+    #[must_use]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = Some(interval);
+        self
+    }
+}
+
+impl From<&str> for LockRequest {
+    fn from(name: &str) -> Self {
+        Self {
+            target: Target::Name(name.to_owned()),
+            poll_interval: None,
+        }
+    }
+}
+
+impl From<String> for LockRequest {
+    fn from(name: String) -> Self {
+        Self {
+            target: Target::Name(name),
+            poll_interval: None,
+        }
+    }
+}
+
+impl From<&String> for LockRequest {
+    fn from(name: &String) -> Self {
+        Self::from(name.as_str())
+    }
+}
+
+impl From<LockKey> for LockRequest {
+    fn from(key: LockKey) -> Self {
+        Self {
+            target: Target::Key(key),
+            poll_interval: None,
+        }
+    }
+}
+
+/// One lock this manager holds or waits for, as [`LockManager::locks`] reports it.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct LockInfo {
+    /// The lock's name (for raw keys, `key(...)`).
+    pub name: String,
+    /// The advisory-lock key.
+    pub key: LockKey,
+    /// Held or waiting.
+    pub state: LockState,
+    /// The identity of the lease or request inside this manager.
+    pub request_id: u64,
+    /// The node id of this manager.
+    pub node_id: String,
+    /// When the lease was granted, or when the request started waiting.
+    pub since: SystemTime,
+}
+
+/// Whether a [`LockInfo`] entry holds or waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LockState {
+    /// Held by a lease of this manager.
+    Held {
+        /// The lease's fencing token.
+        token: FencingToken,
+        /// The session generation it belongs to.
+        generation: u64,
+    },
+    /// Waiting; `position` 0 is next in line within this process.
+    Waiting {
+        /// Place in this process's FIFO queue for the lock.
+        position: usize,
+    },
+}
+
+impl LockManager {
+    /// Validates `options`, opens the lock session and starts the manager's task.
+    ///
+    /// # Errors
+    ///
+    /// * [`Error::InvalidConfig`]: the options break a rule (the message says which).
+    /// * [`Error::Connect`], [`Error::ConnectTimeout`], [`Error::Authentication`]: the
+    ///   first connection failed. Later losses are retried in the background instead.
+    /// * [`Error::Refused`]: the server is a standby, or older than PostgreSQL 14.
+    pub async fn connect(options: ManagerOptions) -> Result<Self> {
+        options.validate()?;
+        let first = session::connect(&options, 1).await?;
+        let status = ConnectionStatus::Connected {
+            generation: 1,
+            backend_pid: first.backend_pid,
+        };
+        let shared = Arc::new(Shared::new(options, status));
+        shared.extend_validity(first.proven_at + shared.options.lease_timeout);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let driver = Driver::new(Arc::clone(&shared), rx, tx.downgrade());
+        tokio::spawn(driver.run(first));
+        Ok(Self { shared, tx })
+    }
+
+    /// Waits until the lock is held and returns its [`Lease`].
+    ///
+    /// Requests of this process for the same lock are served in FIFO order. While
+    /// another session holds it, the request is retried every poll interval (and at
+    /// once when that session announces a release). Database errors and reconnects
+    /// do not drop the request: it stays queued.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`], [`Error::InvalidPollInterval`],
+    /// [`Error::TooManyLocks`], or [`Error::Closed`] when the manager shuts down.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future withdraws the request, and a lease granted at
+    /// that very moment is released, so no lock stays held.
+    pub async fn acquire(&self, request: impl Into<LockRequest>) -> Result<Lease> {
+        match self.request(request.into(), Mode::Wait).await? {
+            Some(lease) => Ok(lease),
+            None => Err(Error::Closed),
+        }
+    }
+
+    /// Takes the lock if it is free right now: `Ok(None)` when another session, or
+    /// another request of this process, holds or waits for it.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Self::acquire), plus [`Error::NotConnected`] while the session
+    /// is down and [`Error::Database`] when the attempt failed on the server.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`acquire`](Self::acquire).
+    pub async fn try_acquire(&self, request: impl Into<LockRequest>) -> Result<Option<Lease>> {
+        self.request(request.into(), Mode::Try).await
+    }
+
+    async fn request(&self, request: LockRequest, mode: Mode) -> Result<Option<Lease>> {
+        let (name, key) = match request.target {
+            Target::Name(name) => {
+                if name.is_empty() {
+                    return Err(Error::InvalidName(
+                        "the lock name is empty; use a descriptive name such as \"billing-sync\""
+                            .to_owned(),
+                    ));
+                }
+                let key = self.key_for(&name);
+                (name, key)
+            }
+            Target::Key(key) => (format!("key{key}"), key),
+        };
+        let poll_interval = request
+            .poll_interval
+            .unwrap_or(self.shared.options.poll_interval);
+        if poll_interval < Duration::from_millis(10) || poll_interval > Duration::from_secs(3600) {
+            return Err(Error::InvalidPollInterval(poll_interval));
+        }
+        let (reply, rx) = oneshot::channel();
+        let waiter = Waiter {
+            id: self.shared.next_id(),
+            key,
+            name: name.into(),
+            poll_interval,
+            mode,
+            since: SystemTime::now(),
+            reply,
+        };
+        self.tx
+            .send(Command::Acquire(waiter))
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Every lock this manager holds or waits for.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Closed`] when the manager has shut down.
+    pub async fn locks(&self) -> Result<Vec<LockInfo>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Locks(reply))
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)
+    }
+
+    /// The state of the lock session right now.
+    #[must_use]
+    pub fn connection_status(&self) -> ConnectionStatus {
+        self.shared.status.borrow().clone()
+    }
+
+    /// A receiver that sees every change of [`connection_status`](Self::connection_status).
+    #[must_use]
+    pub fn watch_connection_status(&self) -> watch::Receiver<ConnectionStatus> {
+        self.shared.status.subscribe()
+    }
+
+    /// The key lock `name` maps to in this manager's namespace.
+    #[must_use]
+    pub fn key_for(&self, name: &str) -> LockKey {
+        LockKey::derive(&self.shared.options.namespace, name)
+    }
+
+    /// This manager's node id (its session's `application_name`).
+    #[must_use]
+    pub fn node_id(&self) -> &str {
+        &self.shared.options.node_id
+    }
+
+    /// The options the manager was built with.
+    #[must_use]
+    pub fn options(&self) -> &ManagerOptions {
+        &self.shared.options
+    }
+
+    /// Releases every held lock at the server (announcing each release so waiting
+    /// nodes take over at once), revokes every lease, fails waiting requests with
+    /// [`Error::Closed`], and closes the session. Idempotent.
+    ///
+    /// # Cancel safety
+    ///
+    /// The shutdown is requested before the first await; dropping the future only
+    /// stops waiting for it to finish.
+    pub async fn shutdown(&self) {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::Shutdown(reply)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}

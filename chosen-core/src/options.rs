@@ -1,0 +1,486 @@
+//! Manager configuration and the timing invariant.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use tokio_postgres::config::{Host, TargetSessionAttrs};
+
+use crate::error::{Error, Result};
+use crate::key::DEFAULT_NAMESPACE;
+
+/// PostgreSQL truncates `application_name` to 63 bytes; the node id is stored there.
+const MAX_NODE_ID_LEN: usize = 63;
+
+/// How a [`LockManager`](crate::LockManager) connects and times its session.
+///
+/// Build it from a URL ([`from_url`](Self::from_url)), a
+/// [`tokio_postgres::Config`] ([`from_pg_config`](Self::from_pg_config)) or, with the
+/// `deadpool` feature, a `deadpool_postgres::Config`; then adjust with the by-value
+/// setters. Whatever the source, the lock connection is a dedicated one, never taken
+/// from a pool: pooled sessions rotate, and session locks would leak.
+///
+/// # The timing invariant
+///
+/// A lease is trusted on the client only while the last successful heartbeat was
+/// *sent* less than `lease_timeout` ago; the server ends a silent session (and so
+/// releases its locks) no sooner than `server_release_after` after its last query.
+/// Between the two, a holder that lost its session must have stopped its work:
+///
+/// ```text
+/// lease_timeout + stop_budget + safety_margin < server_release_after
+/// ```
+///
+/// [`validate`](Self::validate) (called by [`LockManager::connect`](crate::LockManager::connect))
+/// rejects options that break it, naming the numbers. The defaults (1 s heartbeat,
+/// 3 s lease timeout, 2 s stop budget, 1 s margin, 7 s server release) give a
+/// partition or freeze failover of about 7–8 s with no overlap.
+///
+/// ```
+/// use std::time::Duration;
+/// use chosen_core::ManagerOptions;
+///
+/// let options = ManagerOptions::from_url("postgres://app:secret@db.internal/app")?
+///     .node_id("worker-1")
+///     .heartbeat_interval(Duration::from_millis(500))
+///     .lease_timeout(Duration::from_secs(2));
+/// options.validate()?;
+/// assert!(!format!("{options:?}").contains("secret"));
+/// # Ok::<(), chosen_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct ManagerOptions {
+    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) node_id: String,
+    pub(crate) namespace: String,
+    pub(crate) heartbeat_interval: Duration,
+    pub(crate) lease_timeout: Duration,
+    pub(crate) stop_budget: Duration,
+    pub(crate) safety_margin: Duration,
+    pub(crate) server_release_after: Duration,
+    pub(crate) poll_interval: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+    pub(crate) max_locks: usize,
+}
+
+impl fmt::Debug for ManagerOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `tokio_postgres::Config`'s own Debug redacts the password.
+        f.debug_struct("ManagerOptions")
+            .field("pg", &self.pg)
+            .field("node_id", &self.node_id)
+            .field("namespace", &self.namespace)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("lease_timeout", &self.lease_timeout)
+            .field("stop_budget", &self.stop_budget)
+            .field("safety_margin", &self.safety_margin)
+            .field("server_release_after", &self.server_release_after)
+            .field("poll_interval", &self.poll_interval)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("reconnect_min", &self.reconnect_min)
+            .field("reconnect_max", &self.reconnect_max)
+            .field("max_locks", &self.max_locks)
+            .finish()
+    }
+}
+
+impl ManagerOptions {
+    /// Options from a connection string: a URL (`postgres://user:pw@host:port/db?...`) or
+    /// libpq key/value form (`host=... user=...`), as
+    /// [`tokio_postgres::Config`] parses them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidUrl`] when the string does not parse; the message never contains
+    /// the password.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let pg = tokio_postgres::Config::from_str(url).map_err(|e| Error::InvalidUrl {
+            // tokio-postgres' parse errors name the offending key, never its value.
+            message: e.to_string(),
+        })?;
+        Ok(Self::from_pg_config(pg))
+    }
+
+    /// Options from a [`tokio_postgres::Config`].
+    #[must_use]
+    pub fn from_pg_config(pg: tokio_postgres::Config) -> Self {
+        Self {
+            pg,
+            node_id: default_node_id(),
+            namespace: DEFAULT_NAMESPACE.to_owned(),
+            heartbeat_interval: Duration::from_secs(1),
+            lease_timeout: Duration::from_secs(3),
+            stop_budget: Duration::from_secs(2),
+            safety_margin: Duration::from_secs(1),
+            server_release_after: Duration::from_secs(7),
+            poll_interval: Duration::from_millis(300),
+            connect_timeout: Duration::from_secs(5),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+            max_locks: 4096,
+        }
+    }
+
+    /// Options from a `deadpool_postgres::Config` (the settings only: the lock
+    /// connection is dedicated, never taken from the pool).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidUrl`] when deadpool cannot turn its settings into a
+    /// `tokio_postgres::Config`.
+    #[cfg(feature = "deadpool")]
+    pub fn from_deadpool(config: &deadpool_postgres::Config) -> Result<Self> {
+        let pg = config.get_pg_config().map_err(|e| Error::InvalidUrl {
+            message: e.to_string(),
+        })?;
+        Ok(Self::from_pg_config(pg))
+    }
+
+    /// This process's identity among the nodes, stored as the session's
+    /// `application_name` so other nodes can tell who holds a lock. Default:
+    /// `<hostname>-<pid>`. At most 63 bytes of printable ASCII.
+    #[must_use]
+    pub fn node_id(mut self, node_id: impl Into<String>) -> Self {
+        self.node_id = node_id.into();
+        self
+    }
+
+    /// The namespace lock names are derived in (default `"chosen"`); see
+    /// [`LockKey`](crate::LockKey). Applications sharing a database use different
+    /// namespaces to keep equal names apart.
+    #[must_use]
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// How often the session proves it is alive, the same backend, and on a primary.
+    /// Default 1 s.
+    #[must_use]
+    pub fn heartbeat_interval(mut self, interval: Duration) -> Self {
+        self.heartbeat_interval = interval;
+        self
+    }
+
+    /// How long after the last successful heartbeat was sent the client still trusts
+    /// its leases. Default 3 s; at least twice the heartbeat interval.
+    #[must_use]
+    pub fn lease_timeout(mut self, timeout: Duration) -> Self {
+        self.lease_timeout = timeout;
+        self
+    }
+
+    /// How long work guarded by a lease may take to stop once the lease is lost (a
+    /// singleton's shutdown timeout must fit in it). Default 2 s.
+    #[must_use]
+    pub fn stop_budget(mut self, budget: Duration) -> Self {
+        self.stop_budget = budget;
+        self
+    }
+
+    /// Slack for clock granularity and scheduling delays in the timing invariant.
+    /// Default 1 s; at least 100 ms.
+    #[must_use]
+    pub fn safety_margin(mut self, margin: Duration) -> Self {
+        self.safety_margin = margin;
+        self
+    }
+
+    /// After how long the server ends a silent session, releasing its locks so another
+    /// node can take over. Set on the session as `idle_session_timeout` (and as
+    /// the TCP keepalive and `tcp_user_timeout` floor). Default 7 s.
+    #[must_use]
+    pub fn server_release_after(mut self, after: Duration) -> Self {
+        self.server_release_after = after;
+        self
+    }
+
+    /// How often a waiting request retries (default 300 ms, jittered by ±10 %);
+    /// a request may set its own with [`LockRequest::poll_interval`](crate::LockRequest::poll_interval).
+    #[must_use]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// Timeout of one connection attempt, used when the connection settings have none.
+    /// Default 5 s.
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Bounds of the jittered exponential backoff between reconnect attempts.
+    /// Default 100 ms to 5 s.
+    #[must_use]
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// The most locks (held or waited for) this manager tracks at once. Default 4096.
+    ///
+    /// Advisory locks occupy the server's shared lock table, sized
+    /// `max_locks_per_transaction × (max_connections + max_prepared_transactions)`;
+    /// with default server settings it fills at about 12,800 locks for the whole
+    /// cluster, after which other sessions' queries and new connections fail. Raise
+    /// this only together with `max_locks_per_transaction`.
+    #[must_use]
+    pub fn max_locks(mut self, max: usize) -> Self {
+        self.max_locks = max;
+        self
+    }
+
+    /// The node id (see [`node_id`](Self::node_id)).
+    #[must_use]
+    pub fn get_node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The namespace (see [`namespace`](Self::namespace)).
+    #[must_use]
+    pub fn get_namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The connection settings.
+    #[must_use]
+    pub fn get_pg_config(&self) -> &tokio_postgres::Config {
+        &self.pg
+    }
+
+    /// The lease timeout (see [`lease_timeout`](Self::lease_timeout)).
+    #[must_use]
+    pub fn get_lease_timeout(&self) -> Duration {
+        self.lease_timeout
+    }
+
+    /// The stop budget (see [`stop_budget`](Self::stop_budget)).
+    #[must_use]
+    pub fn get_stop_budget(&self) -> Duration {
+        self.stop_budget
+    }
+
+    /// The server release time (see [`server_release_after`](Self::server_release_after)).
+    #[must_use]
+    pub fn get_server_release_after(&self) -> Duration {
+        self.server_release_after
+    }
+
+    /// The default poll interval (see [`poll_interval`](Self::poll_interval)).
+    #[must_use]
+    pub fn get_poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// Checks every setting and the timing invariant.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the setting, the numbers and the fix.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::InvalidConfig(msg));
+        if self.node_id.is_empty()
+            || self.node_id.len() > MAX_NODE_ID_LEN
+            || !self
+                .node_id
+                .bytes()
+                .all(|b| b.is_ascii_graphic() || b == b' ')
+        {
+            return bad(format!(
+                "node_id {:?} must be 1 to {MAX_NODE_ID_LEN} bytes of printable ASCII (it is stored as the session's application_name)",
+                self.node_id
+            ));
+        }
+        if self.namespace.contains('\0') {
+            return bad("namespace must not contain a NUL character".to_owned());
+        }
+        if self.pg.get_hosts().is_empty() {
+            return bad(
+                "the connection settings name no host; add host=... or a host to the URL"
+                    .to_owned(),
+            );
+        }
+        if self.pg.get_user().is_none() {
+            return bad(
+                "the connection settings name no user; add user=... or a user to the URL"
+                    .to_owned(),
+            );
+        }
+        if self.heartbeat_interval < Duration::from_millis(10) {
+            return bad(format!(
+                "heartbeat_interval {:?} is below the minimum of 10 ms",
+                self.heartbeat_interval
+            ));
+        }
+        if self.lease_timeout < self.heartbeat_interval * 2 {
+            return bad(format!(
+                "lease_timeout {:?} must be at least twice heartbeat_interval {:?}, so that one slow heartbeat does not revoke every lease",
+                self.lease_timeout, self.heartbeat_interval
+            ));
+        }
+        if self.safety_margin < Duration::from_millis(100) {
+            return bad(format!(
+                "safety_margin {:?} is below the minimum of 100 ms",
+                self.safety_margin
+            ));
+        }
+        let needed = self.lease_timeout + self.stop_budget + self.safety_margin;
+        if needed >= self.server_release_after {
+            return bad(format!(
+                "timing invariant broken: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {:?} must be less than server_release_after {:?}; raise server_release_after above {:?} or lower the others",
+                self.lease_timeout,
+                self.stop_budget,
+                self.safety_margin,
+                needed,
+                self.server_release_after,
+                needed
+            ));
+        }
+        if self.server_release_after > Duration::from_secs(24 * 3600) {
+            return bad(format!(
+                "server_release_after {:?} is above the maximum of 24 hours",
+                self.server_release_after
+            ));
+        }
+        if self.poll_interval < Duration::from_millis(10)
+            || self.poll_interval > Duration::from_secs(3600)
+        {
+            return bad(format!(
+                "poll_interval {:?} is out of range: use between 10 ms and 1 hour",
+                self.poll_interval
+            ));
+        }
+        if self.connect_timeout.is_zero() {
+            return bad("connect_timeout must be greater than zero".to_owned());
+        }
+        if self.reconnect_min.is_zero() || self.reconnect_min > self.reconnect_max {
+            return bad(format!(
+                "reconnect backoff {:?}..{:?} must satisfy 0 < min <= max",
+                self.reconnect_min, self.reconnect_max
+            ));
+        }
+        if self.max_locks == 0 {
+            return bad("max_locks must be at least 1".to_owned());
+        }
+        Ok(())
+    }
+
+    /// The connection settings as the lock session uses them: our node id as
+    /// `application_name`, a connect timeout, and read-write targeting when several
+    /// hosts are listed.
+    pub(crate) fn session_config(&self) -> tokio_postgres::Config {
+        let mut pg = self.pg.clone();
+        pg.application_name(&self.node_id);
+        if pg.get_connect_timeout().is_none() {
+            pg.connect_timeout(self.connect_timeout);
+        }
+        if pg.get_hosts().len() > 1 && pg.get_target_session_attrs() == TargetSessionAttrs::Any {
+            pg.target_session_attrs(TargetSessionAttrs::ReadWrite);
+        }
+        pg
+    }
+
+    /// `host:port, ...` for error messages; never credentials.
+    pub(crate) fn target_description(&self) -> String {
+        let ports = self.pg.get_ports();
+        let mut out = Vec::new();
+        for (i, host) in self.pg.get_hosts().iter().enumerate() {
+            let port = ports
+                .get(i)
+                .or_else(|| ports.first())
+                .copied()
+                .unwrap_or(5432);
+            match host {
+                Host::Tcp(h) => out.push(format!("{h}:{port}")),
+                #[cfg(unix)]
+                Host::Unix(p) => out.push(format!("{}:{port}", p.display())),
+            }
+        }
+        out.join(", ")
+    }
+}
+
+fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "node".to_owned());
+    let host: String = host
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(40)
+        .collect();
+    format!("{host}-{}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> ManagerOptions {
+        ManagerOptions::from_url("postgres://u:hunter2@localhost:5433/db").unwrap()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        opts().validate().unwrap();
+        assert!(default_node_id().len() <= MAX_NODE_ID_LEN);
+    }
+
+    #[test]
+    fn debug_hides_password() {
+        let text = format!("{:?}", opts());
+        assert!(!text.contains("hunter2"), "{text}");
+        let text = format!("{:?}", opts().session_config());
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn invariant_violation_names_numbers() {
+        let err = opts()
+            .server_release_after(Duration::from_secs(5))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("timing invariant"), "{err}");
+        assert!(err.contains("6s") && err.contains("5s"), "{err}");
+    }
+
+    #[test]
+    fn bad_settings_are_rejected() {
+        for o in [
+            opts().node_id(""),
+            opts().node_id("x".repeat(64)),
+            opts().node_id("tab\there"),
+            opts().namespace("a\0b"),
+            opts().lease_timeout(Duration::from_millis(1500)),
+            opts().poll_interval(Duration::from_millis(1)),
+            opts().max_locks(0),
+            opts().reconnect_backoff(Duration::from_secs(2), Duration::from_secs(1)),
+        ] {
+            assert!(
+                matches!(o.validate(), Err(Error::InvalidConfig(_))),
+                "{o:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_url_is_a_clear_error_without_secrets() {
+        let err = ManagerOptions::from_url("postgres://u:hunter2@host:notaport/db")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("invalid PostgreSQL connection string"),
+            "{err}"
+        );
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+}

@@ -1,0 +1,59 @@
+//! State shared between the manager's task and every handle: the watchdog deadline
+//! lives here so that lease checks are correct even when the task is starved.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::options::ManagerOptions;
+use crate::status::ConnectionStatus;
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) options: ManagerOptions,
+    epoch: Instant,
+    /// Leases are trusted strictly before this instant (nanoseconds since `epoch`).
+    valid_until: AtomicU64,
+    next_id: AtomicU64,
+    pub(crate) status: watch::Sender<ConnectionStatus>,
+}
+
+impl Shared {
+    pub(crate) fn new(options: ManagerOptions, status: ConnectionStatus) -> Self {
+        Self {
+            options,
+            epoch: Instant::now(),
+            valid_until: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+            status: watch::Sender::new(status),
+        }
+    }
+
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Leases may be trusted until `deadline` (never moves backwards while a session is up).
+    pub(crate) fn extend_validity(&self, deadline: Instant) {
+        self.valid_until
+            .fetch_max(self.nanos(deadline), Ordering::AcqRel);
+    }
+
+    /// Distrust every lease now (before they are told they are revoked).
+    pub(crate) fn invalidate(&self) {
+        self.valid_until.store(0, Ordering::Release);
+    }
+
+    pub(crate) fn valid_until(&self) -> Instant {
+        self.epoch + Duration::from_nanos(self.valid_until.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn is_valid_now(&self) -> bool {
+        Instant::now() < self.valid_until()
+    }
+}

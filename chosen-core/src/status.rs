@@ -1,0 +1,105 @@
+//! The state of a manager's lock session.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+/// The state of a [`LockManager`](crate::LockManager)'s database session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectionStatus {
+    /// A connection attempt is under way.
+    Connecting {
+        /// 1 for the first attempt after a loss, counting up.
+        attempt: u32,
+    },
+    /// The session is up and its last heartbeat succeeded in time.
+    Connected {
+        /// The session generation; every reconnect starts a new one.
+        generation: u64,
+        /// The server process id serving the session (`pg_backend_pid()`).
+        backend_pid: i32,
+    },
+    /// The session is down; every lease was revoked. A new attempt follows unless
+    /// the manager shut down.
+    Disconnected {
+        /// Why.
+        reason: DisconnectReason,
+        /// Since when (wall clock).
+        since: SystemTime,
+    },
+}
+
+impl ConnectionStatus {
+    /// `true` when the session is up.
+    #[must_use]
+    pub fn is_connected(&self) -> bool {
+        matches!(self, Self::Connected { .. })
+    }
+}
+
+/// Why a session ended or could not be used. Every variant revokes all leases of the
+/// session at once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DisconnectReason {
+    /// The connection closed or failed (server shutdown, `pg_terminate_backend`,
+    /// `idle_session_timeout`, network error).
+    ConnectionLost {
+        /// What was observed.
+        message: String,
+    },
+    /// No heartbeat succeeded within the lease timeout: the session may be partitioned
+    /// or the server stalled, so this client stopped trusting its locks.
+    HeartbeatOverdue {
+        /// The lease timeout that passed.
+        lease_timeout: Duration,
+    },
+    /// The server is a hot standby (`pg_is_in_recovery()`): a standby grants advisory
+    /// locks locally, unseen by the primary.
+    ServerInRecovery,
+    /// The backend process changed under the session: a transaction-mode pooler sits in
+    /// between, through which session locks are unsafe.
+    BackendChanged {
+        /// The pid the session started with.
+        expected: i32,
+        /// The pid that answered.
+        found: i32,
+    },
+    /// The server is older than the minimum supported version.
+    ServerTooOld {
+        /// `server_version_num` of the server.
+        version: i32,
+    },
+    /// The connection attempt failed.
+    ConnectFailed {
+        /// What the attempt reported.
+        message: String,
+    },
+    /// The manager was shut down.
+    Shutdown,
+}
+
+impl fmt::Display for DisconnectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ConnectionLost { message } => write!(f, "connection lost: {message}"),
+            Self::HeartbeatOverdue { lease_timeout } => write!(
+                f,
+                "no heartbeat succeeded within the lease timeout of {lease_timeout:?}"
+            ),
+            Self::ServerInRecovery => f.write_str(
+                "the server is in recovery (a hot standby); connect to the primary, e.g. with target_session_attrs=read-write",
+            ),
+            Self::BackendChanged { expected, found } => write!(
+                f,
+                "the backend pid changed from {expected} to {found}: a transaction-mode pooler is in between; connect directly or through a session-mode pooler",
+            ),
+            Self::ServerTooOld { version } => write!(
+                f,
+                "server_version_num {version} is older than 140000; PostgreSQL 14 or newer is required (for idle_session_timeout)",
+            ),
+            Self::ConnectFailed { message } => write!(f, "connection attempt failed: {message}"),
+            Self::Shutdown => f.write_str("the lock manager shut down"),
+        }
+    }
+}

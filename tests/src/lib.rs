@@ -1,0 +1,46 @@
+//! Test harness for chosen: throwaway PostgreSQL clusters started from the server
+//! binaries, and helpers shared by the end-to-end tests and the examples.
+//!
+//! * [`PgCluster::start`] uses `DATABASE_URL` when set, else starts a local cluster.
+//! * [`PgCluster::start_local`] always starts a local cluster (for tests that stop,
+//!   restart or reconfigure the server).
+//!
+//! Local clusters: the binaries are found on `PATH`, via `pg_config --bindir`, or under
+//! `/usr/lib/postgresql/<version>/bin` (newest first). When running as root they run
+//! as the `postgres` user (else `nobody`), because `initdb` refuses to run as root.
+//! One `initdb` per machine and version is cached as a template and copied for each
+//! cluster. Clusters listen on 127.0.0.1 only, are removed on drop, and clusters left
+//! behind by a test process that died are swept by the next start.
+
+mod cluster;
+
+pub use cluster::{PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD};
+
+/// A lock name unique to this process and call, so tests can share a database.
+#[must_use]
+pub fn unique_name(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "{prefix}-{}-{}-{nanos}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Connects a plain `tokio-postgres` client (for inspecting `pg_locks`, terminating
+/// backends, ...), driving its connection on a spawned task.
+///
+/// # Errors
+///
+/// When the connection fails.
+pub async fn connect_admin(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
+}

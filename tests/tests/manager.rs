@@ -1,0 +1,513 @@
+//! LockManager against a real PostgreSQL: contention, hand-over, FIFO, re-entrancy,
+//! many locks on one backend, keys, fencing tokens, cancellation, bad input.
+
+use std::time::{Duration, Instant};
+
+use chosen_core::{
+    ConnectionStatus, Error, LockKey, LockManager, LockRequest, LockState, ManagerOptions,
+};
+use chosen_tests::{PgCluster, connect_admin, unique_name};
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .expect("valid test URL")
+        .node_id(node)
+        .poll_interval(Duration::from_millis(50))
+}
+
+async fn manager(url: &str, node: &str) -> LockManager {
+    LockManager::connect(options(url, node))
+        .await
+        .expect("manager connects")
+}
+
+/// Advisory locks (pair keys) held by the session whose application_name is `node`.
+async fn held_keys(admin: &tokio_postgres::Client, node: &str) -> Vec<(u32, u32)> {
+    admin
+        .query(
+            "SELECT l.classid::int8, l.objid::int8 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted AND a.application_name = $1",
+            &[&node],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) as u32, r.get::<_, i64>(1) as u32))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_managers_contend_and_exactly_one_holds() {
+    let pg = PgCluster::start().unwrap();
+    let a = manager(&pg.url(), "contend-a").await;
+    let b = manager(&pg.url(), "contend-b").await;
+    let name = unique_name("contend");
+
+    let lease = a
+        .try_acquire(&name)
+        .await
+        .unwrap()
+        .expect("free lock is taken");
+    assert!(lease.is_valid());
+    assert!(
+        b.try_acquire(&name).await.unwrap().is_none(),
+        "held elsewhere"
+    );
+    // A waiting acquire does not complete while A holds.
+    let waiting = tokio::time::timeout(Duration::from_millis(500), b.acquire(&name)).await;
+    assert!(waiting.is_err(), "B must not acquire while A holds");
+
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let expected = a.key_for(&name).pg_locks_columns();
+    assert_eq!(
+        held_keys(&admin, "contend-a").await,
+        vec![(expected.0, expected.1)]
+    );
+    assert!(held_keys(&admin, "contend-b").await.is_empty());
+    drop(lease);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_hands_over_to_a_waiting_manager() {
+    let pg = PgCluster::start().unwrap();
+    let a = manager(&pg.url(), "handover-a").await;
+    // A long poll interval: the hand-over must come from NOTIFY, not from polling.
+    let b = LockManager::connect(
+        options(&pg.url(), "handover-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let name = unique_name("handover");
+
+    let lease_a = a.acquire(&name).await.unwrap();
+    let token_a = lease_a.fencing_token();
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        let name = name.clone();
+        async move { b.acquire(name).await }
+    });
+    // Let B's first attempt fail and B go to sleep for its 30 s poll interval.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+
+    let released = Instant::now();
+    lease_a.release().await.unwrap();
+    let lease_b = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("B is woken by the release announcement, long before its poll")
+        .unwrap()
+        .unwrap();
+    let handoff = released.elapsed();
+    assert!(handoff < Duration::from_secs(10), "{handoff:?}");
+    assert!(
+        lease_b.fencing_token() > token_a,
+        "tokens grow across holders"
+    );
+    assert!(a.try_acquire(&name).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_waiters_are_served_in_fifo_order() {
+    let pg = PgCluster::start().unwrap();
+    let m = manager(&pg.url(), "fifo").await;
+    let name = unique_name("fifo");
+
+    let first = m.acquire(&name).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let m = m.clone();
+        let name = name.clone();
+        let tx = tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let lease = m.acquire(name).await.unwrap();
+            tx.send((i, lease.fencing_token())).unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            lease.release().await.unwrap();
+        }));
+        // Make the queue order certain.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let waiting: Vec<_> = m
+        .locks()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.name == name)
+        .map(|l| l.state)
+        .collect();
+    assert_eq!(waiting.len(), 6, "{waiting:?}");
+    assert_eq!(
+        waiting
+            .iter()
+            .filter(|s| matches!(s, LockState::Held { .. }))
+            .count(),
+        1
+    );
+
+    let mut last_token = first.fencing_token();
+    drop(first);
+    for expected in 0..5 {
+        let (i, token) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(i, expected, "FIFO order");
+        assert!(
+            token > last_token,
+            "every local hand-off gets a larger token"
+        );
+        last_token = token;
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_name_twice_in_one_process_never_both_hold() {
+    let pg = PgCluster::start().unwrap();
+    let m = manager(&pg.url(), "reentrant").await;
+    let name = unique_name("reentrant");
+    let lease = m.acquire(&name).await.unwrap();
+    // PostgreSQL would grant the same key to the same session again; the manager must not.
+    assert!(m.try_acquire(&name).await.unwrap().is_none());
+    let second = tokio::time::timeout(Duration::from_millis(400), m.acquire(&name)).await;
+    assert!(second.is_err(), "second request waits");
+    // Raw key of the same lock: same answer.
+    assert!(m.try_acquire(m.key_for(&name)).await.unwrap().is_none());
+
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    lease.release().await.unwrap();
+    // Released once and fully: the server no longer shows the lock.
+    assert!(held_keys(&admin, "reentrant").await.is_empty());
+    let again = m.try_acquire(&name).await.unwrap();
+    assert!(again.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_locks_share_one_backend() {
+    let pg = PgCluster::start().unwrap();
+    let node = unique_name("many");
+    let node = &node[..node.len().min(60)];
+    let m = manager(&pg.url(), node).await;
+    let prefix = unique_name("many-lock");
+    let started = Instant::now();
+    let futures: Vec<_> = (0..1000)
+        .map(|i| m.acquire(format!("{prefix}-{i}")))
+        .collect();
+    let mut leases = Vec::new();
+    for f in futures {
+        leases.push(f.await.unwrap());
+    }
+    let took = started.elapsed();
+
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let backends: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&node],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(backends, 1, "one connection for all locks");
+    assert_eq!(held_keys(&admin, node).await.len(), 1000);
+    assert_eq!(m.locks().await.unwrap().len(), 1000);
+    eprintln!("acquired 1000 locks in {took:?}");
+
+    drop(leases);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !held_keys(&admin, node).await.is_empty() {
+        assert!(Instant::now() < deadline, "dropped leases are released");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_follow_the_documented_derivation() {
+    // Golden vectors, computed independently (Python hashlib). Do not change.
+    let golden = [
+        ("chosen", "my-job", -790_094_319, -645_757_411),
+        ("chosen", "", 1_564_407_143, -1_276_471_026),
+        ("chosen", "nightly-report", -786_972_525, 1_718_261_010),
+        ("billing", "nightly-report", 1_907_377_311, 1_129_609_294),
+        ("chosen", "ünïcødé ✓", -305_617_263, 1_629_876_428),
+    ];
+    for (ns, name, a, b) in golden {
+        assert_eq!(
+            LockKey::derive(ns, name),
+            LockKey::Pair(a, b),
+            "{ns}/{name}"
+        );
+    }
+
+    let pg = PgCluster::start().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    // The SQL from the LockKey docs computes the same keys.
+    for (ns, name, a, b) in golden {
+        let row = admin
+            .query_one(
+                "SELECT ('x' || encode(substr(h, 1, 4), 'hex'))::bit(32)::int4, \
+                        ('x' || encode(substr(h, 5, 4), 'hex'))::bit(32)::int4 \
+                 FROM (SELECT sha256(convert_to($1, 'UTF8') || '\\x00'::bytea || convert_to($2, 'UTF8')) AS h) AS d",
+                &[&ns, &name],
+            )
+            .await
+            .unwrap();
+        assert_eq!((row.get::<_, i32>(0), row.get::<_, i32>(1)), (a, b));
+    }
+
+    // And pg_locks shows a held named lock under exactly those columns.
+    let m = LockManager::connect(options(&pg.url(), "golden").namespace("billing"))
+        .await
+        .unwrap();
+    let lease = m.acquire("nightly-report").await.unwrap();
+    let row = admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+             AND classid = ($1::int4)::oid AND objid = ($2::int4)::oid AND granted",
+            &[&1_907_377_311i32, &1_129_609_294i32],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 1);
+    drop(lease);
+
+    // Raw bigint keys live in the other key space.
+    let raw = m
+        .acquire(LockKey::Int(0x0000_0001_ffff_fffe))
+        .await
+        .unwrap();
+    let row = admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND classid = 1::oid AND objid = 4294967294::oid AND granted",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 1);
+    raw.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_increase_across_holders() {
+    let pg = PgCluster::start().unwrap();
+    let managers = [
+        manager(&pg.url(), "token-a").await,
+        manager(&pg.url(), "token-b").await,
+        manager(&pg.url(), "token-c").await,
+    ];
+    let name = unique_name("token");
+    let mut last = None;
+    for round in 0..12 {
+        let lease = managers[round % 3].acquire(&name).await.unwrap();
+        let token = lease.fencing_token();
+        if let Some(prev) = last {
+            assert!(token > prev, "round {round}: {token} after {prev}");
+        }
+        last = Some(token);
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_acquire_leaves_nothing_held() {
+    let pg = PgCluster::start().unwrap();
+    let a = manager(&pg.url(), "cancel-a").await;
+    let b = manager(&pg.url(), "cancel-b").await;
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let name = unique_name("cancel");
+
+    // Cancelled while waiting: the request is withdrawn.
+    let held = a.acquire(&name).await.unwrap();
+    let attempt = tokio::time::timeout(Duration::from_millis(200), b.acquire(&name)).await;
+    assert!(attempt.is_err());
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        held_keys(&admin, "cancel-b").await.is_empty(),
+        "withdrawn request took the lock"
+    );
+    assert!(b.locks().await.unwrap().is_empty());
+
+    // Cancelled at every point around the grant of a free lock: never left held.
+    for i in 0..200u64 {
+        let name = format!("{name}-{i}");
+        let budget = Duration::from_micros(50 * (i % 40));
+        let _ = tokio::time::timeout(budget, b.acquire(&name)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = held_keys(&admin, "cancel-b").await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{} locks left held", left.len());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(b.locks().await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_everything_and_fails_waiters() {
+    let pg = PgCluster::start().unwrap();
+    let a = manager(&pg.url(), "shutdown-a").await;
+    let b = manager(&pg.url(), "shutdown-b").await;
+    let name = unique_name("shutdown");
+    let lease = a.acquire(&name).await.unwrap();
+    let waiter = tokio::spawn({
+        let a = a.clone();
+        let name = format!("{name}-other");
+        let _blocker = b.acquire(&name).await.unwrap();
+        async move {
+            let r = a.acquire(name).await;
+            drop(_blocker);
+            r
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.shutdown().await;
+    assert!(!lease.is_valid());
+    assert_eq!(lease.lost().await, chosen_core::DisconnectReason::Shutdown);
+    assert!(matches!(waiter.await.unwrap(), Err(Error::Closed)));
+    assert!(matches!(a.acquire("x").await, Err(Error::Closed)));
+    assert!(matches!(
+        a.connection_status(),
+        ConnectionStatus::Disconnected { .. }
+    ));
+    // B gets the lock at once.
+    let taken = tokio::time::timeout(Duration::from_secs(5), b.acquire(&name)).await;
+    assert!(taken.unwrap().is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gives_clear_errors() {
+    // Unparsable URL: at build time.
+    let err = ManagerOptions::from_url("postgres://u:pw@host:99999999/db").unwrap_err();
+    assert!(matches!(err, Error::InvalidUrl { .. }), "{err}");
+
+    // Nothing listens: a prompt, clear error.
+    let started = Instant::now();
+    let err = LockManager::connect(options(
+        "postgres://postgres:pw@127.0.0.1:1/postgres",
+        "nobody-home",
+    ))
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Connect { .. }), "{err}");
+    assert!(err.to_string().contains("127.0.0.1:1"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    // A host that never answers: bounded by the connect timeout, not a hang.
+    // (TEST-NET-1 is not routable; with no route the attempt fails at once, which is also fine.)
+    let started = Instant::now();
+    let err = LockManager::connect(
+        options(
+            "postgres://postgres:pw@192.0.2.1:5432/postgres",
+            "unreachable",
+        )
+        .connect_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::Connect { .. } | Error::ConnectTimeout { .. }),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Invalid options are rejected before any connection is tried.
+    let err = LockManager::connect(
+        options("postgres://postgres:pw@127.0.0.1:1/postgres", "bad")
+            .server_release_after(Duration::from_secs(2)),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+
+    let pg = PgCluster::start_local().unwrap();
+    // Wrong password: an authentication error naming the user, not the password.
+    let url = pg.url_with_password("not-the-password").unwrap();
+    let err = LockManager::connect(options(&url, "wrong-pw"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Authentication { .. }), "{err}");
+    let text = format!("{err} {err:?}");
+    assert!(text.contains("postgres"), "{text}");
+    assert!(!text.contains("not-the-password"), "{text}");
+
+    // Bad requests on a working manager.
+    let m = manager(&pg.url(), "bad-requests").await;
+    assert!(matches!(m.acquire("").await, Err(Error::InvalidName(_))));
+    assert!(matches!(
+        m.acquire(LockRequest::from("x").poll_interval(Duration::ZERO))
+            .await,
+        Err(Error::InvalidPollInterval(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_manager_cap_is_a_clear_error() {
+    let pg = PgCluster::start().unwrap();
+    let m = LockManager::connect(options(&pg.url(), "capped").max_locks(3))
+        .await
+        .unwrap();
+    let name = unique_name("cap");
+    let mut leases = Vec::new();
+    for i in 0..3 {
+        leases.push(m.acquire(format!("{name}-{i}")).await.unwrap());
+    }
+    let err = m.acquire(format!("{name}-3")).await.unwrap_err();
+    assert!(matches!(err, Error::TooManyLocks { limit: 3 }), "{err}");
+    assert!(err.to_string().contains("max_locks_per_transaction"));
+    leases.pop();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(m.acquire(format!("{name}-3")).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_come_from_config_and_deadpool_and_the_password_stays_hidden() {
+    let pg = PgCluster::start().unwrap();
+    let pg_config: tokio_postgres::Config = pg.url().parse().unwrap();
+    let opts = ManagerOptions::from_pg_config(pg_config).node_id("from-config");
+    let text = format!("{opts:?}");
+    assert!(!text.contains(chosen_tests::SUPERUSER_PASSWORD), "{text}");
+    let m = LockManager::connect(opts).await.unwrap();
+    assert!(m.connection_status().is_connected());
+    let lease = m.acquire(unique_name("cfg")).await.unwrap();
+    let text = format!("{lease:?} {m:?}");
+    assert!(!text.contains(chosen_tests::SUPERUSER_PASSWORD), "{text}");
+
+    let mut dp = deadpool_postgres::Config::new();
+    dp.url = Some(pg.url());
+    let opts = ManagerOptions::from_deadpool(&dp)
+        .unwrap()
+        .node_id("from-deadpool");
+    let m2 = LockManager::connect(opts).await.unwrap();
+    assert!(m2.try_acquire(lease.name()).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_identifies_its_node() {
+    let pg = PgCluster::start().unwrap();
+    let m = manager(&pg.url(), "session-settings").await;
+    let pid = match m.connection_status() {
+        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        other => panic!("{other:?}"),
+    };
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let row = admin
+        .query_one(
+            "SELECT application_name FROM pg_stat_activity WHERE pid = $1",
+            &[&pid],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "session-settings");
+}
