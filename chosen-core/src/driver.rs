@@ -81,6 +81,9 @@ pub(crate) struct Driver {
     unlocks: Vec<LockKey>,
     shutdown_replies: Vec<oneshot::Sender<()>>,
     shutting_down: bool,
+    /// While closing gracefully, queries are bounded by this instead of the watchdog
+    /// (the leases are already revoked, so the watchdog deadline has passed).
+    closing_deadline: Option<Instant>,
     generations: u64,
     current: Option<Arc<Generation>>,
     last_reason: DisconnectReason,
@@ -119,6 +122,7 @@ impl Driver {
             unlocks: Vec::new(),
             shutdown_replies: Vec::new(),
             shutting_down: false,
+            closing_deadline: None,
             generations: 1,
             current: None,
             last_reason: DisconnectReason::ConnectFailed {
@@ -236,7 +240,10 @@ impl Driver {
         &self,
         query: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, Fault> {
-        let deadline = tokio::time::Instant::from_std(self.shared.valid_until());
+        let deadline = tokio::time::Instant::from_std(
+            self.closing_deadline
+                .unwrap_or_else(|| self.shared.valid_until()),
+        );
         tokio::select! {
             biased;
             result = query => result.map_err(classify),
@@ -678,6 +685,7 @@ impl Driver {
             slot.holder = None;
         }
         self.releases.clear();
+        self.closing_deadline = Some(Instant::now() + self.shared.options.lease_timeout);
         if let Err(reason) = self.flush_unlocks(&s).await {
             debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
         }

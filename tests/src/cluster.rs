@@ -55,8 +55,8 @@ pub struct PgClusterBuilder {
 impl PgClusterBuilder {
     /// A server setting passed as `-c name=value` (e.g. `max_locks_per_transaction`).
     #[must_use]
-    pub fn setting(mut self, name: &str, value: impl ToString) -> Self {
-        self.settings.push((name.to_owned(), value.to_string()));
+    pub fn setting(mut self, name: &str, value: impl Into<String>) -> Self {
+        self.settings.push((name.to_owned(), value.into()));
         self
     }
 

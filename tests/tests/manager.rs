@@ -354,7 +354,12 @@ async fn cancelled_acquire_leaves_nothing_held() {
 async fn shutdown_releases_everything_and_fails_waiters() {
     let pg = PgCluster::start().unwrap();
     let a = manager(&pg.url(), "shutdown-a").await;
-    let b = manager(&pg.url(), "shutdown-b").await;
+    // A long poll interval: B must be woken by the release announcement.
+    let b = LockManager::connect(
+        options(&pg.url(), "shutdown-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let name = unique_name("shutdown");
     let lease = a.acquire(&name).await.unwrap();
     let waiter = tokio::spawn({
@@ -367,7 +372,14 @@ async fn shutdown_releases_everything_and_fails_waiters() {
             r
         }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let b_waits = tokio::spawn({
+        let b = b.clone();
+        let name = name.clone();
+        async move { b.acquire(name).await }
+    });
+    // B has tried once and now sleeps for its 30 s poll interval.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!b_waits.is_finished());
     a.shutdown().await;
     assert!(!lease.is_valid());
     assert_eq!(lease.lost().await, chosen_core::DisconnectReason::Shutdown);
@@ -377,9 +389,9 @@ async fn shutdown_releases_everything_and_fails_waiters() {
         a.connection_status(),
         ConnectionStatus::Disconnected { .. }
     ));
-    // B gets the lock at once.
-    let taken = tokio::time::timeout(Duration::from_secs(5), b.acquire(&name)).await;
-    assert!(taken.unwrap().is_ok());
+    // The shutdown announced its releases: B takes over long before its next poll.
+    let taken = tokio::time::timeout(Duration::from_secs(10), b_waits).await;
+    assert!(taken.expect("woken by NOTIFY").unwrap().is_ok());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
