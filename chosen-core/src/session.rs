@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_postgres::error::SqlState;
@@ -24,22 +25,32 @@ const MIN_SERVER_VERSION: i32 = 140_000;
 // Statement texts. They show up in pg_stat_statements and pg_stat_activity, so keep
 // them stable.
 
-const PROBE_SQL: &str =
-    "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery()";
+/// The custom setting that marks a backend as ours. A fresh backend has none; a
+/// transaction pooler that shares backends between clients shows another one's.
+pub(crate) const MARKER_SETTING: &str = "chosen.session";
 
-const HEARTBEAT_SQL: &str = "SELECT pg_backend_pid(), pg_is_in_recovery()";
+const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8";
+
+const HEARTBEAT_SQL: &str = "SELECT pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), '')";
 
 /// One statement for every due key. A transaction id (the fencing token) is assigned
 /// only when a lock was won: the CASE evaluates `pg_current_xact_id()` only then, so
-/// failed polls burn no transaction ids.
-const ACQUIRE_SQL: &str = "SELECT k.i, CASE WHEN CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b) ELSE pg_try_advisory_lock(k.big) END THEN pg_current_xact_id()::text::int8 END FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i)";
+/// failed polls burn no transaction ids. Locks are only tried on our own marked
+/// backend: behind a transaction pooler the statement returns no rows instead.
+const ACQUIRE_SQL: &str = "SELECT k.i, CASE WHEN CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b) ELSE pg_try_advisory_lock(k.big) END THEN pg_current_xact_id()::text::int8 END FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i) WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
 
 /// Unlocks and announces. `pg_notify` is delivered at commit, after the unlocks.
 const RELEASE_SQL: &str = "SELECT k.i, CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END, pg_notify('chosen_release', k.tag)::text FROM unnest($1::int4[], $2::int4[], $3::int8[], $4::text[]) WITH ORDINALITY AS k(a, b, big, tag, i)";
 
 /// After a failed acquire statement some of its locks may have been taken (session
-/// locks survive the statement's error): unlock those that `pg_locks` shows we hold.
-const CLEANUP_SQL: &str = "SELECT CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END FROM unnest($1::int4[], $2::int4[], $3::int8[]) AS k(a, b, big) WHERE EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND CASE WHEN k.big IS NULL THEN l.objsubid = 2 AND l.classid = k.a::oid AND l.objid = k.b::oid ELSE l.objsubid = 1 AND l.classid = (k.big >> 32)::oid AND l.objid = (k.big & 4294967295)::oid END)";
+/// locks survive the statement's error): unlock those the lock table shows we hold.
+/// It reads `pg_lock_status()` directly, not the `pg_locks` view, and gets the
+/// database oid as a parameter, so it needs no relation lock: it runs when the lock
+/// table is full.
+const CLEANUP_SQL: &str = "SELECT CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END FROM unnest($1::int4[], $2::int4[], $3::int8[]) AS k(a, b, big) WHERE EXISTS (SELECT 1 FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted AND l.database = $4::int8::oid AND CASE WHEN k.big IS NULL THEN l.objsubid = 2 AND l.classid = k.a::oid AND l.objid = k.b::oid ELSE l.objsubid = 1 AND l.classid = (k.big >> 32)::oid AND l.objid = (k.big & 4294967295)::oid END)";
+
+/// Who holds a key: the node id is the holder session's `application_name`.
+const HOLDER_SQL: &str = "SELECT a.application_name, a.pid, host(a.client_addr), a.backend_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND l.database = $1::int8::oid AND l.classid::int8 = $2 AND l.objid::int8 = $3 AND l.objsubid = $4::int2";
 
 /// A new fencing token for a local handoff (the session keeps the lock).
 const TOKEN_SQL: &str = "SELECT pg_current_xact_id()::text::int8";
@@ -80,12 +91,17 @@ pub(crate) struct Statements {
     pub(crate) release: Statement,
     pub(crate) cleanup: Statement,
     pub(crate) token: Statement,
+    pub(crate) holder: Statement,
 }
 
 pub(crate) struct Session {
     pub(crate) client: Client,
     pub(crate) stmts: Statements,
     pub(crate) backend_pid: i32,
+    /// The value of `chosen.session` on our backend.
+    pub(crate) marker: String,
+    /// `oid` of the current database.
+    pub(crate) database_oid: i64,
     pub(crate) generation: Arc<Generation>,
     pub(crate) events: mpsc::UnboundedReceiver<ConnEvent>,
     /// When the setup query that proved the session was sent.
@@ -148,7 +164,6 @@ fn setup_sql(options: &ManagerOptions) -> String {
     // Keepalives and tcp_user_timeout are a second line for a real partition; they must
     // never release *earlier* than server_release_after, so they start at that point.
     let keepalive_idle_s = options.server_release_after.as_secs().max(1);
-    let statement_ms = options.lease_timeout.as_millis();
     format!(
         "SET idle_session_timeout = {release_ms}; \
          SET tcp_keepalives_idle = {keepalive_idle_s}; \
@@ -156,9 +171,6 @@ fn setup_sql(options: &ManagerOptions) -> String {
          SET tcp_keepalives_count = 3; \
          SET tcp_user_timeout = {release_ms}; \
          SET client_connection_check_interval = 1000; \
-         SET statement_timeout = {statement_ms}; \
-         SET lock_timeout = 0; \
-         SET idle_in_transaction_session_timeout = 0; \
          LISTEN {RELEASE_CHANNEL};"
     )
 }
@@ -177,7 +189,7 @@ pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result
 
 async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Session> {
     let config = options.session_config();
-    let (client, mut connection) = config.connect(NoTls).await.map_err(|source| {
+    let connect_error = |source: tokio_postgres::Error| {
         let auth = matches!(
             source.code(),
             Some(c) if *c == SqlState::INVALID_PASSWORD
@@ -195,8 +207,29 @@ async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Sess
                 source,
             }
         }
-    })?;
+    };
+    #[cfg(feature = "rustls")]
+    if let Some(tls) = &options.tls {
+        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
+        let (client, connection) = config.connect(tls).await.map_err(connect_error)?;
+        return prove(options, generation, client, connection).await;
+    }
+    let (client, connection) = config.connect(NoTls).await.map_err(connect_error)?;
+    prove(options, generation, client, connection).await
+}
 
+/// Drives the connection on its own task and proves the session is one we may hold
+/// locks on.
+async fn prove<S, T>(
+    options: &ManagerOptions,
+    generation: u64,
+    client: Client,
+    mut connection: tokio_postgres::Connection<S, T>,
+) -> Result<Session>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let (events_tx, events) = mpsc::unbounded_channel();
     let conn_task = tokio::spawn(async move {
         let end = loop {
@@ -217,21 +250,56 @@ async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Sess
     // From here on, dropping `guard` (on any error) closes the connection.
     let guard = AbortOnDrop(Some(conn_task));
     let proven_at = Instant::now();
-    let row = client
-        .query_one(PROBE_SQL, &[])
+    // A DBA's statement_timeout could cancel even the probe: override it in the same
+    // round trip, first (these settings exist on every server version).
+    let messages = client
+        .simple_query(&format!(
+            "SET statement_timeout = {}; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0; {PROBE_SQL}",
+            options.lease_timeout.as_millis()
+        ))
         .await
         .map_err(Error::database)?;
-    let version: i32 = row.get(0);
-    let backend_pid: i32 = row.get(1);
-    let in_recovery: bool = row.get(2);
+    let row = messages
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .ok_or_else(|| Error::InvalidUrl {
+            message: "the server answered the session probe with no row".to_owned(),
+        })?;
+    let field = |i: usize| row.get(i).unwrap_or_default();
+    let version: i32 = field(0).parse().unwrap_or(0);
+    let backend_pid: i32 = field(1).parse().unwrap_or(0);
+    let in_recovery = field(2) == "t";
+    let found_marker = field(3).to_owned();
+    let advisory_locks: i64 = field(4).parse().unwrap_or(0);
+    let database_oid: i64 = field(5).parse().unwrap_or(0);
     if version < MIN_SERVER_VERSION {
         return Err(Error::Refused(DisconnectReason::ServerTooOld { version }));
     }
     if in_recovery {
         return Err(Error::Refused(DisconnectReason::ServerInRecovery));
     }
+    if !found_marker.is_empty() || advisory_locks > 0 {
+        return Err(Error::Refused(DisconnectReason::PoolerDetected {
+            detail: format!(
+                "the new session's backend (pid {backend_pid}) already carries another session's state ({} advisory locks{})",
+                advisory_locks,
+                if found_marker.is_empty() {
+                    ""
+                } else {
+                    ", another chosen marker"
+                }
+            ),
+        }));
+    }
+    let marker = new_marker(options, generation);
     client
-        .batch_execute(&setup_sql(options))
+        .batch_execute(&format!(
+            "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
+            setup_sql(options)
+        ))
         .await
         .map_err(Error::database)?;
     let stmts = Statements::prepare(&client)
@@ -241,6 +309,8 @@ async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Sess
         client,
         stmts,
         backend_pid,
+        marker,
+        database_oid,
         generation: Generation::new(generation),
         events,
         proven_at,
@@ -267,12 +337,13 @@ impl Drop for AbortOnDrop {
 impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
-        let (heartbeat, acquire, release, cleanup, token) = tokio::try_join!(
+        let (heartbeat, acquire, release, cleanup, token, holder) = tokio::try_join!(
             client.prepare(HEARTBEAT_SQL),
             client.prepare(ACQUIRE_SQL),
             client.prepare(RELEASE_SQL),
             client.prepare(CLEANUP_SQL),
             client.prepare(TOKEN_SQL),
+            client.prepare(HOLDER_SQL),
         )?;
         Ok(Self {
             heartbeat,
@@ -280,8 +351,24 @@ impl Statements {
             release,
             cleanup,
             token,
+            holder,
         })
     }
+}
+
+/// A value unique to this session: the node, the process, the generation and the time.
+/// Only `[A-Za-z0-9._-]`, so it can be inlined in SQL.
+fn new_marker(options: &ManagerOptions, generation: u64) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let node: String = options
+        .node_id
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(32)
+        .collect();
+    format!("{node}.{}.{generation}.{nanos:x}", std::process::id())
 }
 
 impl Error {

@@ -65,6 +65,12 @@ pub enum DisconnectReason {
         /// The pid that answered.
         found: i32,
     },
+    /// Something between client and server shares or swaps backends (a
+    /// transaction-mode pooler): session locks would be shared with other clients.
+    PoolerDetected {
+        /// What was observed.
+        detail: String,
+    },
     /// The server is older than the minimum supported version.
     ServerTooOld {
         /// `server_version_num` of the server.
@@ -93,6 +99,10 @@ impl fmt::Display for DisconnectReason {
             Self::BackendChanged { expected, found } => write!(
                 f,
                 "the backend pid changed from {expected} to {found}: a transaction-mode pooler is in between; connect directly or through a session-mode pooler",
+            ),
+            Self::PoolerDetected { detail } => write!(
+                f,
+                "a transaction-mode pooler seems to be in between ({detail}); connect directly or through a session-mode pooler",
             ),
             Self::ServerTooOld { version } => write!(
                 f,

@@ -50,6 +50,7 @@ struct RunAs {
 #[derive(Debug, Default, Clone)]
 pub struct PgClusterBuilder {
     settings: Vec<(String, String)>,
+    tls: bool,
 }
 
 impl PgClusterBuilder {
@@ -60,6 +61,14 @@ impl PgClusterBuilder {
         self
     }
 
+    /// Serves TLS with a fresh self-signed certificate for `localhost` and 127.0.0.1
+    /// (see [`PgCluster::tls_certificate`]). Needs the `openssl` command.
+    #[must_use]
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
     /// Starts the cluster.
     ///
     /// # Errors
@@ -67,7 +76,7 @@ impl PgClusterBuilder {
     /// When the server binaries are missing (the message says how to install them) or
     /// the server does not start (the message has its log).
     pub fn start(self) -> io::Result<PgCluster> {
-        Local::start(self.settings).map(|l| PgCluster {
+        Local::start(self.settings, self.tls, None).map(|l| PgCluster {
             inner: Inner::Local(l),
         })
     }
@@ -130,6 +139,42 @@ impl PgCluster {
         }
     }
 
+    /// The PEM certificate of the CA that signed the server certificate of a cluster
+    /// built with [`PgClusterBuilder::tls`].
+    #[must_use]
+    pub fn tls_certificate(&self) -> Option<Vec<u8>> {
+        match &self.inner {
+            Inner::Local(l) => fs::read(l.base.join("ca.crt")).ok(),
+            Inner::External(_) => None,
+        }
+    }
+
+    /// The postmaster's process id (local clusters that are running).
+    #[must_use]
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        match &self.inner {
+            Inner::Local(l) => l.child.as_ref().map(Child::id),
+            Inner::External(_) => None,
+        }
+    }
+
+    /// A hot standby of this (local) cluster: `pg_basebackup -R -X stream`, started on
+    /// another port. It answers `pg_is_in_recovery() = true`.
+    ///
+    /// # Errors
+    ///
+    /// For an external server, or when the backup or the start fails.
+    pub fn start_standby(&self) -> io::Result<Self> {
+        let Inner::Local(primary) = &self.inner else {
+            return Err(io::Error::other(
+                "a standby needs a local primary, not DATABASE_URL",
+            ));
+        };
+        Local::start(primary.settings.clone(), false, Some(primary)).map(|l| Self {
+            inner: Inner::Local(l),
+        })
+    }
+
     /// `true` for a local cluster this harness controls.
     #[must_use]
     pub fn is_local(&self) -> bool {
@@ -185,7 +230,11 @@ impl Drop for PgCluster {
 }
 
 impl Local {
-    fn start(settings: Vec<(String, String)>) -> io::Result<Self> {
+    fn start(
+        mut settings: Vec<(String, String)>,
+        tls: bool,
+        standby_of: Option<&Local>,
+    ) -> io::Result<Self> {
         let bin_dir = find_bin_dir()?;
         let run_as = run_as()?;
         let root = std::env::temp_dir().join("chosen-pg");
@@ -202,7 +251,34 @@ impl Local {
         let _ = fs::remove_dir_all(&base);
         fs::create_dir_all(&base)?;
         let data = base.join("data");
-        run(Command::new("cp").arg("-a").arg(&template).arg(&data))?;
+        match standby_of {
+            None => run(Command::new("cp").arg("-a").arg(&template).arg(&data))?,
+            Some(primary) => {
+                if let Some(r) = &run_as {
+                    chown(&base, r)?;
+                }
+                run(command_as(&bin_dir, "pg_basebackup", run_as.as_ref())
+                    .arg("-D")
+                    .arg(&data)
+                    .args(["-R", "-X", "stream", "-h", "127.0.0.1", "-U", SUPERUSER])
+                    .arg("-p")
+                    .arg(primary.port.to_string())
+                    .env("PGPASSWORD", SUPERUSER_PASSWORD))?;
+            }
+        }
+        if tls {
+            make_certificates(&base)?;
+            set_mode(&base.join("server.key"), 0o600)?;
+            settings.push(("ssl".to_owned(), "on".to_owned()));
+            settings.push((
+                "ssl_cert_file".to_owned(),
+                base.join("server.crt").display().to_string(),
+            ));
+            settings.push((
+                "ssl_key_file".to_owned(),
+                base.join("server.key").display().to_string(),
+            ));
+        }
         if let Some(r) = &run_as {
             chown(&base, r)?;
         }
@@ -273,7 +349,10 @@ impl Local {
             }
             // Line 8 of postmaster.pid says "ready" once connections are accepted.
             if let Ok(text) = fs::read_to_string(&pid_file)
-                && text.lines().nth(7).is_some_and(|l| l.trim() == "ready")
+                && text
+                    .lines()
+                    .nth(7)
+                    .is_some_and(|l| matches!(l.trim(), "ready" | "standby"))
             {
                 self.child = Some(child);
                 return Ok(());
@@ -512,6 +591,50 @@ fn set_mode(path: &Path, mode: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// A test CA and a server certificate it signed, for `localhost` and 127.0.0.1 (a
+/// self-signed CA certificate cannot serve as the server's own: webpki refuses it).
+fn make_certificates(dir: &Path) -> io::Result<()> {
+    let ext = dir.join("server.ext");
+    fs::write(
+        &ext,
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )?;
+    run(Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        ])
+        .args(["-subj", "/CN=chosen-test-ca"])
+        .arg("-keyout")
+        .arg(dir.join("ca.key"))
+        .arg("-out")
+        .arg(dir.join("ca.crt")))?;
+    run(Command::new("openssl")
+        .args([
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+        ])
+        .arg("-keyout")
+        .arg(dir.join("server.key"))
+        .arg("-out")
+        .arg(dir.join("server.csr")))?;
+    run(Command::new("openssl")
+        .args(["x509", "-req", "-days", "2", "-CAcreateserial"])
+        .arg("-in")
+        .arg(dir.join("server.csr"))
+        .arg("-CA")
+        .arg(dir.join("ca.crt"))
+        .arg("-CAkey")
+        .arg(dir.join("ca.key"))
+        .arg("-extfile")
+        .arg(&ext)
+        .arg("-out")
+        .arg(dir.join("server.crt")))
+}
+
 /// Sends a signal by name (`STOP`, `CONT`, `KILL`, ...) to a process.
 pub(crate) fn signal_pid(pid: u32, signal: &str) -> io::Result<()> {
     run(Command::new("kill")
@@ -564,4 +687,120 @@ fn tail(path: &Path) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// Sends a signal by name (`STOP`, `CONT`, `KILL`, `TERM`, ...) to a process.
+///
+/// # Errors
+///
+/// When `kill` fails (no such process).
+pub fn signal(pid: u32, name: &str) -> io::Result<()> {
+    signal_pid(pid, name)
+}
+
+/// A PgBouncer in front of a local cluster (the Debian `pgbouncer` package).
+#[derive(Debug)]
+pub struct PgBouncer {
+    port: u16,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl PgBouncer {
+    /// Starts PgBouncer with `pool_mode` (`session` or `transaction`) and at most
+    /// `pool_size` server connections, in front of `cluster`.
+    ///
+    /// # Errors
+    ///
+    /// When `pgbouncer` is not installed (`apt-get install pgbouncer`) or does not start.
+    pub fn start(cluster: &PgCluster, pool_mode: &str, pool_size: u32) -> io::Result<Self> {
+        let Inner::Local(local) = &cluster.inner else {
+            return Err(io::Error::other("PgBouncer tests need a local cluster"));
+        };
+        let binary = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "pgbouncer is not installed (Debian/Ubuntu: apt-get install pgbouncer)",
+                )
+            })?;
+        let dir = local.base.join(format!(
+            "pgbouncer-{}",
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        fs::create_dir_all(&dir)?;
+        let port = free_port()?;
+        fs::write(
+            dir.join("userlist.txt"),
+            format!("\"{SUPERUSER}\" \"{SUPERUSER_PASSWORD}\"\n"),
+        )?;
+        fs::write(
+            dir.join("pgbouncer.ini"),
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\nauth_type = plain\nauth_file = {}\npool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 100\nignore_startup_parameters = extra_float_digits,options\nlogfile = {}\npidfile =\n",
+                local.port,
+                dir.join("userlist.txt").display(),
+                dir.join("pgbouncer.log").display(),
+            ),
+        )?;
+        if let Some(r) = &local.run_as {
+            chown(&dir, r)?;
+        }
+        let mut cmd = match &local.run_as {
+            Some(r) => {
+                let mut c = Command::new("setpriv");
+                c.arg(format!("--reuid={}", r.uid))
+                    .arg(format!("--regid={}", r.gid))
+                    .arg("--init-groups")
+                    .arg("--")
+                    .arg(&binary)
+                    .current_dir("/");
+                c
+            }
+            None => Command::new(&binary),
+        };
+        let mut child = cmd
+            .arg(dir.join("pgbouncer.ini"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let started = Instant::now();
+        while TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            if let Some(status) = child.try_wait()? {
+                return Err(io::Error::other(format!(
+                    "pgbouncer exited with {status}; log:\n{}",
+                    tail(&dir.join("pgbouncer.log"))
+                )));
+            }
+            if started.elapsed() > Duration::from_secs(20) {
+                let _ = child.kill();
+                return Err(io::Error::other(
+                    "pgbouncer did not start listening within 20 s",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Self { port, dir, child })
+    }
+
+    /// The superuser's URL through PgBouncer.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://{SUPERUSER}:{SUPERUSER_PASSWORD}@127.0.0.1:{}/postgres",
+            self.port
+        )
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = fs::remove_dir_all(&self.dir);
+    }
 }

@@ -13,8 +13,10 @@
 //! behind by a test process that died are swept by the next start.
 
 mod cluster;
+mod proxy;
 
-pub use cluster::{PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD};
+pub use cluster::{PgBouncer, PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD, signal};
+pub use proxy::{FaultProxy, ProxyMode};
 
 /// A lock name unique to this process and call, so tests can share a database.
 #[must_use]
