@@ -523,3 +523,30 @@ async fn the_session_identifies_its_node() {
         .unwrap();
     assert_eq!(row.get::<_, String>(0), "session-settings");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_learn_who_holds_a_lock() {
+    let pg = PgCluster::start().unwrap();
+    let a = manager(&pg.url(), "holder-a").await;
+    let b = manager(&pg.url(), "holder-b").await;
+    let name = unique_name("holder");
+    assert_eq!(b.holder(name.as_str()).await.unwrap(), None);
+    let lease = a.acquire(name.as_str()).await.unwrap();
+    let holder = b.holder(name.as_str()).await.unwrap().expect("held");
+    assert_eq!(holder.node_id, "holder-a");
+    if pg.is_local() {
+        assert_eq!(holder.client_addr.as_deref(), Some("127.0.0.1"));
+    }
+    let pid = match a.connection_status() {
+        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(holder.backend_pid, pid);
+    // The holder can ask too; raw keys work.
+    let raw = b.acquire(LockKey::Int(77)).await.unwrap();
+    assert_eq!(
+        a.holder(LockKey::Int(77)).await.unwrap().map(|h| h.node_id),
+        Some("holder-b".to_owned())
+    );
+    drop((lease, raw));
+}
