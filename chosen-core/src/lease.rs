@@ -119,21 +119,13 @@ impl Lease {
     /// it right before doing guarded work.
     #[must_use]
     pub fn is_valid(&self) -> bool {
-        !self.generation.revoked.is_cancelled() && self.shared.is_valid_now()
+        self.validity().is_valid()
     }
 
     /// Why the lease is no longer valid, or `None` while it is.
     #[must_use]
     pub fn loss_reason(&self) -> Option<DisconnectReason> {
-        if let Some(reason) = self.generation.reason.get() {
-            return Some(reason.clone());
-        }
-        if self.generation.revoked.is_cancelled() {
-            return Some(DisconnectReason::Shutdown);
-        }
-        (!self.shared.is_valid_now()).then(|| DisconnectReason::HeartbeatOverdue {
-            lease_timeout: self.shared.options.lease_timeout,
-        })
+        self.validity().loss_reason()
     }
 
     /// Resolves when the lease is lost, with the reason. It follows the client-side
@@ -143,15 +135,13 @@ impl Lease {
     ///
     /// Cancel safe: it only observes.
     pub async fn lost(&self) -> DisconnectReason {
-        loop {
-            if let Some(reason) = self.loss_reason() {
-                return reason;
-            }
-            let deadline = tokio::time::Instant::from_std(self.shared.valid_until());
-            tokio::select! {
-                () = self.generation.revoked.cancelled() => {}
-                () = tokio::time::sleep_until(deadline) => {}
-            }
+        self.validity().lost().await
+    }
+
+    pub(crate) fn validity(&self) -> Validity {
+        Validity {
+            generation: Arc::clone(&self.generation),
+            shared: Arc::clone(&self.shared),
         }
     }
 
@@ -197,5 +187,65 @@ impl Drop for Lease {
                 reply: None,
             });
         }
+    }
+}
+
+/// The validity check of a lease, detached from the lease (for leadership handles and
+/// leader contexts, which must not own the lock).
+#[derive(Clone, Debug)]
+pub(crate) struct Validity {
+    generation: Arc<Generation>,
+    shared: Arc<Shared>,
+}
+
+impl Validity {
+    pub(crate) fn is_valid(&self) -> bool {
+        !self.generation.revoked.is_cancelled() && self.shared.is_valid_now()
+    }
+
+    pub(crate) fn loss_reason(&self) -> Option<DisconnectReason> {
+        if let Some(reason) = self.generation.reason.get() {
+            return Some(reason.clone());
+        }
+        if self.generation.revoked.is_cancelled() {
+            return Some(DisconnectReason::Shutdown);
+        }
+        (!self.shared.is_valid_now()).then(|| DisconnectReason::HeartbeatOverdue {
+            lease_timeout: self.shared.options.lease_timeout,
+        })
+    }
+
+    pub(crate) async fn lost(&self) -> DisconnectReason {
+        loop {
+            if let Some(reason) = self.loss_reason() {
+                return reason;
+            }
+            let deadline = tokio::time::Instant::from_std(self.shared.valid_until());
+            tokio::select! {
+                () = self.generation.revoked.cancelled() => {}
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    /// A validity that holds until revoked by hand (tests of code above the manager).
+    #[cfg(test)]
+    pub(crate) fn for_tests() -> (Self, Arc<Generation>) {
+        let options = crate::ManagerOptions::from_url("postgres://test@localhost/test")
+            .expect("BUG: static URL parses");
+        let shared = Arc::new(Shared::new(
+            options,
+            crate::ConnectionStatus::Connecting { attempt: 1 },
+        ));
+        shared
+            .extend_validity(std::time::Instant::now() + std::time::Duration::from_secs(1_000_000));
+        let generation = Generation::new(1);
+        (
+            Self {
+                generation: Arc::clone(&generation),
+                shared,
+            },
+            generation,
+        )
     }
 }

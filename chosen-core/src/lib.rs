@@ -2,18 +2,29 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod driver;
+mod election;
 mod error;
 mod key;
+mod leadership;
 mod lease;
 mod manager;
 mod options;
 mod session;
 mod shared;
+mod singleton;
 mod status;
 
+pub use election::Election;
 pub use error::{Error, Result};
 pub use key::{DEFAULT_NAMESPACE, LockKey};
+#[cfg(any(test, feature = "test-util"))]
+pub use leadership::ManualLeadership;
+pub use leadership::{LeaderState, Leadership};
 pub use lease::{FencingToken, Lease};
 pub use manager::{HolderInfo, LockInfo, LockManager, LockRequest, LockState};
 pub use options::ManagerOptions;
+pub use singleton::{
+    ChildError, ChildState, LeaderContext, RestartPolicy, Singleton, SingletonOptions,
+    SingletonState, SingletonStatus,
+};
 pub use status::{ConnectionStatus, DisconnectReason};

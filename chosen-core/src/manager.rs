@@ -98,6 +98,20 @@ impl LockRequest {
     }
 }
 
+impl LockRequest {
+    /// The name reported for this request: the lock name, or `key(...)` for raw keys.
+    pub(crate) fn display_name(&self, _manager: &LockManager) -> Result<String> {
+        match &self.target {
+            Target::Name(name) if name.is_empty() => Err(Error::InvalidName(
+                "the lock name is empty; use a descriptive name such as \"billing-sync\""
+                    .to_owned(),
+            )),
+            Target::Name(name) => Ok(name.clone()),
+            Target::Key(key) => Ok(format!("key{key}")),
+        }
+    }
+}
+
 impl From<&str> for LockRequest {
     fn from(name: &str) -> Self {
         Self {

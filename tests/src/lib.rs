@@ -46,3 +46,36 @@ pub async fn connect_admin(url: &str) -> Result<tokio_postgres::Client, tokio_po
     });
     Ok(client)
 }
+
+/// The path of a workspace example binary (`cargo test` builds examples next to the
+/// test binaries); builds it with `cargo build --example NAME` if it is missing.
+///
+/// # Errors
+///
+/// When the binary cannot be found or built.
+pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    // target/<profile>/deps/<test> -> target/<profile>
+    let profile_dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .ok_or_else(|| std::io::Error::other("unexpected test binary location"))?;
+    let path = profile_dir.join("examples").join(name);
+    if !path.exists() {
+        let release = profile_dir.ends_with("release");
+        let mut cmd = std::process::Command::new(
+            std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()),
+        );
+        cmd.args(["build", "-q", "-p", "chosen-examples", "--example", name]);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status()?;
+        if !status.success() || !path.exists() {
+            return Err(std::io::Error::other(format!(
+                "could not build example {name:?} ({status})"
+            )));
+        }
+    }
+    Ok(path)
+}

@@ -1,0 +1,150 @@
+//! Keep contending for a name in the background.
+
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::error::{Error, Result};
+use crate::leadership::Leadership;
+use crate::lease::Lease;
+use crate::manager::{LockManager, LockRequest};
+
+/// While following, how often the leader's node id is looked up (one query).
+const LEADER_REFRESH: Duration = Duration::from_secs(2);
+
+/// Contends for a name in the background for as long as it lives, and exposes the
+/// outcome as a [`Leadership`]: for code that needs "am I the leader" without a
+/// supervised child (the tower and apalis adapters, a health endpoint).
+///
+/// On lease loss it goes back to contending at once. Dropping the election (or
+/// [`shutdown`](Self::shutdown)) releases the lock.
+///
+/// ```no_run
+/// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+/// let election = chosen_core::Election::start(&manager, "scheduler")?;
+/// let leadership = election.leadership();
+/// loop {
+///     let token = leadership.wait_leading().await;
+///     println!("leading with token {token}");
+///     leadership.wait_not_leading().await;
+///     println!("not leading any more");
+/// }
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Election {
+    leadership: Leadership,
+    stop: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Election {
+    /// Starts contending for `lock` on `manager`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`] for an empty name.
+    pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
+        let request = lock.into();
+        let name = request.display_name(manager)?;
+        let leadership = Leadership::new(&name, manager.node_id());
+        let stop = CancellationToken::new();
+        let task = tokio::spawn({
+            let manager = manager.clone();
+            let leadership = leadership.clone();
+            let stop = stop.clone();
+            async move {
+                while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
+                    gained(&leadership, &lease);
+                    tokio::select! {
+                        reason = lease.lost() => {
+                            leadership.set_following(None);
+                            warn!(lock = %leadership.name(), %reason, "lost leadership");
+                        }
+                        () = stop.cancelled() => {
+                            leadership.set_following(None);
+                            let _ = lease.release().await;
+                            break;
+                        }
+                    }
+                }
+                leadership.set_stopped();
+            }
+        });
+        Ok(Self {
+            leadership,
+            stop,
+            task: Some(task),
+        })
+    }
+
+    /// The leadership handle (cheap to clone).
+    #[must_use]
+    pub fn leadership(&self) -> Leadership {
+        self.leadership.clone()
+    }
+
+    /// Stops contending and releases the lock if held; waits until done.
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Election {
+    fn drop(&mut self) {
+        // The task releases the lock in the background.
+        self.stop.cancel();
+    }
+}
+
+pub(crate) fn gained(leadership: &Leadership, lease: &Lease) {
+    leadership.set_leading(lease);
+    info!(
+        lock = %leadership.name(),
+        node_id = %leadership.node_id(),
+        token = lease.fencing_token().get(),
+        "gained leadership"
+    );
+}
+
+/// Waits for the lock while keeping the leadership's view of the leader fresh.
+/// `None` when stopped or the manager closed.
+pub(crate) async fn campaign(
+    manager: &LockManager,
+    request: &LockRequest,
+    leadership: &Leadership,
+    stop: &CancellationToken,
+) -> Option<Lease> {
+    let acquire = manager.acquire(request.clone());
+    tokio::pin!(acquire);
+    let mut refresh = tokio::time::interval(LEADER_REFRESH);
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => return None,
+            result = &mut acquire => match result {
+                Ok(lease) => return Some(lease),
+                Err(Error::Closed) => return None,
+                Err(e) => {
+                    warn!(lock = %leadership.name(), error = %e, "acquire failed; retrying");
+                    tokio::select! {
+                        () = stop.cancelled() => return None,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                    acquire.set(manager.acquire(request.clone()));
+                }
+            },
+            _ = refresh.tick() => {
+                if let Ok(holder) = manager.holder(request.clone()).await {
+                    leadership.set_following(holder.map(|h| h.node_id));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! One real node: a lock manager running one or more singletons, reporting every event
+//! as a JSON line on stdout. The fault-injection suite runs several of these.
+//!
+//! ```text
+//! DATABASE_URL=postgres://... cargo run --release --example node -- \
+//!     --node-id ID --singleton NAME [--singleton NAME ...] \
+//!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
+//! ```
+//!
+//! The event format is documented in `examples/README.md`. SIGTERM or SIGINT hands
+//! every singleton over gracefully, then exits 0. Bad flags or a bad URL print one line
+//! on stderr and exit 2.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chosen_core::{
+    ConnectionStatus, LeaderState, LockManager, ManagerOptions, Singleton, SingletonOptions,
+};
+
+struct Args {
+    node_id: String,
+    singletons: Vec<String>,
+    heartbeat: Option<Duration>,
+    lease_timeout: Option<Duration>,
+    server_release: Option<Duration>,
+    poll: Option<Duration>,
+    tick: Duration,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        node_id: String::new(),
+        singletons: Vec::new(),
+        heartbeat: None,
+        lease_timeout: None,
+        server_release: None,
+        poll: None,
+        tick: Duration::from_millis(50),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        let ms = |v: String, flag: &str| -> Result<Duration, String> {
+            v.parse::<u64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(Duration::from_millis)
+                .ok_or_else(|| format!("{flag} takes a positive number of milliseconds, got {v:?}"))
+        };
+        match flag.as_str() {
+            "--node-id" => args.node_id = value()?,
+            "--singleton" => args.singletons.push(value()?),
+            "--heartbeat-ms" => args.heartbeat = Some(ms(value()?, &flag)?),
+            "--lease-timeout-ms" => args.lease_timeout = Some(ms(value()?, &flag)?),
+            "--server-release-ms" => args.server_release = Some(ms(value()?, &flag)?),
+            "--poll-ms" => args.poll = Some(ms(value()?, &flag)?),
+            "--tick-ms" => args.tick = ms(value()?, &flag)?,
+            "-h" | "--help" => {
+                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] (DATABASE_URL must be set)".to_owned());
+            }
+            other => return Err(format!("unknown flag {other:?}; see --help")),
+        }
+    }
+    if args.node_id.is_empty() {
+        return Err("--node-id is required".to_owned());
+    }
+    if args.singletons.is_empty() {
+        return Err("at least one --singleton NAME is required".to_owned());
+    }
+    Ok(args)
+}
+
+/// One JSON object per line: `ts_us`, `node`, `event`, then the given fields.
+#[derive(Clone)]
+struct Events {
+    node: Arc<str>,
+}
+
+impl Events {
+    fn emit(&self, event: &str, fields: &[(&str, Field)]) {
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros());
+        let mut line = format!(
+            "{{\"ts_us\":{ts},\"node\":{},\"event\":{}",
+            json_str(&self.node),
+            json_str(event)
+        );
+        for (key, value) in fields {
+            let _ = write!(line, ",{}:", json_str(key));
+            match value {
+                Field::Str(s) => line.push_str(&json_str(s)),
+                Field::Num(n) => {
+                    let _ = write!(line, "{n}");
+                }
+                Field::Null => line.push_str("null"),
+            }
+        }
+        line.push('}');
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+enum Field {
+    Str(String),
+    Num(u64),
+    Null,
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("node: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let Ok(url) = std::env::var("DATABASE_URL") else {
+        eprintln!("node: DATABASE_URL is not set");
+        return ExitCode::from(2);
+    };
+    match run(args, &url).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("node: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn options(args: &Args, url: &str) -> chosen_core::Result<ManagerOptions> {
+    let mut o = ManagerOptions::from_url(url)?.node_id(&args.node_id);
+    if let Some(h) = args.heartbeat {
+        o = o.heartbeat_interval(h);
+    }
+    if let Some(l) = args.lease_timeout {
+        o = o.lease_timeout(l);
+        if args.server_release.is_none() {
+            // Keep the invariant: lease + stop budget + margin + 1 s of slack.
+            let release = (l + o.get_stop_budget() + Duration::from_secs(2))
+                .max(o.get_server_release_after());
+            o = o.server_release_after(release);
+        }
+    }
+    if let Some(s) = args.server_release {
+        o = o.server_release_after(s);
+    }
+    if let Some(p) = args.poll {
+        o = o.poll_interval(p);
+    }
+    o.validate()?;
+    Ok(o)
+}
+
+async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let events = Events {
+        node: args.node_id.as_str().into(),
+    };
+    let manager = LockManager::connect(options(&args, url)?).await?;
+    spawn_status_events(&manager, events.clone());
+
+    let mut singletons = Vec::new();
+    for name in &args.singletons {
+        let tick = args.tick;
+        let child_events = events.clone();
+        let singleton = Singleton::start(
+            &manager,
+            name.as_str(),
+            SingletonOptions::default(),
+            move |ctx| {
+                let events = child_events.clone();
+                async move {
+                    let token = ctx.fencing_token().get();
+                    let name = ctx.name().to_owned();
+                    let base = |extra: Vec<(&'static str, Field)>| {
+                        let mut f = vec![
+                            ("singleton", Field::Str(name.clone())),
+                            ("token", Field::Num(token)),
+                        ];
+                        f.extend(extra);
+                        f
+                    };
+                    events.emit("child_started", &base(vec![]));
+                    let mut ticks = tokio::time::interval(tick);
+                    loop {
+                        tokio::select! {
+                            () = ctx.cancelled() => break,
+                            _ = ticks.tick() => {
+                                // The guarded step: only while the lease may be trusted.
+                                if ctx.is_valid() {
+                                    events.emit("child_tick", &base(vec![]));
+                                }
+                            }
+                        }
+                    }
+                    if let Some(reason) = ctx.loss_reason() {
+                        events.emit(
+                            "lease_lost",
+                            &base(vec![("reason", Field::Str(reason.to_string()))]),
+                        );
+                    }
+                    events.emit("child_stopped", &base(vec![]));
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )?;
+        spawn_leadership_events(&singleton, events.clone());
+        singletons.push(singleton);
+    }
+
+    wait_for_signal().await;
+    events.emit("shutdown", &[("phase", Field::Str("begin".to_owned()))]);
+    for singleton in &singletons {
+        singleton.shutdown().await;
+    }
+    manager.shutdown().await;
+    events.emit("shutdown", &[("phase", Field::Str("done".to_owned()))]);
+    Ok(())
+}
+
+fn spawn_status_events(manager: &LockManager, events: Events) {
+    let mut status = manager.watch_connection_status();
+    tokio::spawn(async move {
+        loop {
+            let current = status.borrow_and_update().clone();
+            match current {
+                ConnectionStatus::Connected {
+                    generation,
+                    backend_pid,
+                } => events.emit(
+                    "connected",
+                    &[
+                        ("generation", Field::Num(generation)),
+                        (
+                            "backend_pid",
+                            Field::Num(u64::from(backend_pid.unsigned_abs())),
+                        ),
+                    ],
+                ),
+                ConnectionStatus::Disconnected { reason, .. } => {
+                    events.emit(
+                        "disconnected",
+                        &[("reason", Field::Str(reason.to_string()))],
+                    );
+                }
+                _ => {}
+            }
+            if status.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+fn spawn_leadership_events(singleton: &Singleton, events: Events) {
+    let leadership = singleton.leadership();
+    tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let state = leadership.state();
+            if last.as_ref() != Some(&state) {
+                let name = ("singleton", Field::Str(leadership.name().to_owned()));
+                match &state {
+                    LeaderState::Leading { token, .. } => {
+                        events.emit("leading", &[name, ("token", Field::Num(token.get()))]);
+                    }
+                    LeaderState::Following { leader } => events.emit(
+                        "following",
+                        &[
+                            name,
+                            ("leader", leader.clone().map_or(Field::Null, Field::Str)),
+                        ],
+                    ),
+                    LeaderState::Stopped => return,
+                    _ => {}
+                }
+                last = Some(state);
+            }
+            leadership.changed().await;
+        }
+    });
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,444 @@
+//! Singletons against real clusters: one child across the fleet, takeovers, restarts,
+//! cancellation, many singletons on one backend, and real node processes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chosen_core::{
+    LeaderState, LockManager, ManagerOptions, RestartPolicy, Singleton, SingletonOptions,
+    SingletonState,
+};
+use chosen_tests::{PgCluster, connect_admin, example_binary, signal, unique_name};
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .unwrap()
+        .node_id(node)
+        .poll_interval(Duration::from_millis(100))
+}
+
+/// Counts children running at once, across every singleton given to it.
+#[derive(Clone, Default)]
+struct Census {
+    running: Arc<AtomicI64>,
+    max: Arc<AtomicI64>,
+    starts: Arc<Mutex<Vec<(String, Instant)>>>,
+    cancelled: Arc<AtomicU64>,
+}
+
+impl Census {
+    fn start(&self, manager: &LockManager, name: &str, opts: SingletonOptions) -> Singleton {
+        let census = self.clone();
+        Singleton::start(manager, name, opts, move |ctx| {
+            let census = census.clone();
+            async move {
+                let now = census.running.fetch_add(1, Ordering::SeqCst) + 1;
+                census.max.fetch_max(now, Ordering::SeqCst);
+                census
+                    .starts
+                    .lock()
+                    .unwrap()
+                    .push((ctx.node_id().to_owned(), Instant::now()));
+                ctx.cancelled().await;
+                census.cancelled.fetch_add(1, Ordering::SeqCst);
+                census.running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<(), std::io::Error>(())
+            }
+        })
+        .unwrap()
+    }
+
+    async fn wait_starts(&self, n: usize) -> (String, Instant) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(last) = self.starts.lock().unwrap().get(n - 1) {
+                return last.clone();
+            }
+            assert!(Instant::now() < deadline, "no start #{n}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_child_across_three_managers_and_takeovers() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("singleton");
+    let census = Census::default();
+    let mut managers = Vec::new();
+    let mut singletons = Vec::new();
+    for i in 0..3 {
+        let m = LockManager::connect(options(&pg.url(), &format!("single-{i}")))
+            .await
+            .unwrap();
+        singletons.push(census.start(&m, &name, SingletonOptions::default()));
+        managers.push(m);
+    }
+    let (first, _) = census.wait_starts(1).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(census.running.load(Ordering::SeqCst), 1);
+    let leader = singletons
+        .iter()
+        .position(|s| s.leadership().is_leader())
+        .expect("one leads");
+    assert_eq!(managers[leader].node_id(), first);
+    for (i, s) in singletons.iter().enumerate() {
+        let status = s.status();
+        if i == leader {
+            assert!(
+                matches!(status.state, SingletonState::Leading { .. }),
+                "{status:?}"
+            );
+        } else {
+            // Followers know who leads (refreshed every 2 s).
+            assert_eq!(
+                status.state,
+                SingletonState::Following {
+                    leader: Some(first.clone())
+                },
+                "{status:?}"
+            );
+        }
+    }
+
+    // Graceful: the leader shuts down; a follower starts the child about a round trip later.
+    let t0 = Instant::now();
+    singletons[leader].shutdown().await;
+    let (second, started) = census.wait_starts(2).await;
+    assert_ne!(second, first);
+    let graceful = started - t0;
+    assert!(graceful < Duration::from_secs(5), "{graceful:?}");
+
+    // Killed session: the new leader's child is cancelled, another node takes over.
+    let second_index = managers.iter().position(|m| m.node_id() == second).unwrap();
+    let pid = match managers[second_index].connection_status() {
+        chosen_core::ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        other => panic!("{other:?}"),
+    };
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let t1 = Instant::now();
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    let (_third, started) = census.wait_starts(3).await;
+    let killed = started - t1;
+    assert!(killed < Duration::from_secs(5), "{killed:?}");
+    assert!(
+        census.cancelled.load(Ordering::SeqCst) >= 2,
+        "children were told to stop"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        census.max.load(Ordering::SeqCst),
+        1,
+        "never two children at once"
+    );
+    eprintln!(
+        "TAKEOVER singleton: graceful shutdown {} ms, killed session {} ms",
+        graceful.as_millis(),
+        killed.as_millis()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_singletons_with_one_name_in_one_process_never_both_run() {
+    let pg = PgCluster::start().unwrap();
+    let m = LockManager::connect(options(&pg.url(), "same-name"))
+        .await
+        .unwrap();
+    let name = unique_name("same");
+    let census = Census::default();
+    let a = census.start(&m, &name, SingletonOptions::default());
+    let b = census.start(&m, &name, SingletonOptions::default());
+    census.wait_starts(1).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(census.running.load(Ordering::SeqCst), 1);
+    let (leader, follower) = if a.leadership().is_leader() {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    assert!(!follower.leadership().is_leader());
+    leader.shutdown().await;
+    census.wait_starts(2).await;
+    assert!(follower.leadership().is_leader());
+    assert_eq!(census.max.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_singletons_share_one_backend() {
+    let pg = PgCluster::start().unwrap();
+    let node = unique_name("many-singletons");
+    let node = node[..node.len().min(60)].to_owned();
+    let m = LockManager::connect(options(&pg.url(), &node))
+        .await
+        .unwrap();
+    let census = Census::default();
+    let prefix = unique_name("s");
+    let singletons: Vec<_> = (0..200)
+        .map(|i| census.start(&m, &format!("{prefix}-{i}"), SingletonOptions::default()))
+        .collect();
+    census.wait_starts(200).await;
+    assert_eq!(census.running.load(Ordering::SeqCst), 200);
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let backends: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&node],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(backends, 1);
+    for s in &singletons {
+        s.shutdown().await;
+    }
+    assert_eq!(census.running.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_that_ignores_cancellation_is_aborted_and_failures_restart() {
+    let pg = PgCluster::start().unwrap();
+    let m = LockManager::connect(options(&pg.url(), "stubborn"))
+        .await
+        .unwrap();
+    let finished = Arc::new(AtomicU64::new(0));
+    let runs = Arc::new(AtomicU64::new(0));
+    let singleton = Singleton::start(
+        &m,
+        unique_name("stubborn"),
+        SingletonOptions::default()
+            .shutdown_timeout(Duration::from_millis(300))
+            .restart(RestartPolicy::OnFailure)
+            .backoff(Duration::from_millis(10), Duration::from_millis(50)),
+        {
+            let finished = Arc::clone(&finished);
+            let runs = Arc::clone(&runs);
+            move |_ctx| {
+                let finished = Arc::clone(&finished);
+                let n = runs.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n < 2 {
+                        return Err(std::io::Error::other(format!("failure {n}")));
+                    }
+                    // Ignores cancellation entirely.
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    finished.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                }
+            }
+        },
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while runs.load(Ordering::SeqCst) < 3 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = singleton.status();
+    assert_eq!(status.restarts, 2);
+    assert_eq!(status.last_failure.as_deref(), Some("failure 1"));
+    let t0 = Instant::now();
+    singleton.shutdown().await;
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(finished.load(Ordering::SeqCst), 0, "aborted, not finished");
+    assert_eq!(singleton.status().state, SingletonState::Stopped);
+    assert_eq!(singleton.leadership().state(), LeaderState::Stopped);
+    // The lock was released.
+    assert!(
+        m.try_acquire(singleton.status().name.as_str())
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_timeout_beyond_the_stop_budget_is_rejected() {
+    let pg = PgCluster::start().unwrap();
+    let m = LockManager::connect(options(&pg.url(), "budget"))
+        .await
+        .unwrap();
+    let err = Singleton::start(
+        &m,
+        "x",
+        SingletonOptions::default().shutdown_timeout(Duration::from_secs(10)),
+        |_ctx| async { Ok::<(), std::io::Error>(()) },
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("stop_budget"), "{err}");
+    let err = Singleton::start(&m, "", SingletonOptions::default(), |_ctx| async {
+        Ok::<(), std::io::Error>(())
+    })
+    .unwrap_err();
+    assert!(matches!(err, chosen_core::Error::InvalidName(_)), "{err}");
+}
+
+/// A `node` example process and its JSON event lines.
+struct Node {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Node {
+    fn spawn(url: &str, id: &str, singleton: &str) -> Self {
+        let mut child = Command::new(example_binary("node").unwrap())
+            .args([
+                "--node-id",
+                id,
+                "--singleton",
+                singleton,
+                "--poll-ms",
+                "100",
+            ])
+            .env("DATABASE_URL", url)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// Waits for an event line; `None` on timeout.
+    fn wait(&self, event: &str, limit: Duration) -> Option<String> {
+        let deadline = Instant::now() + limit;
+        let needle = format!("\"event\":\"{event}\"");
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(&needle) => return Some(line),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_processes_take_over_after_sigkill_and_sigterm() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("proc");
+    let url = pg.url();
+    let a = Node::spawn(&url, "proc-a", &name);
+    a.wait("child_started", Duration::from_secs(20))
+        .expect("A runs the child");
+    let b = Node::spawn(&url, "proc-b", &name);
+    let c = Node::spawn(&url, "proc-c", &name);
+    b.wait("following", Duration::from_secs(20))
+        .expect("B follows");
+    c.wait("following", Duration::from_secs(20))
+        .expect("C follows");
+
+    // SIGKILL the leader: a follower's child starts within a poll or so.
+    let mut a = a;
+    let t0 = Instant::now();
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    let (winner, loser) = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if b.wait("child_started", Duration::from_millis(20)).is_some() {
+                return (b, c);
+            }
+            if c.wait("child_started", Duration::from_millis(20)).is_some() {
+                return (c, b);
+            }
+            assert!(Instant::now() < deadline, "nobody took over");
+        }
+    })
+    .await
+    .unwrap();
+    let sigkill = t0.elapsed();
+
+    // SIGTERM the new leader: graceful hand-over, exit 0.
+    let t1 = Instant::now();
+    signal(winner.child.id(), "TERM").unwrap();
+    let loser = tokio::task::spawn_blocking(move || {
+        loser
+            .wait("child_started", Duration::from_secs(20))
+            .expect("the last node takes over");
+        loser
+    })
+    .await
+    .unwrap();
+    let sigterm = t1.elapsed();
+    let mut winner = winner;
+    let status = winner.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let done = winner
+        .wait("shutdown", Duration::from_secs(5))
+        .expect("a shutdown event");
+    assert!(done.contains("\"phase\":\"begin\""), "{done}");
+    assert!(
+        winner.wait("shutdown", Duration::from_secs(5)).is_some(),
+        "a second shutdown event (done)"
+    );
+    drop(loser);
+    assert!(sigkill < Duration::from_secs(10), "{sigkill:?}");
+    assert!(sigterm < Duration::from_secs(5), "{sigterm:?}");
+    eprintln!(
+        "TAKEOVER node process: SIGKILL {} ms, SIGTERM {} ms",
+        sigkill.as_millis(),
+        sigterm.as_millis()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_rejects_bad_flags_with_one_line() {
+    let bin = example_binary("node").unwrap();
+    for (args, url) in [
+        (vec!["--node-id", "x"], Some("postgres://u@127.0.0.1:1/db")),
+        (
+            vec!["--singleton", "s"],
+            Some("postgres://u@127.0.0.1:1/db"),
+        ),
+        (
+            vec!["--node-id", "x", "--singleton", "s", "--tick-ms", "abc"],
+            Some("postgres://u@127.0.0.1:1/db"),
+        ),
+        (
+            vec!["--node-id", "x", "--singleton", "s", "--bogus"],
+            Some("postgres://u@127.0.0.1:1/db"),
+        ),
+        (
+            vec!["--node-id", "x", "--singleton", "s"],
+            Some("postgres://u@host:notaport/db"),
+        ),
+        (vec!["--node-id", "x", "--singleton", "s"], None),
+    ] {
+        let mut cmd = Command::new(&bin);
+        cmd.args(&args).env_remove("DATABASE_URL");
+        if let Some(url) = url {
+            cmd.env("DATABASE_URL", url);
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("node: "), "{stderr}");
+    }
+}
