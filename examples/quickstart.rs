@@ -1,5 +1,5 @@
-//! Three nodes compete for one lock; the holder is made to fail in different ways and
-//! every takeover is timed.
+//! Three nodes run one singleton; the leader is made to fail in three ways and every
+//! takeover is timed.
 //!
 //! ```text
 //! cargo run --example quickstart
@@ -7,31 +7,52 @@
 //!
 //! With `DATABASE_URL` set it uses that database; otherwise it starts a throwaway
 //! PostgreSQL cluster from the server binaries (and says how to install them if they
-//! are missing).
+//! are missing). Each node connects through its own loopback proxy, so that one
+//! node's network can be cut for the partition scenario.
 
 use std::error::Error;
+use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chosen_core::{FencingToken, LockManager, ManagerOptions};
-use chosen_tests::{PgCluster, connect_admin};
-use tokio::sync::{Notify, mpsc};
+use chosen_core::{FencingToken, LockManager, ManagerOptions, Singleton, SingletonOptions};
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin};
+use tokio::sync::mpsc;
 
-const LOCK: &str = "quickstart-singleton";
+const SINGLETON: &str = "nightly-report";
 
-#[derive(Debug)]
 enum Event {
-    Leading { node: usize, token: FencingToken },
-    Lost { node: usize, reason: String },
+    Started {
+        node: usize,
+        token: FencingToken,
+        at: Instant,
+    },
+    Stopped {
+        node: usize,
+        why: String,
+        at: Instant,
+    },
+}
+
+struct Node {
+    manager: LockManager,
+    singleton: Option<Singleton>,
+    proxy: FaultProxy,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // `RUST_LOG=chosen_core=debug cargo run --example quickstart` shows the library's events.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     match run().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("quickstart failed: {e}");
+            eprintln!("\nquickstart failed: {e}");
             ExitCode::FAILURE
         }
     }
@@ -48,139 +69,231 @@ async fn run() -> Result<(), Box<dyn Error>> {
             println!("No DATABASE_URL: starting a throwaway PostgreSQL cluster...");
             let cluster = PgCluster::start_local()?;
             println!(
-                "  PostgreSQL is up on 127.0.0.1:{} ({:.1} s).",
+                "PostgreSQL is up on 127.0.0.1:{} after {:.1} s.",
                 cluster.port().unwrap_or_default(),
                 started.elapsed().as_secs_f64()
             );
             (cluster.url(), Some(cluster))
         }
     };
+    let pg_config: tokio_postgres_config::Config = url.parse()?;
+    let upstream = upstream_addr(&pg_config)?;
 
-    println!("\nThree nodes, one connection each, all asking for the lock {LOCK:?}.");
+    println!(
+        "\nThree nodes (one lock connection each) run the singleton {SINGLETON:?}: exactly one of them runs its child."
+    );
     let (tx, mut events) = mpsc::unbounded_channel();
-    let mut managers = Vec::new();
-    let mut step_down = Vec::new();
-    for node in 1..=3 {
-        let options = ManagerOptions::from_url(&url)?.node_id(format!("quickstart-node-{node}"));
+    let mut nodes = Vec::new();
+    for n in 1..=3 {
+        let proxy = FaultProxy::start(upstream).await?;
+        let config = through(&pg_config, proxy.addr());
+        let options = ManagerOptions::from_pg_config(config).node_id(format!("node-{n}"));
         let manager = LockManager::connect(options).await?;
-        let notify = Arc::new(Notify::new());
-        tokio::spawn(node_loop(
-            node,
-            manager.clone(),
-            Arc::clone(&notify),
-            tx.clone(),
-        ));
-        managers.push(manager);
-        step_down.push(notify);
+        let singleton = start_singleton(&manager, n, &tx)?;
+        nodes.push(Node {
+            manager,
+            singleton: Some(singleton),
+            proxy,
+        });
     }
     let admin = connect_admin(&url).await?;
+    let mut leader = next_start(&mut events, None).await?.0;
+    let mut results = Vec::new();
 
-    let mut leader = wait_leader(&mut events, None).await?.0;
-    println!("  node-{leader} leads.\n");
-
-    // 1. Graceful hand-off: the leader releases; the release is announced with NOTIFY.
-    println!("1. node-{leader} steps down gracefully (release + NOTIFY)...");
+    // 1. Graceful shutdown: stop the child, release, announce with NOTIFY.
+    println!("\n1. node-{leader} shuts down gracefully (as on SIGTERM)...");
     let t = Instant::now();
-    step_down[leader - 1].notify_one();
-    let (next, took) = wait_leader(&mut events, Some(t)).await?;
-    println!("   node-{next} took over after {}.\n", ms(took));
+    if let Some(s) = nodes[leader - 1].singleton.take() {
+        s.shutdown().await;
+    }
+    let (next, took, _) = next_start(&mut events, Some(t)).await?;
+    results.push(("graceful shutdown", took, None));
+    rejoin(&mut nodes, leader, &tx)?;
     leader = next;
     settle().await;
 
-    // 2. The leader's database session is killed by the server.
-    println!("2. the server terminates node-{leader}'s session (pg_terminate_backend)...");
+    // 2. The server kills the leader's session.
+    println!("\n2. the database terminates node-{leader}'s session (pg_terminate_backend)...");
     let t = Instant::now();
     admin
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-            &[&format!("quickstart-node-{leader}")],
+            &[&format!("node-{leader}")],
         )
         .await?;
-    let (next, took) = wait_leader(&mut events, Some(t)).await?;
-    println!(
-        "   node-{leader} revoked its lease at once; node-{next} took over after {} (waiters poll every 300 ms).\n",
-        ms(took)
-    );
+    let (next, took, _) = next_start(&mut events, Some(t)).await?;
+    results.push(("session killed", took, None));
     leader = next;
     settle().await;
 
-    // 3. The leader's process shuts down (as on SIGTERM).
-    println!("3. node-{leader} shuts down (manager.shutdown(): revoke, release, announce)...");
+    // 3. The leader's network goes silent: it must stop on its own before the server
+    //    lets anyone else in.
+    println!(
+        "\n3. node-{leader}'s network goes silent (a partition: packets dropped, sockets open)..."
+    );
     let t = Instant::now();
-    managers[leader - 1].shutdown().await;
-    let (next, took) = wait_leader(&mut events, Some(t)).await?;
-    println!("   node-{next} took over after {}.\n", ms(took));
+    nodes[leader - 1].proxy.set(ProxyMode::BlackHole);
+    let (next, took, stopped) = next_start(&mut events, Some(t)).await?;
+    results.push(("network partition", took, stopped));
+    nodes[leader - 1].proxy.set(ProxyMode::Pass);
+    let _ = next;
 
-    for m in &managers {
-        m.shutdown().await;
+    println!("\nSummary (time until another node's child was running):");
+    for (what, took, stopped) in &results {
+        print!("  {what:<20} {:>8}", ms(*took));
+        if let Some(stopped) = stopped {
+            print!(
+                "   (old leader stopped its child after {}, {} before the takeover: no overlap)",
+                ms(*stopped),
+                ms(took.saturating_sub(*stopped))
+            );
+        }
+        println!();
     }
     println!(
-        "Done in {:.1} s. At no point did two nodes hold the lock: each takeover happened only after the previous holder released it or lost its session.",
-        started.elapsed().as_secs_f64()
+        "\nA partitioned leader cannot be told it lost: it stops by itself when its heartbeat is {} overdue, and the server releases its lock only after {} of silence.",
+        secs(nodes[0].manager.options().get_lease_timeout()),
+        secs(nodes[0].manager.options().get_server_release_after())
     );
+    for node in &nodes {
+        if let Some(s) = &node.singleton {
+            s.shutdown().await;
+        }
+        node.manager.shutdown().await;
+    }
+    println!("Done in {:.1} s.", started.elapsed().as_secs_f64());
     Ok(())
 }
 
-async fn node_loop(
+fn start_singleton(
+    manager: &LockManager,
     node: usize,
-    manager: LockManager,
-    step_down: Arc<Notify>,
-    tx: mpsc::UnboundedSender<Event>,
-) {
-    loop {
-        let lease = match manager.acquire(LOCK).await {
-            Ok(lease) => lease,
-            Err(chosen_core::Error::Closed) => return,
-            Err(e) => {
-                eprintln!("   node-{node}: {e}");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+    tx: &mpsc::UnboundedSender<Event>,
+) -> chosen_core::Result<Singleton> {
+    let tx = tx.clone();
+    Singleton::start(
+        manager,
+        SINGLETON,
+        SingletonOptions::default(),
+        move |ctx| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(Event::Started {
+                    node,
+                    token: ctx.fencing_token(),
+                    at: Instant::now(),
+                });
+                // The child's work would go here, checking ctx.is_valid() before each step.
+                ctx.cancelled().await;
+                let why = ctx
+                    .loss_reason()
+                    .map_or_else(|| "shutdown".to_owned(), |r| r.to_string());
+                let _ = tx.send(Event::Stopped {
+                    node,
+                    why,
+                    at: Instant::now(),
+                });
+                Ok::<(), std::io::Error>(())
             }
-        };
-        let _ = tx.send(Event::Leading {
-            node,
-            token: lease.fencing_token(),
-        });
-        tokio::select! {
-            reason = lease.lost() => {
-                let _ = tx.send(Event::Lost { node, reason: reason.to_string() });
-                // Give the others a chance before contending again.
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            () = step_down.notified() => {
-                let _ = lease.release().await;
-                // Let another node win this round.
-                tokio::time::sleep(Duration::from_secs(2)).await;
-            }
-        }
-    }
+        },
+    )
 }
 
-async fn wait_leader(
+fn rejoin(
+    nodes: &mut [Node],
+    node: usize,
+    tx: &mpsc::UnboundedSender<Event>,
+) -> Result<(), Box<dyn Error>> {
+    nodes[node - 1].singleton = Some(start_singleton(&nodes[node - 1].manager, node, tx)?);
+    println!("   node-{node} starts its singleton again and waits in line.");
+    Ok(())
+}
+
+/// Prints events until a child starts; returns the node, the time since `since`, and
+/// when (since `since`) a child stopped before it.
+async fn next_start(
     events: &mut mpsc::UnboundedReceiver<Event>,
     since: Option<Instant>,
-) -> Result<(usize, Duration), Box<dyn Error>> {
-    let deadline = Duration::from_secs(30);
+) -> Result<(usize, Duration, Option<Duration>), Box<dyn Error>> {
+    let t0 = since.unwrap_or_else(Instant::now);
+    let mut stopped = None;
     loop {
-        match tokio::time::timeout(deadline, events.recv()).await {
-            Ok(Some(Event::Leading { node, token })) => {
-                println!("   [event] node-{node} acquired the lock, fencing token {token}");
-                return Ok((node, since.map(|t| t.elapsed()).unwrap_or_default()));
+        let event = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .map_err(|_| "no node started the child within 30 s")?
+            .ok_or("all nodes stopped")?;
+        match event {
+            Event::Started { node, token, at } => {
+                let took = at.duration_since(t0);
+                if since.is_some() {
+                    println!(
+                        "   {:>8}  node-{node} runs the child (fencing token {token})",
+                        ms(took)
+                    );
+                } else {
+                    println!("   node-{node} runs the child (fencing token {token})");
+                }
+                return Ok((node, took, stopped));
             }
-            Ok(Some(Event::Lost { node, reason })) => {
-                println!("   [event] node-{node} lost the lock: {reason}");
+            Event::Stopped { node, why, at } => {
+                let took = at.duration_since(t0);
+                println!("   {:>8}  node-{node} stopped its child: {why}", ms(took));
+                stopped = Some(took);
             }
-            Ok(None) => return Err("all nodes stopped".into()),
-            Err(_) => return Err("no node acquired the lock within 30 s".into()),
         }
     }
 }
 
 /// Lets every node that is not leading get back in line.
 async fn settle() {
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+}
+
+fn upstream_addr(config: &tokio_postgres_config::Config) -> Result<SocketAddr, Box<dyn Error>> {
+    use tokio_postgres_config::Host;
+    let host = match config.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        _ => return Err("the quickstart needs a TCP host in DATABASE_URL".into()),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port))?
+        .next()
+        .ok_or_else(|| format!("cannot resolve {host}").into())
+}
+
+/// The same credentials and database, reached only through `proxy` (note that
+/// `Config::host` adds a host rather than replacing it, hence a fresh config).
+fn through(
+    config: &tokio_postgres_config::Config,
+    proxy: SocketAddr,
+) -> tokio_postgres_config::Config {
+    let mut c = tokio_postgres_config::Config::new();
+    c.host(proxy.ip().to_string()).port(proxy.port());
+    if let Some(user) = config.get_user() {
+        c.user(user);
+    }
+    if let Some(password) = config.get_password() {
+        c.password(password);
+    }
+    if let Some(db) = config.get_dbname() {
+        c.dbname(db);
+    }
+    c
 }
 
 fn ms(d: Duration) -> String {
-    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+    if d >= Duration::from_secs(1) {
+        format!("{:.2} s", d.as_secs_f64())
+    } else {
+        format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}
+
+mod tokio_postgres_config {
+    pub(crate) use chosen_tests::PgConfig as Config;
+    pub(crate) use chosen_tests::PgHost as Host;
 }

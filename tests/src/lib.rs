@@ -17,6 +17,10 @@ mod proxy;
 
 pub use cluster::{PgBouncer, PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD, signal};
 pub use proxy::{FaultProxy, ProxyMode};
+/// Re-exported for examples that build connection settings by hand.
+pub use tokio_postgres::Config as PgConfig;
+/// Re-exported for examples that inspect connection settings.
+pub use tokio_postgres::config::Host as PgHost;
 
 /// A lock name unique to this process and call, so tests can share a database.
 #[must_use]
