@@ -38,6 +38,7 @@ struct Node {
     manager: LockManager,
     singleton: Option<Singleton>,
     proxy: FaultProxy,
+    http: SocketAddr,
 }
 
 #[tokio::main]
@@ -90,14 +91,18 @@ async fn run() -> Result<(), Box<dyn Error>> {
         let options = ManagerOptions::from_pg_config(config).node_id(format!("node-{n}"));
         let manager = LockManager::connect(options).await?;
         let singleton = start_singleton(&manager, n, &tx)?;
+        let http = serve_admin(singleton.leadership()).await?;
         nodes.push(Node {
             manager,
             singleton: Some(singleton),
             proxy,
+            http,
         });
     }
     let admin = connect_admin(&url).await?;
     let mut leader = next_start(&mut events, None).await?.0;
+    println!("   Each node also serves POST /admin behind LeaderOnlyLayer:");
+    show_admin(&nodes).await;
     let mut results = Vec::new();
 
     // 1. Graceful shutdown: stop the child, release, announce with NOTIFY.
@@ -108,7 +113,8 @@ async fn run() -> Result<(), Box<dyn Error>> {
     }
     let (next, took, _) = next_start(&mut events, Some(t)).await?;
     results.push(("graceful shutdown", took, None));
-    rejoin(&mut nodes, leader, &tx)?;
+    println!("   node-{leader} has left; two nodes remain.");
+    show_admin(&nodes).await;
     leader = next;
     settle().await;
 
@@ -123,6 +129,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         .await?;
     let (next, took, _) = next_start(&mut events, Some(t)).await?;
     results.push(("session killed", took, None));
+    show_admin(&nodes).await;
     leader = next;
     settle().await;
 
@@ -135,6 +142,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
     nodes[leader - 1].proxy.set(ProxyMode::BlackHole);
     let (next, took, stopped) = next_start(&mut events, Some(t)).await?;
     results.push(("network partition", took, stopped));
+    show_admin(&nodes).await;
     nodes[leader - 1].proxy.set(ProxyMode::Pass);
     let _ = next;
 
@@ -199,16 +207,6 @@ fn start_singleton(
     )
 }
 
-fn rejoin(
-    nodes: &mut [Node],
-    node: usize,
-    tx: &mpsc::UnboundedSender<Event>,
-) -> Result<(), Box<dyn Error>> {
-    nodes[node - 1].singleton = Some(start_singleton(&nodes[node - 1].manager, node, tx)?);
-    println!("   node-{node} starts its singleton again and waits in line.");
-    Ok(())
-}
-
 /// Prints events until a child starts; returns the node, the time since `since`, and
 /// when (since `since`) a child stopped before it.
 async fn next_start(
@@ -242,6 +240,51 @@ async fn next_start(
             }
         }
     }
+}
+
+/// Serves `POST /admin` (leader only) on a loopback port.
+async fn serve_admin(leadership: chosen_core::Leadership) -> Result<SocketAddr, Box<dyn Error>> {
+    let app = axum::Router::new().route(
+        "/admin",
+        axum::routing::post(|| async { "done\n" })
+            .route_layer(chosen_tower::LeaderOnlyLayer::new(leadership)),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(addr)
+}
+
+/// Asks every node's `POST /admin` and prints the status codes.
+async fn show_admin(nodes: &[Node]) {
+    let mut line = String::from("   POST /admin:");
+    for (i, node) in nodes.iter().enumerate() {
+        let status = http_status(node.http).await.unwrap_or_else(|e| e);
+        line.push_str(&format!("  node-{} -> {status}", i + 1));
+    }
+    println!("{line}");
+}
+
+async fn http_status(addr: SocketAddr) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(b"POST /admin HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    stream
+        .read_to_end(&mut buf)
+        .await
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&buf);
+    let status = text.split(' ').nth(1).unwrap_or("?");
+    Ok(match status {
+        "200" => "200 (leader)".to_owned(),
+        other => other.to_owned(),
+    })
 }
 
 /// Lets every node that is not leading get back in line.

@@ -18,7 +18,8 @@ const LEADER_REFRESH: Duration = Duration::from_secs(2);
 /// outcome as a [`Leadership`]: for code that needs "am I the leader" without a
 /// supervised child (the tower and apalis adapters, a health endpoint).
 ///
-/// On lease loss it goes back to contending at once. Dropping the election (or
+/// On lease loss it contends again after two poll intervals (a node that just lost its
+/// session is the suspect one, so healthy nodes get a head start). Dropping the election (or
 /// [`shutdown`](Self::shutdown)) releases the lock.
 ///
 /// ```no_run
@@ -62,6 +63,9 @@ impl Election {
                         reason = lease.lost() => {
                             leadership.set_following(None);
                             warn!(lock = %leadership.name(), %reason, "lost leadership");
+                            if !rejoin_pause(&manager, &stop).await {
+                                break;
+                            }
                         }
                         () = stop.cancelled() => {
                             leadership.set_following(None);
@@ -99,6 +103,17 @@ impl Drop for Election {
     fn drop(&mut self) {
         // The task releases the lock in the background.
         self.stop.cancel();
+    }
+}
+
+/// After losing a lease: wait two poll intervals before contending again, so that the
+/// other nodes (whose sessions did not just fail) get the lock first. `false` if
+/// stopped meanwhile.
+pub(crate) async fn rejoin_pause(manager: &LockManager, stop: &CancellationToken) -> bool {
+    let pause = manager.options().get_poll_interval() * 2;
+    tokio::select! {
+        () = stop.cancelled() => false,
+        () = tokio::time::sleep(pause) => true,
     }
 }
 

@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tracing::{error, info, warn};
 
-use crate::election::{campaign, gained};
+use crate::election::{campaign, gained, rejoin_pause};
 use crate::error::{Error, Result};
 use crate::leadership::Leadership;
 use crate::lease::{FencingToken, Validity};
@@ -300,7 +300,8 @@ pub struct SingletonStatus {
 /// 1. **Lease lost** (session ended, heartbeat overdue): the child's
 ///    [`LeaderContext::cancelled`] resolves at once, it gets the shutdown timeout to
 ///    return, then it is aborted (at its next `.await`; a child that never yields
-///    cannot be aborted, so keep CPU-bound steps short). Then the node contends again.
+///    cannot be aborted, so keep CPU-bound steps short). Then the node contends again,
+///    after two poll intervals that give the other nodes a head start.
 /// 2. **Shutdown** ([`shutdown`](Self::shutdown), or dropping the `Singleton`): the same
 ///    stop, *then* the lock is released and announced, so a waiting node starts its
 ///    child within about a round trip.
@@ -320,7 +321,7 @@ pub struct SingletonStatus {
 ///             () = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
 ///         }
 ///     }
-///     Ok(())
+///     Ok::<(), std::io::Error>(())
 /// })?;
 /// // ... on SIGTERM:
 /// singleton.shutdown().await;
@@ -495,6 +496,9 @@ async fn run<F, Fut>(
         match outcome {
             Outcome::Lost(reason) => {
                 warn!(singleton = %name, %reason, "lost leadership; child stopped");
+                if !rejoin_pause(&manager, &stop).await {
+                    break;
+                }
             }
             Outcome::Stop => {
                 let _ = lease.release().await;

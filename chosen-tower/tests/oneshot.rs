@@ -1,0 +1,237 @@
+//! The layer with a hand-set leadership: no database needed.
+
+use std::convert::Infallible;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::{get, post};
+use chosen_core::Leadership;
+use chosen_tower::{FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyLayer};
+use http::{Method, Request, Response, StatusCode};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+fn request(method: Method, path: &str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(path)
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn echo() -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone {
+    service_fn(|_req: Request<Body>| async {
+        Ok::<_, Infallible>(Response::new(Body::from("inner")))
+    })
+}
+
+async fn body_text(res: Response<Body>) -> String {
+    let bytes = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn leader_passes_follower_answers_503_with_retry_after() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let svc = LeaderOnlyLayer::new(leadership).layer(echo());
+
+    control.lead(7);
+    let res = svc
+        .clone()
+        .oneshot(request(Method::GET, "/"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(body_text(res).await, "inner");
+
+    control.follow(None);
+    let res = svc
+        .clone()
+        .oneshot(request(Method::GET, "/"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(res.headers().get(LEADER_HEADER).is_none());
+    assert_eq!(body_text(res).await, "");
+
+    control.follow(Some("node-2"));
+    let res = svc.oneshot(request(Method::GET, "/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()[LEADER_HEADER], "node-2");
+}
+
+#[tokio::test]
+async fn retry_after_rounds_up_to_whole_seconds() {
+    let (leadership, _control) = Leadership::manual("admin", "node-1");
+    let svc = LeaderOnlyLayer::new(leadership)
+        .retry_after(Duration::from_millis(2500))
+        .layer(echo());
+    let res = svc.oneshot(request(Method::GET, "/")).await.unwrap();
+    assert_eq!(res.headers()["retry-after"], "3");
+}
+
+#[tokio::test]
+async fn redirect_to_the_leader_or_503_when_unknown() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let svc = LeaderOnlyLayer::new(leadership)
+        .redirect(|leader, uri| {
+            format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
+                .parse()
+                .ok()
+        })
+        .layer(echo());
+    control.follow(Some("node-3"));
+    let res = svc
+        .clone()
+        .oneshot(request(Method::POST, "/admin/run?now=1"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TEMPORARY_REDIRECT);
+    assert_eq!(
+        res.headers()["location"],
+        "http://node-3.internal:8080/admin/run?now=1"
+    );
+    assert_eq!(res.headers()[LEADER_HEADER], "node-3");
+
+    control.follow(None);
+    let res = svc
+        .oneshot(request(Method::POST, "/admin/run"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
+async fn custom_answers() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let svc = LeaderOnlyLayer::new(leadership)
+        .respond_with(|ctx: &FollowerContext<'_>| {
+            let mut res = Response::new(Body::from(format!(
+                "ask {} for {}",
+                ctx.leader.unwrap_or("nobody"),
+                ctx.uri.path()
+            )));
+            *res.status_mut() = StatusCode::MISDIRECTED_REQUEST;
+            res
+        })
+        .layer(echo());
+    control.follow(Some("node-9"));
+    let res = svc.oneshot(request(Method::GET, "/x")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::MISDIRECTED_REQUEST);
+    assert_eq!(res.headers()[LEADER_HEADER], "node-9");
+    assert_eq!(body_text(res).await, "ask node-9 for /x");
+}
+
+/// An inner service that is never ready.
+#[derive(Clone)]
+struct NeverReady;
+
+impl Service<Request<Body>> for NeverReady {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Pending
+    }
+    fn call(&mut self, _req: Request<Body>) -> Self::Future {
+        unreachable!()
+    }
+}
+
+#[tokio::test]
+async fn poll_ready_forwards_and_never_gates() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.follow(None);
+    let mut svc = LeaderOnlyLayer::new(leadership).layer(NeverReady);
+    let waker = std::task::Waker::noop();
+    let mut cx = Context::from_waker(waker);
+    assert!(
+        svc.poll_ready(&mut cx).is_pending(),
+        "readiness is the inner service's"
+    );
+    // A follower answers without the inner service.
+    let res = svc.call(request(Method::GET, "/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
+async fn axum_route_layer_versus_layer() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.follow(Some("node-2"));
+    let gated = || LeaderOnlyLayer::new(leadership.clone());
+
+    // Router::route_layer: 404 kept; wrong method on the gated path -> 503.
+    let app = Router::new()
+        .route("/admin", post(|| async { "ok" }))
+        .route_layer(gated());
+    let status =
+        |app: Router, m, p| async move { app.oneshot(request(m, p)).await.unwrap().status() };
+    assert_eq!(
+        status(app.clone(), Method::GET, "/nope").await,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        status(app.clone(), Method::POST, "/admin").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        status(app, Method::GET, "/admin").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    // A method router's route_layer: 405 kept.
+    let app = Router::new().route("/admin", post(|| async { "ok" }).route_layer(gated()));
+    assert_eq!(
+        status(app.clone(), Method::GET, "/admin").await,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+    assert_eq!(
+        status(app, Method::POST, "/admin").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    // Router::layer also wraps the fallback: unknown paths answer 503 on followers.
+    let app = Router::new()
+        .route("/admin", post(|| async { "ok" }))
+        .layer(gated());
+    assert_eq!(
+        status(app, Method::GET, "/nope").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    // On the leader everything reaches the handlers.
+    control.lead(1);
+    let app = Router::new()
+        .route("/admin", post(|| async { "ok" }))
+        .route("/public", get(|| async { "hi" }))
+        .route_layer(gated());
+    assert_eq!(
+        status(app.clone(), Method::POST, "/admin").await,
+        StatusCode::OK
+    );
+    assert_eq!(status(app, Method::GET, "/public").await, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn health_endpoint() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let app = Router::new().route_service("/leader", LeaderHealth::new(leadership));
+    control.lead(3);
+    let res = app
+        .clone()
+        .oneshot(request(Method::GET, "/leader"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()[LEADER_HEADER], "node-1");
+    assert_eq!(body_text(res).await, "leader\n");
+    control.follow(Some("node-4"));
+    let res = app.oneshot(request(Method::GET, "/leader")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body_text(res).await, "follower; leader is node-4\n");
+}

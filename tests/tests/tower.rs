@@ -1,0 +1,125 @@
+//! Three real nodes serving HTTP on loopback; exactly one answers the leader-only route.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::post;
+use chosen_core::{ConnectionStatus, Election, LockManager, ManagerOptions};
+use chosen_tests::{PgCluster, connect_admin, unique_name};
+use chosen_tower::{LeaderHealth, LeaderOnlyLayer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A minimal HTTP/1.1 client: (status, x-chosen-leader).
+async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, Option<String>) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&buf);
+    let status = text.split(' ').nth(1).unwrap().parse().unwrap();
+    let leader = text
+        .lines()
+        .find_map(|l| l.strip_prefix("x-chosen-leader: "))
+        .map(str::to_owned);
+    (status, leader)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_one_node_serves_the_leader_only_route() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("admin-routes");
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let node_id = format!("web-{i}");
+        let manager = LockManager::connect(
+            ManagerOptions::from_url(&pg.url())
+                .unwrap()
+                .node_id(&node_id)
+                .poll_interval(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap();
+        let election = Election::start(&manager, name.as_str()).unwrap();
+        let leadership = election.leadership();
+        let app = Router::new()
+            .route(
+                "/admin",
+                post(|| async { "done" }).route_layer(LeaderOnlyLayer::new(leadership.clone())),
+            )
+            .route_service("/leader", LeaderHealth::new(leadership));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        nodes.push((node_id, manager, election, addr));
+    }
+
+    // Wait until one leads and the followers know who (refreshed every 2 s).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let leader = loop {
+        let mut oks = Vec::new();
+        let mut named = 0;
+        for (id, _, _, addr) in &nodes {
+            let (status, leader) = http(*addr, "POST", "/admin").await;
+            if status == 200 {
+                oks.push(id.clone());
+            } else {
+                assert_eq!(status, 503);
+                named += usize::from(leader.is_some());
+            }
+        }
+        assert!(
+            oks.len() <= 1,
+            "two nodes served the leader-only route: {oks:?}"
+        );
+        if oks.len() == 1 && named == 2 {
+            break oks[0].clone();
+        }
+        assert!(Instant::now() < deadline, "no stable leader: {oks:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for (id, _, _, addr) in &nodes {
+        let (status, named) = http(*addr, "GET", "/leader").await;
+        assert_eq!(status, if *id == leader { 200 } else { 503 });
+        assert_eq!(named.as_deref(), Some(leader.as_str()));
+    }
+
+    // Kill the leader's session: the 200 moves to another node, never two at once.
+    let index = nodes.iter().position(|n| n.0 == leader).unwrap();
+    let pid = match nodes[index].1.connection_status() {
+        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        other => panic!("{other:?}"),
+    };
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut oks = Vec::new();
+        for (id, _, _, addr) in &nodes {
+            if http(*addr, "POST", "/admin").await.0 == 200 {
+                oks.push(id.clone());
+            }
+        }
+        assert!(
+            oks.len() <= 1,
+            "two nodes served the leader-only route: {oks:?}"
+        );
+        if oks.len() == 1 && oks[0] != leader {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "leadership did not move: {oks:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
