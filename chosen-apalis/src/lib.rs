@@ -1,9 +1,13 @@
-//! chosen-apalis: coming next.
-//!
-//! Run apalis 1.0 jobs, cron jobs above all, only on the node that holds a lock, so
-//! that each tick runs once across the fleet. It builds on \`chosen_core::LockManager\`.
-//!
-//! This crate is a placeholder until that work lands.
+#![doc = include_str!("../README.md")]
 
-#[doc(no_inline)]
-pub use chosen_core;
+mod guard;
+mod layer;
+mod policy;
+mod service;
+mod worker;
+
+pub use guard::LeaderGuard;
+pub use layer::{GateStats, LeaderOnlyLayer};
+pub use policy::{AnyTask, CronTicks, TaskSchedule};
+pub use service::{GateFuture, LeaderOnly, Outcome, SkipReason};
+pub use worker::cron_worker;

@@ -1,0 +1,143 @@
+//! The gate layer.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use chosen_core::{Election, Leadership, LockManager, LockRequest};
+use tower_layer::Layer;
+
+use crate::policy::{AnyTask, CronTicks};
+use crate::service::LeaderOnly;
+
+/// Counts of what a gate did (shared by every clone of a layer).
+#[derive(Debug, Default)]
+pub struct GateStats {
+    pub(crate) ran: AtomicU64,
+    pub(crate) skipped_not_leader: AtomicU64,
+    pub(crate) skipped_stale_tick: AtomicU64,
+}
+
+impl GateStats {
+    /// Tasks let through to the job.
+    #[must_use]
+    pub fn ran(&self) -> u64 {
+        self.ran.load(Ordering::Relaxed)
+    }
+
+    /// Tasks skipped because this node did not lead.
+    #[must_use]
+    pub fn skipped_not_leader(&self) -> u64 {
+        self.skipped_not_leader.load(Ordering::Relaxed)
+    }
+
+    /// Cron ticks skipped because they were scheduled before this node gained
+    /// leadership (they belonged to the previous leader).
+    #[must_use]
+    pub fn skipped_stale_tick(&self) -> u64 {
+        self.skipped_stale_tick.load(Ordering::Relaxed)
+    }
+}
+
+/// Runs a task only while this node holds a valid lease for a name; otherwise answers
+/// `Ok(Outcome::Skipped(..))` without calling the job.
+///
+/// * **Outermost.** Add it *first* to the `WorkerBuilder` (the first layer added is the
+///   outermost), before `.retry(..)` and every other layer: [`cron_worker`](crate::cron_worker)
+///   does this for you.
+/// * **Never `Err`.** A skip is `Ok`: a gate answering `Err` without calling the inner
+///   service spins in a hot loop under apalis' retry layer (measured: 5 million calls
+///   in 3.9 s).
+/// * **Never in `poll_ready`.** `poll_ready` only forwards; a `Pending` there would stop
+///   the cron backend from being polled (and its ticks would fall out of range).
+/// * **Checked at execution time**, against the lease deadline at that moment.
+///
+/// Every task let through gets a [`LeaderGuard`](crate::LeaderGuard) (fencing token,
+/// loss signal) in its data.
+#[derive(Debug, Clone)]
+pub struct LeaderOnlyLayer<P = AnyTask> {
+    pub(crate) leadership: Leadership,
+    pub(crate) policy: P,
+    pub(crate) skew_tolerance: Duration,
+    pub(crate) stats: Arc<GateStats>,
+    /// Keeps an election this layer started alive as long as any clone of the layer.
+    pub(crate) _election: Option<Arc<Election>>,
+}
+
+impl LeaderOnlyLayer {
+    /// Gates on an existing leadership (from an [`Election`] or a
+    /// [`Singleton`](chosen_core::Singleton)).
+    #[must_use]
+    pub fn new(leadership: Leadership) -> Self {
+        Self {
+            leadership,
+            policy: AnyTask,
+            skew_tolerance: Duration::from_secs(1),
+            stats: Arc::default(),
+            _election: None,
+        }
+    }
+
+    /// Starts an election for `lock` on `manager` and gates on it; the election lives as
+    /// long as any clone of the layer (so an apalis `Monitor` factory may capture it).
+    ///
+    /// # Errors
+    ///
+    /// [`chosen_core::Error::InvalidName`] for an empty name.
+    pub fn elect(manager: &LockManager, lock: impl Into<LockRequest>) -> chosen_core::Result<Self> {
+        let election = Election::start(manager, lock)?;
+        let mut layer = Self::new(election.leadership());
+        layer._election = Some(Arc::new(election));
+        Ok(layer)
+    }
+}
+
+impl<P> LeaderOnlyLayer<P> {
+    /// Also skip cron ticks scheduled before this node gained leadership, allowing
+    /// `skew_tolerance` for clock differences between nodes (default 1 s). This is what
+    /// makes "at most once per tick" hold across a hand-over between two nodes whose
+    /// clocks differ by less than the tolerance.
+    #[must_use]
+    pub fn for_cron_ticks(self) -> LeaderOnlyLayer<CronTicks> {
+        LeaderOnlyLayer {
+            leadership: self.leadership,
+            policy: CronTicks,
+            skew_tolerance: self.skew_tolerance,
+            stats: self.stats,
+            _election: self._election,
+        }
+    }
+
+    /// The clock-skew tolerance for [`for_cron_ticks`](LeaderOnlyLayer::for_cron_ticks).
+    #[must_use]
+    pub fn skew_tolerance(mut self, tolerance: Duration) -> Self {
+        self.skew_tolerance = tolerance;
+        self
+    }
+
+    /// The leadership the gate reads.
+    #[must_use]
+    pub fn leadership(&self) -> &Leadership {
+        &self.leadership
+    }
+
+    /// What the gate did so far.
+    #[must_use]
+    pub fn stats(&self) -> Arc<GateStats> {
+        Arc::clone(&self.stats)
+    }
+}
+
+impl<S, P: Clone> Layer<S> for LeaderOnlyLayer<P> {
+    type Service = LeaderOnly<S, P>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LeaderOnly {
+            inner,
+            leadership: self.leadership.clone(),
+            policy: self.policy.clone(),
+            skew_tolerance: self.skew_tolerance,
+            stats: Arc::clone(&self.stats),
+        }
+    }
+}

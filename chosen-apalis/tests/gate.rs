@@ -1,0 +1,129 @@
+//! The gate around a real apalis task function, with a hand-set leadership.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use apalis_core::error::BoxDynError;
+use apalis_core::task::Task;
+use apalis_core::task::data::Data;
+use apalis_core::task::task_fn::task_fn;
+use apalis_cron::Tick;
+use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, Outcome, SkipReason};
+use chosen_core::Leadership;
+use tower::{Layer, ServiceExt};
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[tokio::test]
+async fn followers_skip_with_ok_and_never_call_the_job() {
+    let (leadership, control) = Leadership::manual("cron", "node-1");
+    control.follow(Some("node-2"));
+    let calls = Arc::new(AtomicU64::new(0));
+    let job = {
+        let calls = Arc::clone(&calls);
+        task_fn(move |_tick: Tick| {
+            let calls = Arc::clone(&calls);
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err::<(), BoxDynError>("would loop under retry if it ran".into())
+            }
+        })
+    };
+    let gate = LeaderOnlyLayer::new(leadership);
+    let stats = gate.stats();
+    let svc = gate.for_cron_ticks().layer(job);
+    let out = svc
+        .oneshot(Task::new(Tick::new(now_secs())))
+        .await
+        .expect("a skip is Ok, never Err");
+    assert_eq!(
+        out,
+        Outcome::Skipped(SkipReason::NotLeader {
+            leader: Some("node-2".to_owned())
+        })
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(stats.skipped_not_leader(), 1);
+}
+
+#[tokio::test]
+async fn the_leader_runs_the_job_with_a_guard() {
+    let (leadership, control) = Leadership::manual("cron", "node-1");
+    control.lead(42);
+    let job = task_fn(|tick: Tick, guard: Data<LeaderGuard>| async move {
+        assert!(guard.is_valid());
+        Ok::<_, BoxDynError>((
+            tick.get_timestamp(),
+            guard.fencing_token().get(),
+            guard.node_id().to_owned(),
+        ))
+    });
+    let gate = LeaderOnlyLayer::new(leadership.clone()).for_cron_ticks();
+    let stats = gate.stats();
+    let ts = now_secs() + 1;
+    let out = gate
+        .layer(job)
+        .oneshot(Task::new(Tick::new(ts)))
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Ran((ts, 42, "node-1".to_owned())));
+    assert_eq!(stats.ran(), 1);
+}
+
+#[tokio::test]
+async fn a_tick_from_before_leadership_is_skipped() {
+    let (leadership, control) = Leadership::manual("cron", "node-1");
+    control.lead(7);
+    let job = task_fn(|_tick: Tick| async { Ok::<(), BoxDynError>(()) });
+    let gate = LeaderOnlyLayer::new(leadership)
+        .for_cron_ticks()
+        .skew_tolerance(Duration::from_secs(1));
+    // Scheduled 5 s before this node gained leadership: the previous leader's tick.
+    let out = gate
+        .clone()
+        .layer(job)
+        .oneshot(Task::new(Tick::new(now_secs() - 5)))
+        .await
+        .unwrap();
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::StaleTick { .. })),
+        "{out:?}"
+    );
+    // Any task (not cron): no schedule check.
+    let out = LeaderOnlyLayer::new(gate.leadership().clone())
+        .layer(job)
+        .oneshot(Task::new(Tick::new(now_secs() - 5)))
+        .await
+        .unwrap();
+    assert!(out.ran());
+}
+
+#[tokio::test]
+async fn the_guard_sees_leadership_loss_during_a_job() {
+    let (leadership, control) = Leadership::manual("cron", "node-1");
+    control.lead(1);
+    let job = task_fn(|_tick: Tick, guard: Data<LeaderGuard>| async move {
+        guard.lost().await;
+        Ok::<_, BoxDynError>(guard.is_valid())
+    });
+    let run = tokio::spawn(
+        LeaderOnlyLayer::new(leadership)
+            .layer(job)
+            .oneshot(Task::new(Tick::new(now_secs()))),
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!run.is_finished());
+    control.follow(None);
+    let out = tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(out, Outcome::Ran(false));
+}
