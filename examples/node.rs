@@ -5,6 +5,7 @@
 //! DATABASE_URL=postgres://... cargo run --release --example node -- \
 //!     --node-id ID --singleton NAME [--singleton NAME ...] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
+//!     [--metrics ADDR]
 //! ```
 //!
 //! The event format is documented in `examples/README.md`. SIGTERM or SIGINT hands
@@ -18,8 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_core::{
-    ConnectionStatus, LeaderState, LockManager, ManagerOptions, Singleton, SingletonOptions,
+    ConnectionStatus, LeaderState, LockManager, ManagerOptions, PrometheusMetrics, Singleton,
+    SingletonOptions,
 };
+
+#[path = "common/mod.rs"]
+mod common;
 
 struct Args {
     node_id: String,
@@ -29,6 +34,7 @@ struct Args {
     server_release: Option<Duration>,
     poll: Option<Duration>,
     tick: Duration,
+    metrics: Option<std::net::SocketAddr>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -40,6 +46,7 @@ fn parse_args() -> Result<Args, String> {
         server_release: None,
         poll: None,
         tick: Duration::from_millis(50),
+        metrics: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,8 +66,14 @@ fn parse_args() -> Result<Args, String> {
             "--server-release-ms" => args.server_release = Some(ms(value()?, &flag)?),
             "--poll-ms" => args.poll = Some(ms(value()?, &flag)?),
             "--tick-ms" => args.tick = ms(value()?, &flag)?,
+            "--metrics" => {
+                let v = value()?;
+                args.metrics = Some(v.parse().map_err(|_| {
+                    format!("--metrics takes an address such as 127.0.0.1:9090, got {v:?}")
+                })?);
+            }
             "-h" | "--help" => {
-                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] (DATABASE_URL must be set)".to_owned());
+                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] (DATABASE_URL must be set)".to_owned());
             }
             other => return Err(format!("unknown flag {other:?}; see --help")),
         }
@@ -183,7 +196,14 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
     let events = Events {
         node: args.node_id.as_str().into(),
     };
-    let manager = LockManager::connect(options(&args, url)?).await?;
+    let mut options = options(&args, url)?;
+    if let Some(addr) = args.metrics {
+        let registry = prometheus::Registry::new();
+        options = options.metrics(Arc::new(PrometheusMetrics::register(&registry)?));
+        let bound = common::serve_metrics(registry, addr).await?;
+        events.emit("metrics", &[("addr", Field::Str(bound.to_string()))]);
+    }
+    let manager = LockManager::connect(options).await?;
     spawn_status_events(&manager, events.clone());
 
     let mut singletons = Vec::new();

@@ -15,11 +15,16 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use chosen_core::{FencingToken, LockManager, ManagerOptions, Singleton, SingletonOptions};
+use chosen_core::{
+    FencingToken, LockManager, ManagerOptions, PrometheusMetrics, Singleton, SingletonOptions,
+};
 use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin};
 use tokio::sync::mpsc;
 
 const SINGLETON: &str = "nightly-report";
+
+#[path = "common/mod.rs"]
+mod common;
 
 enum Event {
     Started {
@@ -84,11 +89,16 @@ async fn run() -> Result<(), Box<dyn Error>> {
         "\nThree nodes (one lock connection each) run the singleton {SINGLETON:?}: exactly one of them runs its child."
     );
     let (tx, mut events) = mpsc::unbounded_channel();
+    let registry = prometheus::Registry::new();
+    let metrics = std::sync::Arc::new(PrometheusMetrics::register(&registry)?);
+    let metrics_addr = common::serve_metrics(registry, ([127, 0, 0, 1], 0).into()).await?;
     let mut nodes = Vec::new();
     for n in 1..=3 {
         let proxy = FaultProxy::start(upstream).await?;
         let config = through(&pg_config, proxy.addr());
-        let options = ManagerOptions::from_pg_config(config).node_id(format!("node-{n}"));
+        let options = ManagerOptions::from_pg_config(config)
+            .node_id(format!("node-{n}"))
+            .metrics(metrics.clone());
         let manager = LockManager::connect(options).await?;
         let singleton = start_singleton(&manager, n, &tx)?;
         let http = serve_admin(singleton.leadership()).await?;
@@ -157,6 +167,16 @@ async fn run() -> Result<(), Box<dyn Error>> {
             );
         }
         println!();
+    }
+    println!("\nFrom http://{metrics_addr}/metrics (the three nodes share one registry here):");
+    if let Ok((_, body)) = common::http(metrics_addr, "GET", "/metrics").await {
+        for line in body.lines().filter(|l| {
+            l.starts_with("chosen_lock_held")
+                || l.starts_with("chosen_lock_losses_total")
+                || l.starts_with("chosen_singleton_running")
+        }) {
+            println!("  {line}");
+        }
     }
     println!(
         "\nA partitioned leader cannot be told it lost: it stops by itself when its heartbeat is {} overdue, and the server releases its lock only after {} of silence.",
@@ -266,24 +286,12 @@ async fn show_admin(nodes: &[Node]) {
 }
 
 async fn http_status(addr: SocketAddr) -> Result<String, String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
+    let (status, _) = common::http(addr, "POST", "/admin")
         .await
         .map_err(|e| e.to_string())?;
-    stream
-        .write_all(b"POST /admin HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    stream
-        .read_to_end(&mut buf)
-        .await
-        .map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&buf);
-    let status = text.split(' ').nth(1).unwrap_or("?");
     Ok(match status {
-        "200" => "200 (leader)".to_owned(),
-        other => other.to_owned(),
+        200 => "200 (leader)".to_owned(),
+        other => other.to_string(),
     })
 }
 

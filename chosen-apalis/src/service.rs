@@ -63,6 +63,14 @@ pub struct LeaderOnly<S, P> {
     pub(crate) stats: Arc<GateStats>,
 }
 
+impl<S, P> LeaderOnly<S, P> {
+    fn report(&self, outcome: &str) {
+        if let Some(m) = self.leadership.metrics() {
+            m.task_gated(self.leadership.node_id(), self.leadership.name(), outcome);
+        }
+    }
+}
+
 impl<S, P, Args> Service<Task<Args>> for LeaderOnly<S, P>
 where
     S: Service<Task<Args>>,
@@ -86,6 +94,7 @@ where
                 self.stats
                     .skipped_not_leader
                     .fetch_add(1, Ordering::Relaxed);
+                self.report("skipped_not_leader");
                 debug!(lock = %name, leader = ?leader, "task skipped: not the leader");
                 return GateFuture::skipped(SkipReason::NotLeader { leader });
             }
@@ -96,6 +105,7 @@ where
             self.stats
                 .skipped_stale_tick
                 .fetch_add(1, Ordering::Relaxed);
+            self.report("skipped_stale_tick");
             info!(lock = %name, ?scheduled, ?since, "tick skipped: scheduled before this node gained leadership");
             return GateFuture::skipped(SkipReason::StaleTick {
                 scheduled,
@@ -103,6 +113,7 @@ where
             });
         }
         self.stats.ran.fetch_add(1, Ordering::Relaxed);
+        self.report("ran");
         task.inject_data(LeaderGuard::new(token, self.leadership.clone()));
         GateFuture {
             kind: Kind::Inner {

@@ -35,8 +35,12 @@ pub(crate) enum Command {
         key: LockKey,
         reply: oneshot::Sender<Result<Option<HolderInfo>>>,
     },
+    Cluster(ClusterReply),
     Shutdown(oneshot::Sender<()>),
 }
+
+/// Where the rows of a cluster view go.
+pub(crate) type ClusterReply = oneshot::Sender<Result<Vec<(LockKey, HolderInfo)>>>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -51,6 +55,7 @@ pub(crate) struct Waiter {
     pub(crate) poll_interval: Duration,
     pub(crate) mode: Mode,
     pub(crate) since: SystemTime,
+    pub(crate) enqueued: Instant,
     pub(crate) reply: oneshot::Sender<Result<Option<Lease>>>,
 }
 
@@ -82,6 +87,7 @@ pub(crate) struct Driver {
     slots: HashMap<LockKey, Slot>,
     releases: Vec<(LockKey, u64)>,
     holder_queries: Vec<(LockKey, oneshot::Sender<Result<Option<HolderInfo>>>)>,
+    cluster_queries: Vec<ClusterReply>,
     release_replies: Vec<oneshot::Sender<Result<()>>>,
     unlocks: Vec<LockKey>,
     shutdown_replies: Vec<oneshot::Sender<()>>,
@@ -93,6 +99,8 @@ pub(crate) struct Driver {
     current: Option<Arc<Generation>>,
     last_reason: DisconnectReason,
     rng: u64,
+    /// Waiter counts last reported to the metrics sink, per key.
+    reported_waiting: HashMap<LockKey, (Arc<str>, usize)>,
 }
 
 impl Drop for Driver {
@@ -124,6 +132,7 @@ impl Driver {
             slots: HashMap::new(),
             releases: Vec::new(),
             holder_queries: Vec::new(),
+            cluster_queries: Vec::new(),
             release_replies: Vec::new(),
             unlocks: Vec::new(),
             shutdown_replies: Vec::new(),
@@ -135,6 +144,7 @@ impl Driver {
                 message: "not connected yet".to_owned(),
             },
             rng: seed | 1,
+            reported_waiting: HashMap::new(),
         }
     }
 
@@ -169,6 +179,9 @@ impl Driver {
                 generation: generation.id,
                 backend_pid: s.backend_pid,
             });
+        if let Some(m) = self.metrics() {
+            m.connection_changed(self.node(), true, generation.id);
+        }
         info!(
             node_id = %self.shared.options.node_id,
             generation = generation.id,
@@ -289,7 +302,11 @@ impl Driver {
         if in_recovery {
             return Err(DisconnectReason::ServerInRecovery);
         }
-        debug!(rtt_us = started.elapsed().as_micros() as u64, "heartbeat");
+        let rtt = started.elapsed();
+        if let Some(m) = self.metrics() {
+            m.heartbeat(self.node(), rtt);
+        }
+        debug!(rtt_us = rtt.as_micros() as u64, "heartbeat");
         Ok(())
     }
 
@@ -299,7 +316,38 @@ impl Driver {
         self.poll_due(s).await?;
         self.flush_unlocks(s).await?;
         self.answer_releases();
+        self.report_waiting();
         self.answer_holder_queries(s).await
+    }
+
+    fn metrics(&self) -> Option<&dyn crate::MetricsSink> {
+        self.shared.options.metrics.as_deref()
+    }
+
+    fn node(&self) -> &str {
+        &self.shared.options.node_id
+    }
+
+    /// Brings the sink's waiter gauges up to date (only when a sink is set).
+    fn report_waiting(&mut self) {
+        let Some(m) = self.shared.options.metrics.clone() else {
+            return;
+        };
+        let node = &self.shared.options.node_id;
+        let mut seen = HashMap::with_capacity(self.slots.len());
+        for (key, slot) in &self.slots {
+            let n = slot.waiters.iter().filter(|w| !w.reply.is_closed()).count();
+            if self.reported_waiting.get(key).map(|(_, c)| *c) != Some(n) {
+                m.lock_waiting(node, &slot.name, n);
+            }
+            seen.insert(*key, (Arc::clone(&slot.name), n));
+        }
+        for (key, (name, n)) in &self.reported_waiting {
+            if *n > 0 && !seen.contains_key(key) {
+                m.lock_waiting(node, name, 0);
+            }
+        }
+        self.reported_waiting = seen;
     }
 
     async fn answer_holder_queries(&mut self, s: &Session) -> Result<(), DisconnectReason> {
@@ -332,6 +380,43 @@ impl Driver {
             };
             let _ = reply.send(answer);
         }
+        for reply in std::mem::take(&mut self.cluster_queries) {
+            if reply.is_closed() {
+                continue;
+            }
+            let answer = match self
+                .guarded(s.client.query(&s.stmts.cluster, &[&s.database_oid]))
+                .await
+            {
+                Ok(rows) => Ok(rows
+                    .iter()
+                    .filter_map(|row| {
+                        let classid: i64 = row.get(0);
+                        let objid: i64 = row.get(1);
+                        let key = match row.get::<_, i32>(2) {
+                            2 => LockKey::Pair(classid as u32 as i32, objid as u32 as i32),
+                            1 => LockKey::Int((classid << 32) | objid),
+                            _ => return None,
+                        };
+                        Some((
+                            key,
+                            HolderInfo {
+                                node_id: row.get(3),
+                                backend_pid: row.get(4),
+                                client_addr: row.get(5),
+                                session_start: row.get(6),
+                            },
+                        ))
+                    })
+                    .collect()),
+                Err(Fault::Lost(reason)) => {
+                    let _ = reply.send(Err(Error::NotConnected(reason.clone())));
+                    return Err(reason);
+                }
+                Err(Fault::Query(e)) => Err(Error::Database(Arc::new(e))),
+            };
+            let _ = reply.send(answer);
+        }
         Ok(())
     }
 
@@ -345,6 +430,9 @@ impl Driver {
                 continue; // revoked with an old generation, or already released
             }
             slot.holder = None;
+            if let Some(m) = self.shared.options.metrics.as_deref() {
+                m.lock_released(&self.shared.options.node_id, &slot.name);
+            }
             debug!(lock = %slot.name, key = %key, "released");
             slot.waiters.retain(|w| !w.reply.is_closed());
             if slot.waiters.is_empty() {
@@ -390,6 +478,9 @@ impl Driver {
             return Ok(());
         }
         let (a, b, big) = key_arrays(&due);
+        if let Some(m) = self.metrics() {
+            m.poll_query(self.node(), due.len());
+        }
         match self
             .guarded(
                 s.client
@@ -480,6 +571,13 @@ impl Driver {
             };
             match waiter.reply.send(Ok(Some(lease))) {
                 Ok(()) => {
+                    if let Some(m) = self.shared.options.metrics.as_deref() {
+                        m.lock_acquired(
+                            &self.shared.options.node_id,
+                            &waiter.name,
+                            waiter.enqueued.elapsed(),
+                        );
+                    }
                     debug!(lock = %waiter.name, key = %key, token = token.get(), "acquired");
                     slot.holder = Some(Holder {
                         id: waiter.id,
@@ -615,6 +713,13 @@ impl Driver {
             Command::Locks(reply) => {
                 let _ = reply.send(self.snapshot());
             }
+            Command::Cluster(reply) => {
+                if connected {
+                    self.cluster_queries.push(reply);
+                } else {
+                    let _ = reply.send(Err(Error::NotConnected(self.last_reason.clone())));
+                }
+            }
             Command::Holder { key, reply } => {
                 if connected {
                     self.holder_queries.push((key, reply));
@@ -716,13 +821,24 @@ impl Driver {
             "lock session lost; every lease revoked"
         );
         let now = Instant::now();
+        let metrics = self.shared.options.metrics.clone();
         for slot in self.slots.values_mut() {
-            slot.holder = None;
+            if slot.holder.take().is_some()
+                && let Some(m) = &metrics
+            {
+                m.lock_lost(&self.shared.options.node_id, &slot.name, reason.label());
+            }
             slot.next_try = now;
+        }
+        if let Some(m) = &metrics {
+            m.connection_changed(&self.shared.options.node_id, false, generation.id);
         }
         // The session is gone, and every lock with it.
         self.releases.clear();
         for (_, reply) in self.holder_queries.drain(..) {
+            let _ = reply.send(Err(Error::NotConnected(reason.clone())));
+        }
+        for reply in self.cluster_queries.drain(..) {
             let _ = reply.send(Err(Error::NotConnected(reason.clone())));
         }
         self.unlocks.clear();
@@ -749,8 +865,16 @@ impl Driver {
                 .filter(|(_, slot)| slot.holder.is_some())
                 .map(|(key, _)| *key),
         );
+        let metrics = self.shared.options.metrics.clone();
         for slot in self.slots.values_mut() {
-            slot.holder = None;
+            if slot.holder.take().is_some()
+                && let Some(m) = &metrics
+            {
+                m.lock_lost(&self.shared.options.node_id, &slot.name, "shutdown");
+            }
+        }
+        if let Some(m) = &metrics {
+            m.connection_changed(&self.shared.options.node_id, false, generation.id);
         }
         self.releases.clear();
         self.closing_deadline = Some(Instant::now() + self.shared.options.lease_timeout);
@@ -785,6 +909,9 @@ impl Driver {
                     return None;
                 }
             };
+            if let Some(m) = self.shared.options.metrics.as_deref() {
+                m.reconnect_attempt(&self.shared.options.node_id, result.is_ok());
+            }
             let error = match result {
                 Ok(session) => return Some(session),
                 Err(e) => e,

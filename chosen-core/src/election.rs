@@ -50,7 +50,8 @@ impl Election {
     pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
         let request = lock.into();
         let name = request.display_name(manager)?;
-        let leadership = Leadership::new(&name, manager.node_id());
+        let leadership =
+            Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         let stop = CancellationToken::new();
         let task = tokio::spawn({
             let manager = manager.clone();

@@ -7,6 +7,7 @@ use std::time::SystemTime;
 use tokio::sync::watch;
 
 use crate::lease::{FencingToken, Lease, Validity};
+use crate::metrics::MetricsSink;
 
 /// Who leads a name, as this node sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +53,7 @@ struct Inner {
     name: String,
     node_id: String,
     tx: watch::Sender<Snapshot>,
+    metrics: Option<Arc<dyn MetricsSink>>,
 }
 
 impl fmt::Debug for Leadership {
@@ -65,7 +67,7 @@ impl fmt::Debug for Leadership {
 }
 
 impl Leadership {
-    pub(crate) fn new(name: &str, node_id: &str) -> Self {
+    pub(crate) fn new(name: &str, node_id: &str, metrics: Option<Arc<dyn MetricsSink>>) -> Self {
         let (tx, _) = watch::channel(Snapshot {
             state: LeaderState::Following { leader: None },
             validity: None,
@@ -75,6 +77,7 @@ impl Leadership {
                 name: name.to_owned(),
                 node_id: node_id.to_owned(),
                 tx,
+                metrics,
             }),
         }
     }
@@ -83,7 +86,7 @@ impl Leadership {
     #[cfg(any(test, feature = "test-util"))]
     #[must_use]
     pub fn manual(name: &str, node_id: &str) -> (Self, ManualLeadership) {
-        let leadership = Self::new(name, node_id);
+        let leadership = Self::new(name, node_id, None);
         (leadership.clone(), ManualLeadership { leadership })
     }
 
@@ -128,6 +131,14 @@ impl Leadership {
     #[must_use]
     pub fn node_id(&self) -> &str {
         &self.inner.node_id
+    }
+
+    /// The metrics sink of the manager this leadership comes from, if one was set
+    /// ([`ManagerOptions::metrics`](crate::ManagerOptions::metrics)); adapters report
+    /// through it.
+    #[must_use]
+    pub fn metrics(&self) -> Option<&dyn MetricsSink> {
+        self.inner.metrics.as_deref()
     }
 
     /// The state right now. A `Leading` state whose lease deadline has passed is

@@ -8,6 +8,7 @@ mod key;
 mod leadership;
 mod lease;
 mod manager;
+mod metrics;
 mod options;
 mod session;
 mod shared;
@@ -21,7 +22,12 @@ pub use key::{DEFAULT_NAMESPACE, LockKey};
 pub use leadership::ManualLeadership;
 pub use leadership::{LeaderState, Leadership};
 pub use lease::{FencingToken, Lease};
-pub use manager::{HolderInfo, LockInfo, LockManager, LockRequest, LockState};
+pub use manager::{ClusterLock, HolderInfo, LockInfo, LockManager, LockRequest, LockState};
+pub use metrics::MetricsSink;
+#[cfg(feature = "opentelemetry")]
+pub use metrics::OtelMetrics;
+#[cfg(feature = "prometheus")]
+pub use metrics::PrometheusMetrics;
 pub use options::ManagerOptions;
 pub use singleton::{
     ChildError, ChildState, LeaderContext, RestartPolicy, Singleton, SingletonOptions,

@@ -180,6 +180,18 @@ pub struct HolderInfo {
     pub session_start: SystemTime,
 }
 
+/// One advisory lock held in the database, as [`LockManager::cluster_locks`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClusterLock {
+    /// The lock's name, when known to the caller.
+    pub name: Option<String>,
+    /// The key.
+    pub key: LockKey,
+    /// The session holding it.
+    pub holder: HolderInfo,
+}
+
 /// Whether a [`LockInfo`] entry holds or waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -288,6 +300,7 @@ impl LockManager {
             poll_interval,
             mode,
             since: SystemTime::now(),
+            enqueued: std::time::Instant::now(),
             reply,
         };
         self.tx
@@ -330,6 +343,42 @@ impl LockManager {
             .send(Command::Holder { key, reply })
             .map_err(|_| Error::Closed)?;
         rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Every advisory lock held in this database right now, by any session, with its
+    /// holder (node id = `application_name`, backend pid, client address, session
+    /// start): the cluster view, from `pg_locks` ⨝ `pg_stat_activity` on this manager's
+    /// own session, no schema. Names are filled in where known: the locks of this
+    /// manager, and `names` (derived in this manager's namespace). Keys are one-way
+    /// hashes, so other locks show their key only. PostgreSQL does not record when a
+    /// lock was granted; `session_start` is when the holder's session began.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotConnected`], [`Error::Database`], [`Error::Closed`].
+    pub async fn cluster_locks(&self, names: &[&str]) -> Result<Vec<ClusterLock>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Cluster(reply))
+            .map_err(|_| Error::Closed)?;
+        let rows = rx.await.map_err(|_| Error::Closed)??;
+        let mut known: std::collections::HashMap<LockKey, String> = self
+            .locks()
+            .await?
+            .into_iter()
+            .map(|l| (l.key, l.name))
+            .collect();
+        for name in names {
+            known.insert(self.key_for(name), (*name).to_owned());
+        }
+        Ok(rows
+            .into_iter()
+            .map(|(key, holder)| ClusterLock {
+                name: known.get(&key).cloned(),
+                key,
+                holder,
+            })
+            .collect())
     }
 
     /// The state of the lock session right now.

@@ -65,6 +65,7 @@ pub struct ManagerOptions {
     pub(crate) max_locks: usize,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
 }
 
 impl fmt::Debug for ManagerOptions {
@@ -85,6 +86,7 @@ impl fmt::Debug for ManagerOptions {
             .field("reconnect_max", &self.reconnect_max)
             .field("max_locks", &self.max_locks)
             .field("tls", &self.uses_tls())
+            .field("metrics", &self.metrics.is_some())
             .finish()
     }
 }
@@ -125,7 +127,17 @@ impl ManagerOptions {
             max_locks: 4096,
             #[cfg(feature = "rustls")]
             tls: None,
+            metrics: None,
         }
+    }
+
+    /// Reports what the manager, its singletons and elections, and the tower and apalis
+    /// adapters do to `sink` (e.g. [`PrometheusMetrics`](crate::PrometheusMetrics) or
+    /// [`OtelMetrics`](crate::OtelMetrics)).
+    #[must_use]
+    pub fn metrics(mut self, sink: std::sync::Arc<dyn crate::MetricsSink>) -> Self {
+        self.metrics = Some(sink);
+        self
     }
 
     /// Connects with TLS through rustls, using `config` (its root certificates decide

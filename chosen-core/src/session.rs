@@ -52,6 +52,9 @@ const CLEANUP_SQL: &str = "SELECT CASE WHEN k.big IS NULL THEN pg_advisory_unloc
 /// Who holds a key: the node id is the holder session's `application_name`.
 const HOLDER_SQL: &str = "SELECT a.application_name, a.pid, host(a.client_addr), a.backend_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND l.database = $1::int8::oid AND l.classid::int8 = $2 AND l.objid::int8 = $3 AND l.objsubid = $4::int2";
 
+/// Every advisory lock held in this database, with its holder session.
+const CLUSTER_SQL: &str = "SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, a.application_name, a.pid, host(a.client_addr), a.backend_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND l.database = $1::int8::oid ORDER BY a.application_name, l.classid, l.objid";
+
 /// A new fencing token for a local handoff (the session keeps the lock).
 const TOKEN_SQL: &str = "SELECT pg_current_xact_id()::text::int8";
 
@@ -92,6 +95,7 @@ pub(crate) struct Statements {
     pub(crate) cleanup: Statement,
     pub(crate) token: Statement,
     pub(crate) holder: Statement,
+    pub(crate) cluster: Statement,
 }
 
 pub(crate) struct Session {
@@ -337,13 +341,14 @@ impl Drop for AbortOnDrop {
 impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
-        let (heartbeat, acquire, release, cleanup, token, holder) = tokio::try_join!(
+        let (heartbeat, acquire, release, cleanup, token, holder, cluster) = tokio::try_join!(
             client.prepare(HEARTBEAT_SQL),
             client.prepare(ACQUIRE_SQL),
             client.prepare(RELEASE_SQL),
             client.prepare(CLEANUP_SQL),
             client.prepare(TOKEN_SQL),
             client.prepare(HOLDER_SQL),
+            client.prepare(CLUSTER_SQL),
         )?;
         Ok(Self {
             heartbeat,
@@ -352,6 +357,7 @@ impl Statements {
             cleanup,
             token,
             holder,
+            cluster,
         })
     }
 }

@@ -345,6 +345,12 @@ impl SingletonInner {
     fn update(&self, f: impl FnOnce(&mut SingletonStatus)) {
         f(&mut self.status.lock().expect("BUG: status lock poisoned"));
     }
+
+    fn report_running(&self, running: bool) {
+        if let Some(m) = self.leadership.metrics() {
+            m.singleton_running(self.leadership.node_id(), self.leadership.name(), running);
+        }
+    }
 }
 
 enum Outcome {
@@ -379,7 +385,8 @@ impl Singleton {
             request = request.poll_interval(interval);
         }
         let name = request.display_name(manager)?;
-        let leadership = Leadership::new(&name, manager.node_id());
+        let leadership =
+            Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         let inner = Arc::new(SingletonInner {
             leadership,
             status: Mutex::new(SingletonStatus {
@@ -563,18 +570,22 @@ where
                 since: SystemTime::now(),
             };
         });
+        inner.report_running(true);
         let ended = tokio::select! {
             biased;
             reason = &mut lost => {
                 stop_child(options, inner, &cancel, &mut child).await;
+                inner.report_running(false);
                 return Outcome::Lost(reason);
             }
             () = stop.cancelled() => {
                 stop_child(options, inner, &cancel, &mut child).await;
+                inner.report_running(false);
                 return Outcome::Stop;
             }
             ended = &mut child => ended,
         };
+        inner.report_running(false);
         let failure = match ended {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(e.to_string()),
@@ -630,6 +641,9 @@ where
         backoff = (backoff * 2).min(options.backoff_max);
         restarts += 1;
         inner.update(|s| s.restarts += 1);
+        if let Some(m) = inner.leadership.metrics() {
+            m.singleton_restart(inner.leadership.node_id(), inner.leadership.name());
+        }
     }
 }
 
@@ -682,7 +696,7 @@ mod tests {
         let (validity, generation) = Validity::for_tests();
         Fixture {
             inner: SingletonInner {
-                leadership: Leadership::new("test", "node"),
+                leadership: Leadership::new("test", "node", None),
                 status: Mutex::new(SingletonStatus {
                     name: "test".to_owned(),
                     state: SingletonState::Following { leader: None },

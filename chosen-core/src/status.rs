@@ -85,6 +85,25 @@ pub enum DisconnectReason {
     Shutdown,
 }
 
+impl DisconnectReason {
+    /// A short, fixed label for metrics: `connection_lost`, `heartbeat_overdue`,
+    /// `server_in_recovery`, `backend_changed`, `pooler_detected`, `server_too_old`,
+    /// `connect_failed`, `shutdown`.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::ConnectionLost { .. } => "connection_lost",
+            Self::HeartbeatOverdue { .. } => "heartbeat_overdue",
+            Self::ServerInRecovery => "server_in_recovery",
+            Self::BackendChanged { .. } => "backend_changed",
+            Self::PoolerDetected { .. } => "pooler_detected",
+            Self::ServerTooOld { .. } => "server_too_old",
+            Self::ConnectFailed { .. } => "connect_failed",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
 impl fmt::Display for DisconnectReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

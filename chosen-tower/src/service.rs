@@ -63,6 +63,9 @@ where
         if self.leadership.is_leader() {
             return ResponseFuture::inner(self.inner.call(req));
         }
+        if let Some(m) = self.leadership.metrics() {
+            m.follower_response(self.leadership.node_id(), self.leadership.name());
+        }
         let leader = self.leadership.leader();
         let ctx = FollowerContext {
             leader: leader.as_deref(),

@@ -51,12 +51,14 @@ pub async fn connect_admin(url: &str) -> Result<tokio_postgres::Client, tokio_po
     Ok(client)
 }
 
-/// The path of a workspace example binary (`cargo test` builds examples next to the
-/// test binaries); builds it with `cargo build --example NAME` if it is missing.
+/// The path of a workspace example binary. `cargo test --workspace` builds examples
+/// next to the test binaries; a missing one is built with `cargo build --example`, and
+/// one older than the sources is an error that says how to rebuild it (running only
+/// `-p chosen-tests` does not rebuild another package's examples).
 ///
 /// # Errors
 ///
-/// When the binary cannot be found or built.
+/// When the binary is stale, or cannot be found or built.
 pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
     let exe = std::env::current_exe()?;
     // target/<profile>/deps/<test> -> target/<profile>
@@ -65,8 +67,8 @@ pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
         .and_then(std::path::Path::parent)
         .ok_or_else(|| std::io::Error::other("unexpected test binary location"))?;
     let path = profile_dir.join("examples").join(name);
+    let release = profile_dir.ends_with("release");
     if !path.exists() {
-        let release = profile_dir.ends_with("release");
         let mut cmd = std::process::Command::new(
             std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()),
         );
@@ -81,5 +83,34 @@ pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
             )));
         }
     }
+    let built = std::fs::metadata(&path)?.modified()?;
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or_else(|| std::io::Error::other("no workspace root"))?;
+    for dir in ["examples", "chosen-core/src"] {
+        if let Some(newer) = newest_rs(&workspace.join(dir)).filter(|t| *t > built) {
+            let _ = newer;
+            return Err(std::io::Error::other(format!(
+                "the {name:?} example binary is older than its sources: run `cargo build{} -p chosen-examples --example {name}` (or the whole `cargo test --workspace`, which builds examples) and try again",
+                if release { " --release" } else { "" }
+            )));
+        }
+    }
     Ok(path)
+}
+
+fn newest_rs(dir: &std::path::Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_rs(&path)
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            entry.metadata().ok()?.modified().ok()
+        } else {
+            None
+        };
+        newest = newest.max(t);
+    }
+    newest
 }

@@ -1,0 +1,100 @@
+//! Where chosen reports what it does, for metrics.
+//!
+//! Every layer reports to one [`MetricsSink`] given to the manager with
+//! [`ManagerOptions::metrics`](crate::ManagerOptions::metrics): the manager's task
+//! (locks, session, heartbeats, polls), singletons, and the tower and apalis adapters
+//! (through [`Leadership::metrics`](crate::Leadership::metrics)). Two sinks ship behind
+//! features:
+//!
+//! | feature | sink | names |
+//! |---|---|---|
+//! | `prometheus` | [`PrometheusMetrics`]: collectors in a `prometheus::Registry` you pass | `chosen_*`, e.g. `chosen_lock_held` |
+//! | `opentelemetry` | [`OtelMetrics`]: instruments of the global meter provider | `chosen.*`, e.g. `chosen.lock.held` |
+//!
+//! Use one or the other for one registry: exported through `opentelemetry-prometheus`,
+//! the OpenTelemetry names would turn into the same `chosen_*` families with other
+//! labels.
+//!
+//! Labels are bounded: `node` (one per manager), `lock` / `singleton` (the names your
+//! code uses; keep them a fixed set, not per-request values), `reason` and `outcome`
+//! (fixed sets, listed on each method).
+
+use std::fmt;
+use std::time::Duration;
+
+#[cfg(feature = "opentelemetry")]
+mod otel;
+#[cfg(feature = "prometheus")]
+mod prometheus;
+
+#[cfg(feature = "opentelemetry")]
+pub use otel::OtelMetrics;
+#[cfg(feature = "prometheus")]
+pub use prometheus::PrometheusMetrics;
+
+/// Receives chosen's events. Every method has an empty default, so a sink implements
+/// only what it needs. Calls are made inline on hot paths: keep them cheap.
+pub trait MetricsSink: Send + Sync + fmt::Debug {
+    /// `node` got `lock` after waiting `waited` (zero for a lock that was free).
+    fn lock_acquired(&self, node: &str, lock: &str, waited: Duration) {
+        let _ = (node, lock, waited);
+    }
+
+    /// `node` released `lock` (or handed it to another local request).
+    fn lock_released(&self, node: &str, lock: &str) {
+        let _ = (node, lock);
+    }
+
+    /// `node` lost `lock` with its session. `reason`: `connection_lost`,
+    /// `heartbeat_overdue`, `server_in_recovery`, `backend_changed`, `pooler_detected`,
+    /// `shutdown`.
+    fn lock_lost(&self, node: &str, lock: &str, reason: &str) {
+        let _ = (node, lock, reason);
+    }
+
+    /// `waiters` requests of `node` now wait for `lock`.
+    fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
+        let _ = (node, lock, waiters);
+    }
+
+    /// The session of `node` went up (`generation` is the new one) or down.
+    fn connection_changed(&self, node: &str, up: bool, generation: u64) {
+        let _ = (node, up, generation);
+    }
+
+    /// A reconnect attempt of `node` ended (`ok` or failed).
+    fn reconnect_attempt(&self, node: &str, ok: bool) {
+        let _ = (node, ok);
+    }
+
+    /// A heartbeat of `node` succeeded after `rtt`.
+    fn heartbeat(&self, node: &str, rtt: Duration) {
+        let _ = (node, rtt);
+    }
+
+    /// `node` ran one batched acquire statement for `keys` keys.
+    fn poll_query(&self, node: &str, keys: usize) {
+        let _ = (node, keys);
+    }
+
+    /// The child of `singleton` on `node` started or stopped.
+    fn singleton_running(&self, node: &str, singleton: &str, running: bool) {
+        let _ = (node, singleton, running);
+    }
+
+    /// The child of `singleton` on `node` was restarted.
+    fn singleton_restart(&self, node: &str, singleton: &str) {
+        let _ = (node, singleton);
+    }
+
+    /// An apalis task reached the gate for `lock`. `outcome`: `ran`,
+    /// `skipped_not_leader`, `skipped_stale_tick`.
+    fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
+        let _ = (node, lock, outcome);
+    }
+
+    /// The tower layer answered a request itself because `node` does not lead `lock`.
+    fn follower_response(&self, node: &str, lock: &str) {
+        let _ = (node, lock);
+    }
+}

@@ -1,0 +1,263 @@
+use std::time::Duration;
+
+use prometheus::{
+    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+
+use super::MetricsSink;
+
+/// Prometheus collectors for chosen, registered into a registry you own (never the
+/// default one).
+///
+/// ```
+/// use std::sync::Arc;
+/// use chosen_core::{ManagerOptions, PrometheusMetrics};
+///
+/// let registry = prometheus::Registry::new();
+/// let metrics = Arc::new(PrometheusMetrics::register(&registry)?);
+/// let options = ManagerOptions::from_url("postgres://app@db/app")?.metrics(metrics);
+/// // Registering twice into one registry is an error, not a panic:
+/// assert!(PrometheusMetrics::register(&registry).is_err());
+/// # let _ = options;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// | metric | type | labels |
+/// |---|---|---|
+/// | `chosen_lock_held` | gauge, 0/1 | `node`, `lock` |
+/// | `chosen_lock_waiters` | gauge | `node`, `lock` |
+/// | `chosen_lock_acquisitions_total` | counter | `node`, `lock` |
+/// | `chosen_lock_losses_total` | counter | `node`, `lock`, `reason` |
+/// | `chosen_lock_wait_seconds` | histogram | `node`, `lock` |
+/// | `chosen_connection_up` | gauge, 0/1 | `node` |
+/// | `chosen_session_generation` | gauge | `node` |
+/// | `chosen_reconnects_total` | counter | `node`, `result` (`ok`, `failed`) |
+/// | `chosen_heartbeat_rtt_seconds` | histogram | `node` |
+/// | `chosen_poll_queries_total` | counter | `node` |
+/// | `chosen_poll_keys_total` | counter | `node` |
+/// | `chosen_singleton_running` | gauge, 0/1 | `node`, `singleton` |
+/// | `chosen_singleton_restarts_total` | counter | `node`, `singleton` |
+/// | `chosen_apalis_tasks_total` | counter | `node`, `lock`, `outcome` |
+/// | `chosen_tower_follower_responses_total` | counter | `node`, `lock` |
+#[derive(Debug, Clone)]
+pub struct PrometheusMetrics {
+    lock_held: IntGaugeVec,
+    lock_waiters: IntGaugeVec,
+    acquisitions: IntCounterVec,
+    losses: IntCounterVec,
+    wait_seconds: HistogramVec,
+    connection_up: IntGaugeVec,
+    generation: GaugeVec,
+    reconnects: IntCounterVec,
+    heartbeat_rtt: HistogramVec,
+    poll_queries: IntCounterVec,
+    poll_keys: IntCounterVec,
+    singleton_running: IntGaugeVec,
+    singleton_restarts: IntCounterVec,
+    apalis_tasks: IntCounterVec,
+    follower_responses: IntCounterVec,
+}
+
+impl PrometheusMetrics {
+    /// Creates the collectors and registers them into `registry`.
+    ///
+    /// # Errors
+    ///
+    /// `prometheus::Error::AlreadyReg` when they are registered there already.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            IntGaugeVec::new(Opts::new(name, help), labels)
+        };
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels)
+        };
+        let m = Self {
+            lock_held: gauge(
+                "chosen_lock_held",
+                "1 while this node holds the lock",
+                &["node", "lock"],
+            )?,
+            lock_waiters: gauge(
+                "chosen_lock_waiters",
+                "Requests of this node waiting for the lock",
+                &["node", "lock"],
+            )?,
+            acquisitions: counter(
+                "chosen_lock_acquisitions_total",
+                "Times this node acquired the lock",
+                &["node", "lock"],
+            )?,
+            losses: counter(
+                "chosen_lock_losses_total",
+                "Times this node lost the lock with its session, by reason",
+                &["node", "lock", "reason"],
+            )?,
+            wait_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "chosen_lock_wait_seconds",
+                    "Time from request to acquisition",
+                )
+                .buckets(vec![
+                    0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0, 3600.0,
+                ]),
+                &["node", "lock"],
+            )?,
+            connection_up: gauge(
+                "chosen_connection_up",
+                "1 while the lock session is up",
+                &["node"],
+            )?,
+            generation: GaugeVec::new(
+                Opts::new(
+                    "chosen_session_generation",
+                    "Current session generation (grows with every reconnect)",
+                ),
+                &["node"],
+            )?,
+            reconnects: counter(
+                "chosen_reconnects_total",
+                "Reconnect attempts of the lock session, by result",
+                &["node", "result"],
+            )?,
+            heartbeat_rtt: HistogramVec::new(
+                HistogramOpts::new(
+                    "chosen_heartbeat_rtt_seconds",
+                    "Round trip of the session heartbeat",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 3.0,
+                ]),
+                &["node"],
+            )?,
+            poll_queries: counter(
+                "chosen_poll_queries_total",
+                "Batched acquire statements sent",
+                &["node"],
+            )?,
+            poll_keys: counter(
+                "chosen_poll_keys_total",
+                "Keys tried by batched acquire statements",
+                &["node"],
+            )?,
+            singleton_running: gauge(
+                "chosen_singleton_running",
+                "1 while the singleton's child runs on this node",
+                &["node", "singleton"],
+            )?,
+            singleton_restarts: counter(
+                "chosen_singleton_restarts_total",
+                "Restarts of the singleton's child on this node",
+                &["node", "singleton"],
+            )?,
+            apalis_tasks: counter(
+                "chosen_apalis_tasks_total",
+                "apalis tasks that reached the leader gate, by outcome",
+                &["node", "lock", "outcome"],
+            )?,
+            follower_responses: counter(
+                "chosen_tower_follower_responses_total",
+                "Requests answered by the leader-only layer because this node does not lead",
+                &["node", "lock"],
+            )?,
+        };
+        registry.register(Box::new(m.lock_held.clone()))?;
+        registry.register(Box::new(m.lock_waiters.clone()))?;
+        registry.register(Box::new(m.acquisitions.clone()))?;
+        registry.register(Box::new(m.losses.clone()))?;
+        registry.register(Box::new(m.wait_seconds.clone()))?;
+        registry.register(Box::new(m.connection_up.clone()))?;
+        registry.register(Box::new(m.generation.clone()))?;
+        registry.register(Box::new(m.reconnects.clone()))?;
+        registry.register(Box::new(m.heartbeat_rtt.clone()))?;
+        registry.register(Box::new(m.poll_queries.clone()))?;
+        registry.register(Box::new(m.poll_keys.clone()))?;
+        registry.register(Box::new(m.singleton_running.clone()))?;
+        registry.register(Box::new(m.singleton_restarts.clone()))?;
+        registry.register(Box::new(m.apalis_tasks.clone()))?;
+        registry.register(Box::new(m.follower_responses.clone()))?;
+        Ok(m)
+    }
+}
+
+fn gauge_of(g: &Gauge, value: f64) {
+    g.set(value);
+}
+
+impl MetricsSink for PrometheusMetrics {
+    fn lock_acquired(&self, node: &str, lock: &str, waited: Duration) {
+        self.lock_held.with_label_values(&[node, lock]).set(1);
+        self.acquisitions.with_label_values(&[node, lock]).inc();
+        self.wait_seconds
+            .with_label_values(&[node, lock])
+            .observe(waited.as_secs_f64());
+    }
+
+    fn lock_released(&self, node: &str, lock: &str) {
+        self.lock_held.with_label_values(&[node, lock]).set(0);
+    }
+
+    fn lock_lost(&self, node: &str, lock: &str, reason: &str) {
+        self.lock_held.with_label_values(&[node, lock]).set(0);
+        self.losses.with_label_values(&[node, lock, reason]).inc();
+    }
+
+    fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
+        self.lock_waiters
+            .with_label_values(&[node, lock])
+            .set(i64::try_from(waiters).unwrap_or(i64::MAX));
+    }
+
+    fn connection_changed(&self, node: &str, up: bool, generation: u64) {
+        self.connection_up
+            .with_label_values(&[node])
+            .set(i64::from(up));
+        if up {
+            gauge_of(
+                &self.generation.with_label_values(&[node]),
+                generation as f64,
+            );
+        }
+    }
+
+    fn reconnect_attempt(&self, node: &str, ok: bool) {
+        let result = if ok { "ok" } else { "failed" };
+        self.reconnects.with_label_values(&[node, result]).inc();
+    }
+
+    fn heartbeat(&self, node: &str, rtt: Duration) {
+        self.heartbeat_rtt
+            .with_label_values(&[node])
+            .observe(rtt.as_secs_f64());
+    }
+
+    fn poll_query(&self, node: &str, keys: usize) {
+        self.poll_queries.with_label_values(&[node]).inc();
+        self.poll_keys
+            .with_label_values(&[node])
+            .inc_by(keys as u64);
+    }
+
+    fn singleton_running(&self, node: &str, singleton: &str, running: bool) {
+        self.singleton_running
+            .with_label_values(&[node, singleton])
+            .set(i64::from(running));
+    }
+
+    fn singleton_restart(&self, node: &str, singleton: &str) {
+        self.singleton_restarts
+            .with_label_values(&[node, singleton])
+            .inc();
+    }
+
+    fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
+        self.apalis_tasks
+            .with_label_values(&[node, lock, outcome])
+            .inc();
+    }
+
+    fn follower_response(&self, node: &str, lock: &str) {
+        self.follower_responses
+            .with_label_values(&[node, lock])
+            .inc();
+    }
+}

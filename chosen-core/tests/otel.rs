@@ -1,0 +1,67 @@
+//! The OpenTelemetry sink reaches a provider installed after the sink was made.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use chosen_core::{MetricsSink, OtelMetrics};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, SdkMeterProvider};
+
+#[test]
+fn instruments_use_the_provider_installed_later() {
+    // Made before the application installs its provider: nothing is bound yet.
+    let sink = OtelMetrics::new();
+
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_periodic_exporter(exporter.clone())
+        .build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+
+    sink.lock_acquired("n1", "report", Duration::from_millis(3));
+    sink.lock_released("n1", "report");
+    sink.lock_lost("n1", "report", "heartbeat_overdue");
+    sink.lock_waiting("n1", "report", 2);
+    sink.connection_changed("n1", true, 4);
+    sink.reconnect_attempt("n1", false);
+    sink.heartbeat("n1", Duration::from_micros(400));
+    sink.poll_query("n1", 12);
+    sink.singleton_running("n1", "report", true);
+    sink.singleton_restart("n1", "report");
+    sink.task_gated("n1", "cron", "ran");
+    sink.follower_response("n1", "admin");
+    provider.force_flush().unwrap();
+
+    let names: BTreeSet<String> = exporter
+        .get_finished_metrics()
+        .unwrap()
+        .iter()
+        .flat_map(|rm| {
+            rm.scope_metrics()
+                .flat_map(|sm| sm.metrics().map(|m| m.name().to_owned()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for expected in [
+        "chosen.lock.held",
+        "chosen.lock.waiters",
+        "chosen.lock.acquisitions",
+        "chosen.lock.losses",
+        "chosen.lock.wait",
+        "chosen.connection.up",
+        "chosen.session.generation",
+        "chosen.reconnects",
+        "chosen.heartbeat.rtt",
+        "chosen.poll.queries",
+        "chosen.poll.keys",
+        "chosen.singleton.running",
+        "chosen.singleton.restarts",
+        "chosen.apalis.tasks",
+        "chosen.tower.follower_responses",
+    ] {
+        assert!(
+            names.contains(expected),
+            "{expected} missing from {names:?}"
+        );
+    }
+    provider.shutdown().unwrap();
+}

@@ -1,0 +1,207 @@
+//! Scrape `/metrics` of real node processes over HTTP during a takeover.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chosen_tests::{PgCluster, connect_admin, example_binary, unique_name};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct Node {
+    id: String,
+    child: Child,
+    metrics: SocketAddr,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(url: &str, id: &str, singleton: &str) -> Node {
+    let mut child = Command::new(example_binary("node").unwrap())
+        .args([
+            "--node-id",
+            id,
+            "--singleton",
+            singleton,
+            "--poll-ms",
+            "100",
+        ])
+        .args(["--metrics", "127.0.0.1:0"])
+        .env("DATABASE_URL", url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("node output").unwrap();
+        if line.contains("\"event\":\"metrics\"") {
+            let addr = line
+                .split("\"addr\":\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            break addr.parse().unwrap();
+        }
+    };
+    // Keep draining stdout so the node never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    Node {
+        id: id.to_owned(),
+        child,
+        metrics: addr,
+    }
+}
+
+/// `metric{labels}` -> value, from the Prometheus text format.
+async fn scrape(addr: SocketAddr) -> HashMap<String, f64> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = String::new();
+    stream.read_to_string(&mut buf).await.unwrap();
+    let body = buf.split_once("\r\n\r\n").unwrap().1;
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+fn get(m: &HashMap<String, f64>, series: &str) -> f64 {
+    m.get(series).copied().unwrap_or(0.0)
+}
+
+async fn holders(nodes: &[Node], lock: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for n in nodes {
+        let m = scrape(n.metrics).await;
+        if get(
+            &m,
+            &format!("chosen_lock_held{{lock=\"{lock}\",node=\"{}\"}}", n.id),
+        ) == 1.0
+        {
+            out.push(n.id.clone());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scraped_metrics_follow_a_takeover() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("metrics");
+    let nodes: Vec<Node> = (0..3)
+        .map(|i| spawn(&pg.url(), &format!("m-node-{i}"), &lock))
+        .collect();
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let leader = loop {
+        let h = holders(&nodes, &lock).await;
+        assert!(h.len() <= 1, "two nodes report held=1: {h:?}");
+        if let [one] = h.as_slice() {
+            break one.clone();
+        }
+        assert!(Instant::now() < deadline, "no node reports held=1");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let m = scrape(nodes.iter().find(|n| n.id == leader).unwrap().metrics).await;
+    assert_eq!(
+        get(&m, &format!("chosen_connection_up{{node=\"{leader}\"}}")),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            &format!("chosen_singleton_running{{node=\"{leader}\",singleton=\"{lock}\"}}")
+        ),
+        1.0
+    );
+    for n in nodes.iter().filter(|n| n.id != leader) {
+        // Followers report one waiting request and their polls (once they are up).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = scrape(n.metrics).await;
+            let waiters = get(
+                &m,
+                &format!("chosen_lock_waiters{{lock=\"{lock}\",node=\"{}\"}}", n.id),
+            );
+            let polls = get(
+                &m,
+                &format!("chosen_poll_queries_total{{node=\"{}\"}}", n.id),
+            );
+            if waiters == 1.0 && polls >= 1.0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: waiters {waiters}, polls {polls}",
+                n.id
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    // Kill the leader's session: held flips to another node, the loss is counted.
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&leader],
+        )
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let h = holders(&nodes, &lock).await;
+        assert!(h.len() <= 1, "two nodes report held=1: {h:?}");
+        if let [one] = h.as_slice()
+            && *one != leader
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "held=1 did not move: {h:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let old = scrape(nodes.iter().find(|n| n.id == leader).unwrap().metrics).await;
+    assert_eq!(
+        get(
+            &old,
+            &format!(
+                "chosen_lock_losses_total{{lock=\"{lock}\",node=\"{leader}\",reason=\"connection_lost\"}}"
+            )
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &old,
+            &format!("chosen_lock_held{{lock=\"{lock}\",node=\"{leader}\"}}")
+        ),
+        0.0
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(
+        &scrape(nodes.iter().find(|n| n.id == leader).unwrap().metrics).await,
+        &format!("chosen_session_generation{{node=\"{leader}\"}}"),
+    ) < 2.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the old leader did not reconnect"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
