@@ -12,7 +12,9 @@
 //! cluster. Clusters listen on 127.0.0.1 only, are removed on drop, and clusters left
 //! behind by a test process that died are swept by the next start.
 
+pub mod checker;
 mod cluster;
+pub mod nemesis;
 mod proxy;
 
 pub use cluster::{PgBouncer, PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD, signal};
