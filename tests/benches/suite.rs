@@ -1,0 +1,26 @@
+//! The benchmark suite: chosen against the physical floor and its peers.
+//!
+//! ```text
+//! cargo bench -p chosen-tests --bench suite            # full profile (a few minutes)
+//! cargo bench -p chosen-tests --bench suite -- --smoke # tiny profile
+//! ```
+//!
+//! Prints Markdown; `BENCHMARKS.md` holds the table of a full run.
+
+#![allow(missing_docs)] // a benchmark binary
+
+#[path = "suite_impl.rs"]
+mod suite_impl;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let smoke = std::env::args().any(|a| a == "--smoke");
+    let profile = if smoke {
+        suite_impl::Profile::smoke()
+    } else {
+        suite_impl::Profile::full()
+    };
+    let report = suite_impl::run(&profile, env!("CARGO_BIN_EXE_chosen-holder")).await?;
+    println!("{report}");
+    Ok(())
+}

@@ -1,0 +1,529 @@
+//! The benchmark scenarios (shared by `benches/suite.rs` and the CI smoke test).
+
+// The smoke test uses only the small profile.
+#![allow(dead_code)]
+
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chosen_core::{LockManager, ManagerOptions};
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, signal};
+
+/// Sizes of one run.
+#[derive(Debug, Clone)]
+pub(crate) struct Profile {
+    pub(crate) latency_rounds: usize,
+    pub(crate) latency_runs: usize,
+    pub(crate) many: usize,
+    pub(crate) many_large: Option<usize>,
+    pub(crate) waiting_names: usize,
+    pub(crate) waiting_window: Duration,
+    pub(crate) handover_rounds: usize,
+    pub(crate) crash_rounds: usize,
+    pub(crate) partition_rounds: usize,
+}
+
+impl Profile {
+    pub(crate) fn full() -> Self {
+        Self {
+            latency_rounds: 2000,
+            latency_runs: 3,
+            many: 5000,
+            many_large: Some(100_000),
+            waiting_names: 5000,
+            waiting_window: Duration::from_secs(10),
+            handover_rounds: 200,
+            crash_rounds: 20,
+            partition_rounds: 3,
+        }
+    }
+
+    pub(crate) fn smoke() -> Self {
+        Self {
+            latency_rounds: 50,
+            latency_runs: 1,
+            many: 200,
+            many_large: None,
+            waiting_names: 100,
+            waiting_window: Duration::from_secs(2),
+            handover_rounds: 5,
+            crash_rounds: 2,
+            partition_rounds: 0,
+        }
+    }
+}
+
+fn pct(sorted: &[Duration], p: usize) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1e6)
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+fn options(url: &str, node: &str) -> chosen_core::Result<ManagerOptions> {
+    Ok(ManagerOptions::from_url(url)?
+        .node_id(node)
+        .max_locks(1_000_000))
+}
+
+/// Resident set size of this process, in KiB.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// CPU time (user + system) of this process.
+fn cpu_time() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
+            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    Duration::from_millis(ticks * 10) // USER_HZ = 100 on Linux
+}
+
+async fn xacts(admin: &tokio_postgres::Client) -> i64 {
+    admin
+        .query_one(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+            &[],
+        )
+        .await
+        .map_or(0, |r| r.get(0))
+}
+
+async fn backends(admin: &tokio_postgres::Client, like: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+            &[&like],
+        )
+        .await
+        .map_or(0, |r| r.get(0))
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Runs every scenario and returns the results as Markdown.
+pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
+    let mut out = String::new();
+    let cluster = PgCluster::start_local()?;
+    let url = cluster.url();
+    let admin = connect_admin(&url).await?;
+
+    // 1. Uncontended acquire + release against the floor and sqlx, interleaved.
+    out.push_str("### 1. Uncontended acquire + release (interleaved, same run)\n\n");
+    out.push_str("| run | floor p50 | floor p99 | chosen p50 | chosen p99 | sqlx p50 | sqlx p99 | chosen / floor (p50) | sqlx / floor (p50) |\n|---|---|---|---|---|---|---|---|---|\n");
+    let raw = connect_admin(&url).await?;
+    let lock = raw.prepare("SELECT pg_try_advisory_lock(1, 2)").await?;
+    let unlock = raw.prepare("SELECT pg_advisory_unlock(1, 2)").await?;
+    let manager = LockManager::connect(options(&url, "bench-latency")?).await?;
+    let mut sqlx_conn = Some(<sqlx::PgConnection as sqlx::Connection>::connect(&url).await?);
+    let sqlx_lock = sqlx::postgres::PgAdvisoryLock::new("bench-sqlx");
+    let mut ratios = Vec::new();
+    for run in 1..=profile.latency_runs {
+        let (mut floor, mut ours, mut peer) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..profile.latency_rounds {
+            let t = Instant::now();
+            raw.query_one(&lock, &[]).await?;
+            raw.query_one(&unlock, &[]).await?;
+            floor.push(t.elapsed());
+
+            let t = Instant::now();
+            let lease = manager.acquire("bench-latency").await?;
+            lease.release().await?;
+            ours.push(t.elapsed());
+
+            let t = Instant::now();
+            let guard = sqlx_lock.acquire(sqlx_conn.take().expect("conn")).await?;
+            sqlx_conn = Some(guard.release_now().await?);
+            peer.push(t.elapsed());
+        }
+        floor.sort();
+        ours.sort();
+        peer.sort();
+        let r = pct(&ours, 50).as_secs_f64() / pct(&floor, 50).as_secs_f64();
+        let rs = pct(&peer, 50).as_secs_f64() / pct(&floor, 50).as_secs_f64();
+        ratios.push(r);
+        out.push_str(&format!(
+            "| {run} | {} | {} | {} | {} | {} | {} | {r:.2} | {rs:.2} |\n",
+            us(pct(&floor, 50)),
+            us(pct(&floor, 99)),
+            us(pct(&ours, 50)),
+            us(pct(&ours, 99)),
+            us(pct(&peer, 50)),
+            us(pct(&peer, 99)),
+        ));
+    }
+    ratios.sort_by(f64::total_cmp);
+    out.push_str(&format!(
+        "\nMedian chosen / floor ratio over {} runs: **{:.2}** (target ≤ 1.3).\n\n",
+        ratios.len(),
+        ratios[ratios.len() / 2]
+    ));
+    manager.shutdown().await;
+
+    // 2. Many locks on one manager, against one connection per lock (sqlx).
+    out.push_str("### 2. Many locks\n\n| what | locks | acquire all | release all | client RSS growth | backends |\n|---|---|---|---|---|---|\n");
+    out.push_str(&many_locks(&url, &admin, profile.many, "default settings").await?);
+    let max_conn: i64 = admin
+        .query_one("SELECT current_setting('max_connections')::int8", &[])
+        .await?
+        .get(0);
+    let per_conn = usize::try_from(max_conn - 20)
+        .unwrap_or(10)
+        .min(profile.many);
+    out.push_str(&sqlx_many(&url, &admin, per_conn).await?);
+    if let Some(large) = profile.many_large {
+        let big = PgCluster::builder()
+            .setting("max_locks_per_transaction", "1024")
+            .start()?;
+        let big_admin = connect_admin(&big.url()).await?;
+        out.push_str(
+            &many_locks(
+                &big.url(),
+                &big_admin,
+                large,
+                "max_locks_per_transaction=1024",
+            )
+            .await?,
+        );
+    }
+    out.push('\n');
+
+    // 3. Waiting cost.
+    out.push_str(&waiting_cost(&url, &admin, profile).await?);
+
+    // 4. Graceful hand-over.
+    let a = LockManager::connect(options(&url, "bench-handover-a")?).await?;
+    let b = LockManager::connect(
+        options(&url, "bench-handover-b")?.poll_interval(Duration::from_secs(60)),
+    )
+    .await?;
+    let mut handovers = Vec::new();
+    for _ in 0..profile.handover_rounds {
+        let lease = a.acquire("bench-handover").await?;
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move {
+                let lease = b.acquire("bench-handover").await;
+                (Instant::now(), lease)
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let t = Instant::now();
+        lease.release().await?;
+        let (got, lease_b) = waiter.await?;
+        handovers.push(got - t);
+        lease_b?.release().await?;
+    }
+    handovers.sort();
+    out.push_str(&format!(
+        "### 4. Graceful hand-over (release -> waiter's lease granted; waiter poll interval 60 s, so this is NOTIFY)\n\n{} rounds: p50 **{}**, p99 {}, max {}.\n\n",
+        handovers.len(),
+        ms(pct(&handovers, 50)),
+        ms(pct(&handovers, 99)),
+        ms(handovers.last().copied().unwrap_or_default())
+    ));
+    a.shutdown().await;
+    b.shutdown().await;
+
+    // 5. Crash failover: holder process SIGKILLed.
+    let waiter = LockManager::connect(options(&url, "bench-crash-waiter")?).await?;
+    let poll = waiter.options().get_poll_interval();
+    let mut crashes = Vec::new();
+    for round in 0..profile.crash_rounds {
+        let name = format!("bench-crash-{round}");
+        let mut holder = std::process::Command::new(holder_bin)
+            .args([url.as_str(), name.as_str(), "bench-crash-holder"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        let mut lines =
+            io::BufRead::lines(io::BufReader::new(holder.stdout.take().expect("piped")));
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.starts_with("acquired") => break,
+                Some(_) => {}
+                None => return Err("holder exited".into()),
+            }
+        }
+        let w = tokio::spawn({
+            let waiter = waiter.clone();
+            let name = name.clone();
+            async move {
+                let lease = waiter.acquire(name.as_str()).await;
+                (Instant::now(), lease)
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50 + (round as u64 * 37) % 300)).await;
+        let t = Instant::now();
+        signal(holder.id(), "KILL")?;
+        let _ = holder.wait();
+        let (got, lease) = w.await?;
+        crashes.push(got - t);
+        drop(lease?);
+    }
+    crashes.sort();
+    out.push_str(&format!(
+        "### 5. Crash failover (holder process SIGKILLed -> waiter holds)\n\n{} rounds: p50 **{}**, p99 {}, max {} (poll interval {}: a crash is seen by the next poll).\n\n",
+        crashes.len(),
+        ms(pct(&crashes, 50)),
+        ms(pct(&crashes, 99)),
+        ms(crashes.last().copied().unwrap_or_default()),
+        ms(poll)
+    ));
+    waiter.shutdown().await;
+
+    // 6. Partition failover.
+    if profile.partition_rounds > 0 {
+        let port = cluster.port().expect("local");
+        let mut rows = String::new();
+        let (mut fences, mut takeovers) = (Vec::new(), Vec::new());
+        for round in 0..profile.partition_rounds {
+            let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await?;
+            let holder =
+                LockManager::connect(options(&proxy.url(&url, port), "bench-part-holder")?).await?;
+            let waiter = LockManager::connect(options(&url, "bench-part-waiter")?).await?;
+            let name = format!("bench-partition-{round}");
+            let lease = holder.acquire(name.as_str()).await?;
+            let w = tokio::spawn({
+                let waiter = waiter.clone();
+                let name = name.clone();
+                async move { (waiter.acquire(name.as_str()).await, Instant::now()) }
+            });
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let t = Instant::now();
+            proxy.set(ProxyMode::BlackHole);
+            lease.lost().await;
+            let fenced = t.elapsed();
+            let (l, got) = w.await?;
+            let took = got - t;
+            fences.push(fenced);
+            takeovers.push(took);
+            rows.push_str(&format!(
+                "| {round} | {} | {} | {} |\n",
+                ms(fenced),
+                ms(took),
+                ms(took - fenced)
+            ));
+            drop(l?);
+            proxy.set(ProxyMode::Pass);
+            waiter.shutdown().await;
+            drop(holder);
+        }
+        out.push_str(&format!(
+            "### 6. Partition failover (holder's connection black-holed)\n\nBound: the holder fences itself within `lease_timeout` (3 s) of its last good heartbeat; the server releases after `server_release_after` (7 s) of silence.\n\n| round | holder fenced itself | waiter holds | gap (no holder) |\n|---|---|---|---|\n{rows}\n"
+        ));
+    }
+
+    // 7 is the criterion benchmark of chosen-tower; 8: loss signal.
+    out.push_str(&loss_signal(&url, &admin).await?);
+    Ok(out)
+}
+
+async fn many_locks(
+    url: &str,
+    admin: &tokio_postgres::Client,
+    n: usize,
+    label: &str,
+) -> Res<String> {
+    let node = format!("bench-many-{n}");
+    let m = LockManager::connect(options(url, &node)?).await?;
+    let rss0 = rss_kib();
+    let t = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let m = m.clone();
+        set.spawn(async move { m.acquire(format!("bench-many-{i}")).await });
+    }
+    let mut leases = Vec::with_capacity(n);
+    while let Some(r) = set.join_next().await {
+        leases.push(r??);
+    }
+    let acquired = t.elapsed();
+    let rss = rss_kib().saturating_sub(rss0);
+    let used = backends(admin, &node).await;
+    let t = Instant::now();
+    drop(leases);
+    loop {
+        let held: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND a.application_name = $1",
+                &[&node],
+            )
+            .await?
+            .get(0);
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let released = t.elapsed();
+    m.shutdown().await;
+    Ok(format!(
+        "| chosen, one manager ({label}) | {n} | {} | {} | {} KiB ({:.0} B per lock) | **{used}** |\n",
+        ms(acquired),
+        ms(released),
+        rss,
+        rss as f64 * 1024.0 / n as f64
+    ))
+}
+
+async fn sqlx_many(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<String> {
+    let before = backends(admin, "%").await;
+    let rss0 = rss_kib();
+    let t = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let url = url.to_owned();
+        // The guard borrows its lock; spawned tasks need it 'static (a few hundred
+        // leaked locks in a benchmark process).
+        let lock: &'static sqlx::postgres::PgAdvisoryLock = Box::leak(Box::new(
+            sqlx::postgres::PgAdvisoryLock::new(format!("bench-sqlx-many-{i}")),
+        ));
+        set.spawn(async move {
+            let conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url).await?;
+            lock.acquire(conn).await
+        });
+    }
+    let mut guards = Vec::with_capacity(n);
+    while let Some(r) = set.join_next().await {
+        guards.push(r??);
+    }
+    let acquired = t.elapsed();
+    let rss = rss_kib().saturating_sub(rss0);
+    let used = backends(admin, "%").await - before;
+    let t = Instant::now();
+    for g in guards {
+        let _ = g.release_now().await?;
+    }
+    let released = t.elapsed();
+    Ok(format!(
+        "| sqlx `PgAdvisoryLock` (one connection per lock; the server's max_connections binds) | {n} | {} | {} | {} KiB | **{used}** |\n",
+        ms(acquired),
+        ms(released),
+        rss
+    ))
+}
+
+async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profile) -> Res<String> {
+    let n = profile.waiting_names;
+    let window = profile.waiting_window;
+    let holder = LockManager::connect(options(url, "bench-wait-holder")?).await?;
+    let mut leases = Vec::with_capacity(n);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut set = tokio::task::JoinSet::new();
+        for i in chunk {
+            let h = holder.clone();
+            let i = *i;
+            set.spawn(async move { h.acquire(format!("bench-wait-{i}")).await });
+        }
+        while let Some(r) = set.join_next().await {
+            leases.push(r??);
+        }
+    }
+    // Baseline: holder heartbeats and this admin session only.
+    let x0 = xacts(admin).await;
+    let c0 = cpu_time();
+    tokio::time::sleep(window).await;
+    let base_q = (xacts(admin).await - x0) as f64 / window.as_secs_f64();
+    let base_cpu = cpu_time() - c0;
+
+    // chosen: one manager waits for all N names.
+    let waiter = LockManager::connect(options(url, "bench-wait-waiter")?).await?;
+    let poll = waiter.options().get_poll_interval();
+    let mut waits = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let w = waiter.clone();
+        waits.spawn(async move { w.acquire(format!("bench-wait-{i}")).await.map(drop) });
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let x0 = xacts(admin).await;
+    let c0 = cpu_time();
+    tokio::time::sleep(window).await;
+    let chosen_q = (xacts(admin).await - x0) as f64 / window.as_secs_f64() - base_q;
+    let chosen_cpu = (cpu_time() - c0).saturating_sub(base_cpu);
+    waits.abort_all();
+    waiter.shutdown().await;
+
+    // Naive: one poll loop per name, `pg_try_advisory_lock` every poll interval, on one
+    // shared connection (pipelined).
+    let naive = Arc::new(connect_admin(url).await?);
+    let stmt = naive
+        .prepare("SELECT pg_try_advisory_lock($1::int4, $2::int4)")
+        .await?;
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let mut loops = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (c, stmt, stop) = (Arc::clone(&naive), stmt.clone(), Arc::clone(&stop));
+        loops.spawn(async move {
+            let key = chosen_core::LockKey::derive("chosen", &format!("bench-wait-{i}"));
+            let chosen_core::LockKey::Pair(a, b) = key else {
+                return;
+            };
+            loop {
+                let _ = c.query_one(&stmt, &[&a, &b]).await;
+                tokio::select! {
+                    () = stop.notified() => return,
+                    () = tokio::time::sleep(poll) => {}
+                }
+            }
+        });
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let x0 = xacts(admin).await;
+    let c0 = cpu_time();
+    tokio::time::sleep(window).await;
+    let naive_q = (xacts(admin).await - x0) as f64 / window.as_secs_f64() - base_q;
+    let naive_cpu = (cpu_time() - c0).saturating_sub(base_cpu);
+    loops.abort_all();
+    drop(leases);
+    holder.shutdown().await;
+    let cpu_pct = |d: Duration| 100.0 * d.as_secs_f64() / window.as_secs_f64();
+    Ok(format!(
+        "### 3. Waiting cost ({n} names held by one manager, waited for by another; poll interval {})\n\n| waiter | statements/s reaching the server | client CPU (% of one core) |\n|---|---|---|\n| chosen (one batched statement per tick + heartbeat) | **{chosen_q:.1}** (ticks/s: {:.1}) | {:.1} % |\n| naive poll loop per name (one statement per name per tick) | {naive_q:.0} | {:.1} % |\n\nStatements counted as `xact_commit + xact_rollback` of the database, less a baseline measured first with nothing waiting ({base_q:.1}/s).\n\n",
+        ms(poll),
+        1.0 / poll.as_secs_f64(),
+        cpu_pct(chosen_cpu),
+        cpu_pct(naive_cpu)
+    ))
+}
+
+async fn loss_signal(url: &str, admin: &tokio_postgres::Client) -> Res<String> {
+    // chosen: the holder's session is terminated; how soon does the holder know?
+    let m = LockManager::connect(options(url, "bench-loss")?).await?;
+    let lease = m.acquire("bench-loss").await?;
+    let t = Instant::now();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'bench-loss'",
+            &[],
+        )
+        .await?;
+    lease.lost().await;
+    let chosen = t.elapsed();
+    m.shutdown().await;
+    // sqlx: `PgAdvisoryLockGuard` offers no validity check or loss future (its API is
+    // `release_now` and `leak`), so there is nothing to time.
+    Ok(format!(
+        "### 8. Does the holder learn it lost the lock?\n\n| library | holder's session terminated by the server |\n|---|---|\n| chosen | `Lease::lost()` resolved after **{}**; `is_valid()` false from then on |\n| sqlx `PgAdvisoryLockGuard` | no signal: the guard has no validity check or loss future; the holder finds out only when its next query on that connection fails |\n| naive poll loop | no signal, as sqlx |\n\n",
+        ms(chosen)
+    ))
+}
