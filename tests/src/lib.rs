@@ -116,3 +116,64 @@ fn newest_rs(dir: &std::path::Path) -> Option<std::time::SystemTime> {
     }
     newest
 }
+
+/// A `node` example process (see `examples/README.md`) and its event lines.
+#[derive(Debug)]
+pub struct NodeProcess {
+    /// The process.
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl NodeProcess {
+    /// Starts `node` with `args` against `url` (as `DATABASE_URL`).
+    ///
+    /// # Errors
+    ///
+    /// When the binary is missing or stale, or does not start.
+    pub fn spawn(url: &str, args: &[&str]) -> std::io::Result<Self> {
+        let mut child = std::process::Command::new(example_binary("node")?)
+            .args(args)
+            .env("DATABASE_URL", url)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()?;
+        let stdout = child.stdout.take().expect("BUG: stdout is piped");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self { child, lines })
+    }
+
+    /// Waits up to `limit` for the next line with `"event":"<event>"`, skipping others.
+    #[must_use]
+    pub fn wait(&self, event: &str, limit: std::time::Duration) -> Option<String> {
+        let deadline = std::time::Instant::now() + limit;
+        let needle = format!("\"event\":\"{event}\"");
+        loop {
+            let left = deadline.checked_duration_since(std::time::Instant::now())?;
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(&needle) => return Some(line),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

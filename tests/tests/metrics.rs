@@ -1,63 +1,47 @@
 //! Scrape `/metrics` of real node processes over HTTP during a takeover.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use chosen_tests::{PgCluster, connect_admin, example_binary, unique_name};
+use chosen_tests::{NodeProcess, PgCluster, connect_admin, unique_name};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Node {
     id: String,
-    child: Child,
+    _process: NodeProcess,
     metrics: SocketAddr,
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn spawn(url: &str, id: &str, singleton: &str) -> Node {
-    let mut child = Command::new(example_binary("node").unwrap())
-        .args([
+    let process = NodeProcess::spawn(
+        url,
+        &[
             "--node-id",
             id,
             "--singleton",
             singleton,
             "--poll-ms",
             "100",
-        ])
-        .args(["--metrics", "127.0.0.1:0"])
-        .env("DATABASE_URL", url)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    )
+    .unwrap();
+    let line = process
+        .wait("metrics", Duration::from_secs(20))
+        .expect("the node reports its metrics address");
+    let addr = line
+        .split("\"addr\":\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
         .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("node output").unwrap();
-        if line.contains("\"event\":\"metrics\"") {
-            let addr = line
-                .split("\"addr\":\"")
-                .nth(1)
-                .unwrap()
-                .split('"')
-                .next()
-                .unwrap();
-            break addr.parse().unwrap();
-        }
-    };
-    // Keep draining stdout so the node never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines.by_ref() {});
     Node {
         id: id.to_owned(),
-        child,
-        metrics: addr,
+        metrics: addr.parse().unwrap(),
+        _process: process,
     }
 }
 

@@ -1,8 +1,7 @@
 //! Singletons against real clusters: one child across the fleet, takeovers, restarts,
 //! cancellation, many singletons on one backend, and real node processes.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use chosen_core::{
     LeaderState, LockManager, ManagerOptions, RestartPolicy, Singleton, SingletonOptions,
     SingletonState,
 };
-use chosen_tests::{PgCluster, connect_admin, example_binary, signal, unique_name};
+use chosen_tests::{NodeProcess, PgCluster, connect_admin, example_binary, signal, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
     ManagerOptions::from_url(url)
@@ -282,60 +281,19 @@ async fn a_shutdown_timeout_beyond_the_stop_budget_is_rejected() {
     assert!(matches!(err, chosen_core::Error::InvalidName(_)), "{err}");
 }
 
-/// A `node` example process and its JSON event lines.
-struct Node {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Node {
-    fn spawn(url: &str, id: &str, singleton: &str) -> Self {
-        let mut child = Command::new(example_binary("node").unwrap())
-            .args([
-                "--node-id",
-                id,
-                "--singleton",
-                singleton,
-                "--poll-ms",
-                "100",
-            ])
-            .env("DATABASE_URL", url)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self { child, lines }
-    }
-
-    /// Waits for an event line; `None` on timeout.
-    fn wait(&self, event: &str, limit: Duration) -> Option<String> {
-        let deadline = Instant::now() + limit;
-        let needle = format!("\"event\":\"{event}\"");
-        loop {
-            let left = deadline.checked_duration_since(Instant::now())?;
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(&needle) => return Some(line),
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn spawn_node(url: &str, id: &str, singleton: &str) -> NodeProcess {
+    NodeProcess::spawn(
+        url,
+        &[
+            "--node-id",
+            id,
+            "--singleton",
+            singleton,
+            "--poll-ms",
+            "100",
+        ],
+    )
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,11 +301,11 @@ async fn node_processes_take_over_after_sigkill_and_sigterm() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("proc");
     let url = pg.url();
-    let a = Node::spawn(&url, "proc-a", &name);
+    let a = spawn_node(&url, "proc-a", &name);
     a.wait("child_started", Duration::from_secs(20))
         .expect("A runs the child");
-    let b = Node::spawn(&url, "proc-b", &name);
-    let c = Node::spawn(&url, "proc-c", &name);
+    let b = spawn_node(&url, "proc-b", &name);
+    let c = spawn_node(&url, "proc-c", &name);
     b.wait("following", Duration::from_secs(20))
         .expect("B follows");
     c.wait("following", Duration::from_secs(20))
