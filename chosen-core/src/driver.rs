@@ -99,6 +99,9 @@ pub(crate) struct Driver {
     current: Option<Arc<Generation>>,
     last_reason: DisconnectReason,
     rng: u64,
+    /// The next poll tick per poll interval: every waiting key with that interval is
+    /// tried at the same instant, so one statement covers them all.
+    ticks: HashMap<Duration, Instant>,
     /// Waiter counts last reported to the metrics sink, per key.
     reported_waiting: HashMap<LockKey, (Arc<str>, usize)>,
 }
@@ -144,6 +147,7 @@ impl Driver {
                 message: "not connected yet".to_owned(),
             },
             rng: seed | 1,
+            ticks: HashMap::new(),
             reported_waiting: HashMap::new(),
         }
     }
@@ -613,7 +617,7 @@ impl Driver {
         }
         if let Some(front) = slot.waiters.front() {
             let interval = front.poll_interval;
-            slot.next_try = Instant::now() + jitter(&mut self.rng, interval);
+            slot.next_try = next_tick(&mut self.ticks, &mut self.rng, interval);
         }
     }
 
@@ -664,12 +668,15 @@ impl Driver {
         }
     }
 
-    fn on_release_announced(&mut self, tag: &str) {
-        if let Some(key) = LockKey::from_tag(tag)
-            && let Some(slot) = self.slots.get_mut(&key)
-            && slot.holder.is_none()
-        {
-            slot.next_try = Instant::now();
+    fn on_release_announced(&mut self, payload: &str) {
+        let now = Instant::now();
+        for tag in payload.split(',') {
+            if let Some(key) = LockKey::from_tag(tag)
+                && let Some(slot) = self.slots.get_mut(&key)
+                && slot.holder.is_none()
+            {
+                slot.next_try = now;
+            }
         }
     }
 
@@ -993,6 +1000,20 @@ fn key_arrays(keys: &[LockKey]) -> KeyArrays {
     (a, b, big)
 }
 
+/// The next shared tick for `interval`: the one already planned if it lies ahead
+/// (within one jittered interval), else a new one, one jittered interval from now.
+fn next_tick(ticks: &mut HashMap<Duration, Instant>, rng: &mut u64, interval: Duration) -> Instant {
+    let now = Instant::now();
+    match ticks.get(&interval) {
+        Some(at) if *at > now && *at <= now + interval + interval / 10 => *at,
+        _ => {
+            let at = now + jitter(rng, interval);
+            ticks.insert(interval, at);
+            at
+        }
+    }
+}
+
 fn next_random(state: &mut u64) -> u64 {
     // xorshift64*: enough to spread polls and backoffs, no dependency.
     let mut x = *state;
@@ -1031,6 +1052,19 @@ pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_with_one_interval_share_ticks() {
+        let mut ticks = HashMap::new();
+        let mut rng = 7;
+        let interval = Duration::from_millis(300);
+        let first = next_tick(&mut ticks, &mut rng, interval);
+        for _ in 0..1000 {
+            assert_eq!(next_tick(&mut ticks, &mut rng, interval), first);
+        }
+        let other = next_tick(&mut ticks, &mut rng, Duration::from_secs(2));
+        assert!(other > first);
+    }
 
     #[test]
     fn jitter_stays_within_ten_percent() {

@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use crate::options::ManagerOptions;
 use crate::status::DisconnectReason;
 
-/// The channel graceful releases are announced on (payload: [`LockKey::tag`](crate::LockKey)).
+/// The channel graceful releases are announced on (payload: up to 200 key tags, see
+/// `LockKey::tag`, joined by commas).
 /// Seen by operators and other versions: do not change.
 pub(crate) const RELEASE_CHANNEL: &str = "chosen_release";
 
@@ -39,8 +40,10 @@ const HEARTBEAT_SQL: &str = "SELECT pg_backend_pid(), pg_is_in_recovery(), coale
 /// backend: behind a transaction pooler the statement returns no rows instead.
 const ACQUIRE_SQL: &str = "SELECT k.i, CASE WHEN CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b) ELSE pg_try_advisory_lock(k.big) END THEN pg_current_xact_id()::text::int8 END FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i) WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
 
-/// Unlocks and announces. `pg_notify` is delivered at commit, after the unlocks.
-const RELEASE_SQL: &str = "SELECT k.i, CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END, pg_notify('chosen_release', k.tag)::text FROM unnest($1::int4[], $2::int4[], $3::int8[], $4::text[]) WITH ORDINALITY AS k(a, b, big, tag, i)";
+/// Unlocks and announces: one notification per 200 keys (tags joined by commas, well
+/// under the 8,000-byte payload limit), delivered at commit, after the unlocks. The
+/// uncorrelated sub-select runs the notifications once per statement.
+const RELEASE_SQL: &str = "WITH n AS (SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j)) FROM unnest($4::text[]) WITH ORDINALITY AS t(tag, j) GROUP BY (t.j - 1) / 200) SELECT k.i, CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END, (SELECT count(*) FROM n) FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i)";
 
 /// After a failed acquire statement some of its locks may have been taken (session
 /// locks survive the statement's error): unlock those the lock table shows we hold.

@@ -191,6 +191,10 @@ impl Verdict {
     }
 }
 
+/// How long before a fault a run may have shown its last sign of life and still count
+/// as the holder the fault hit (a killed process's last tick precedes the kill).
+const KILL_SLACK_US: u64 = 500_000;
+
 /// How late a tick may be stamped after its node reported the loss before it counts
 /// as acting without checking (rather than the check-then-act delay of a descheduled
 /// process).
@@ -373,10 +377,15 @@ pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Ver
             covered_until = covered_until.max(r.end_us);
         }
         // Takeover latency after each fault that took this singleton's holder away.
-        for f in faults {
+        let mut by_time: Vec<&FaultRecord> = faults.iter().collect();
+        by_time.sort_by_key(|f| f.at_us);
+        for (i, f) in by_time.iter().enumerate() {
+            let next_fault = by_time.get(i + 1).map_or(u64::MAX, |n| n.at_us);
+            // A killed process emits nothing at its end: its run "ends" at its last
+            // tick, up to a tick interval before the kill.
             let holder = list
                 .iter()
-                .find(|r| r.start_us <= f.at_us && r.end_us >= f.at_us);
+                .find(|r| r.start_us <= f.at_us && r.end_us + KILL_SLACK_US >= f.at_us);
             let hit = match (&f.node, holder) {
                 (None, _) => true,
                 (Some(n), Some(h)) => *n == h.node,
@@ -384,7 +393,10 @@ pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Ver
             };
             // Only faults that ended the holder's run count (a freeze shorter than the
             // lease timeout, say, takes nothing away).
-            let took_it = holder.is_none_or(|h| h.end_us <= f.healed_us + release_us + 2_000_000);
+            // ... and it must have ended before the next fault, which would otherwise be
+            // charged to this one.
+            let took_it = holder
+                .is_none_or(|h| h.end_us <= (f.healed_us + release_us + 2_000_000).min(next_fault));
             if !hit || !took_it {
                 continue;
             }
@@ -591,6 +603,48 @@ mod tests {
         }];
         let v = check(&h, &faults, Duration::from_secs(7));
         assert!(!v.takeovers.contains_key("sigstop_short"), "{v}");
+    }
+
+    #[test]
+    fn a_killed_holder_counts_for_its_fault_and_later_faults_are_not_charged() {
+        // a's process is killed at 1.02 s (its last tick was at 0.95 s); b takes over
+        // at 1.3 s. A second fault at 5 s hits b, whose run ends at 5.1 s; c follows.
+        let mut h = vec![ev(0, "a", "child_started", 5)];
+        let mut t = 50;
+        while t < 1000 {
+            h.push(ev(t, "a", "child_tick", 5));
+            t += 50;
+        }
+        h.extend(run("b", 1300, 5100, 6));
+        h.extend(run("c", 5300, 6000, 7));
+        let faults = [
+            FaultRecord {
+                kind: "sigkill",
+                node: Some("a".to_owned()),
+                at_us: 1_020_000,
+                healed_us: 1_020_000,
+            },
+            FaultRecord {
+                kind: "sigstop_short",
+                node: Some("b".to_owned()),
+                at_us: 2_000_000,
+                healed_us: 3_000_000,
+            },
+            FaultRecord {
+                kind: "cut",
+                node: Some("b".to_owned()),
+                at_us: 5_000_000,
+                healed_us: 5_100_000,
+            },
+        ];
+        let v = check(&h, &faults, Duration::from_secs(7));
+        assert_eq!(
+            v.takeovers["sigkill"],
+            vec![Duration::from_millis(280)],
+            "{v}"
+        );
+        assert!(!v.takeovers.contains_key("sigstop_short"), "{v}");
+        assert_eq!(v.takeovers["cut"], vec![Duration::from_millis(300)], "{v}");
     }
 
     #[test]

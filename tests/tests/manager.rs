@@ -550,3 +550,89 @@ async fn followers_learn_who_holds_a_lock() {
     );
     drop((lease, raw));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_many_locks_wakes_a_waiter_on_all_of_them() {
+    let pg = PgCluster::start().unwrap();
+    let a = manager(&pg.url(), "bulk-a").await;
+    let b =
+        LockManager::connect(options(&pg.url(), "bulk-b").poll_interval(Duration::from_secs(60)))
+            .await
+            .unwrap();
+    let prefix = unique_name("bulk");
+    let names: Vec<String> = (0..500).map(|i| format!("{prefix}-{i}")).collect();
+    let mut leases = Vec::new();
+    for n in &names {
+        leases.push(a.acquire(n.as_str()).await.unwrap());
+    }
+    let mut waiting = tokio::task::JoinSet::new();
+    for n in names.clone() {
+        let b = b.clone();
+        waiting.spawn(async move { b.acquire(n).await });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    drop(leases); // 500 releases, announced in chunks of 200 tags per notification
+    let mut got = Vec::new();
+    while let Some(r) = tokio::time::timeout(Duration::from_secs(20), waiting.join_next())
+        .await
+        .expect("woken by the announcements, not the 60 s poll")
+    {
+        got.push(r.unwrap().unwrap());
+    }
+    assert_eq!(got.len(), 500);
+    assert!(t0.elapsed() < Duration::from_secs(20));
+}
+
+/// Counts batched acquire statements.
+#[derive(Debug, Default)]
+struct PollCounter(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64);
+
+impl chosen_core::MetricsSink for PollCounter {
+    fn poll_query(&self, _node: &str, keys: usize) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.1
+            .fetch_add(keys as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_locks_cost_one_statement_per_tick_however_many() {
+    let pg = PgCluster::start().unwrap();
+    let holder = manager(&pg.url(), "tick-holder").await;
+    let counter = std::sync::Arc::new(PollCounter::default());
+    let waiter = LockManager::connect(
+        options(&pg.url(), "tick-waiter")
+            .poll_interval(Duration::from_millis(100))
+            .metrics(counter.clone()),
+    )
+    .await
+    .unwrap();
+    let prefix = unique_name("tick");
+    let mut leases = Vec::new();
+    for i in 0..300 {
+        leases.push(holder.acquire(format!("{prefix}-{i}")).await.unwrap());
+    }
+    let mut waits = tokio::task::JoinSet::new();
+    for i in 0..300 {
+        let w = waiter.clone();
+        let name = format!("{prefix}-{i}");
+        waits.spawn(async move { w.acquire(name).await.map(drop) });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (q0, k0) = (
+        counter.0.load(std::sync::atomic::Ordering::Relaxed),
+        counter.1.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let queries = counter.0.load(std::sync::atomic::Ordering::Relaxed) - q0;
+    let keys = counter.1.load(std::sync::atomic::Ordering::Relaxed) - k0;
+    // About 20 ticks in 2 s at 100 ms; every tick tries all 300 keys in one statement.
+    assert!((10..=40).contains(&queries), "{queries} statements in 2 s");
+    assert!(
+        keys >= queries * 250,
+        "{keys} keys over {queries} statements"
+    );
+    waits.abort_all();
+    drop(leases);
+}
