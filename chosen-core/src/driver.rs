@@ -485,22 +485,40 @@ impl Driver {
         if let Some(m) = self.metrics() {
             m.poll_query(self.node(), due.len());
         }
-        match self
-            .guarded(
-                s.client
-                    .query(&s.stmts.acquire, &[&a, &b, &big, &s.backend_pid, &s.marker]),
-            )
-            .await
-        {
+        let query = async {
+            if let [key] = due.as_slice() {
+                let (a, b, big) = key_params(*key);
+                let rows = s
+                    .client
+                    .query(
+                        &s.stmts.acquire_one,
+                        &[&a, &b, &big, &s.backend_pid, &s.marker],
+                    )
+                    .await?;
+                // Same shape as the batched form: (ordinal, token).
+                Ok(rows
+                    .iter()
+                    .map(|r| (1i64, r.get::<_, Option<i64>>(0)))
+                    .collect::<Vec<_>>())
+            } else {
+                let rows = s
+                    .client
+                    .query(&s.stmts.acquire, &[&a, &b, &big, &s.backend_pid, &s.marker])
+                    .await?;
+                Ok(rows
+                    .iter()
+                    .map(|r| (r.get::<_, i64>(0), r.get::<_, Option<i64>>(1)))
+                    .collect())
+            }
+        };
+        match self.guarded(query).await {
             Ok(rows) if rows.is_empty() => Err(DisconnectReason::PoolerDetected {
                 detail: "an acquire statement ran on another backend than the session's own"
                     .to_owned(),
             }),
             Ok(rows) => {
                 let mut won = vec![None; due.len()];
-                for row in rows {
-                    let i: i64 = row.get(0);
-                    let token: Option<i64> = row.get(1);
+                for (i, token) in rows {
                     if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| won.get_mut(i)) {
                         *slot = token;
                     }
@@ -626,16 +644,29 @@ impl Driver {
             return Ok(());
         }
         let keys = std::mem::take(&mut self.unlocks);
-        let (a, b, big) = key_arrays(&keys);
-        let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
-        match self
-            .guarded(s.client.query(&s.stmts.release, &[&a, &b, &big, &tags]))
-            .await
-        {
-            Ok(rows) => {
+        let query = async {
+            if let [key] = keys.as_slice() {
+                let (a, b, big) = key_params(*key);
+                let row = s
+                    .client
+                    .query_one(&s.stmts.release_one, &[&a, &b, &big, &key.tag()])
+                    .await?;
+                Ok(vec![row.get::<_, bool>(0)])
+            } else {
+                let (a, b, big) = key_arrays(&keys);
+                let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
+                let rows = s
+                    .client
+                    .query(&s.stmts.release, &[&a, &b, &big, &tags])
+                    .await?;
+                Ok(rows.iter().map(|r| r.get::<_, bool>(1)).collect::<Vec<_>>())
+            }
+        };
+        match self.guarded(query).await {
+            Ok(released) => {
                 // We only unlock keys the session holds, once each: a `false` means the
                 // statement ran on a backend that is not ours.
-                if rows.len() != keys.len() || rows.iter().any(|row| !row.get::<_, bool>(1)) {
+                if released.len() != keys.len() || released.iter().any(|ok| !ok) {
                     return Err(DisconnectReason::PoolerDetected {
                         detail: "the server says this session did not hold a lock it held"
                             .to_owned(),
@@ -973,6 +1004,14 @@ impl Driver {
         for reply in self.shutdown_replies.drain(..) {
             let _ = reply.send(());
         }
+    }
+}
+
+/// The scalar parameters of the single-key statements.
+fn key_params(key: LockKey) -> (Option<i32>, Option<i32>, Option<i64>) {
+    match key {
+        LockKey::Pair(a, b) => (Some(a), Some(b), None),
+        LockKey::Int(k) => (None, None, Some(k)),
     }
 }
 

@@ -40,6 +40,12 @@ const HEARTBEAT_SQL: &str = "SELECT pg_backend_pid(), pg_is_in_recovery(), coale
 /// backend: behind a transaction pooler the statement returns no rows instead.
 const ACQUIRE_SQL: &str = "SELECT k.i, CASE WHEN CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b) ELSE pg_try_advisory_lock(k.big) END THEN pg_current_xact_id()::text::int8 END FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i) WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
 
+/// The single-key forms of the two statements above, for the common uncontended case
+/// (no arrays to build or unnest). Same semantics, same guards.
+const ACQUIRE_ONE_SQL: &str = "SELECT CASE WHEN CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4) ELSE pg_try_advisory_lock($3::int8) END THEN pg_current_xact_id()::text::int8 END WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
+
+const RELEASE_ONE_SQL: &str = "SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4) ELSE pg_advisory_unlock($3::int8) END, pg_notify('chosen_release', $4)::text";
+
 /// Unlocks and announces: one notification per 200 keys (tags joined by commas, well
 /// under the 8,000-byte payload limit), delivered at commit, after the unlocks. The
 /// uncorrelated sub-select runs the notifications once per statement.
@@ -99,6 +105,8 @@ pub(crate) struct Statements {
     pub(crate) token: Statement,
     pub(crate) holder: Statement,
     pub(crate) cluster: Statement,
+    pub(crate) acquire_one: Statement,
+    pub(crate) release_one: Statement,
 }
 
 pub(crate) struct Session {
@@ -344,7 +352,17 @@ impl Drop for AbortOnDrop {
 impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
-        let (heartbeat, acquire, release, cleanup, token, holder, cluster) = tokio::try_join!(
+        let (
+            heartbeat,
+            acquire,
+            release,
+            cleanup,
+            token,
+            holder,
+            cluster,
+            acquire_one,
+            release_one,
+        ) = tokio::try_join!(
             client.prepare(HEARTBEAT_SQL),
             client.prepare(ACQUIRE_SQL),
             client.prepare(RELEASE_SQL),
@@ -352,6 +370,8 @@ impl Statements {
             client.prepare(TOKEN_SQL),
             client.prepare(HOLDER_SQL),
             client.prepare(CLUSTER_SQL),
+            client.prepare(ACQUIRE_ONE_SQL),
+            client.prepare(RELEASE_ONE_SQL),
         )?;
         Ok(Self {
             heartbeat,
@@ -361,6 +381,8 @@ impl Statements {
             token,
             holder,
             cluster,
+            acquire_one,
+            release_one,
         })
     }
 }
