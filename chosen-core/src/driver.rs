@@ -469,15 +469,24 @@ impl Driver {
 
     async fn poll_due(&mut self, s: &Session) -> Result<(), DisconnectReason> {
         let now = Instant::now();
-        self.prune();
-        let due: Vec<LockKey> = self
-            .slots
-            .iter()
-            .filter(|(_, slot)| {
-                slot.holder.is_none() && !slot.waiters.is_empty() && slot.next_try <= now
-            })
-            .map(|(key, _)| *key)
-            .collect();
+        // Only the due keys are looked at closely: withdrawn requests are dropped and
+        // keys nobody wants any more are forgotten (a full prune per step would make
+        // every step O(locks)).
+        let mut due = Vec::new();
+        let mut unwanted = Vec::new();
+        for (key, slot) in &mut self.slots {
+            if slot.holder.is_none() && !slot.waiters.is_empty() && slot.next_try <= now {
+                slot.waiters.retain(|w| !w.reply.is_closed());
+                if slot.waiters.is_empty() {
+                    unwanted.push(*key);
+                } else {
+                    due.push(*key);
+                }
+            }
+        }
+        for key in unwanted {
+            self.forget_if_unused(key);
+        }
         if due.is_empty() {
             return Ok(());
         }
@@ -637,6 +646,7 @@ impl Driver {
             let interval = front.poll_interval;
             slot.next_try = next_tick(&mut self.ticks, &mut self.rng, interval);
         }
+        self.forget_if_unused(key);
     }
 
     async fn flush_unlocks(&mut self, s: &Session) -> Result<(), DisconnectReason> {
@@ -688,8 +698,8 @@ impl Driver {
             if let Some(slot) = self.slots.get_mut(&key) {
                 slot.next_try = now;
             }
+            self.forget_if_unused(key);
         }
-        self.prune();
         Ok(())
     }
 
@@ -711,7 +721,20 @@ impl Driver {
         }
     }
 
-    /// Drops withdrawn requests and slots that neither hold nor wait.
+    /// Forgets `key` if it neither holds nor has a live waiter (and is not being
+    /// unlocked).
+    fn forget_if_unused(&mut self, key: LockKey) {
+        let unused = self.slots.get_mut(&key).is_some_and(|slot| {
+            slot.waiters.retain(|w| !w.reply.is_closed());
+            slot.holder.is_none() && slot.waiters.is_empty()
+        });
+        if unused && !self.unlocks.contains(&key) {
+            self.slots.remove(&key);
+        }
+    }
+
+    /// Drops withdrawn requests and slots that neither hold nor wait (all keys: used
+    /// when a generation ends).
     fn prune(&mut self) {
         let unlocks = &self.unlocks;
         self.slots.retain(|key, slot| {
