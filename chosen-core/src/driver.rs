@@ -67,12 +67,18 @@ struct Holder {
 }
 
 /// One key. Invariant between steps: the session holds the key at the server iff
-/// `holder` is `Some` or the key is in `Driver::unlocks`.
+/// `holder` or `granting` is `Some`, or the key is in `Driver::unlocks`.
 struct Slot {
     name: Arc<str>,
     holder: Option<Holder>,
     waiters: VecDeque<Waiter>,
     next_try: Instant,
+    /// A release of this key was announced since it was last tried.
+    announced: bool,
+    /// A try of this key found it held by another session.
+    contended: bool,
+    /// Won at the server, granted locally once the takeover grace has passed.
+    granting: Option<(FencingToken, Instant)>,
 }
 
 enum Exit {
@@ -316,6 +322,7 @@ impl Driver {
 
     /// Releases, hand-offs, then one statement for every due key.
     async fn step(&mut self, s: &mut Session) -> Result<(), DisconnectReason> {
+        self.grant_ready(&s.generation);
         self.flush_releases(s).await?;
         self.poll_due(s).await?;
         self.flush_unlocks(s).await?;
@@ -475,7 +482,11 @@ impl Driver {
         let mut due = Vec::new();
         let mut unwanted = Vec::new();
         for (key, slot) in &mut self.slots {
-            if slot.holder.is_none() && !slot.waiters.is_empty() && slot.next_try <= now {
+            if slot.holder.is_none()
+                && slot.granting.is_none()
+                && !slot.waiters.is_empty()
+                && slot.next_try <= now
+            {
                 slot.waiters.retain(|w| !w.reply.is_closed());
                 if slot.waiters.is_empty() {
                     unwanted.push(*key);
@@ -534,7 +545,7 @@ impl Driver {
                 }
                 for (key, token) in due.into_iter().zip(won) {
                     match token {
-                        Some(t) => self.grant(&s.generation, key, FencingToken::new(t as u64)),
+                        Some(t) => self.won(&s.generation, key, FencingToken::new(t as u64)),
                         None => self.not_acquired(key, None),
                     }
                 }
@@ -573,6 +584,48 @@ impl Driver {
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// A lock was won at the server. If it was free on the first try, or its release
+    /// was announced (a graceful hand-over), it is granted now. If it was held by
+    /// another session and then came free without an announcement, that holder may
+    /// have lost it without knowing yet (its session ended on the server's side:
+    /// terminated, cut), so the grant waits the takeover grace, giving that holder time
+    /// to learn of its loss first.
+    fn won(&mut self, generation: &Arc<Generation>, key: LockKey, token: FencingToken) {
+        let grace = self.shared.options.takeover_grace;
+        // Only a lock seen held by another session can have a holder that does not
+        // know yet; a free lock on the first try is granted at once.
+        let unannounced_takeover = self.slots.get_mut(&key).is_some_and(|slot| {
+            let announced = std::mem::take(&mut slot.announced);
+            std::mem::take(&mut slot.contended) && !announced
+        });
+        if !unannounced_takeover || grace.is_zero() {
+            self.grant(generation, key, token);
+        } else if let Some(slot) = self.slots.get_mut(&key) {
+            slot.granting = Some((token, Instant::now() + grace));
+        } else {
+            self.unlocks.push(key);
+        }
+    }
+
+    /// Grants the locks whose takeover grace has passed.
+    fn grant_ready(&mut self, generation: &Arc<Generation>) {
+        let now = Instant::now();
+        let ready: Vec<(LockKey, FencingToken)> = self
+            .slots
+            .iter_mut()
+            .filter_map(|(key, slot)| match slot.granting {
+                Some((token, at)) if at <= now => {
+                    slot.granting = None;
+                    Some((*key, token))
+                }
+                _ => None,
+            })
+            .collect();
+        for (key, token) in ready {
+            self.grant(generation, key, token);
         }
     }
 
@@ -641,6 +694,9 @@ impl Driver {
                 None => Ok(None),
             };
             let _ = waiter.reply.send(answer);
+        }
+        if error.is_none() {
+            slot.contended = true;
         }
         if let Some(front) = slot.waiters.front() {
             let interval = front.poll_interval;
@@ -717,6 +773,7 @@ impl Driver {
                 && slot.holder.is_none()
             {
                 slot.next_try = now;
+                slot.announced = true;
             }
         }
     }
@@ -726,7 +783,7 @@ impl Driver {
     fn forget_if_unused(&mut self, key: LockKey) {
         let unused = self.slots.get_mut(&key).is_some_and(|slot| {
             slot.waiters.retain(|w| !w.reply.is_closed());
-            slot.holder.is_none() && slot.waiters.is_empty()
+            slot.holder.is_none() && slot.granting.is_none() && slot.waiters.is_empty()
         });
         if unused && !self.unlocks.contains(&key) {
             self.slots.remove(&key);
@@ -739,15 +796,22 @@ impl Driver {
         let unlocks = &self.unlocks;
         self.slots.retain(|key, slot| {
             slot.waiters.retain(|w| !w.reply.is_closed());
-            slot.holder.is_some() || !slot.waiters.is_empty() || unlocks.contains(key)
+            slot.holder.is_some()
+                || slot.granting.is_some()
+                || !slot.waiters.is_empty()
+                || unlocks.contains(key)
         });
     }
 
+    /// The next instant the loop has work: a due poll or a grace that ends.
     fn next_poll(&self) -> Option<Instant> {
         self.slots
             .values()
-            .filter(|slot| slot.holder.is_none() && !slot.waiters.is_empty())
-            .map(|slot| slot.next_try)
+            .filter_map(|slot| match slot.granting {
+                Some((_, at)) => Some(at),
+                None if slot.holder.is_none() && !slot.waiters.is_empty() => Some(slot.next_try),
+                None => None,
+            })
             .min()
     }
 
@@ -822,8 +886,11 @@ impl Driver {
             holder: None,
             waiters: VecDeque::new(),
             next_try: now,
+            announced: false,
+            contended: false,
+            granting: None,
         });
-        if slot.holder.is_none() && slot.waiters.is_empty() {
+        if slot.holder.is_none() && slot.granting.is_none() && slot.waiters.is_empty() {
             slot.next_try = now;
         }
         slot.waiters.push_back(waiter);
@@ -889,6 +956,9 @@ impl Driver {
             {
                 m.lock_lost(&self.shared.options.node_id, &slot.name, reason.label());
             }
+            slot.granting = None;
+            slot.announced = false;
+            slot.contended = false;
             slot.next_try = now;
         }
         if let Some(m) = &metrics {
@@ -923,9 +993,12 @@ impl Driver {
         self.unlocks.extend(
             self.slots
                 .iter()
-                .filter(|(_, slot)| slot.holder.is_some())
+                .filter(|(_, slot)| slot.holder.is_some() || slot.granting.is_some())
                 .map(|(key, _)| *key),
         );
+        for slot in self.slots.values_mut() {
+            slot.granting = None;
+        }
         let metrics = self.shared.options.metrics.clone();
         for slot in self.slots.values_mut() {
             if slot.holder.take().is_some()

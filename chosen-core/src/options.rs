@@ -63,6 +63,7 @@ pub struct ManagerOptions {
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
     pub(crate) max_locks: usize,
+    pub(crate) takeover_grace: Duration,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -85,6 +86,7 @@ impl fmt::Debug for ManagerOptions {
             .field("reconnect_min", &self.reconnect_min)
             .field("reconnect_max", &self.reconnect_max)
             .field("max_locks", &self.max_locks)
+            .field("takeover_grace", &self.takeover_grace)
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -125,6 +127,7 @@ impl ManagerOptions {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             max_locks: 4096,
+            takeover_grace: Duration::from_millis(100),
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -296,6 +299,23 @@ impl ManagerOptions {
         self
     }
 
+    /// How long a lock that was held by another session, and then came free without a
+    /// release announcement, waits before it is granted (default 100 ms; zero turns it
+    /// off).
+    ///
+    /// When the server ends a holder's session on its own side
+    /// (`pg_terminate_backend`, a proxy closing the server connection), it releases the
+    /// lock at once, while the holder learns of it only when the termination reaches
+    /// it, usually within a millisecond. A lock released gracefully is announced and
+    /// granted at once, a lock free on the first try too; any other takeover waits
+    /// this grace so that a reachable old holder has stopped first. Crash failover is
+    /// slower by this much.
+    #[must_use]
+    pub fn takeover_grace(mut self, grace: Duration) -> Self {
+        self.takeover_grace = grace;
+        self
+    }
+
     /// The node id (see [`node_id`](Self::node_id)).
     #[must_use]
     pub fn get_node_id(&self) -> &str {
@@ -423,6 +443,12 @@ impl ManagerOptions {
             return bad(format!(
                 "reconnect backoff {:?}..{:?} must satisfy 0 < min <= max",
                 self.reconnect_min, self.reconnect_max
+            ));
+        }
+        if self.takeover_grace > self.lease_timeout {
+            return bad(format!(
+                "takeover_grace {:?} must not exceed lease_timeout {:?}",
+                self.takeover_grace, self.lease_timeout
             ));
         }
         if self.max_locks == 0 {

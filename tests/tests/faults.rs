@@ -668,3 +668,59 @@ async fn tls_with_verification() {
         .unwrap_err();
     assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_holder_knows_before_anyone_else_holds() {
+    // The server releases a terminated session's locks at once; the holder learns a
+    // moment later. A waiter polling every 10 ms would often win inside that moment
+    // without the takeover grace.
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let b =
+        LockManager::connect(options(&pg.url(), "race-b").poll_interval(Duration::from_millis(10)))
+            .await
+            .unwrap();
+    let mut closest = Duration::MAX;
+    for round in 0..20 {
+        let node = format!("race-a-{round}");
+        let a = LockManager::connect(options(&pg.url(), &node))
+            .await
+            .unwrap();
+        let name = unique_name("race");
+        let lease = a.acquire(name.as_str()).await.unwrap();
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            let name = name.clone();
+            async move {
+                let lease = b.acquire(name.as_str()).await.unwrap();
+                (Instant::now(), lease)
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let watch = tokio::spawn(async move {
+            lease.lost().await;
+            Instant::now()
+        });
+        admin
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                &[&node],
+            )
+            .await
+            .unwrap();
+        let revoked = watch.await.unwrap();
+        let (granted, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            revoked <= granted,
+            "round {round}: the old holder learned {:?} after the new one held",
+            revoked - granted
+        );
+        closest = closest.min(granted - revoked);
+        drop(lease_b);
+        a.shutdown().await;
+    }
+    eprintln!("FAULT terminate race: 20 rounds, the closest margin was {closest:?}");
+}
