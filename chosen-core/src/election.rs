@@ -11,7 +11,8 @@ use crate::leadership::Leadership;
 use crate::lease::Lease;
 use crate::manager::{LockManager, LockRequest};
 
-/// While following, how often the leader's node id is looked up (one query).
+/// While following, how often the leader's node id is looked up (one query per
+/// election; not batched across elections yet, see the README's Scaling section).
 const LEADER_REFRESH: Duration = Duration::from_secs(2);
 
 /// Contends for a name in the background for as long as it lives, and exposes the
