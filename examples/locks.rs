@@ -66,9 +66,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
         "lock", "key", "node", "pid", "client", "session age"
     );
     for lock in &locks {
-        let age = SystemTime::now()
-            .duration_since(lock.holder.session_start)
-            .map_or_else(|_| "?".to_owned(), |d| format!("{:.1} s", d.as_secs_f64()));
+        // Hidden (NULL) for sessions of other roles unless this role has pg_read_all_stats.
+        let age = lock
+            .holder
+            .session_start
+            .and_then(|start| SystemTime::now().duration_since(start).ok())
+            .map_or_else(|| "?".to_owned(), |d| format!("{:.1} s", d.as_secs_f64()));
         println!(
             "{:<18} {:<26} {:<12} {:>7} {:<15} {:>12}",
             lock.name.as_deref().unwrap_or("?"),

@@ -14,6 +14,7 @@ mod session;
 mod shared;
 mod singleton;
 mod status;
+mod table;
 
 pub use election::Election;
 pub use error::{Error, Result};

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::driver::{Command, Driver, Mode, Waiter};
+use crate::driver::{Command, Driver};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lease::{FencingToken, Lease};
@@ -13,6 +13,7 @@ use crate::options::ManagerOptions;
 use crate::session;
 use crate::shared::Shared;
 use crate::status::ConnectionStatus;
+use crate::table::{Mode, Request};
 
 /// One PostgreSQL session holding any number of advisory locks for this process.
 ///
@@ -177,7 +178,7 @@ pub struct HolderInfo {
     pub client_addr: Option<String>,
     /// When the holder's session started (PostgreSQL does not record when a lock was
     /// granted).
-    pub session_start: SystemTime,
+    pub session_start: Option<SystemTime>,
 }
 
 /// One advisory lock held in the database, as [`LockManager::cluster_locks`] reports it.
@@ -293,20 +294,30 @@ impl LockManager {
             return Err(Error::InvalidPollInterval(poll_interval));
         }
         let (reply, rx) = oneshot::channel();
-        let waiter = Waiter {
-            id: self.shared.next_id(),
+        let id = self.shared.next_id();
+        let request = Request {
+            id,
             key,
             name: name.into(),
             poll_interval,
             mode,
             since: SystemTime::now(),
             enqueued: std::time::Instant::now(),
-            reply,
         };
         self.tx
-            .send(Command::Acquire(waiter))
+            .send(Command::Acquire { request, reply })
             .map_err(|_| Error::Closed)?;
-        rx.await.map_err(|_| Error::Closed)?
+        // If this future is dropped before the answer, the request leaves the queue at
+        // once (a lease sent meanwhile is dropped with the channel, which releases it).
+        let mut withdraw = WithdrawOnDrop {
+            tx: &self.tx,
+            key,
+            id,
+            armed: true,
+        };
+        let answer = rx.await;
+        withdraw.armed = false;
+        answer.map_err(|_| Error::Closed)?
     }
 
     /// Every lock this manager holds or waits for.
@@ -423,6 +434,25 @@ impl LockManager {
         let (reply, rx) = oneshot::channel();
         if self.tx.send(Command::Shutdown(reply)).is_ok() {
             let _ = rx.await;
+        }
+    }
+}
+
+/// Withdraws a request whose caller stopped waiting.
+struct WithdrawOnDrop<'a> {
+    tx: &'a mpsc::UnboundedSender<Command>,
+    key: LockKey,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for WithdrawOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.tx.send(Command::Withdraw {
+                key: self.key,
+                id: self.id,
+            });
         }
     }
 }

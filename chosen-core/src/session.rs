@@ -12,8 +12,12 @@ use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 use tracing::debug;
 
 use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::lease::FencingToken;
+use crate::manager::HolderInfo;
 use crate::options::ManagerOptions;
 use crate::status::DisconnectReason;
+use crate::table::TryOutcome;
 
 /// The channel graceful releases are announced on (payload: up to 200 key tags, see
 /// `LockKey::tag`, joined by commas).
@@ -34,43 +38,151 @@ const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_
 
 const HEARTBEAT_SQL: &str = "SELECT pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), '')";
 
-/// One statement for every due key. A transaction id (the fencing token) is assigned
-/// only when a lock was won: the CASE evaluates `pg_current_xact_id()` only then, so
-/// failed polls burn no transaction ids. Locks are only tried on our own marked
-/// backend: behind a transaction pooler the statement returns no rows instead.
-const ACQUIRE_SQL: &str = "SELECT k.i, CASE WHEN CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b) ELSE pg_try_advisory_lock(k.big) END THEN pg_current_xact_id()::text::int8 END FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i) WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
+/// Tries every due key in one statement, on our own marked backend only (behind a
+/// transaction pooler the guard makes it return no rows instead).
+///
+/// * The locks are taken in the materialized CTE `k`, all of them before any fencing
+///   token is assigned: the uncorrelated `done` sub-select (evaluated once, on first
+///   use) reads every row of `k` first. A token assigned before a later key of the batch
+///   was locked could be smaller than the token of another node's tenure of that key in
+///   between.
+/// * A transaction id (the token) is assigned only when a lock was won: failed polls burn
+///   no transaction ids. Keys won in one statement share one token.
+/// * For a key not won, the backend pid of its holder, read from `pg_lock_status()` (the
+///   function behind `pg_locks`, readable by every role): release announcements are
+///   trusted only from that backend.
+const TRY_KEYS_SQL: &str = "
+WITH k AS MATERIALIZED (
+    SELECT k.i, k.a, k.b, k.big,
+           CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
+                ELSE pg_try_advisory_lock(k.big) END AS won
+    FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i)
+    WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+),
+done AS (SELECT count(*) AS n FROM k)
+SELECT k.i,
+       CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN NOT k.won THEN (
+           SELECT l.pid FROM pg_lock_status() l
+           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+             AND l.database = $6::int8::oid
+             AND l.classid::int8 = CASE WHEN k.big IS NULL THEN k.a::int8 & 4294967295
+                                        ELSE (k.big >> 32) & 4294967295 END
+             AND l.objid::int8 = CASE WHEN k.big IS NULL THEN k.b::int8 & 4294967295
+                                      ELSE k.big & 4294967295 END
+             AND l.objsubid = CASE WHEN k.big IS NULL THEN 2 ELSE 1 END
+           LIMIT 1) END
+FROM k";
 
-/// The single-key forms of the two statements above, for the common uncontended case
-/// (no arrays to build or unnest). Same semantics, same guards.
-const ACQUIRE_ONE_SQL: &str = "SELECT CASE WHEN CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4) ELSE pg_try_advisory_lock($3::int8) END THEN pg_current_xact_id()::text::int8 END WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
+/// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
+/// to build or unnest). Same semantics, same guard.
+const TRY_ONE_SQL: &str = "
+WITH k AS MATERIALIZED (
+    SELECT CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
+                ELSE pg_try_advisory_lock($3::int8) END AS won
+    WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+)
+SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN NOT k.won THEN (
+           SELECT l.pid FROM pg_lock_status() l
+           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+             AND l.database = $6::int8::oid
+             AND l.classid::int8 = CASE WHEN $3::int8 IS NULL THEN $1::int4::int8 & 4294967295
+                                        ELSE ($3::int8 >> 32) & 4294967295 END
+             AND l.objid::int8 = CASE WHEN $3::int8 IS NULL THEN $2::int4::int8 & 4294967295
+                                      ELSE $3::int8 & 4294967295 END
+             AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
+           LIMIT 1) END
+FROM k";
 
-const RELEASE_ONE_SQL: &str = "SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4) ELSE pg_advisory_unlock($3::int8) END, pg_notify('chosen_release', $4)::text";
+/// Unlocks one key and announces it, on our own marked backend only.
+const UNLOCK_ONE_SQL: &str = "
+SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4)
+            ELSE pg_advisory_unlock($3::int8) END,
+       pg_notify('chosen_release', $4)::text
+WHERE pg_backend_pid() = $5 AND current_setting('chosen.session', true) = $6";
 
-/// Unlocks and announces: one notification per 200 keys (tags joined by commas, well
-/// under the 8,000-byte payload limit), delivered at commit, after the unlocks. The
-/// uncorrelated sub-select runs the notifications once per statement.
-const RELEASE_SQL: &str = "WITH n AS (SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j)) FROM unnest($4::text[]) WITH ORDINALITY AS t(tag, j) GROUP BY (t.j - 1) / 200) SELECT k.i, CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END, (SELECT count(*) FROM n) FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i)";
+/// Unlocks and announces many keys, on our own marked backend only: one notification
+/// per 200 keys (tags joined by commas, well under the 8,000-byte payload limit),
+/// delivered at commit, after the unlocks. The server stamps each notification with
+/// this backend's pid, which is how waiters tell a real release from a forged one.
+const UNLOCK_SQL: &str = "
+WITH me AS (
+    SELECT 1 WHERE pg_backend_pid() = $5 AND current_setting('chosen.session', true) = $6
+),
+u AS MATERIALIZED (
+    SELECT k.i, CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b)
+                     ELSE pg_advisory_unlock(k.big) END AS ok
+    FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i), me
+),
+n AS (
+    SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j))
+    FROM unnest($4::text[]) WITH ORDINALITY AS t(tag, j), me
+    GROUP BY (t.j - 1) / 200
+)
+SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 
-/// After a failed acquire statement some of its locks may have been taken (session
-/// locks survive the statement's error): unlock those the lock table shows we hold.
-/// It reads `pg_lock_status()` directly, not the `pg_locks` view, and gets the
-/// database oid as a parameter, so it needs no relation lock: it runs when the lock
-/// table is full.
-const CLEANUP_SQL: &str = "SELECT CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b) ELSE pg_advisory_unlock(k.big) END FROM unnest($1::int4[], $2::int4[], $3::int8[]) AS k(a, b, big) WHERE EXISTS (SELECT 1 FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted AND l.database = $4::int8::oid AND CASE WHEN k.big IS NULL THEN l.objsubid = 2 AND l.classid = k.a::oid AND l.objid = k.b::oid ELSE l.objsubid = 1 AND l.classid = (k.big >> 32)::oid AND l.objid = (k.big & 4294967295)::oid END)";
+/// After a failed try statement some of its locks may have been taken (session locks
+/// survive the statement's error): unlock those the lock table shows we hold, on our
+/// own marked backend only. It reads `pg_lock_status()` directly, not the `pg_locks`
+/// view, and gets the database oid as a parameter, so it needs no relation lock: it
+/// runs when the lock table is full. Returns one row when the guard passed.
+const CLEANUP_SQL: &str = "
+WITH me AS (
+    SELECT 1 WHERE pg_backend_pid() = $5 AND current_setting('chosen.session', true) = $6
+),
+undone AS (
+    SELECT CASE WHEN k.big IS NULL THEN pg_advisory_unlock(k.a, k.b)
+                ELSE pg_advisory_unlock(k.big) END
+    FROM unnest($1::int4[], $2::int4[], $3::int8[]) AS k(a, b, big), me
+    WHERE EXISTS (
+        SELECT 1 FROM pg_lock_status() l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+          AND l.database = $4::int8::oid
+          AND l.classid::int8 = CASE WHEN k.big IS NULL THEN k.a::int8 & 4294967295
+                                     ELSE (k.big >> 32) & 4294967295 END
+          AND l.objid::int8 = CASE WHEN k.big IS NULL THEN k.b::int8 & 4294967295
+                                   ELSE k.big & 4294967295 END
+          AND l.objsubid = CASE WHEN k.big IS NULL THEN 2 ELSE 1 END)
+)
+SELECT (SELECT count(*) FROM undone) FROM me";
 
-/// Who holds a key: the node id is the holder session's `application_name`.
-const HOLDER_SQL: &str = "SELECT a.application_name, a.pid, host(a.client_addr), a.backend_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND l.database = $1::int8::oid AND l.classid::int8 = $2 AND l.objid::int8 = $3 AND l.objsubid = $4::int2";
+/// Who holds each of several keys: the node id is the holder session's
+/// `application_name`. Every column of `pg_stat_activity` may be NULL (other roles'
+/// sessions hide most of them), and a lock may have no session row at all.
+const HOLDERS_SQL: &str = "
+SELECT k.i, a.application_name, l.pid, host(a.client_addr), a.backend_start
+FROM unnest($1::int8[], $2::int8[], $3::int2[]) WITH ORDINALITY AS k(classid, objid, objsubid, i)
+JOIN pg_locks l
+  ON l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+ AND l.database = $4::int8::oid
+ AND l.classid::int8 = k.classid AND l.objid::int8 = k.objid AND l.objsubid = k.objsubid
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid";
 
 /// Every advisory lock held in this database, with its holder session.
-const CLUSTER_SQL: &str = "SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, a.application_name, a.pid, host(a.client_addr), a.backend_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND l.database = $1::int8::oid ORDER BY a.application_name, l.classid, l.objid";
+const CLUSTER_SQL: &str = "
+SELECT l.classid::int8, l.objid::int8, l.objsubid::int4,
+       a.application_name, l.pid, host(a.client_addr), a.backend_start
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+  AND l.database = $1::int8::oid
+ORDER BY a.application_name, l.classid, l.objid";
 
-/// A new fencing token for a local handoff (the session keeps the lock).
-const TOKEN_SQL: &str = "SELECT pg_current_xact_id()::text::int8";
+/// A new fencing token for local hand-offs (the session keeps the locks), on our own
+/// marked backend only.
+const TOKEN_SQL: &str = "
+SELECT pg_current_xact_id()::text::int8
+WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2";
 
 /// What the connection task reports.
 #[derive(Debug)]
 pub(crate) enum ConnEvent {
-    Notification(String),
+    /// A release announcement: the sender's backend pid (stamped by the server) and the
+    /// payload (key tags joined by commas).
+    Notification {
+        sender: i32,
+        payload: String,
+    },
     Closed(String),
 }
 
@@ -99,18 +211,19 @@ impl Generation {
 
 pub(crate) struct Statements {
     pub(crate) heartbeat: Statement,
-    pub(crate) acquire: Statement,
-    pub(crate) release: Statement,
-    pub(crate) cleanup: Statement,
-    pub(crate) token: Statement,
-    pub(crate) holder: Statement,
-    pub(crate) cluster: Statement,
-    pub(crate) acquire_one: Statement,
-    pub(crate) release_one: Statement,
+    try_keys: Statement,
+    try_one: Statement,
+    unlock: Statement,
+    unlock_one: Statement,
+    cleanup: Statement,
+    token: Statement,
+    holders: Statement,
+    cluster: Statement,
 }
 
 pub(crate) struct Session {
-    pub(crate) client: Client,
+    /// Shared with the heartbeat task; tokio-postgres pipelines their queries.
+    pub(crate) client: Arc<Client>,
     pub(crate) stmts: Statements,
     pub(crate) backend_pid: i32,
     /// The value of `chosen.session` on our backend.
@@ -130,6 +243,364 @@ impl Drop for Session {
         // and releases its locks.
         self.conn_task.abort();
     }
+}
+
+/// What the heartbeat task needs of the session.
+pub(crate) struct HeartbeatSession {
+    client: Arc<Client>,
+    statement: Statement,
+    backend_pid: i32,
+    marker: String,
+}
+
+impl HeartbeatSession {
+    /// Proves the session is still ours and writable.
+    pub(crate) async fn heartbeat(&self) -> Result<(), DisconnectReason> {
+        let lost = |message: String| DisconnectReason::ConnectionLost { message };
+        let row = match self.client.query_one(&self.statement, &[]).await {
+            Ok(row) => row,
+            Err(e) => {
+                return Err(match classify(e) {
+                    Fault::Lost(reason) => reason,
+                    Fault::Query(e) => lost(format!("heartbeat failed: {}", error_text(&e))),
+                });
+            }
+        };
+        let parsed = (|| {
+            Ok::<_, tokio_postgres::Error>((
+                row.try_get::<_, Option<i32>>(0)?,
+                row.try_get::<_, Option<bool>>(1)?,
+                row.try_get::<_, Option<String>>(2)?,
+            ))
+        })();
+        let (Some(pid), Some(in_recovery), Some(marker)) =
+            parsed.map_err(|e| lost(format!("heartbeat answered an odd row: {e}")))?
+        else {
+            return Err(lost("heartbeat answered NULL".to_owned()));
+        };
+        if pid == self.backend_pid && marker != self.marker {
+            return Err(DisconnectReason::PoolerDetected {
+                detail: "another client changed this session's marker: the backend is shared"
+                    .to_owned(),
+            });
+        }
+        if pid != self.backend_pid {
+            return Err(DisconnectReason::BackendChanged {
+                expected: self.backend_pid,
+                found: pid,
+            });
+        }
+        if in_recovery {
+            return Err(DisconnectReason::ServerInRecovery);
+        }
+        Ok(())
+    }
+}
+
+impl Session {
+    /// A handle for the heartbeat task.
+    pub(crate) fn heartbeat_handle(&self) -> HeartbeatSession {
+        HeartbeatSession {
+            client: Arc::clone(&self.client),
+            statement: self.stmts.heartbeat.clone(),
+            backend_pid: self.backend_pid,
+            marker: self.marker.clone(),
+        }
+    }
+
+    /// Tries every key in one statement. On a statement error (e.g. the server's lock
+    /// table is full), the locks it took are undone first and the error is returned as
+    /// [`Fault::Query`].
+    pub(crate) async fn try_keys(
+        &self,
+        keys: &[LockKey],
+    ) -> Result<Vec<(LockKey, TryOutcome)>, Fault> {
+        let result = if let [key] = keys {
+            let (a, b, big) = key_params(*key);
+            self.client
+                .query(
+                    &self.stmts.try_one,
+                    &[
+                        &a,
+                        &b,
+                        &big,
+                        &self.backend_pid,
+                        &self.marker,
+                        &self.database_oid,
+                    ],
+                )
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| Ok((1i64, r.try_get(0)?, r.try_get(1)?)))
+                        .collect::<Result<Vec<(i64, Option<i64>, Option<i32>)>, _>>()
+                })
+        } else {
+            let (a, b, big) = key_arrays(keys);
+            self.client
+                .query(
+                    &self.stmts.try_keys,
+                    &[
+                        &a,
+                        &b,
+                        &big,
+                        &self.backend_pid,
+                        &self.marker,
+                        &self.database_oid,
+                    ],
+                )
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                        .collect::<Result<Vec<(i64, Option<i64>, Option<i32>)>, _>>()
+                })
+        };
+        let rows = match result.map_err(classify) {
+            Ok(rows) => rows,
+            Err(Fault::Lost(reason)) => return Err(Fault::Lost(reason)),
+            Err(Fault::Query(e)) => {
+                // Session locks taken before the error survive it: undo them.
+                self.cleanup(keys).await?;
+                return Err(Fault::Query(e));
+            }
+        };
+        if rows.is_empty() {
+            return Err(pooler(
+                "a try statement ran on another backend than the session's own",
+            ));
+        }
+        let mut out: Vec<(LockKey, TryOutcome)> = keys
+            .iter()
+            .map(|k| (*k, TryOutcome::Held { by: None }))
+            .collect();
+        for (i, token, holder) in rows {
+            let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
+                continue;
+            };
+            entry.1 = match token {
+                Some(t) => TryOutcome::Won(FencingToken::new(t as u64)),
+                None => TryOutcome::Held { by: holder },
+            };
+        }
+        Ok(out)
+    }
+
+    /// Unlocks what a failed try statement may have locked.
+    async fn cleanup(&self, keys: &[LockKey]) -> Result<(), Fault> {
+        let (a, b, big) = key_arrays(keys);
+        let rows = self
+            .client
+            .query(
+                &self.stmts.cleanup,
+                &[
+                    &a,
+                    &b,
+                    &big,
+                    &self.database_oid,
+                    &self.backend_pid,
+                    &self.marker,
+                ],
+            )
+            .await;
+        match rows.map_err(classify) {
+            Ok(rows) if rows.is_empty() => Err(pooler(
+                "the clean-up after a failed try ran on another backend than the session's own",
+            )),
+            Ok(_) => Ok(()),
+            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                message: format!(
+                    "could not undo a failed acquire ({}); dropping the session to release everything",
+                    error_text(&e)
+                ),
+            })),
+        }
+    }
+
+    /// Unlocks `keys` (each held once by this session) and announces their release.
+    /// Any failure ends the session, which releases them all.
+    pub(crate) async fn unlock_and_announce(&self, keys: &[LockKey]) -> Result<(), Fault> {
+        let result = if let [key] = keys {
+            let (a, b, big) = key_params(*key);
+            self.client
+                .query(
+                    &self.stmts.unlock_one,
+                    &[&a, &b, &big, &key.tag(), &self.backend_pid, &self.marker],
+                )
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| r.try_get::<_, Option<bool>>(0))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+        } else {
+            let (a, b, big) = key_arrays(keys);
+            let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
+            self.client
+                .query(
+                    &self.stmts.unlock,
+                    &[&a, &b, &big, &tags, &self.backend_pid, &self.marker],
+                )
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| r.try_get::<_, Option<bool>>(1))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+        };
+        match result.map_err(classify) {
+            // We only unlock keys the session holds, once each: anything else means the
+            // statement ran on a backend that is not ours.
+            Ok(done) if done.len() == keys.len() && done.iter().all(|ok| *ok == Some(true)) => {
+                Ok(())
+            }
+            Ok(_) => Err(pooler(
+                "the server says this session did not hold a lock it held",
+            )),
+            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                message: format!(
+                    "could not release locks ({}); dropping the session to release them",
+                    error_text(&e)
+                ),
+            })),
+        }
+    }
+
+    /// A fresh fencing token (for local hand-offs).
+    pub(crate) async fn fresh_token(&self) -> Result<FencingToken, Fault> {
+        let row = self
+            .client
+            .query_opt(&self.stmts.token, &[&self.backend_pid, &self.marker])
+            .await
+            .map_err(classify)?;
+        let Some(row) = row else {
+            return Err(pooler(
+                "a token statement ran on another backend than the session's own",
+            ));
+        };
+        match row.try_get::<_, Option<i64>>(0) {
+            Ok(Some(t)) => Ok(FencingToken::new(t as u64)),
+            Ok(None) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                message: "the server answered a NULL transaction id".to_owned(),
+            })),
+            Err(e) => Err(Fault::Query(e)),
+        }
+    }
+
+    /// Who holds each key, in one statement. A row the server answers oddly is an error
+    /// for that key only.
+    pub(crate) async fn holders(&self, keys: &[LockKey]) -> Result<Vec<HolderAnswer>, Fault> {
+        let mut classids = Vec::with_capacity(keys.len());
+        let mut objids = Vec::with_capacity(keys.len());
+        let mut subids = Vec::with_capacity(keys.len());
+        for key in keys {
+            let (c, o, s) = key.pg_locks_columns();
+            classids.push(i64::from(c));
+            objids.push(i64::from(o));
+            subids.push(s);
+        }
+        let rows = self
+            .client
+            .query(
+                &self.stmts.holders,
+                &[&classids, &objids, &subids, &self.database_oid],
+            )
+            .await
+            .map_err(classify)?;
+        let mut out: Vec<HolderAnswer> = keys.iter().map(|_| Ok(None)).collect();
+        for row in &rows {
+            let Some(i) = row
+                .try_get::<_, i64>(0)
+                .ok()
+                .and_then(|i| usize::try_from(i - 1).ok())
+            else {
+                continue;
+            };
+            let Some(entry) = out.get_mut(i) else {
+                continue;
+            };
+            if matches!(entry, Ok(Some(_))) {
+                continue; // a shared lock has several holders: the first one answers
+            }
+            *entry = holder_info(row, 1).map(Some).map_err(Arc::new);
+        }
+        Ok(out)
+    }
+
+    /// Every advisory lock held in this database, with its holder.
+    pub(crate) async fn cluster(&self) -> Result<Vec<(LockKey, HolderInfo)>, Fault> {
+        let rows = self
+            .client
+            .query(&self.stmts.cluster, &[&self.database_oid])
+            .await
+            .map_err(classify)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let classid: i64 = row.try_get(0).map_err(Fault::Query)?;
+            let objid: i64 = row.try_get(1).map_err(Fault::Query)?;
+            let key = match row.try_get::<_, i32>(2).map_err(Fault::Query)? {
+                2 => LockKey::Pair(classid as u32 as i32, objid as u32 as i32),
+                1 => LockKey::Int((classid << 32) | objid),
+                _ => continue,
+            };
+            out.push((key, holder_info(row, 3).map_err(Fault::Query)?));
+        }
+        Ok(out)
+    }
+}
+
+/// One key's answer from [`Session::holders`].
+pub(crate) type HolderAnswer = Result<Option<HolderInfo>, Arc<tokio_postgres::Error>>;
+
+/// Reads `application_name, pid, host(client_addr), backend_start` from `row` starting at
+/// column `at`; every column may be NULL.
+fn holder_info(row: &tokio_postgres::Row, at: usize) -> Result<HolderInfo, tokio_postgres::Error> {
+    Ok(HolderInfo {
+        node_id: row.try_get::<_, Option<String>>(at)?.unwrap_or_default(),
+        backend_pid: row.try_get::<_, Option<i32>>(at + 1)?.unwrap_or(0),
+        client_addr: row.try_get(at + 2)?,
+        session_start: row.try_get(at + 3)?,
+    })
+}
+
+fn pooler(detail: &str) -> Fault {
+    Fault::Lost(DisconnectReason::PoolerDetected {
+        detail: detail.to_owned(),
+    })
+}
+
+/// The scalar parameters of the single-key statements.
+fn key_params(key: LockKey) -> (Option<i32>, Option<i32>, Option<i64>) {
+    match key {
+        LockKey::Pair(a, b) => (Some(a), Some(b), None),
+        LockKey::Int(k) => (None, None, Some(k)),
+    }
+}
+
+/// The three parallel arrays the batched statements `unnest`.
+type KeyArrays = (Vec<Option<i32>>, Vec<Option<i32>>, Vec<Option<i64>>);
+
+fn key_arrays(keys: &[LockKey]) -> KeyArrays {
+    let mut a = Vec::with_capacity(keys.len());
+    let mut b = Vec::with_capacity(keys.len());
+    let mut big = Vec::with_capacity(keys.len());
+    for key in keys {
+        match *key {
+            LockKey::Pair(x, y) => {
+                a.push(Some(x));
+                b.push(Some(y));
+                big.push(None);
+            }
+            LockKey::Int(k) => {
+                a.push(None);
+                b.push(None);
+                big.push(Some(k));
+            }
+        }
+    }
+    (a, b, big)
 }
 
 /// A classified failure of a query on the session.
@@ -250,7 +721,10 @@ where
         let end = loop {
             match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
                 Some(Ok(AsyncMessage::Notification(n))) => {
-                    let _ = events_tx.send(ConnEvent::Notification(n.payload().to_owned()));
+                    let _ = events_tx.send(ConnEvent::Notification {
+                        sender: n.process_id(),
+                        payload: n.payload().to_owned(),
+                    });
                 }
                 Some(Ok(AsyncMessage::Notice(notice))) => {
                     debug!(message = notice.message(), "notice on the lock session");
@@ -321,7 +795,7 @@ where
         .await
         .map_err(Error::database)?;
     Ok(Session {
-        client,
+        client: Arc::new(client),
         stmts,
         backend_pid,
         marker,
@@ -352,37 +826,28 @@ impl Drop for AbortOnDrop {
 impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
-        let (
-            heartbeat,
-            acquire,
-            release,
-            cleanup,
-            token,
-            holder,
-            cluster,
-            acquire_one,
-            release_one,
-        ) = tokio::try_join!(
-            client.prepare(HEARTBEAT_SQL),
-            client.prepare(ACQUIRE_SQL),
-            client.prepare(RELEASE_SQL),
-            client.prepare(CLEANUP_SQL),
-            client.prepare(TOKEN_SQL),
-            client.prepare(HOLDER_SQL),
-            client.prepare(CLUSTER_SQL),
-            client.prepare(ACQUIRE_ONE_SQL),
-            client.prepare(RELEASE_ONE_SQL),
-        )?;
+        let (heartbeat, try_keys, try_one, unlock, unlock_one, cleanup, token, holders, cluster) =
+            tokio::try_join!(
+                client.prepare(HEARTBEAT_SQL),
+                client.prepare(TRY_KEYS_SQL),
+                client.prepare(TRY_ONE_SQL),
+                client.prepare(UNLOCK_SQL),
+                client.prepare(UNLOCK_ONE_SQL),
+                client.prepare(CLEANUP_SQL),
+                client.prepare(TOKEN_SQL),
+                client.prepare(HOLDERS_SQL),
+                client.prepare(CLUSTER_SQL),
+            )?;
         Ok(Self {
             heartbeat,
-            acquire,
-            release,
+            try_keys,
+            try_one,
+            unlock,
+            unlock_one,
             cleanup,
             token,
-            holder,
+            holders,
             cluster,
-            acquire_one,
-            release_one,
         })
     }
 }

@@ -44,6 +44,19 @@ impl Shared {
             .fetch_max(self.nanos(deadline), Ordering::AcqRel);
     }
 
+    /// Renews validity after a heartbeat: moves the deadline to `deadline` unless it has
+    /// already passed at `now` (an expired session stays expired, so `is_valid()` never
+    /// turns true again after `lost()` resolved). Returns whether it renewed.
+    pub(crate) fn renew_validity(&self, deadline: Instant, now: Instant) -> bool {
+        let deadline = self.nanos(deadline);
+        let now = self.nanos(now);
+        self.valid_until
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                (current > now).then_some(current.max(deadline))
+            })
+            .is_ok()
+    }
+
     /// Distrust every lease now (before they are told they are revoked).
     pub(crate) fn invalidate(&self) {
         self.valid_until.store(0, Ordering::Release);

@@ -1,0 +1,744 @@
+//! The lock rules, apart from their I/O.
+//!
+//! [`LockTable`] decides who holds and who waits for each key this process wants; the
+//! manager's task (`driver.rs`) carries its decisions out on the session and feeds the
+//! results back. The table never awaits, never touches the connection and has no clock:
+//! every input carries the `Instant` it happened at. That keeps the rules readable top to
+//! bottom and lets the tests drive them through millions of steps with no database.
+//!
+//! # The rules
+//!
+//! * **One owner per key, FIFO waiters.** PostgreSQL advisory locks are re-entrant per
+//!   session, so the server cannot arbitrate between requests of one process: the table
+//!   does. A key has at most one local holder; other requests queue in arrival order.
+//! * **Only the head waiter contends**, and every due key is tried in one statement
+//!   ([`Plan::try_keys`]). Keys with one poll interval share one tick.
+//! * **A local hand-off keeps the server lock** and gives the next waiter a fresh, larger
+//!   fencing token ([`Plan::token_for`]).
+//! * **Takeover grace.** A key that a try saw held by another session and then won
+//!   *without* a verified release announcement may have a holder that does not know yet
+//!   that its session ended (terminated or cut by the server). The grant waits
+//!   `takeover_grace`, giving that holder time to learn of its loss. An announcement is
+//!   verified when it was sent by the backend the last failed try saw holding the key
+//!   (the server stamps every notification with its sender's pid, which no role can
+//!   forge). Anything else is ignored.
+//! * **Generations.** When the session ends every holder is lost at once, and nothing the
+//!   table knew about the server survives, except the evidence that a key was contended:
+//!   after a reconnect, a key is won with the grace, because what happened to it while
+//!   this process was away is unknown.
+//! * **Try requests** are answered at once when the key is busy locally or the session is
+//!   down, and after the first statement that tried them otherwise.
+//! * **Withdrawn requests** (their caller stopped waiting) leave the queue at once; a key
+//!   nobody holds or wants is forgotten. Memory is bounded by live requests and keys held.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::key::LockKey;
+use crate::lease::FencingToken;
+
+/// Identifies one acquire request (and the lease it becomes).
+pub(crate) type RequestId = u64;
+
+/// How a request waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Queue until acquired.
+    Wait,
+    /// One attempt: acquired, or answered "held elsewhere".
+    Try,
+}
+
+/// An acquire request as the table sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct Request {
+    pub(crate) id: RequestId,
+    pub(crate) key: LockKey,
+    /// The name reported in `locks()` and metrics.
+    pub(crate) name: Arc<str>,
+    pub(crate) poll_interval: Duration,
+    pub(crate) mode: Mode,
+    /// When the request was made (wall clock, for `locks()`).
+    pub(crate) since: SystemTime,
+    /// When the request was made (monotonic, for the wait-time metric).
+    pub(crate) enqueued: Instant,
+}
+
+/// Why a request was answered without a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The key is held, here or elsewhere (a try request): `Ok(None)`.
+    Busy,
+    /// The per-manager cap on keys is reached.
+    TooManyLocks { limit: usize },
+    /// The session is down (a try request).
+    NotConnected,
+    /// The statement that tried the key failed (a try request); the task knows the error.
+    Failed,
+    /// The manager is shutting down.
+    Closed,
+}
+
+/// What the table asks the task to do besides the statements of a [`Plan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Hand request `id` a lease on `key`.
+    Grant {
+        id: RequestId,
+        key: LockKey,
+        token: FencingToken,
+        generation: u64,
+        /// Wait time of the request, for metrics.
+        waited: Duration,
+    },
+    /// Answer request `id` without a lease.
+    Refuse { id: RequestId, why: Refusal },
+    /// The holder of `key` released it (metrics, logs).
+    Released { key: LockKey, name: Arc<str> },
+    /// The holder of `key` lost it with its session (metrics, logs).
+    Lost { key: LockKey, name: Arc<str> },
+}
+
+/// The statements one step needs. Every key in it has been moved to an in-flight state:
+/// the task must report each list's outcome back before it asks for the next plan.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Unlock these keys at the server and announce their release.
+    pub(crate) unlock: Vec<LockKey>,
+    /// Local hand-offs: one fresh fencing token for all of them.
+    pub(crate) token_for: Vec<LockKey>,
+    /// Try these keys, in one statement.
+    pub(crate) try_keys: Vec<LockKey>,
+}
+
+impl Plan {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.unlock.is_empty() && self.token_for.is_empty() && self.try_keys.is_empty()
+    }
+}
+
+/// What one try of one key found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TryOutcome {
+    /// The session took the lock; the token was assigned after every lock of the batch.
+    Won(FencingToken),
+    /// Another session holds it (its backend pid, when the server told).
+    Held { by: Option<i32> },
+    /// The statement failed; nothing is known about the key.
+    Failed,
+}
+
+/// The table's configuration.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rules {
+    pub(crate) max_locks: usize,
+    pub(crate) takeover_grace: Duration,
+}
+
+/// The server-side state of a key, as far as this session is concerned. The session
+/// holds the key at the server iff this is not `Free`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Server {
+    /// Not held by this session.
+    Free,
+    /// In the current plan's try statement.
+    Trying,
+    /// Won; granted locally once the takeover grace ends at `at`.
+    Granting { token: FencingToken, at: Instant },
+    /// Held; a local hand-off waits for a fresh token (`asked`: in the current plan).
+    NeedsToken { asked: bool },
+    /// Held, and owned by `Slot::holder`.
+    Held,
+    /// Held by nobody here; to be unlocked (`sent`: in the current plan).
+    Unlocking { sent: bool },
+}
+
+#[derive(Clone, Debug)]
+struct Holder {
+    id: RequestId,
+    name: Arc<str>,
+    token: FencingToken,
+    generation: u64,
+    since: SystemTime,
+}
+
+/// What this process knows about who else held a key.
+#[derive(Clone, Copy, Debug, Default)]
+struct Evidence {
+    /// A try found the key held by another session (or the session was lost since, and
+    /// nothing is known): the next win is an unannounced takeover unless `announced`.
+    contended: bool,
+    /// The backend the last failed try saw holding the key.
+    holder_pid: Option<i32>,
+    /// That backend announced its release since the last try.
+    announced: bool,
+}
+
+#[derive(Debug)]
+struct Slot {
+    name: Arc<str>,
+    server: Server,
+    holder: Option<Holder>,
+    waiters: VecDeque<Request>,
+    next_try: Instant,
+    evidence: Evidence,
+}
+
+impl Slot {
+    fn new(name: Arc<str>, now: Instant) -> Self {
+        Self {
+            name,
+            server: Server::Free,
+            holder: None,
+            waiters: VecDeque::new(),
+            next_try: now,
+            evidence: Evidence::default(),
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.holder.is_some() || !self.waiters.is_empty()
+    }
+
+    fn unused(&self) -> bool {
+        self.server == Server::Free && self.holder.is_none() && self.waiters.is_empty()
+    }
+}
+
+/// One entry of [`LockTable::snapshot`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Entry {
+    Held {
+        id: RequestId,
+        name: Arc<str>,
+        token: FencingToken,
+        generation: u64,
+        since: SystemTime,
+    },
+    Waiting {
+        id: RequestId,
+        name: Arc<str>,
+        position: usize,
+        since: SystemTime,
+    },
+}
+
+/// The lock rules of one manager. See the module docs.
+#[derive(Debug)]
+pub(crate) struct LockTable {
+    rules: Rules,
+    /// The connected session's generation, `None` while disconnected.
+    generation: Option<u64>,
+    /// Set once a graceful shutdown began: no new requests.
+    closing: bool,
+    slots: HashMap<LockKey, Slot>,
+    /// The next shared poll tick per poll interval.
+    ticks: HashMap<Duration, Instant>,
+    rng: u64,
+    actions: VecDeque<Action>,
+}
+
+impl LockTable {
+    pub(crate) fn new(rules: Rules, seed: u64) -> Self {
+        Self {
+            rules,
+            generation: None,
+            closing: false,
+            slots: HashMap::new(),
+            ticks: HashMap::new(),
+            rng: seed | 1,
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// The next thing the task must do, if any.
+    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    // ---- the session ----------------------------------------------------------------
+
+    /// A new session (generation) is up and proven.
+    pub(crate) fn session_started(&mut self, generation: u64, now: Instant) {
+        self.generation = Some(generation);
+        for slot in self.slots.values_mut() {
+            slot.next_try = now;
+        }
+    }
+
+    /// The session ended: every lock it held is gone, every holder has lost its lease.
+    pub(crate) fn session_ended(&mut self) {
+        self.generation = None;
+        for (key, slot) in &mut self.slots {
+            if let Some(h) = slot.holder.take() {
+                self.actions.push_back(Action::Lost {
+                    key: *key,
+                    name: h.name,
+                });
+            }
+            slot.server = Server::Free;
+            // Whatever happens to the key while we are away is unknown.
+            slot.evidence = Evidence {
+                contended: true,
+                holder_pid: None,
+                announced: false,
+            };
+            let actions = &mut self.actions;
+            slot.waiters.retain(|w| {
+                let keep = w.mode == Mode::Wait;
+                if !keep {
+                    actions.push_back(Action::Refuse {
+                        id: w.id,
+                        why: Refusal::NotConnected,
+                    });
+                }
+                keep
+            });
+        }
+        self.slots.retain(|_, slot| !slot.unused());
+    }
+
+    /// A graceful shutdown begins: waiting requests are answered `Closed`; holders keep
+    /// their leases until they release them (see [`Self::close_now`]).
+    pub(crate) fn begin_close(&mut self) {
+        self.closing = true;
+        for slot in self.slots.values_mut() {
+            for w in slot.waiters.drain(..) {
+                self.actions.push_back(Action::Refuse {
+                    id: w.id,
+                    why: Refusal::Closed,
+                });
+            }
+            if matches!(
+                slot.server,
+                Server::Granting { .. } | Server::NeedsToken { .. }
+            ) {
+                slot.server = Server::Unlocking { sent: false };
+            }
+        }
+        self.slots.retain(|_, slot| !slot.unused());
+    }
+
+    /// The shutdown deadline passed: every lease still out is dropped from the table and
+    /// every key this session holds is to be unlocked.
+    pub(crate) fn close_now(&mut self) {
+        self.begin_close();
+        for (key, slot) in &mut self.slots {
+            if let Some(h) = slot.holder.take() {
+                self.actions.push_back(Action::Lost {
+                    key: *key,
+                    name: h.name,
+                });
+            }
+            if slot.server != Server::Free {
+                slot.server = Server::Unlocking { sent: false };
+            }
+        }
+    }
+
+    /// Leases still held locally.
+    pub(crate) fn held(&self) -> usize {
+        self.slots.values().filter(|s| s.holder.is_some()).count()
+    }
+
+    // ---- requests -------------------------------------------------------------------
+
+    /// A new acquire request.
+    pub(crate) fn acquire(&mut self, request: Request, now: Instant) {
+        if self.closing {
+            self.actions.push_back(Action::Refuse {
+                id: request.id,
+                why: Refusal::Closed,
+            });
+            return;
+        }
+        let known = self.slots.get(&request.key);
+        if known.is_none() && self.slots.len() >= self.rules.max_locks {
+            self.actions.push_back(Action::Refuse {
+                id: request.id,
+                why: Refusal::TooManyLocks {
+                    limit: self.rules.max_locks,
+                },
+            });
+            return;
+        }
+        if request.mode == Mode::Try {
+            let why = if known.is_some_and(Slot::busy) {
+                Some(Refusal::Busy)
+            } else if self.generation.is_none() {
+                Some(Refusal::NotConnected)
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                self.actions.push_back(Action::Refuse {
+                    id: request.id,
+                    why,
+                });
+                return;
+            }
+        }
+        let slot = self
+            .slots
+            .entry(request.key)
+            .or_insert_with(|| Slot::new(Arc::clone(&request.name), now));
+        if !slot.busy() {
+            // A head waiter is tried at once, whatever was planned for an earlier one.
+            slot.next_try = now;
+        }
+        slot.waiters.push_back(request);
+    }
+
+    /// The caller of request `id` stopped waiting for it.
+    pub(crate) fn withdraw(&mut self, key: LockKey, id: RequestId, now: Instant) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        let Some(position) = slot.waiters.iter().position(|w| w.id == id) else {
+            return;
+        };
+        slot.waiters.remove(position);
+        if position == 0 && slot.holder.is_none() {
+            // The new head may poll on another interval: try it at once.
+            slot.next_try = now;
+        }
+        self.forget_if_unused(key);
+    }
+
+    /// The holder of lease `id` released it (or its grant could not be delivered). A
+    /// lease of an ended generation, or one already released, is ignored.
+    pub(crate) fn release(&mut self, key: LockKey, id: RequestId) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        if slot.holder.as_ref().map(|h| h.id) != Some(id) {
+            return;
+        }
+        let holder = slot.holder.take().expect("BUG: holder checked");
+        self.actions.push_back(Action::Released {
+            key,
+            name: holder.name,
+        });
+        slot.server = if slot.waiters.is_empty() {
+            Server::Unlocking { sent: false }
+        } else {
+            Server::NeedsToken { asked: false }
+        };
+    }
+
+    /// Another session announced that it released `key`; `sender` is the backend pid
+    /// the server stamped on the notification.
+    pub(crate) fn announced(&mut self, key: LockKey, sender: i32, now: Instant) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        if slot.server != Server::Free || slot.waiters.is_empty() {
+            return;
+        }
+        if slot.evidence.holder_pid == Some(sender) {
+            slot.evidence.announced = true;
+            slot.next_try = now;
+        }
+    }
+
+    // ---- steps ----------------------------------------------------------------------
+
+    /// Grants whose grace has passed, then the statements of the next step.
+    pub(crate) fn plan(&mut self, now: Instant) -> Plan {
+        let mut plan = Plan::default();
+        let Some(generation) = self.generation else {
+            return plan;
+        };
+        let mut keys: Vec<LockKey> = Vec::new();
+        for (key, slot) in &mut self.slots {
+            match slot.server {
+                Server::Granting { at, .. } if at <= now => keys.push(*key),
+                Server::Granting { .. } | Server::Held | Server::Trying => {}
+                Server::NeedsToken { asked: false } => {
+                    slot.server = Server::NeedsToken { asked: true };
+                    plan.token_for.push(*key);
+                }
+                Server::NeedsToken { asked: true } | Server::Unlocking { sent: true } => {}
+                Server::Unlocking { sent: false } => {
+                    slot.server = Server::Unlocking { sent: true };
+                    plan.unlock.push(*key);
+                }
+                Server::Free => {
+                    if slot.holder.is_none() && !slot.waiters.is_empty() && slot.next_try <= now {
+                        slot.server = Server::Trying;
+                        plan.try_keys.push(*key);
+                    }
+                }
+            }
+        }
+        for key in keys {
+            let token = match self.slots[&key].server {
+                Server::Granting { token, .. } => token,
+                _ => unreachable!("BUG: collected as granting"),
+            };
+            self.grant(key, token, generation, now);
+        }
+        // Deterministic order: tests replay exactly, and statements lock in key order.
+        plan.unlock.sort_unstable();
+        plan.token_for.sort_unstable();
+        plan.try_keys.sort_unstable();
+        plan
+    }
+
+    /// The unlock statement of the last plan succeeded.
+    pub(crate) fn unlocked(&mut self, keys: &[LockKey], now: Instant) {
+        for &key in keys {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if slot.server == (Server::Unlocking { sent: true }) {
+                slot.server = Server::Free;
+                // A request that arrived meanwhile is tried at once.
+                slot.next_try = now;
+            }
+            self.forget_if_unused(key);
+        }
+    }
+
+    /// The token statement of the last plan answered: `Some(token)` for every hand-off,
+    /// or `None` when it failed (the keys are unlocked instead).
+    pub(crate) fn tokens(&mut self, keys: &[LockKey], token: Option<FencingToken>, now: Instant) {
+        let Some(generation) = self.generation else {
+            return;
+        };
+        for &key in keys {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if slot.server != (Server::NeedsToken { asked: true }) {
+                continue;
+            }
+            match token {
+                Some(token) => self.grant(key, token, generation, now),
+                None => slot.server = Server::Unlocking { sent: false },
+            }
+        }
+    }
+
+    /// The try statement of the last plan answered, one outcome per key of
+    /// [`Plan::try_keys`] (a key missing from `outcomes` counts as failed).
+    pub(crate) fn tried(&mut self, outcomes: &[(LockKey, TryOutcome)], now: Instant) {
+        let Some(generation) = self.generation else {
+            return;
+        };
+        for &(key, outcome) in outcomes {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if slot.server != Server::Trying {
+                continue;
+            }
+            match outcome {
+                TryOutcome::Won(token) => {
+                    let evidence = std::mem::take(&mut slot.evidence);
+                    let unannounced = evidence.contended && !evidence.announced;
+                    if unannounced && !self.rules.takeover_grace.is_zero() {
+                        slot.server = Server::Granting {
+                            token,
+                            at: now + self.rules.takeover_grace,
+                        };
+                    } else {
+                        self.grant(key, token, generation, now);
+                    }
+                }
+                TryOutcome::Held { by } => {
+                    slot.server = Server::Free;
+                    slot.evidence = Evidence {
+                        contended: true,
+                        holder_pid: by,
+                        announced: false,
+                    };
+                    self.not_acquired(key, Refusal::Busy, now);
+                }
+                TryOutcome::Failed => {
+                    slot.server = Server::Free;
+                    self.not_acquired(key, Refusal::Failed, now);
+                }
+            }
+        }
+        // Keys the statement did not answer for (it cannot happen with our statements,
+        // but a server must not be able to wedge a key in `Trying`).
+        let stuck: Vec<LockKey> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.server == Server::Trying)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stuck {
+            if let Some(slot) = self.slots.get_mut(&key) {
+                slot.server = Server::Free;
+            }
+            self.not_acquired(key, Refusal::Failed, now);
+        }
+    }
+
+    /// The next instant something is due: now, when statements are waiting to be
+    /// planned; else a grace that ends or a poll tick.
+    pub(crate) fn next_wakeup(&self, now: Instant) -> Option<Instant> {
+        self.generation?;
+        self.slots
+            .values()
+            .filter_map(|slot| match slot.server {
+                Server::NeedsToken { asked: false } | Server::Unlocking { sent: false } => {
+                    Some(now)
+                }
+                Server::Granting { at, .. } => Some(at),
+                Server::Free if slot.holder.is_none() && !slot.waiters.is_empty() => {
+                    Some(slot.next_try)
+                }
+                _ => None,
+            })
+            .min()
+    }
+
+    // ---- views ----------------------------------------------------------------------
+
+    /// Every held lease and waiting request, per key.
+    pub(crate) fn snapshot(&self) -> Vec<(LockKey, Entry)> {
+        let mut out = Vec::new();
+        for (key, slot) in &self.slots {
+            if let Some(h) = &slot.holder {
+                out.push((
+                    *key,
+                    Entry::Held {
+                        id: h.id,
+                        name: Arc::clone(&h.name),
+                        token: h.token,
+                        generation: h.generation,
+                        since: h.since,
+                    },
+                ));
+            }
+            for (position, w) in slot.waiters.iter().enumerate() {
+                out.push((
+                    *key,
+                    Entry::Waiting {
+                        id: w.id,
+                        name: Arc::clone(&w.name),
+                        position,
+                        since: w.since,
+                    },
+                ));
+            }
+        }
+        out
+    }
+
+    /// Waiting requests per key (for the waiter gauge), with the key's name.
+    pub(crate) fn waiting(&self) -> impl Iterator<Item = (LockKey, &Arc<str>, usize)> + '_ {
+        self.slots
+            .iter()
+            .map(|(key, slot)| (*key, &slot.name, slot.waiters.len()))
+    }
+
+    /// The name a key is known by here, if any.
+    pub(crate) fn name_of(&self, key: LockKey) -> Option<&Arc<str>> {
+        self.slots.get(&key).map(|s| &s.name)
+    }
+
+    // ---- internals ------------------------------------------------------------------
+
+    /// Gives a lock the session holds to the oldest waiter, or unlocks it when nobody
+    /// waits any more.
+    fn grant(&mut self, key: LockKey, token: FencingToken, generation: u64, now: Instant) {
+        let slot = self
+            .slots
+            .get_mut(&key)
+            .expect("BUG: granting an unknown key");
+        match slot.waiters.pop_front() {
+            Some(w) => {
+                slot.server = Server::Held;
+                slot.holder = Some(Holder {
+                    id: w.id,
+                    name: Arc::clone(&w.name),
+                    token,
+                    generation,
+                    since: SystemTime::now(),
+                });
+                self.actions.push_back(Action::Grant {
+                    id: w.id,
+                    key,
+                    token,
+                    generation,
+                    waited: now.saturating_duration_since(w.enqueued),
+                });
+            }
+            None => slot.server = Server::Unlocking { sent: false },
+        }
+    }
+
+    /// The key was not won: answer try requests at the head, reschedule the rest.
+    fn not_acquired(&mut self, key: LockKey, why: Refusal, now: Instant) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        while slot.waiters.front().is_some_and(|w| w.mode == Mode::Try) {
+            let w = slot.waiters.pop_front().expect("BUG: front checked");
+            self.actions.push_back(Action::Refuse { id: w.id, why });
+        }
+        if let Some(front) = slot.waiters.front() {
+            let interval = front.poll_interval;
+            slot.next_try = next_tick(&mut self.ticks, &mut self.rng, interval, now);
+        }
+        self.forget_if_unused(key);
+    }
+
+    fn forget_if_unused(&mut self, key: LockKey) {
+        if self.slots.get(&key).is_some_and(Slot::unused) {
+            self.slots.remove(&key);
+        }
+    }
+}
+
+/// The next shared tick for `interval`: the one already planned if it lies ahead
+/// (within one jittered interval), else a new one, one jittered interval from now.
+/// Ticks that passed are forgotten, so the map is bounded by the intervals in use.
+fn next_tick(
+    ticks: &mut HashMap<Duration, Instant>,
+    rng: &mut u64,
+    interval: Duration,
+    now: Instant,
+) -> Instant {
+    if let Some(at) = ticks.get(&interval)
+        && *at > now
+        && *at <= now + interval + interval / 10
+    {
+        return *at;
+    }
+    ticks.retain(|_, at| *at > now);
+    let at = now + jitter(rng, interval);
+    ticks.insert(interval, at);
+    at
+}
+
+pub(crate) fn next_random(state: &mut u64) -> u64 {
+    // xorshift64*: enough to spread polls and backoffs, no dependency.
+    let mut x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+pub(crate) fn jitter_below(state: &mut u64, max: Duration) -> Duration {
+    let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+    if nanos == 0 {
+        return Duration::ZERO;
+    }
+    Duration::from_nanos(next_random(state) % nanos)
+}
+
+/// `interval` ± 10 %.
+fn jitter(state: &mut u64, interval: Duration) -> Duration {
+    interval - interval / 10 + jitter_below(state, interval / 5)
+}
+
+#[cfg(test)]
+mod tests;

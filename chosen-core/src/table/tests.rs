@@ -1,0 +1,852 @@
+//! The rules of [`LockTable`], one test each, then properties over random histories.
+//! No database and no sleeps: time is an `Instant` the tests move by hand.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use proptest::prelude::*;
+
+use super::*;
+
+const GRACE: Duration = Duration::from_millis(100);
+const POLL: Duration = Duration::from_millis(300);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn key(n: i32) -> LockKey {
+    LockKey::Pair(7, n)
+}
+
+fn token(n: u64) -> FencingToken {
+    FencingToken::new(n)
+}
+
+/// A table with a connected session (generation 1) and a hand-moved clock.
+struct Fixture {
+    table: LockTable,
+    now: Instant,
+    next_id: RequestId,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        Self::with_rules(Rules {
+            max_locks: 16,
+            takeover_grace: GRACE,
+        })
+    }
+
+    fn with_rules(rules: Rules) -> Self {
+        let now = Instant::now();
+        let mut table = LockTable::new(rules, 42);
+        table.session_started(1, now);
+        Self {
+            table,
+            now,
+            next_id: 1,
+        }
+    }
+
+    fn request(&mut self, key: LockKey, mode: Mode, poll: Duration) -> RequestId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.table.acquire(
+            Request {
+                id,
+                key,
+                name: Arc::from(format!("lock-{key}")),
+                poll_interval: poll,
+                mode,
+                since: SystemTime::UNIX_EPOCH,
+                enqueued: self.now,
+            },
+            self.now,
+        );
+        id
+    }
+
+    fn wait(&mut self, key: LockKey) -> RequestId {
+        self.request(key, Mode::Wait, POLL)
+    }
+
+    fn try_(&mut self, key: LockKey) -> RequestId {
+        self.request(key, Mode::Try, POLL)
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.now += by;
+    }
+
+    fn plan(&mut self) -> Plan {
+        self.table.plan(self.now)
+    }
+
+    fn actions(&mut self) -> Vec<Action> {
+        std::iter::from_fn(|| self.table.poll_action()).collect()
+    }
+
+    /// Plans, expects exactly `keys` to be tried, and answers `outcome` for each.
+    fn try_round(&mut self, keys: &[LockKey], outcome: TryOutcome) {
+        let plan = self.plan();
+        assert_eq!(plan.try_keys, keys, "tried keys");
+        let outcomes: Vec<_> = keys.iter().map(|k| (*k, outcome)).collect();
+        self.table.tried(&outcomes, self.now);
+    }
+
+    fn granted(&mut self) -> Vec<(RequestId, FencingToken)> {
+        self.actions()
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Grant { id, token, .. } => Some((id, token)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn a_free_lock_is_granted_on_the_first_try() {
+    let mut f = Fixture::new();
+    let id = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(id, token(10))]);
+    assert_eq!(f.table.held(), 1);
+}
+
+#[test]
+fn waiters_are_served_in_order_and_a_hand_off_gets_a_larger_token() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    let b = f.wait(key(1));
+    let c = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+    f.table.release(key(1), a);
+    let plan = f.plan();
+    assert_eq!(plan.token_for, vec![key(1)], "a hand-off keeps the lock");
+    assert!(plan.unlock.is_empty() && plan.try_keys.is_empty());
+    f.table.tokens(&[key(1)], Some(token(11)), f.now);
+    assert_eq!(f.granted(), vec![(b, token(11))]);
+    f.table.release(key(1), b);
+    f.plan();
+    // The token statement failed: the lock is released instead, and c tries again.
+    f.table.tokens(&[key(1)], None, f.now);
+    assert!(f.granted().is_empty());
+    let plan = f.plan();
+    assert_eq!(plan.unlock, vec![key(1)]);
+    f.table.unlocked(&plan.unlock, f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    assert_eq!(f.granted(), vec![(c, token(12))]);
+}
+
+#[test]
+fn a_release_with_nobody_waiting_unlocks_and_forgets_the_key() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.actions();
+    f.table.release(key(1), a);
+    assert!(matches!(f.actions().as_slice(), [Action::Released { key: k, .. }] if *k == key(1)));
+    let plan = f.plan();
+    assert_eq!(plan.unlock, vec![key(1)]);
+    f.table.unlocked(&plan.unlock, f.now);
+    assert!(f.table.slots.is_empty());
+    // Releasing twice, or a stranger's id, does nothing.
+    f.table.release(key(1), a);
+    f.table.release(key(1), 999);
+    assert!(f.plan().is_empty());
+}
+
+#[test]
+fn an_unannounced_takeover_waits_the_grace() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(POLL * 2);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "granted before the grace");
+    assert_eq!(f.table.next_wakeup(f.now), Some(f.now + GRACE));
+    f.advance(GRACE - ms(1));
+    assert!(f.plan().is_empty());
+    assert!(f.granted().is_empty());
+    f.advance(ms(1));
+    f.plan();
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_verified_announcement_skips_the_grace_and_polls_at_once() {
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    assert!(f.plan().is_empty(), "next poll is an hour away");
+    f.table.announced(key(1), 4242, f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn an_announcement_from_another_backend_is_ignored() {
+    // Any role may NOTIFY on our channel; only the holder's backend is believed.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    for forged in [1, 4241, 4243, -4242] {
+        f.table.announced(key(1), forged, f.now);
+    }
+    assert!(f.plan().is_empty(), "a forged announcement made us poll");
+    f.advance(Duration::from_secs(3600 + 400));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(
+        f.granted().is_empty(),
+        "a forged announcement skipped the grace"
+    );
+    f.advance(GRACE);
+    f.plan();
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn an_announcement_does_not_outlive_a_lost_race() {
+    // Three nodes: B releases and announces; C wins the race; C's session is then ended
+    // by the server. Our next win is unannounced again.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(100) });
+    f.table.announced(key(1), 100, f.now);
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(200) });
+    f.advance(POLL * 2);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(
+        f.granted().is_empty(),
+        "a stale announcement skipped the grace"
+    );
+    f.advance(GRACE);
+    f.plan();
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn after_a_reconnect_the_first_win_waits_the_grace() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(100) });
+    f.table.session_ended();
+    f.table.session_started(2, f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "won right after our own reconnect");
+    f.advance(GRACE);
+    f.plan();
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_session_end_revokes_every_holder_and_answers_tries() {
+    let mut f = Fixture::new();
+    let held = f.wait(key(1));
+    let _waiting = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.actions();
+    let t = f.try_(key(2));
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(2)]);
+    f.table.session_ended();
+    let actions = f.actions();
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::Lost { key: k, .. } if *k == key(1)))
+    );
+    assert!(actions.contains(&Action::Refuse {
+        id: t,
+        why: Refusal::NotConnected
+    }));
+    assert_eq!(f.table.held(), 0);
+    // The old lease's release is ignored: nothing is unlocked on the next session.
+    f.table.release(key(1), held);
+    f.table.session_started(2, f.now);
+    let plan = f.plan();
+    assert!(plan.unlock.is_empty());
+    assert_eq!(plan.try_keys, vec![key(1)], "the waiter stays queued");
+    // A try request while disconnected is answered at once.
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: None })], f.now);
+    f.table.session_ended();
+    f.actions();
+    let t2 = f.try_(key(3));
+    assert_eq!(
+        f.actions(),
+        vec![Action::Refuse {
+            id: t2,
+            why: Refusal::NotConnected
+        }]
+    );
+}
+
+#[test]
+fn a_try_is_busy_while_anyone_here_holds_or_waits() {
+    let mut f = Fixture::new();
+    let _a = f.wait(key(1));
+    let t = f.try_(key(1));
+    assert_eq!(
+        f.actions(),
+        vec![Action::Refuse {
+            id: t,
+            why: Refusal::Busy
+        }]
+    );
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    let t = f.try_(key(2));
+    f.try_round(&[key(2)], TryOutcome::Held { by: Some(9) });
+    assert!(f.actions().contains(&Action::Refuse {
+        id: t,
+        why: Refusal::Busy
+    }));
+}
+
+#[test]
+fn a_withdrawn_head_does_not_delay_the_next_request() {
+    // An hourly waiter withdrawn: a later try of the same key runs in the next step.
+    let mut f = Fixture::new();
+    let hourly = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.advance(ms(10));
+    f.table.withdraw(key(1), hourly, f.now);
+    let t = f.try_(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.advance(GRACE);
+    f.plan();
+    assert_eq!(f.granted(), vec![(t, token(10))]);
+
+    // A withdrawn head among waiters: the next one is tried at once.
+    let mut f = Fixture::new();
+    let hourly = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    let quick = f.request(key(1), Mode::Wait, ms(50));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.advance(ms(10));
+    f.table.withdraw(key(1), hourly, f.now);
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.advance(ms(60));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.advance(GRACE);
+    f.plan();
+    assert_eq!(f.granted(), vec![(quick, token(10))]);
+}
+
+#[test]
+fn withdrawn_waiters_behind_a_local_holder_leave_at_once() {
+    let mut f = Fixture::new();
+    let _holder = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    for _ in 0..10_000 {
+        let id = f.wait(key(1));
+        f.table.withdraw(key(1), id, f.now);
+    }
+    assert_eq!(f.table.slots[&key(1)].waiters.len(), 0);
+    assert_eq!(f.table.snapshot().len(), 1);
+}
+
+#[test]
+fn a_grant_nobody_takes_any_more_is_unlocked() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.advance(POLL * 2);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.table.withdraw(key(1), a, f.now);
+    f.advance(GRACE);
+    let plan = f.plan();
+    assert!(f.granted().is_empty());
+    assert!(
+        plan.unlock.is_empty(),
+        "unlocked in the same plan that found it"
+    );
+    let plan = f.plan();
+    assert_eq!(plan.unlock, vec![key(1)]);
+    f.table.unlocked(&plan.unlock, f.now);
+    assert!(f.table.slots.is_empty());
+}
+
+#[test]
+fn the_cap_counts_keys_not_requests() {
+    let mut f = Fixture::with_rules(Rules {
+        max_locks: 2,
+        takeover_grace: GRACE,
+    });
+    f.wait(key(1));
+    f.wait(key(1));
+    f.wait(key(2));
+    f.actions();
+    let refused = f.wait(key(3));
+    assert_eq!(
+        f.actions(),
+        vec![Action::Refuse {
+            id: refused,
+            why: Refusal::TooManyLocks { limit: 2 }
+        }]
+    );
+}
+
+#[test]
+fn poll_ticks_are_shared_and_forgotten() {
+    let mut f = Fixture::with_rules(Rules {
+        max_locks: 100,
+        takeover_grace: GRACE,
+    });
+    for n in 0..50 {
+        f.wait(key(n));
+    }
+    let keys: Vec<_> = (0..50).map(key).collect();
+    f.try_round(&keys, TryOutcome::Held { by: None });
+    let next: BTreeSet<Instant> = f.table.slots.values().map(|s| s.next_try).collect();
+    assert_eq!(next.len(), 1, "one interval, one tick");
+    // Many intervals over time: the tick map stays bounded by those in use.
+    let mut f = Fixture::new();
+    for n in 0..1000u64 {
+        let id = f.request(key(1), Mode::Wait, ms(10 + n));
+        f.try_round(&[key(1)], TryOutcome::Held { by: None });
+        f.table.withdraw(key(1), id, f.now);
+        f.advance(ms(2000));
+    }
+    assert!(
+        f.table.ticks.len() <= 1,
+        "{} ticks kept",
+        f.table.ticks.len()
+    );
+}
+
+#[test]
+fn jitter_stays_within_ten_percent() {
+    let mut rng = 0x1234_5678_9abc_def1;
+    for _ in 0..10_000 {
+        let d = jitter(&mut rng, ms(300));
+        assert!(d >= ms(270) && d < ms(330), "{d:?}");
+    }
+    assert!(jitter_below(&mut rng, Duration::MAX) < Duration::MAX);
+}
+
+#[test]
+fn closing_refuses_waiters_and_unlocks_as_leases_come_back() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    let b = f.wait(key(1));
+    let c = f.wait(key(2));
+    f.try_round(&[key(1), key(2)], TryOutcome::Won(token(10)));
+    f.actions();
+    f.table.begin_close();
+    assert_eq!(
+        f.actions(),
+        vec![Action::Refuse {
+            id: b,
+            why: Refusal::Closed
+        }]
+    );
+    assert!(f.plan().is_empty(), "nothing unlocked while leases are out");
+    f.table.release(key(1), a);
+    let plan = f.plan();
+    assert_eq!(plan.unlock, vec![key(1)], "no hand-off while closing");
+    f.table.unlocked(&plan.unlock, f.now);
+    let late = f.wait(key(3));
+    assert!(f.actions().contains(&Action::Refuse {
+        id: late,
+        why: Refusal::Closed
+    }));
+    f.table.close_now();
+    assert!(
+        f.actions()
+            .iter()
+            .any(|a| matches!(a, Action::Lost { key: k, .. } if *k == key(2)))
+    );
+    assert_eq!(f.plan().unlock, vec![key(2)]);
+    let _ = c;
+}
+
+// ---- properties ---------------------------------------------------------------------
+
+/// One input to the table, drawn at random.
+#[derive(Clone, Debug)]
+enum Op {
+    Acquire {
+        key: u8,
+        try_: bool,
+        poll: u8,
+    },
+    Withdraw {
+        pick: u16,
+    },
+    Release {
+        pick: u16,
+    },
+    /// Plan a step and answer it: per tried key, 0 = won, 1 = held, 2 = failed.
+    Step {
+        outcomes: Vec<(u8, u8)>,
+        token_ok: bool,
+    },
+    Announce {
+        key: u8,
+        sender: u8,
+    },
+    SessionEnd,
+    SessionStart,
+    Advance {
+        ms: u16,
+    },
+    Close,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..4, any::<bool>(), 0u8..3).prop_map(|(key, try_, poll)| Op::Acquire { key, try_, poll }),
+        2 => any::<u16>().prop_map(|pick| Op::Withdraw { pick }),
+        3 => any::<u16>().prop_map(|pick| Op::Release { pick }),
+        6 => (proptest::collection::vec((0u8..3, 0u8..2), 4), any::<bool>())
+            .prop_map(|(outcomes, token_ok)| Op::Step { outcomes, token_ok }),
+        2 => (0u8..4, 0u8..2).prop_map(|(key, sender)| Op::Announce { key, sender }),
+        1 => Just(Op::SessionEnd),
+        2 => Just(Op::SessionStart),
+        4 => (0u16..400).prop_map(|ms| Op::Advance { ms }),
+        1 => Just(Op::Close),
+    ]
+}
+
+/// What the outside world knows, to check the table against.
+#[derive(Default)]
+struct Model {
+    /// Keys this session holds at the server.
+    server_held: BTreeSet<LockKey>,
+    /// Live leases: id -> (key, generation).
+    leases: BTreeMap<RequestId, (LockKey, u64)>,
+    /// Requests not answered yet: id -> (key, mode).
+    pending: BTreeMap<RequestId, (LockKey, Mode)>,
+    /// Wait requests per key, in arrival order (withdrawn ones removed).
+    queues: HashMap<LockKey, Vec<RequestId>>,
+    answered: BTreeSet<RequestId>,
+    last_token: HashMap<LockKey, FencingToken>,
+    /// Per key: the backend a failed try saw, and whether it announced since.
+    seen: HashMap<LockKey, (Option<i32>, bool)>,
+    /// Per key: a win that must wait the grace, and when.
+    graced: HashMap<LockKey, Instant>,
+    generation: Option<u64>,
+    generations: u64,
+    next_token: u64,
+    next_id: RequestId,
+    closing: bool,
+}
+
+fn run(ops: &[Op]) -> Result<(), TestCaseError> {
+    let start = Instant::now();
+    let mut now = start;
+    let mut table = LockTable::new(
+        Rules {
+            max_locks: 3,
+            takeover_grace: GRACE,
+        },
+        7,
+    );
+    let mut m = Model {
+        generation: Some(1),
+        generations: 1,
+        next_token: 100,
+        next_id: 1,
+        ..Model::default()
+    };
+    table.session_started(1, now);
+    let polls = [ms(10), POLL, Duration::from_secs(3600)];
+    for op in ops {
+        match op {
+            Op::Acquire { key: k, try_, poll } => {
+                let id = m.next_id;
+                m.next_id += 1;
+                let mode = if *try_ { Mode::Try } else { Mode::Wait };
+                let k = key(i32::from(*k));
+                m.pending.insert(id, (k, mode));
+                if mode == Mode::Wait {
+                    m.queues.entry(k).or_default().push(id);
+                }
+                table.acquire(
+                    Request {
+                        id,
+                        key: k,
+                        name: Arc::from("p"),
+                        poll_interval: polls[usize::from(*poll)],
+                        mode,
+                        since: SystemTime::UNIX_EPOCH,
+                        enqueued: now,
+                    },
+                    now,
+                );
+            }
+            Op::Withdraw { pick } => {
+                if let Some((&id, &(k, _))) = m
+                    .pending
+                    .iter()
+                    .nth(usize::from(*pick) % m.pending.len().max(1))
+                {
+                    m.pending.remove(&id);
+                    m.answered.insert(id);
+                    if let Some(q) = m.queues.get_mut(&k) {
+                        q.retain(|x| *x != id);
+                    }
+                    table.withdraw(k, id, now);
+                }
+            }
+            Op::Release { pick } => {
+                if let Some((&id, &(k, _))) = m
+                    .leases
+                    .iter()
+                    .nth(usize::from(*pick) % m.leases.len().max(1))
+                {
+                    m.leases.remove(&id);
+                    table.release(k, id);
+                }
+            }
+            Op::Step { outcomes, token_ok } => {
+                let plan = table.plan(now);
+                for k in &plan.unlock {
+                    prop_assert!(m.server_held.contains(k), "unlocks {k}, not held");
+                }
+                for k in &plan.token_for {
+                    prop_assert!(m.server_held.contains(k), "hand-off of {k}, not held");
+                }
+                for k in &plan.try_keys {
+                    prop_assert!(!m.server_held.contains(k), "tries {k}, already held");
+                }
+                if !plan.is_empty() {
+                    prop_assert!(m.generation.is_some(), "statements while disconnected");
+                }
+                drain(&mut table, &mut m, now)?;
+                for k in &plan.unlock {
+                    m.server_held.remove(k);
+                }
+                table.unlocked(&plan.unlock, now);
+                let t = token_ok.then(|| {
+                    m.next_token += 1;
+                    token(m.next_token)
+                });
+                table.tokens(&plan.token_for, t, now);
+                if !plan.try_keys.is_empty() {
+                    m.next_token += 1;
+                }
+                let batch_token = token(m.next_token);
+                let results: Vec<(LockKey, TryOutcome)> = plan
+                    .try_keys
+                    .iter()
+                    .zip(outcomes.iter().cycle())
+                    .map(|(k, (o, pid))| {
+                        let outcome = match o {
+                            0 => TryOutcome::Won(batch_token),
+                            1 => TryOutcome::Held {
+                                by: Some(i32::from(*pid)),
+                            },
+                            _ => TryOutcome::Failed,
+                        };
+                        (*k, outcome)
+                    })
+                    .collect();
+                for (k, outcome) in &results {
+                    match outcome {
+                        TryOutcome::Won(_) => {
+                            m.server_held.insert(*k);
+                            let (_, announced) = m.seen.remove(k).unwrap_or((None, true));
+                            if !announced {
+                                m.graced.insert(*k, now + GRACE);
+                            }
+                        }
+                        TryOutcome::Held { by } => {
+                            m.seen.insert(*k, (*by, false));
+                        }
+                        TryOutcome::Failed => {}
+                    }
+                }
+                table.tried(&results, now);
+            }
+            Op::Announce { key: k, sender } => {
+                let k = key(i32::from(*k));
+                let sender = i32::from(*sender);
+                if let Some((by, announced)) = m.seen.get_mut(&k)
+                    && *by == Some(sender)
+                    && !m.server_held.contains(&k)
+                {
+                    *announced = true;
+                }
+                table.announced(k, sender, now);
+            }
+            Op::SessionEnd => {
+                if m.generation.take().is_some() {
+                    table.session_ended();
+                    m.server_held.clear();
+                    m.graced.clear();
+                    m.seen.clear();
+                    for (k, q) in &m.queues {
+                        if !q.is_empty() {
+                            m.seen.insert(*k, (None, false));
+                        }
+                    }
+                }
+            }
+            Op::SessionStart => {
+                if m.generation.is_none() {
+                    m.generations += 1;
+                    m.generation = Some(m.generations);
+                    table.session_started(m.generations, now);
+                }
+            }
+            Op::Advance { ms: d } => now += ms(u64::from(*d)),
+            Op::Close => {
+                if !m.closing {
+                    m.closing = true;
+                    table.begin_close();
+                }
+            }
+        }
+        drain(&mut table, &mut m, now)?;
+        // The table forgets a key nobody holds or wants, and what it knew about it.
+        let live: BTreeSet<LockKey> = m
+            .pending
+            .values()
+            .map(|(k, _)| *k)
+            .chain(m.leases.values().map(|(k, _)| *k))
+            .chain(m.server_held.iter().copied())
+            .collect();
+        m.seen.retain(|k, _| live.contains(k));
+        m.graced.retain(|k, _| m.server_held.contains(k));
+        check(&table, &m)?;
+    }
+    Ok(())
+}
+
+/// Applies the table's actions to the model, checking each.
+fn drain(table: &mut LockTable, m: &mut Model, now: Instant) -> Result<(), TestCaseError> {
+    while let Some(action) = table.poll_action() {
+        match action {
+            Action::Grant {
+                id,
+                key: k,
+                token: t,
+                generation,
+                ..
+            } => {
+                prop_assert!(!m.closing, "granted while closing");
+                prop_assert_eq!(
+                    Some(generation),
+                    m.generation,
+                    "granted in an old generation"
+                );
+                prop_assert!(
+                    m.server_held.contains(&k),
+                    "granted {} not held at the server",
+                    k
+                );
+                prop_assert!(
+                    m.leases.values().all(|(other, _)| *other != k),
+                    "two local holders of {}",
+                    k
+                );
+                if let Some(prev) = m.last_token.get(&k) {
+                    prop_assert!(t > *prev, "token went from {} to {} on {}", prev, t, k);
+                }
+                m.last_token.insert(k, t);
+                if let Some(at) = m.graced.remove(&k) {
+                    prop_assert!(now >= at, "{} granted before the takeover grace ended", k);
+                }
+                let (pk, mode) = m.pending.remove(&id).expect("granted an unknown request");
+                prop_assert_eq!(pk, k);
+                if mode == Mode::Wait {
+                    let q = m.queues.get_mut(&k).expect("queue");
+                    prop_assert_eq!(q.first().copied(), Some(id), "not FIFO on {}", k);
+                    q.remove(0);
+                }
+                prop_assert!(m.answered.insert(id), "answered twice");
+                m.leases.insert(id, (k, generation));
+            }
+            Action::Refuse { id, .. } => {
+                let (k, _) = m.pending.remove(&id).expect("refused an unknown request");
+                if let Some(q) = m.queues.get_mut(&k) {
+                    q.retain(|x| *x != id);
+                }
+                prop_assert!(m.answered.insert(id), "answered twice");
+            }
+            Action::Lost { key: k, .. } => {
+                m.leases.retain(|_, (lk, _)| *lk != k);
+            }
+            Action::Released { .. } => {}
+        }
+    }
+    Ok(())
+}
+
+fn check(table: &LockTable, m: &Model) -> Result<(), TestCaseError> {
+    // Every unanswered request is still queued, in order, and nothing else is.
+    let mut queued: HashMap<LockKey, Vec<RequestId>> = HashMap::new();
+    let mut holders: HashMap<LockKey, usize> = HashMap::new();
+    for (k, entry) in table.snapshot() {
+        match entry {
+            Entry::Waiting { id, .. } => queued.entry(k).or_default().push(id),
+            Entry::Held { id, .. } => {
+                *holders.entry(k).or_default() += 1;
+                prop_assert!(
+                    m.leases.contains_key(&id),
+                    "table holds a lease the model lost"
+                );
+            }
+        }
+    }
+    prop_assert!(holders.values().all(|n| *n <= 1), "two holders of one key");
+    let mut expected: HashMap<LockKey, Vec<RequestId>> = HashMap::new();
+    for (id, (k, _)) in &m.pending {
+        expected.entry(*k).or_default().push(*id);
+    }
+    for ids in queued.values_mut() {
+        ids.sort_unstable();
+    }
+    prop_assert_eq!(
+        queued,
+        expected,
+        "queued requests differ from unanswered ones"
+    );
+    // No lease outlives its generation.
+    for (k, generation) in m.leases.values() {
+        prop_assert_eq!(
+            Some(*generation),
+            m.generation,
+            "lease of {} outlived its session",
+            k
+        );
+    }
+    for k in &m.server_held {
+        prop_assert!(table.slots.contains_key(k), "forgot {} while holding it", k);
+    }
+    // Memory is bounded by what is live.
+    prop_assert!(table.slots.len() <= 4);
+    prop_assert!(table.ticks.len() <= 3);
+    for (k, slot) in &table.slots {
+        prop_assert!(
+            !slot.unused(),
+            "{} kept with no holder, waiter or server state",
+            k
+        );
+        prop_assert_eq!(
+            slot.server != Server::Free,
+            m.server_held.contains(k),
+            "server state of {} differs",
+            k
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("CHOSEN_TABLE_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000),
+        max_shrink_iters: 10_000,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn the_rules_hold_over_random_histories(ops in proptest::collection::vec(op(), 1..300)) {
+        run(&ops)?;
+    }
+}
