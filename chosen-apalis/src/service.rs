@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 use tracing::{debug, info};
 
-use crate::guard::LeaderGuard;
+use crate::guard::{LeaderGuard, Tenure};
 use crate::layer::GateStats;
 use crate::policy::TaskSchedule;
 
@@ -64,6 +64,22 @@ pub struct LeaderOnly<S, P> {
 }
 
 impl<S, P> LeaderOnly<S, P> {
+    /// The state, with a subscription taken before it was read, so the guard sees any
+    /// change after it. If the leadership changed in between (the state read may then
+    /// be a new tenure, which the subscription would take for ended), look again; if
+    /// it keeps changing, the caller sees an ended tenure and skips the task.
+    fn observe(&self) -> (Tenure, LeaderState) {
+        let mut attempts = 0;
+        loop {
+            let tenure = Tenure::watch(&self.leadership);
+            let state = self.leadership.state();
+            attempts += 1;
+            if !tenure.ended() || attempts == 3 {
+                return (tenure, state);
+            }
+        }
+    }
+
     fn report(&self, outcome: &str) {
         if let Some(m) = self.leadership.metrics() {
             m.task_gated(self.leadership.node_id(), self.leadership.name(), outcome);
@@ -87,8 +103,9 @@ where
 
     fn call(&mut self, mut task: Task<Args>) -> Self::Future {
         let name = self.leadership.name();
-        let (token, since) = match self.leadership.state() {
-            LeaderState::Leading { token, since } => (token, since),
+        let (tenure, state) = self.observe();
+        let (token, since) = match state {
+            LeaderState::Leading { token, since } if !tenure.ended() => (token, since),
             _ => {
                 let leader = self.leadership.leader();
                 self.stats
@@ -114,7 +131,7 @@ where
         }
         self.stats.ran.fetch_add(1, Ordering::Relaxed);
         self.report("ran");
-        task.inject_data(LeaderGuard::new(token, self.leadership.clone()));
+        task.inject_data(LeaderGuard::new(token, self.leadership.clone(), tenure));
         GateFuture {
             kind: Kind::Inner {
                 future: self.inner.call(task),

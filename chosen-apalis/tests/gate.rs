@@ -128,3 +128,64 @@ async fn the_guard_sees_leadership_loss_during_a_job() {
         .unwrap();
     assert_eq!(out, Outcome::Ran(false));
 }
+
+/// Lets one tick through on the leader and hands back the guard the job got.
+async fn guard_of_a_run(leadership: &Leadership) -> LeaderGuard {
+    let job = task_fn(|_tick: Tick, guard: Data<LeaderGuard>| async move {
+        Ok::<_, BoxDynError>(LeaderGuard::clone(&guard))
+    });
+    match LeaderOnlyLayer::new(leadership.clone())
+        .layer(job)
+        .oneshot(Task::new(Tick::new(now_secs())))
+        .await
+        .unwrap()
+    {
+        Outcome::Ran(guard) => guard,
+        other => panic!("the leader must run the job, got {other:?}"),
+    }
+}
+
+// A watch keeps only the latest value: a loss and a regain between two polls of
+// `lost()` merge into "still leading". The guard belongs to the old tenure, so it must
+// still see the loss.
+#[tokio::test(start_paused = true)]
+async fn the_guard_sees_a_loss_merged_with_a_regain() {
+    let (leadership, control) = Leadership::manual("cron", "node-1");
+    control.lead(1);
+    let guard = guard_of_a_run(&leadership).await;
+    let lost = tokio::spawn({
+        let guard = guard.clone();
+        async move { guard.lost().await }
+    });
+    // Let `lost()` start waiting.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!lost.is_finished(), "the tenure has not ended yet");
+    // Lost and regained (with a new token) without `lost()` being polled in between.
+    control.follow(None);
+    control.lead(2);
+    tokio::time::timeout(Duration::from_secs(60), lost)
+        .await
+        .expect("lost() must resolve: the guard's tenure ended")
+        .unwrap();
+    assert!(!guard.is_valid());
+    assert!(
+        leadership.is_leader(),
+        "the node leads again, in a new tenure"
+    );
+}
+
+// Tokens are unique per acquisition on one server, but after an asynchronous failover
+// a promoted standby may hand out a transaction id again: the tenure, not the token
+// value, is what the guard must follow.
+#[tokio::test(start_paused = true)]
+async fn the_guard_sees_a_new_tenure_with_an_equal_token() {
+    let (leadership, control) = Leadership::manual("cron", "node-1");
+    control.lead(7);
+    let guard = guard_of_a_run(&leadership).await;
+    control.follow(None);
+    control.lead(7);
+    assert!(!guard.is_valid(), "a new tenure, even with an equal token");
+    tokio::time::timeout(Duration::from_secs(60), guard.lost())
+        .await
+        .expect("lost() must resolve at once for an ended tenure");
+}
