@@ -32,7 +32,7 @@ impl GateStats {
     }
 
     /// Cron ticks skipped because they were scheduled before this node gained
-    /// leadership (they belonged to the previous leader).
+    /// leadership plus the skew tolerance (they may have been the previous leader's).
     #[must_use]
     pub fn skipped_stale_tick(&self) -> u64 {
         self.skipped_stale_tick.load(Ordering::Relaxed)
@@ -93,10 +93,14 @@ impl LeaderOnlyLayer {
 }
 
 impl<P> LeaderOnlyLayer<P> {
-    /// Also skip cron ticks scheduled before this node gained leadership, allowing
-    /// `skew_tolerance` for clock differences between nodes (default 1 s). This is what
-    /// makes "at most once per tick" hold across a hand-over between two nodes whose
-    /// clocks differ by less than the tolerance.
+    /// Also skip cron ticks scheduled before this node gained leadership *plus*
+    /// `skew_tolerance` (default 1 s): the previous leader ran ticks up to the moment it
+    /// stopped leading by its own clock, which may run ahead of ours. This is what makes
+    /// "at most once per tick" hold across a hand-over between two nodes whose clocks
+    /// differ by less than the tolerance.
+    ///
+    /// The cost: the ticks falling within the tolerance after this node gained
+    /// leadership are skipped, by every node, even after a graceful hand-over.
     #[must_use]
     pub fn for_cron_ticks(self) -> LeaderOnlyLayer<CronTicks> {
         LeaderOnlyLayer {
@@ -108,7 +112,9 @@ impl<P> LeaderOnlyLayer<P> {
         }
     }
 
-    /// The clock-skew tolerance for [`for_cron_ticks`](LeaderOnlyLayer::for_cron_ticks).
+    /// The clock-skew tolerance for [`for_cron_ticks`](LeaderOnlyLayer::for_cron_ticks):
+    /// a bound on how far the nodes' wall clocks may differ. Larger is safer against
+    /// skew and skips more ticks after each change of leader.
     #[must_use]
     pub fn skew_tolerance(mut self, tolerance: Duration) -> Self {
         self.skew_tolerance = tolerance;

@@ -7,7 +7,7 @@ use apalis_cron::Tick;
 /// Tells the gate when a task was scheduled, if it knows.
 ///
 /// With a time, the gate also skips a task scheduled before this node gained
-/// leadership (minus a clock-skew tolerance): that tick belonged to the previous
+/// leadership plus a clock-skew tolerance: that tick may have belonged to the previous
 /// leader, which may have run it already.
 pub trait TaskSchedule<Args> {
     /// When the task was scheduled, if known.

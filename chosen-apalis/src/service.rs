@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 use tracing::{debug, info};
 
-use crate::guard::LeaderGuard;
+use crate::guard::{LeaderGuard, Tenure};
 use crate::layer::GateStats;
 use crate::policy::TaskSchedule;
 
@@ -43,8 +43,8 @@ pub enum SkipReason {
         /// The leader's node id, when known.
         leader: Option<String>,
     },
-    /// A cron tick scheduled before this node gained leadership: it was the previous
-    /// leader's.
+    /// A cron tick scheduled before this node gained leadership, or less than the
+    /// clock-skew tolerance after: it may have been the previous leader's.
     StaleTick {
         /// When the tick was scheduled.
         scheduled: SystemTime,
@@ -64,6 +64,22 @@ pub struct LeaderOnly<S, P> {
 }
 
 impl<S, P> LeaderOnly<S, P> {
+    /// The state, with a subscription taken before it was read, so the guard sees any
+    /// change after it. If the leadership changed in between (the state read may then
+    /// be a new tenure, which the subscription would take for ended), look again; if
+    /// it keeps changing, the caller sees an ended tenure and skips the task.
+    fn observe(&self) -> (Tenure, LeaderState) {
+        let mut attempts = 0;
+        loop {
+            let tenure = Tenure::watch(&self.leadership);
+            let state = self.leadership.state();
+            attempts += 1;
+            if !tenure.ended() || attempts == 3 {
+                return (tenure, state);
+            }
+        }
+    }
+
     fn report(&self, outcome: &str) {
         if let Some(m) = self.leadership.metrics() {
             m.task_gated(self.leadership.node_id(), self.leadership.name(), outcome);
@@ -87,8 +103,9 @@ where
 
     fn call(&mut self, mut task: Task<Args>) -> Self::Future {
         let name = self.leadership.name();
-        let (token, since) = match self.leadership.state() {
-            LeaderState::Leading { token, since } => (token, since),
+        let (tenure, state) = self.observe();
+        let (token, since) = match state {
+            LeaderState::Leading { token, since } if !tenure.ended() => (token, since),
             _ => {
                 let leader = self.leadership.leader();
                 self.stats
@@ -100,13 +117,13 @@ where
             }
         };
         if let Some(scheduled) = self.policy.scheduled_at(&task.args)
-            && scheduled + self.skew_tolerance < since
+            && is_stale(scheduled, since, self.skew_tolerance)
         {
             self.stats
                 .skipped_stale_tick
                 .fetch_add(1, Ordering::Relaxed);
             self.report("skipped_stale_tick");
-            info!(lock = %name, ?scheduled, ?since, "tick skipped: scheduled before this node gained leadership");
+            info!(lock = %name, ?scheduled, ?since, "tick skipped: scheduled before this node gained leadership plus the skew tolerance");
             return GateFuture::skipped(SkipReason::StaleTick {
                 scheduled,
                 leading_since: since,
@@ -114,13 +131,27 @@ where
         }
         self.stats.ran.fetch_add(1, Ordering::Relaxed);
         self.report("ran");
-        task.inject_data(LeaderGuard::new(token, self.leadership.clone()));
+        task.inject_data(LeaderGuard::new(token, self.leadership.clone(), tenure));
         GateFuture {
             kind: Kind::Inner {
                 future: self.inner.call(task),
             },
         }
     }
+}
+
+/// `true` if a tick scheduled at `scheduled` may have been the previous leader's, for
+/// a node that gained leadership at `since` (by its own clock).
+///
+/// The previous leader ran ticks up to the moment it stopped leading, by *its* clock,
+/// which may run up to `tolerance` ahead of ours: so a tick is ours only if it was
+/// scheduled at least `tolerance` after we gained leadership. The tolerance shrinks
+/// the window of ticks we run; it never widens it. A `since + tolerance` beyond what
+/// `SystemTime` can represent skips every tick.
+fn is_stale(scheduled: SystemTime, since: SystemTime, tolerance: Duration) -> bool {
+    since
+        .checked_add(tolerance)
+        .is_none_or(|ours_from| scheduled < ours_from)
 }
 
 pin_project! {
@@ -166,5 +197,77 @@ where
                     .expect("BUG: GateFuture polled after completion"),
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use apalis_core::task::Task;
+    use apalis_cron::Tick;
+    use chosen_core::{LeaderState, Leadership};
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    use super::{Outcome, SkipReason, is_stale};
+    use crate::LeaderOnlyLayer;
+
+    fn secs(t: SystemTime) -> u64 {
+        t.duration_since(UNIX_EPOCH).unwrap().as_secs()
+    }
+
+    /// Runs one tick scheduled at `scheduled` (whole seconds since the epoch) through a
+    /// cron gate with a 10 s tolerance; the job answers the tick's timestamp.
+    async fn gate_tick(leadership: &Leadership, scheduled: u64) -> Outcome<u64> {
+        let job = tower::service_fn(|task: Task<Tick>| async move {
+            Ok::<_, std::convert::Infallible>(task.args.get_timestamp())
+        });
+        let mut svc = LeaderOnlyLayer::new(leadership.clone())
+            .for_cron_ticks()
+            .skew_tolerance(Duration::from_secs(10))
+            .layer(job);
+        svc.call(Task::new(Tick::new(scheduled))).await.unwrap()
+    }
+
+    // The tolerance absorbs clock skew between the old and the new leader: a tick the
+    // old leader may have run (scheduled before, or up to the tolerance after, this
+    // node gained leadership by its own clock) must not run again here.
+    // No timers: `since` is read back from the leadership, so the test does not race
+    // the wall clock.
+    #[tokio::test]
+    async fn ticks_up_to_the_tolerance_after_leadership_are_skipped() {
+        let (leadership, control) = Leadership::manual("cron", "node-1");
+        control.lead(3);
+        let LeaderState::Leading { since, .. } = leadership.state() else {
+            panic!("manual leadership leads");
+        };
+        let since_s = secs(since);
+        for scheduled in [since_s - 5, since_s + 5] {
+            let out = gate_tick(&leadership, scheduled).await;
+            assert!(
+                matches!(out, Outcome::Skipped(SkipReason::StaleTick { .. })),
+                "tick at leading_since {:+} s must be skipped with a 10 s tolerance, got {out:?}",
+                i128::from(scheduled) - i128::from(since_s)
+            );
+        }
+        // Well past the tolerance: runs.
+        let out = gate_tick(&leadership, since_s + 20).await;
+        assert_eq!(out, Outcome::Ran(since_s + 20));
+    }
+
+    #[test]
+    fn a_tick_is_ours_from_leadership_plus_the_tolerance_on() {
+        let since = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let tol = Duration::from_secs(1);
+        let ms = Duration::from_millis;
+        assert!(is_stale(since - ms(1), since, tol));
+        assert!(is_stale(since, since, tol));
+        assert!(is_stale(since + ms(999), since, tol));
+        assert!(!is_stale(since + tol, since, tol));
+        assert!(!is_stale(since + ms(1001), since, Duration::ZERO));
+        assert!(is_stale(since - ms(1), since, Duration::ZERO));
+        // An absurd tolerance skips every tick instead of panicking.
+        assert!(is_stale(since + tol, since, Duration::MAX));
     }
 }

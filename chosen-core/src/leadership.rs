@@ -87,7 +87,11 @@ impl Leadership {
     #[must_use]
     pub fn manual(name: &str, node_id: &str) -> (Self, ManualLeadership) {
         let leadership = Self::new(name, node_id, None);
-        (leadership.clone(), ManualLeadership { leadership })
+        let control = ManualLeadership {
+            leadership: leadership.clone(),
+            lease: Arc::default(),
+        };
+        (leadership, control)
     }
 
     pub(crate) fn set_leading(&self, lease: &Lease) {
@@ -249,16 +253,33 @@ impl Leadership {
 
 /// Sets a [`Leadership`] by hand, for tests of code that reads one (feature
 /// `test-util`).
+///
+/// [`lead`](Self::lead) leads with no deadline; [`lead_until`](Self::lead_until) leads
+/// with a lease checked exactly as real leases are, so a test can reach "the state
+/// says `Leading` but the lease deadline has passed", the window before the election
+/// task notices a lost lease.
 #[cfg(any(test, feature = "test-util"))]
 #[derive(Debug, Clone)]
 pub struct ManualLeadership {
     leadership: Leadership,
+    /// The lease of the last [`lead_until`](Self::lead_until), for
+    /// [`expire`](Self::expire).
+    lease: Arc<std::sync::Mutex<Option<ManualLease>>>,
+}
+
+/// The parts of a hand-made lease that decide its validity.
+#[cfg(any(test, feature = "test-util"))]
+#[derive(Debug)]
+struct ManualLease {
+    generation: Arc<crate::session::Generation>,
+    lease_timeout: std::time::Duration,
 }
 
 #[cfg(any(test, feature = "test-util"))]
 impl ManualLeadership {
-    /// Leading with `token`.
+    /// Leading with `token`, with no deadline: leading until told otherwise.
     pub fn lead(&self, token: u64) {
+        self.forget_lease();
         self.leadership.inner.tx.send_replace(Snapshot {
             state: LeaderState::Leading {
                 token: FencingToken::new(token),
@@ -268,13 +289,141 @@ impl ManualLeadership {
         });
     }
 
+    /// Leading with `token`, under a lease trusted strictly before `deadline`, checked
+    /// the way real leases are. Past the deadline the state stored stays `Leading` (as
+    /// when the election task has not noticed yet), while
+    /// [`Leadership::is_leader`] is `false`, [`Leadership::state`] reports
+    /// `Following { leader: None }` and [`Leadership::wait_not_leading`] resolves.
+    ///
+    /// `deadline` is on the real clock, as real leases' are; a deadline already passed
+    /// gives a lease that is expired from the start. Do not await a loss with tokio's
+    /// time paused before a deadline in the future: the paused clock would run ahead of
+    /// the real one.
+    pub fn lead_until(&self, token: u64, deadline: std::time::Instant) {
+        let options = crate::ManagerOptions::from_url("postgres://manual@localhost/manual")
+            .expect("BUG: static URL parses");
+        let lease_timeout = options.lease_timeout;
+        let shared = Arc::new(crate::shared::Shared::new(
+            options,
+            crate::ConnectionStatus::Connecting { attempt: 1 },
+        ));
+        shared.extend_validity(deadline);
+        let generation = crate::session::Generation::new(0);
+        let name = self.leadership.name();
+        let lease = Lease {
+            id: 0,
+            name: Arc::from(name),
+            key: crate::LockKey::derive("manual", name),
+            token: FencingToken::new(token),
+            acquired_at: SystemTime::now(),
+            generation: Arc::clone(&generation),
+            shared,
+            // Unarmed: dropping it releases nothing.
+            tx: None,
+        };
+        *self.lease_slot() = Some(ManualLease {
+            generation,
+            lease_timeout,
+        });
+        self.leadership.set_leading(&lease);
+    }
+
+    /// The deadline of the lease given by the last [`lead_until`](Self::lead_until)
+    /// passes now: as [`lead_until`](Self::lead_until) describes past its deadline, and
+    /// waiters wake at once. The state stored keeps saying `Leading`.
+    ///
+    /// # Panics
+    ///
+    /// If the leadership is not leading under a lease from
+    /// [`lead_until`](Self::lead_until) (a test bug).
+    pub fn expire(&self) {
+        let slot = self.lease_slot();
+        let lease = slot
+            .as_ref()
+            .expect("expire() needs a lease from lead_until(); lead() has no deadline");
+        // The reason a real lease reports once its deadline passed unnoticed.
+        lease
+            .generation
+            .revoke(crate::DisconnectReason::HeartbeatOverdue {
+                lease_timeout: lease.lease_timeout,
+            });
+    }
+
     /// Following `leader`.
     pub fn follow(&self, leader: Option<&str>) {
+        self.forget_lease();
         self.leadership.set_following(leader.map(str::to_owned));
     }
 
     /// Stopped.
     pub fn stop(&self) {
+        self.forget_lease();
         self.leadership.set_stopped();
+    }
+
+    fn lease_slot(&self) -> std::sync::MutexGuard<'_, Option<ManualLease>> {
+        self.lease
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn forget_lease(&self) {
+        *self.lease_slot() = None;
+    }
+}
+
+#[cfg(test)]
+mod manual_tests {
+    use std::time::{Duration, Instant};
+
+    use super::{LeaderState, Leadership};
+
+    #[test]
+    fn a_passed_deadline_turns_leading_into_not_leading() {
+        let (leadership, control) = Leadership::manual("job", "node-1");
+        control.lead_until(5, Instant::now() + Duration::from_secs(3600));
+        assert!(leadership.is_leader());
+        assert_eq!(leadership.fencing_token().map(|t| t.get()), Some(5));
+        control.expire();
+        assert!(!leadership.is_leader());
+        assert_eq!(leadership.state(), LeaderState::Following { leader: None });
+        assert_eq!(leadership.fencing_token(), None);
+        assert_eq!(leadership.leader(), None, "must not name itself");
+
+        control.lead_until(6, Instant::now());
+        assert!(!leadership.is_leader(), "a deadline already passed");
+        control.lead(7);
+        assert!(leadership.is_leader());
+    }
+
+    #[tokio::test]
+    async fn waiters_wake_when_the_deadline_passes() {
+        let (leadership, control) = Leadership::manual("job", "node-1");
+        control.lead_until(1, Instant::now() + Duration::from_secs(3600));
+        let waiter = tokio::spawn({
+            let leadership = leadership.clone();
+            async move { leadership.wait_not_leading().await }
+        });
+        tokio::task::yield_now().await;
+        control.expire();
+        tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("wait_not_leading must resolve at expire()")
+            .unwrap();
+
+        // A near deadline passes by itself.
+        control.lead_until(2, Instant::now() + Duration::from_millis(50));
+        tokio::time::timeout(Duration::from_secs(30), leadership.wait_not_leading())
+            .await
+            .expect("wait_not_leading must resolve at the deadline");
+        assert!(!leadership.is_leader());
+    }
+
+    #[test]
+    #[should_panic(expected = "lead_until")]
+    fn expire_without_a_deadline_is_a_test_bug() {
+        let (_leadership, control) = Leadership::manual("job", "node-1");
+        control.lead(1);
+        control.expire();
     }
 }

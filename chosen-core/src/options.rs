@@ -12,6 +12,16 @@ use crate::key::DEFAULT_NAMESPACE;
 /// PostgreSQL truncates `application_name` to 63 bytes; the node id is stored there.
 const MAX_NODE_ID_LEN: usize = 63;
 
+/// The largest `server_release_after`, and so of every term of the timing invariant.
+/// Checking each term against it first keeps every sum and product in validation (and
+/// in the manager, which adds them to `Instant`s) far from overflowing.
+const MAX_TIMING: Duration = Duration::from_secs(24 * 3600);
+const MAX_TIMING_TEXT: &str = "24h";
+
+/// The largest poll interval, connect timeout and reconnect backoff.
+const MAX_WAIT: Duration = Duration::from_secs(3600);
+const MAX_WAIT_TEXT: &str = "1h";
+
 /// How a [`LockManager`](crate::LockManager) connects and times its session.
 ///
 /// Build it from a URL ([`from_url`](Self::from_url)), a
@@ -221,7 +231,7 @@ impl ManagerOptions {
     }
 
     /// How often the session proves it is alive, the same backend, and on a primary.
-    /// Default 1 s.
+    /// Default 1 s; at least 10 ms, at most half the lease timeout.
     #[must_use]
     pub fn heartbeat_interval(mut self, interval: Duration) -> Self {
         self.heartbeat_interval = interval;
@@ -229,7 +239,7 @@ impl ManagerOptions {
     }
 
     /// How long after the last successful heartbeat was sent the client still trusts
-    /// its leases. Default 3 s; at least twice the heartbeat interval.
+    /// its leases. Default 3 s; at least twice the heartbeat interval, at most 24 h.
     #[must_use]
     pub fn lease_timeout(mut self, timeout: Duration) -> Self {
         self.lease_timeout = timeout;
@@ -237,7 +247,7 @@ impl ManagerOptions {
     }
 
     /// How long work guarded by a lease may take to stop once the lease is lost (a
-    /// singleton's shutdown timeout must fit in it). Default 2 s.
+    /// singleton's shutdown timeout must fit in it). Default 2 s; at most 24 h.
     #[must_use]
     pub fn stop_budget(mut self, budget: Duration) -> Self {
         self.stop_budget = budget;
@@ -245,7 +255,7 @@ impl ManagerOptions {
     }
 
     /// Slack for clock granularity and scheduling delays in the timing invariant.
-    /// Default 1 s; at least 100 ms.
+    /// Default 1 s; at least 100 ms, at most 24 h.
     #[must_use]
     pub fn safety_margin(mut self, margin: Duration) -> Self {
         self.safety_margin = margin;
@@ -254,14 +264,15 @@ impl ManagerOptions {
 
     /// After how long the server ends a silent session, releasing its locks so another
     /// node can take over. Set on the session as `idle_session_timeout` (and as
-    /// the TCP keepalive and `tcp_user_timeout` floor). Default 7 s.
+    /// the TCP keepalive and `tcp_user_timeout` floor). Default 7 s; at most 24 h.
     #[must_use]
     pub fn server_release_after(mut self, after: Duration) -> Self {
         self.server_release_after = after;
         self
     }
 
-    /// How often a waiting request retries (default 300 ms, jittered by ±10 %);
+    /// How often a waiting request retries (default 300 ms, jittered by ±10 %; between
+    /// 10 ms and 1 h);
     /// a request may set its own with [`LockRequest::poll_interval`](crate::LockRequest::poll_interval).
     #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
@@ -270,7 +281,7 @@ impl ManagerOptions {
     }
 
     /// Timeout of one connection attempt, used when the connection settings have none.
-    /// Default 5 s.
+    /// Default 5 s; at most 1 h.
     #[must_use]
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
@@ -278,7 +289,7 @@ impl ManagerOptions {
     }
 
     /// Bounds of the jittered exponential backoff between reconnect attempts.
-    /// Default 100 ms to 5 s.
+    /// Default 100 ms to 5 s; `0 < min <= max <= 1 h`.
     #[must_use]
     pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.reconnect_min = min;
@@ -301,7 +312,7 @@ impl ManagerOptions {
 
     /// How long a lock that was held by another session, and then came free without a
     /// release announcement, waits before it is granted (default 100 ms; zero turns it
-    /// off).
+    /// off; at most the lease timeout).
     ///
     /// When the server ends a holder's session on its own side
     /// (`pg_terminate_backend`, a proxy closing the server connection), it releases the
@@ -362,7 +373,8 @@ impl ManagerOptions {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming the setting, the numbers and the fix.
+    /// [`Error::InvalidConfig`] naming the setting, the numbers and the fix, or the
+    /// bound an absurd value exceeds (never a panic, whatever the values).
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::InvalidConfig(msg));
         if self.node_id.is_empty()
@@ -392,13 +404,32 @@ impl ManagerOptions {
                     .to_owned(),
             );
         }
+        // Upper bounds first, so that no sum or product below can overflow.
+        for (setting, value) in [
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("lease_timeout", self.lease_timeout),
+            ("stop_budget", self.stop_budget),
+            ("safety_margin", self.safety_margin),
+            ("server_release_after", self.server_release_after),
+            ("takeover_grace", self.takeover_grace),
+        ] {
+            if value > MAX_TIMING {
+                return bad(format!(
+                    "{setting} {value:?} is above the maximum of {MAX_TIMING_TEXT} ({MAX_TIMING:?})"
+                ));
+            }
+        }
         if self.heartbeat_interval < Duration::from_millis(10) {
             return bad(format!(
                 "heartbeat_interval {:?} is below the minimum of 10 ms",
                 self.heartbeat_interval
             ));
         }
-        if self.lease_timeout < self.heartbeat_interval * 2 {
+        if self
+            .heartbeat_interval
+            .checked_mul(2)
+            .is_none_or(|twice| self.lease_timeout < twice)
+        {
             return bad(format!(
                 "lease_timeout {:?} must be at least twice heartbeat_interval {:?}, so that one slow heartbeat does not revoke every lease",
                 self.lease_timeout, self.heartbeat_interval
@@ -410,38 +441,38 @@ impl ManagerOptions {
                 self.safety_margin
             ));
         }
-        let needed = self.lease_timeout + self.stop_budget + self.safety_margin;
-        if needed >= self.server_release_after {
+        let needed = self
+            .lease_timeout
+            .checked_add(self.stop_budget)
+            .and_then(|d| d.checked_add(self.safety_margin));
+        if needed.is_none_or(|needed| needed >= self.server_release_after) {
+            let needed = needed.map_or_else(
+                || "more than Duration::MAX".to_owned(),
+                |d| format!("{d:?}"),
+            );
             return bad(format!(
-                "timing invariant broken: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {:?} must be less than server_release_after {:?}; raise server_release_after above {:?} or lower the others",
-                self.lease_timeout,
-                self.stop_budget,
-                self.safety_margin,
-                needed,
-                self.server_release_after,
-                needed
+                "timing invariant broken: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {needed} must be less than server_release_after {:?} (at most {MAX_TIMING_TEXT}); raise server_release_after above {needed} or lower the others",
+                self.lease_timeout, self.stop_budget, self.safety_margin, self.server_release_after,
             ));
         }
-        if self.server_release_after > Duration::from_secs(24 * 3600) {
+        if self.poll_interval < Duration::from_millis(10) || self.poll_interval > MAX_WAIT {
             return bad(format!(
-                "server_release_after {:?} is above the maximum of 24 hours",
-                self.server_release_after
-            ));
-        }
-        if self.poll_interval < Duration::from_millis(10)
-            || self.poll_interval > Duration::from_secs(3600)
-        {
-            return bad(format!(
-                "poll_interval {:?} is out of range: use between 10 ms and 1 hour",
+                "poll_interval {:?} is out of range: use between 10 ms and {MAX_WAIT_TEXT}",
                 self.poll_interval
             ));
         }
-        if self.connect_timeout.is_zero() {
-            return bad("connect_timeout must be greater than zero".to_owned());
-        }
-        if self.reconnect_min.is_zero() || self.reconnect_min > self.reconnect_max {
+        if self.connect_timeout.is_zero() || self.connect_timeout > MAX_WAIT {
             return bad(format!(
-                "reconnect backoff {:?}..{:?} must satisfy 0 < min <= max",
+                "connect_timeout {:?} is out of range: use more than zero and at most {MAX_WAIT_TEXT}",
+                self.connect_timeout
+            ));
+        }
+        if self.reconnect_min.is_zero()
+            || self.reconnect_min > self.reconnect_max
+            || self.reconnect_max > MAX_WAIT
+        {
+            return bad(format!(
+                "reconnect backoff {:?}..{:?} must satisfy 0 < min <= max <= {MAX_WAIT_TEXT}",
                 self.reconnect_min, self.reconnect_max
             ));
         }
@@ -576,5 +607,88 @@ mod tests {
             "{err}"
         );
         assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    /// `validate` on `o` returns an error (it must not panic) whose message names
+    /// `setting` and contains `bound`.
+    fn rejected(o: &ManagerOptions, setting: &str, bound: &str) {
+        let err = match o.validate() {
+            Err(Error::InvalidConfig(msg)) => msg,
+            other => panic!("{setting}: expected InvalidConfig, got {other:?} for {o:?}"),
+        };
+        assert!(
+            err.contains(setting) && err.contains(bound),
+            "{setting}: the error must name the setting and the bound {bound:?}: {err}"
+        );
+    }
+
+    #[test]
+    fn absurd_durations_are_errors_not_panics() {
+        let huge = Duration::MAX / 2 + Duration::from_secs(1);
+        for value in [Duration::MAX, huge, Duration::from_secs(u64::MAX / 3)] {
+            rejected(
+                &opts().heartbeat_interval(value),
+                "heartbeat_interval",
+                "24h",
+            );
+            rejected(&opts().lease_timeout(value), "lease_timeout", "24h");
+            rejected(&opts().stop_budget(value), "stop_budget", "24h");
+            rejected(&opts().safety_margin(value), "safety_margin", "24h");
+            rejected(
+                &opts().server_release_after(value),
+                "server_release_after",
+                "24h",
+            );
+            rejected(&opts().takeover_grace(value), "takeover_grace", "24h");
+            rejected(&opts().poll_interval(value), "poll_interval", "1h");
+            rejected(&opts().connect_timeout(value), "connect_timeout", "1h");
+            rejected(
+                &opts().reconnect_backoff(Duration::from_millis(100), value),
+                "reconnect backoff",
+                "1h",
+            );
+            rejected(
+                &opts().reconnect_backoff(value, value),
+                "reconnect backoff",
+                "1h",
+            );
+        }
+        // Several large settings whose sum overflows a Duration.
+        rejected(
+            &opts()
+                .lease_timeout(huge)
+                .stop_budget(huge)
+                .safety_margin(huge)
+                .server_release_after(Duration::MAX),
+            "lease_timeout",
+            "24h",
+        );
+        // Large but each within bounds: the invariant still names the numbers.
+        rejected(
+            &opts()
+                .heartbeat_interval(Duration::from_secs(10 * 3600))
+                .lease_timeout(Duration::from_secs(20 * 3600))
+                .stop_budget(Duration::from_secs(20 * 3600))
+                .safety_margin(Duration::from_secs(20 * 3600))
+                .server_release_after(Duration::from_secs(24 * 3600)),
+            "timing invariant",
+            "86400s",
+        );
+    }
+
+    #[test]
+    fn the_largest_accepted_settings_are_valid() {
+        opts()
+            .heartbeat_interval(Duration::from_secs(3600))
+            .lease_timeout(Duration::from_secs(8 * 3600))
+            .stop_budget(Duration::from_secs(8 * 3600))
+            .safety_margin(Duration::from_secs(3600))
+            .server_release_after(Duration::from_secs(24 * 3600))
+            .takeover_grace(Duration::from_secs(3600))
+            .poll_interval(Duration::from_secs(3600))
+            .connect_timeout(Duration::from_secs(3600))
+            .reconnect_backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+            .validate()
+            .unwrap();
     }
 }

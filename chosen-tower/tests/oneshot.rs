@@ -1,8 +1,10 @@
 //! The layer with a hand-set leadership: no database needed.
 
 use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -234,4 +236,88 @@ async fn health_endpoint() {
     let res = app.oneshot(request(Method::GET, "/leader")).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(body_text(res).await, "follower; leader is node-4\n");
+}
+
+// The window before the election task notices a lost lease: the state stored still
+// says Leading, but the lease deadline has passed. The node must answer as a follower
+// that knows no leader: never serve, never name (or redirect to) itself.
+#[tokio::test]
+async fn an_expired_lease_answers_as_a_follower() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let calls = Arc::clone(&calls);
+        service_fn(move |_req: Request<Body>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(Body::from("inner"))) }
+        })
+    };
+    let svc = LeaderOnlyLayer::new(leadership.clone()).layer(inner);
+    let redirecting = LeaderOnlyLayer::new(leadership)
+        .redirect(|leader, uri| {
+            format!("http://{leader}.internal{}", uri.path_and_query()?)
+                .parse()
+                .ok()
+        })
+        .layer(echo());
+
+    control.lead_until(9, Instant::now() + Duration::from_secs(3600));
+    let res = svc
+        .clone()
+        .oneshot(request(Method::POST, "/admin"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    control.expire();
+    let res = svc
+        .clone()
+        .oneshot(request(Method::POST, "/admin"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(
+        res.headers().get(LEADER_HEADER).is_none(),
+        "no leader is known; must not name itself: {:?}",
+        res.headers().get(LEADER_HEADER)
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "inner service not called");
+    let res = redirecting
+        .clone()
+        .oneshot(request(Method::POST, "/admin"))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no redirect to itself"
+    );
+    assert!(res.headers().get("location").is_none());
+
+    // Expired from the start (a deadline already passed when leadership was set).
+    control.lead_until(10, Instant::now());
+    let res = svc.oneshot(request(Method::POST, "/admin")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().get(LEADER_HEADER).is_none());
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "inner service not called");
+}
+
+#[tokio::test]
+async fn health_endpoint_with_an_expired_lease() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let app = Router::new().route_service("/leader", LeaderHealth::new(leadership));
+    control.lead_until(3, Instant::now() + Duration::from_secs(3600));
+    let res = app
+        .clone()
+        .oneshot(request(Method::GET, "/leader"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    control.expire();
+    let res = app.oneshot(request(Method::GET, "/leader")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().get(LEADER_HEADER).is_none());
+    assert_eq!(body_text(res).await, "follower; no known leader\n");
 }
