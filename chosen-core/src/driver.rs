@@ -652,6 +652,7 @@ impl Driver {
                 generation: Arc::clone(generation),
                 shared: Arc::clone(&self.shared),
                 tx: Some(tx),
+                ended: tokio_util::sync::CancellationToken::new(),
             };
             match waiter.reply.send(Ok(Some(lease))) {
                 Ok(()) => {

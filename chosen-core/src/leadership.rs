@@ -278,3 +278,33 @@ impl ManualLeadership {
         self.leadership.set_stopped();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn leadership_ends_when_its_lease_is_dropped() {
+        let leadership = Leadership::new("test", "node", None);
+        let (lease, _rx, _generation) = Lease::for_tests();
+        leadership.set_leading(&lease);
+        let kept = leadership.clone();
+        assert!(kept.is_leader());
+        let waiter = tokio::spawn({
+            let kept = kept.clone();
+            async move { kept.wait_not_leading().await }
+        });
+        // Whatever drops the lease (a task that panicked or was aborted) and nothing
+        // else: no one calls set_following or set_stopped.
+        drop(lease);
+        assert!(!kept.is_leader());
+        assert_eq!(kept.state(), LeaderState::Following { leader: None });
+        assert_eq!(kept.fencing_token(), None);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("wait_not_leading resolves when the lease ends")
+            .unwrap();
+    }
+}
