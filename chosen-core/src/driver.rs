@@ -455,6 +455,7 @@ impl Driver {
             generation,
             shared: Arc::clone(&self.shared),
             tx: Some(tx),
+            ended: tokio_util::sync::CancellationToken::new(),
         };
         match reply.send(Ok(Some(lease))) {
             Ok(()) => {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::error::{Error, Result};
 use crate::leadership::Leadership;
@@ -22,6 +22,11 @@ const LEADER_REFRESH: Duration = Duration::from_secs(2);
 /// On lease loss it contends again after two poll intervals (a node that just lost its
 /// session is the suspect one, so healthy nodes get a head start). Dropping the election (or
 /// [`shutdown`](Self::shutdown)) releases the lock.
+///
+/// The leadership never outlives the lease: if the election's task ends in any other
+/// way (it panics, or is dropped with its runtime), the lease is dropped with it, which
+/// ends its validity before the lock is released, and the leadership turns
+/// [`Stopped`](crate::LeaderState::Stopped).
 ///
 /// ```no_run
 /// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
@@ -59,10 +64,13 @@ impl Election {
             let leadership = leadership.clone();
             let stop = stop.clone();
             async move {
+                let _stopped = MarkStopped(leadership.clone());
                 while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
                     gained(&leadership, &lease);
                     tokio::select! {
                         reason = lease.lost() => {
+                            // Lost for good, even if the deadline is extended later.
+                            lease.end();
                             leadership.set_following(None);
                             warn!(lock = %leadership.name(), %reason, "lost leadership");
                             if !rejoin_pause(&manager, &stop).await {
@@ -76,7 +84,6 @@ impl Election {
                         }
                     }
                 }
-                leadership.set_stopped();
             }
         });
         Ok(Self {
@@ -95,8 +102,11 @@ impl Election {
     /// Stops contending and releases the lock if held; waits until done.
     pub async fn shutdown(mut self) {
         self.stop.cancel();
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
+        if let Some(task) = self.task.take()
+            && let Err(e) = task.await
+            && e.is_panic()
+        {
+            error!(lock = %self.leadership.name(), "the election's task had panicked; the lock was released");
         }
     }
 }
@@ -105,6 +115,18 @@ impl Drop for Election {
     fn drop(&mut self) {
         // The task releases the lock in the background.
         self.stop.cancel();
+    }
+}
+
+/// Marks the leadership stopped when the election's task ends, however it ends
+/// (returns, panics, or is dropped with its runtime). The lease, dropped with the task,
+/// has already ended its validity by then; this also tells watchers
+/// ([`Leadership::changed`]) and makes the state say `Stopped`.
+struct MarkStopped(Leadership);
+
+impl Drop for MarkStopped {
+    fn drop(&mut self) {
+        self.0.set_stopped();
     }
 }
 

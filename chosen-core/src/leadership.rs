@@ -273,6 +273,8 @@ pub struct ManualLeadership {
 struct ManualLease {
     generation: Arc<crate::session::Generation>,
     lease_timeout: std::time::Duration,
+    /// Kept alive: a dropped lease ends its validity.
+    _lease: Lease,
 }
 
 #[cfg(any(test, feature = "test-util"))]
@@ -320,12 +322,14 @@ impl ManualLeadership {
             shared,
             // Unarmed: dropping it releases nothing.
             tx: None,
+            ended: tokio_util::sync::CancellationToken::new(),
         };
+        self.leadership.set_leading(&lease);
         *self.lease_slot() = Some(ManualLease {
             generation,
             lease_timeout,
+            _lease: lease,
         });
-        self.leadership.set_leading(&lease);
     }
 
     /// The deadline of the lease given by the last [`lead_until`](Self::lead_until)
@@ -425,5 +429,35 @@ mod manual_tests {
         let (_leadership, control) = Leadership::manual("job", "node-1");
         control.lead(1);
         control.expire();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn leadership_ends_when_its_lease_is_dropped() {
+        let leadership = Leadership::new("test", "node", None);
+        let (lease, _rx, _generation) = Lease::for_tests();
+        leadership.set_leading(&lease);
+        let kept = leadership.clone();
+        assert!(kept.is_leader());
+        let waiter = tokio::spawn({
+            let kept = kept.clone();
+            async move { kept.wait_not_leading().await }
+        });
+        // Whatever drops the lease (a task that panicked or was aborted) and nothing
+        // else: no one calls set_following or set_stopped.
+        drop(lease);
+        assert!(!kept.is_leader());
+        assert_eq!(kept.state(), LeaderState::Following { leader: None });
+        assert_eq!(kept.fencing_token(), None);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("wait_not_leading resolves when the lease ends")
+            .unwrap();
     }
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 
 use crate::driver::Command;
 use crate::error::{Error, Result};
@@ -58,6 +59,13 @@ impl fmt::Display for FencingToken {
 /// longer prove it is alive within the lease timeout, every lease of it is revoked at
 /// once: [`is_valid`](Self::is_valid) turns `false` and [`lost`](Self::lost)
 /// resolves. A lease never survives into a new session; acquire again.
+///
+/// Everything that watches this lease from elsewhere (a [`Leadership`](crate::Leadership),
+/// a [`LeaderContext`](crate::LeaderContext)) stops trusting it the moment the lease
+/// ends on this node, for whatever reason (released, dropped, or dropped with a task
+/// that panicked or was aborted): that happens *before* the manager is asked to
+/// release the lock, so no other node can have it while this node still believes it
+/// leads.
 #[must_use = "dropping a Lease releases the lock at once"]
 pub struct Lease {
     pub(crate) id: u64,
@@ -69,6 +77,10 @@ pub struct Lease {
     pub(crate) shared: Arc<Shared>,
     /// `None` once released (or never armed), so `Drop` and `release` don't both act.
     pub(crate) tx: Option<mpsc::UnboundedSender<Command>>,
+    /// Cancelled when the lease ends on this node (dropped, released, or ended by its
+    /// owner), always *before* the release is sent: every [`Validity`] of this lease
+    /// checks it. A new, uncancelled token for each lease.
+    pub(crate) ended: CancellationToken,
 }
 
 impl fmt::Debug for Lease {
@@ -122,7 +134,9 @@ impl Lease {
         self.validity().is_valid()
     }
 
-    /// Why the lease is no longer valid, or `None` while it is.
+    /// Why the lease is no longer valid, or `None` while it is. A lease that ended on
+    /// this node (released or dropped) while its session was fine reports
+    /// [`DisconnectReason::Shutdown`].
     #[must_use]
     pub fn loss_reason(&self) -> Option<DisconnectReason> {
         self.validity().loss_reason()
@@ -142,7 +156,14 @@ impl Lease {
         Validity {
             generation: Arc::clone(&self.generation),
             shared: Arc::clone(&self.shared),
+            ended: self.ended.clone(),
         }
+    }
+
+    /// Ends the lease's validity on this node without releasing the lock yet: for an
+    /// owner that must keep the lock until work started under it has stopped.
+    pub(crate) fn end(&self) {
+        self.ended.cancel();
     }
 
     /// Releases the lock and waits until the server confirmed it (or the lock passed
@@ -158,6 +179,8 @@ impl Lease {
     /// The release is requested before the first await: dropping the future does not
     /// keep the lock held, it only stops waiting for the confirmation.
     pub async fn release(mut self) -> Result<()> {
+        // Stop trusting the lease before anyone else can get the lock.
+        self.ended.cancel();
         let Some(tx) = self.tx.take() else {
             return Ok(());
         };
@@ -179,6 +202,10 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // Stop trusting the lease before anyone else can get the lock: a `Leadership`
+        // or `LeaderContext` kept by others turns invalid here, whoever drops the lease
+        // and however (a task that panicked or was aborted included).
+        self.ended.cancel();
         if let Some(tx) = self.tx.take() {
             // If the task is gone, so is the session and the lock with it.
             let _ = tx.send(Command::Release {
@@ -191,23 +218,29 @@ impl Drop for Lease {
 }
 
 /// The validity check of a lease, detached from the lease (for leadership handles and
-/// leader contexts, which must not own the lock).
+/// leader contexts, which must not own the lock). It ends when the lease's session
+/// generation is revoked, when the watchdog deadline passes, or when the lease itself
+/// ends on this node (released or dropped), whichever comes first.
 #[derive(Clone, Debug)]
 pub(crate) struct Validity {
     generation: Arc<Generation>,
     shared: Arc<Shared>,
+    /// The lease's own end ([`Lease::ended`]).
+    ended: CancellationToken,
 }
 
 impl Validity {
     pub(crate) fn is_valid(&self) -> bool {
-        !self.generation.revoked.is_cancelled() && self.shared.is_valid_now()
+        !self.ended.is_cancelled()
+            && !self.generation.revoked.is_cancelled()
+            && self.shared.is_valid_now()
     }
 
     pub(crate) fn loss_reason(&self) -> Option<DisconnectReason> {
         if let Some(reason) = self.generation.reason.get() {
             return Some(reason.clone());
         }
-        if self.generation.revoked.is_cancelled() {
+        if self.generation.revoked.is_cancelled() || self.ended.is_cancelled() {
             return Some(DisconnectReason::Shutdown);
         }
         (!self.shared.is_valid_now()).then(|| DisconnectReason::HeartbeatOverdue {
@@ -222,6 +255,7 @@ impl Validity {
             }
             let deadline = tokio::time::Instant::from_std(self.shared.valid_until());
             tokio::select! {
+                () = self.ended.cancelled() => {}
                 () = self.generation.revoked.cancelled() => {}
                 () = tokio::time::sleep_until(deadline) => {}
             }
@@ -244,8 +278,67 @@ impl Validity {
             Self {
                 generation: Arc::clone(&generation),
                 shared,
+                ended: CancellationToken::new(),
             },
             generation,
         )
+    }
+}
+
+#[cfg(test)]
+impl Lease {
+    /// A lease of a fake manager: the receiver sees the commands the lease sends.
+    pub(crate) fn for_tests() -> (Self, mpsc::UnboundedReceiver<Command>, Arc<Generation>) {
+        let (validity, generation) = Validity::for_tests();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let lease = Self {
+            id: 1,
+            name: "test".into(),
+            key: LockKey::derive("chosen", "test"),
+            token: FencingToken::new(7),
+            acquired_at: SystemTime::now(),
+            generation: Arc::clone(&generation),
+            shared: Arc::clone(&validity.shared),
+            tx: Some(tx),
+            ended: CancellationToken::new(),
+        };
+        (lease, rx, generation)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_release(cmd: Option<&Command>) -> bool {
+        matches!(cmd, Some(Command::Release { lease_id: 1, .. }))
+    }
+
+    #[tokio::test]
+    async fn dropping_a_lease_ends_its_validity_before_the_release_is_sent() {
+        let (lease, mut rx, _generation) = Lease::for_tests();
+        let validity = lease.validity();
+        assert!(validity.is_valid());
+        drop(lease);
+        // The manager's task sees the release only once the validity has ended.
+        assert!(!validity.is_valid());
+        assert!(validity.loss_reason().is_some());
+        assert!(is_release(rx.recv().await.as_ref()));
+        tokio::time::timeout(std::time::Duration::from_secs(5), validity.lost())
+            .await
+            .expect("lost() resolves once the lease is gone");
+    }
+
+    #[tokio::test]
+    async fn releasing_a_lease_ends_its_validity_before_the_release_is_sent() {
+        let (lease, mut rx, _generation) = Lease::for_tests();
+        let validity = lease.validity();
+        let release = tokio::spawn(lease.release());
+        let Some(Command::Release { reply, .. }) = rx.recv().await else {
+            panic!("expected a release");
+        };
+        assert!(!validity.is_valid());
+        let _ = reply.expect("release waits for a reply").send(Ok(()));
+        release.await.unwrap().unwrap();
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use tokio::task::JoinHandle;
@@ -13,7 +13,7 @@ use tracing::{error, info, warn};
 use crate::election::{campaign, gained, rejoin_pause};
 use crate::error::{Error, Result};
 use crate::leadership::Leadership;
-use crate::lease::{FencingToken, Validity};
+use crate::lease::{FencingToken, Lease, Validity};
 use crate::manager::{LockManager, LockRequest};
 use crate::status::DisconnectReason;
 
@@ -308,6 +308,14 @@ pub struct SingletonStatus {
 /// 3. **Too many restarts** (more than the intensity allows): the child is not started
 ///    again, the lock is released so another node may do better, and this node sits out
 ///    a cooldown; reported in [`status`](Self::status) and as an `error` event.
+/// 4. **The supervisor dies** (a [`MetricsSink`](crate::MetricsSink) or tracing layer
+///    that panics, or its task dropped with its runtime): the lease stops being trusted
+///    at once ([`Leadership::is_leader`] and [`LeaderContext::is_valid`] turn `false`
+///    before the lock is released), the child is cancelled and aborted, the lock is
+///    released only once the child has stopped, and the singleton turns
+///    [`Stopped`](SingletonState::Stopped) for good ([`shutdown`](Self::shutdown) logs
+///    the panic). A factory that panics is not this case: it counts as a failure of the
+///    child and is restarted by the policy.
 ///
 /// ```no_run
 /// use chosen_core::{LockManager, Singleton, SingletonOptions};
@@ -343,7 +351,9 @@ struct SingletonInner {
 
 impl SingletonInner {
     fn update(&self, f: impl FnOnce(&mut SingletonStatus)) {
-        f(&mut self.status.lock().expect("BUG: status lock poisoned"));
+        // A status is plain data: after a panic elsewhere it is still worth updating
+        // (the drop guard that marks a dead supervisor stopped relies on this).
+        f(&mut self.status.lock().unwrap_or_else(PoisonError::into_inner));
     }
 
     fn report_running(&self, running: bool) {
@@ -357,6 +367,97 @@ enum Outcome {
     Lost(DisconnectReason),
     Stop,
     GiveUp,
+}
+
+/// A child running under the lease, and the token that tells it to stop.
+struct RunningChild {
+    handle: JoinHandle<Result<(), ChildError>>,
+    cancel: CancellationToken,
+}
+
+/// One term of leadership: the lease and the child running under it.
+///
+/// The orderly paths stop the child and then release (or drop) the lease. If the
+/// tenure is dropped instead, because the supervisor panicked (a panicking
+/// [`MetricsSink`](crate::MetricsSink), say) or its task was aborted (its runtime shut
+/// down), `Drop` still keeps the promise, in this order:
+///
+/// 1. the lease's validity ends, so every [`Leadership`] and [`LeaderContext`] of it
+///    stops reporting leadership at once;
+/// 2. the child is told to stop and aborted;
+/// 3. the lock is released only once the child has stopped (from a small task that
+///    waits for it), so no other node starts a child while this one still runs.
+struct Tenure {
+    /// `None` once released.
+    lease: Option<Lease>,
+    /// `Some` while a child task exists.
+    child: Option<RunningChild>,
+}
+
+impl Tenure {
+    fn new(lease: Lease) -> Self {
+        Self {
+            lease: Some(lease),
+            child: None,
+        }
+    }
+
+    /// Releases the lock now; the child must have stopped.
+    async fn release(mut self) {
+        debug_assert!(self.child.is_none(), "released with a child running");
+        if let Some(lease) = self.lease.take() {
+            let _ = lease.release().await;
+        }
+    }
+}
+
+impl Drop for Tenure {
+    fn drop(&mut self) {
+        let lease = self.lease.take();
+        if let Some(lease) = &lease {
+            lease.end();
+        }
+        let Some(child) = self.child.take() else {
+            return; // nothing runs: dropping `lease` releases the lock
+        };
+        child.cancel.cancel();
+        if child.handle.is_finished() {
+            return;
+        }
+        child.handle.abort();
+        // Keep the lock until the aborted child has really stopped. Without a runtime
+        // (it is gone), the child went with it.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = child.handle.await;
+                drop(lease);
+            });
+        }
+    }
+}
+
+/// Marks the singleton stopped when its task ends, however it ends (returns, panics,
+/// or is dropped with its runtime), so that no handle keeps reporting leadership.
+struct MarkStopped<'a>(&'a SingletonInner);
+
+impl Drop for MarkStopped<'_> {
+    fn drop(&mut self) {
+        // No user code here (no metrics sink, no tracing): this may run while a panic
+        // from either unwinds, and a second panic would abort the process.
+        self.0.leadership.set_stopped();
+        self.0.update(|s| {
+            s.state = SingletonState::Stopped;
+            s.child = ChildState::NotRunning;
+        });
+    }
+}
+
+/// `now + after` on the wall clock, saturating instead of panicking for absurd
+/// durations.
+fn wall_clock_after(after: Duration) -> SystemTime {
+    let now = SystemTime::now();
+    now.checked_add(after)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 impl Singleton {
@@ -431,7 +532,7 @@ impl Singleton {
             .inner
             .status
             .lock()
-            .expect("BUG: status lock poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .clone();
         if let SingletonState::Following { leader } = &mut status.state
             && let Some(known) = self.inner.leadership.leader()
@@ -450,8 +551,15 @@ impl Singleton {
     /// waiting for it.
     pub async fn shutdown(&self) {
         self.stop.cancel();
-        if let Some(task) = self.task.lock().await.take() {
-            let _ = task.await;
+        if let Some(task) = self.task.lock().await.take()
+            && let Err(e) = task.await
+            && e.is_panic()
+        {
+            error!(
+                singleton = %self.inner.leadership.name(),
+                panic = %panic_message(e.into_panic()),
+                "the singleton's supervisor had panicked; its child was stopped and the lock released"
+            );
         }
     }
 }
@@ -474,46 +582,29 @@ async fn run<F, Fut>(
     F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
 {
+    let _stopped = MarkStopped(&inner);
+    let factory = Arc::new(factory);
     let leadership = inner.leadership.clone();
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
     while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
-        gained(&leadership, &lease);
-        inner.update(|s| {
-            s.state = SingletonState::Leading {
-                since: lease.acquired_at(),
-                token: lease.fencing_token(),
-            };
-        });
-        let validity = lease.validity();
-        let make = |restarts, cancel| LeaderContext {
-            name: Arc::clone(&name),
-            node_id: Arc::clone(&node_id),
-            token: lease.fencing_token(),
-            restarts,
-            cancel,
-            validity: validity.clone(),
-        };
-        let outcome = supervise(&options, &inner, &stop, validity.lost(), make, &factory).await;
-        leadership.set_following(None);
-        inner.update(|s| {
-            s.state = SingletonState::Following { leader: None };
-            s.child = ChildState::NotRunning;
-        });
+        let mut tenure = Tenure::new(lease);
+        let outcome = lead(&options, &inner, &stop, &mut tenure, &node_id, &factory).await;
         match outcome {
             Outcome::Lost(reason) => {
+                drop(tenure);
                 warn!(singleton = %name, %reason, "lost leadership; child stopped");
                 if !rejoin_pause(&manager, &stop).await {
                     break;
                 }
             }
             Outcome::Stop => {
-                let _ = lease.release().await;
+                tenure.release().await;
                 break;
             }
             Outcome::GiveUp => {
-                let _ = lease.release().await;
-                let until = SystemTime::now() + options.give_up_cooldown;
+                tenure.release().await;
+                let until = wall_clock_after(options.give_up_cooldown);
                 error!(
                     singleton = %name,
                     max_restarts = options.max_restarts,
@@ -533,26 +624,78 @@ async fn run<F, Fut>(
             }
         }
     }
-    leadership.set_stopped();
+    info!(singleton = %name, "singleton stopped");
+}
+
+/// One term of leadership: reports it, supervises the child under the tenure's lease
+/// until the lease is lost, a stop is asked for or the child gives up, and reports the
+/// end. The caller releases or drops the tenure.
+async fn lead<F, Fut>(
+    options: &SingletonOptions,
+    inner: &SingletonInner,
+    stop: &CancellationToken,
+    tenure: &mut Tenure,
+    node_id: &Arc<str>,
+    factory: &Arc<F>,
+) -> Outcome
+where
+    F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
+{
+    let Tenure { lease, child } = tenure;
+    let lease = lease
+        .as_ref()
+        .expect("BUG: a tenure holds its lease until released");
+    gained(&inner.leadership, lease);
     inner.update(|s| {
-        s.state = SingletonState::Stopped;
+        s.state = SingletonState::Leading {
+            since: lease.acquired_at(),
+            token: lease.fencing_token(),
+        };
+    });
+    let name: Arc<str> = inner.leadership.name().into();
+    let validity = lease.validity();
+    let make = |restarts, cancel| LeaderContext {
+        name: Arc::clone(&name),
+        node_id: Arc::clone(node_id),
+        token: lease.fencing_token(),
+        restarts,
+        cancel,
+        validity: validity.clone(),
+    };
+    // Lost from the first instant, for good: a heartbeat that extends the watchdog
+    // deadline while the child is still stopping must not revive the lease.
+    let lost = async {
+        let reason = validity.lost().await;
+        lease.end();
+        reason
+    };
+    let outcome = supervise(options, inner, stop, lost, make, child, factory).await;
+    inner.leadership.set_following(None);
+    inner.update(|s| {
+        s.state = SingletonState::Following { leader: None };
         s.child = ChildState::NotRunning;
     });
-    info!(singleton = %name, "singleton stopped");
+    outcome
 }
 
 /// Runs and restarts the child while the lease holds. Independent of the database,
 /// so it is tested with paused time.
+///
+/// The running child lives in `slot`, owned by the caller's [`Tenure`], so that a
+/// supervisor that dies (panics, is aborted) still leaves it to be stopped before the
+/// lock is released.
 async fn supervise<F, Fut, L>(
     options: &SingletonOptions,
     inner: &SingletonInner,
     stop: &CancellationToken,
     lost: L,
     make_context: impl Fn(u64, CancellationToken) -> LeaderContext,
-    factory: &F,
+    slot: &mut Option<RunningChild>,
+    factory: &Arc<F>,
 ) -> Outcome
 where
-    F: Fn(LeaderContext) -> Fut,
+    F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
     L: Future<Output = DisconnectReason>,
 {
@@ -563,7 +706,14 @@ where
     let mut restarts = 0u64;
     loop {
         let cancel = CancellationToken::new();
-        let mut child = tokio::spawn(factory(make_context(restarts, cancel.clone())));
+        let ctx = make_context(restarts, cancel.clone());
+        let make = Arc::clone(factory);
+        // The factory runs inside the child's task: one that panics is a child failure,
+        // restarted by the policy, not the end of the supervisor.
+        *slot = Some(RunningChild {
+            handle: tokio::spawn(async move { make(ctx).await }),
+            cancel,
+        });
         let started = tokio::time::Instant::now();
         inner.update(|s| {
             s.child = ChildState::Running {
@@ -571,20 +721,25 @@ where
             };
         });
         inner.report_running(true);
+        let child = &mut slot
+            .as_mut()
+            .expect("BUG: the child was just spawned")
+            .handle;
         let ended = tokio::select! {
             biased;
             reason = &mut lost => {
-                stop_child(options, inner, &cancel, &mut child).await;
+                stop_child(options, inner, slot).await;
                 inner.report_running(false);
                 return Outcome::Lost(reason);
             }
             () = stop.cancelled() => {
-                stop_child(options, inner, &cancel, &mut child).await;
+                stop_child(options, inner, slot).await;
                 inner.report_running(false);
                 return Outcome::Stop;
             }
-            ended = &mut child => ended,
+            ended = child => ended,
         };
+        *slot = None;
         inner.report_running(false);
         let failure = match ended {
             Ok(Ok(())) => None,
@@ -629,7 +784,7 @@ where
         }
         inner.update(|s| {
             s.child = ChildState::Restarting {
-                at: SystemTime::now() + backoff,
+                at: wall_clock_after(backoff),
             };
         });
         tokio::select! {
@@ -638,7 +793,7 @@ where
             () = stop.cancelled() => return Outcome::Stop,
             () = tokio::time::sleep(backoff) => {}
         }
-        backoff = (backoff * 2).min(options.backoff_max);
+        backoff = backoff.saturating_mul(2).min(options.backoff_max);
         restarts += 1;
         inner.update(|s| s.restarts += 1);
         if let Some(m) = inner.leadership.metrics() {
@@ -647,15 +802,20 @@ where
     }
 }
 
+/// Cancels the child, waits the shutdown timeout, then aborts it and waits until it
+/// has stopped. The child stays in `slot` until then, so that if this future is
+/// dropped half-way the [`Tenure`] still stops it before releasing.
 async fn stop_child(
     options: &SingletonOptions,
     inner: &SingletonInner,
-    cancel: &CancellationToken,
-    child: &mut JoinHandle<Result<(), ChildError>>,
+    slot: &mut Option<RunningChild>,
 ) {
+    let Some(child) = slot.as_mut() else {
+        return;
+    };
     inner.update(|s| s.child = ChildState::Stopping);
-    cancel.cancel();
-    if tokio::time::timeout(options.shutdown_timeout, &mut *child)
+    child.cancel.cancel();
+    if tokio::time::timeout(options.shutdown_timeout, &mut child.handle)
         .await
         .is_err()
     {
@@ -664,9 +824,10 @@ async fn stop_child(
             timeout = ?options.shutdown_timeout,
             "child ignored cancellation; aborting it"
         );
-        child.abort();
-        let _ = child.await;
+        child.handle.abort();
+        let _ = (&mut child.handle).await;
     }
+    *slot = None;
 }
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
@@ -693,10 +854,14 @@ mod tests {
     }
 
     fn fixture() -> Fixture {
+        fixture_with(None)
+    }
+
+    fn fixture_with(metrics: Option<Arc<dyn crate::MetricsSink>>) -> Fixture {
         let (validity, generation) = Validity::for_tests();
         Fixture {
             inner: SingletonInner {
-                leadership: Leadership::new("test", "node", None),
+                leadership: Leadership::new("test", "node", metrics),
                 status: Mutex::new(SingletonStatus {
                     name: "test".to_owned(),
                     state: SingletonState::Following { leader: None },
@@ -750,7 +915,8 @@ mod tests {
             &f.stop,
             std::future::pending(),
             f.context(),
-            &factory,
+            &mut None,
+            &Arc::new(factory),
         )
         .await;
         assert!(matches!(outcome, Outcome::GiveUp));
@@ -799,7 +965,8 @@ mod tests {
             &f.stop,
             std::future::pending(),
             f.context(),
-            &factory,
+            &mut None,
+            &Arc::new(factory),
         )
         .await;
         let what = match outcome {
@@ -837,7 +1004,8 @@ mod tests {
             &f.stop,
             std::future::pending(),
             f.context(),
-            &factory,
+            &mut None,
+            &Arc::new(factory),
         )
         .await;
         assert!(matches!(outcome, Outcome::Stop));
@@ -892,7 +1060,8 @@ mod tests {
                 &f.stop,
                 f.validity.lost(),
                 f.context(),
-                &factory,
+                &mut None,
+                &Arc::new(factory),
             )
             .await;
             let took = t0.elapsed();
@@ -901,6 +1070,237 @@ mod tests {
             let expected = if ignores { 3 } else { 2 };
             assert_eq!(took.as_secs(), expected, "ignores={ignores}: {took:?}");
         }
+    }
+
+    // ---- leadership never outlives the lease -----------------------------------
+
+    /// Fails in `singleton_running(.., true)`, or in `singleton_restart`.
+    #[derive(Debug)]
+    struct PanickingSink {
+        on_running: bool,
+    }
+
+    impl crate::MetricsSink for PanickingSink {
+        fn singleton_running(&self, _: &str, _: &str, running: bool) {
+            assert!(!(running && self.on_running), "sink fails on purpose");
+        }
+        fn singleton_restart(&self, _: &str, _: &str) {
+            assert!(self.on_running, "sink fails on purpose");
+        }
+    }
+
+    /// What a child saw: started, still running (decremented even when aborted), and
+    /// whether its context was still valid when it stopped.
+    #[derive(Clone, Default)]
+    struct Probe {
+        started: Arc<AtomicU64>,
+        running: Arc<AtomicU64>,
+    }
+
+    struct Stops(Arc<AtomicU64>);
+
+    impl Drop for Stops {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    impl Probe {
+        /// A child that runs until cancelled, or, with `fail`, fails at once.
+        fn factory(
+            &self,
+            fail: bool,
+        ) -> impl Fn(
+            LeaderContext,
+        )
+            -> std::pin::Pin<Box<dyn Future<Output = Result<(), ChildError>> + Send>>
+        + Send
+        + Sync
+        + 'static {
+            let probe = self.clone();
+            move |_ctx| {
+                let probe = probe.clone();
+                Box::pin(async move {
+                    probe.started.fetch_add(1, Ordering::SeqCst);
+                    probe.running.fetch_add(1, Ordering::SeqCst);
+                    let _stops = Stops(Arc::clone(&probe.running));
+                    if fail {
+                        return Err("child fails".into());
+                    }
+                    // Ignores cancellation: only an abort stops it.
+                    std::future::pending::<()>().await;
+                    Ok(())
+                })
+            }
+        }
+    }
+
+    /// Holds `lease` and supervises the child under it, as `run` does between
+    /// `campaign` and the release; spawned, so a test can kill it.
+    fn hold<F, Fut>(
+        f: Arc<Fixture>,
+        lease: crate::Lease,
+        options: SingletonOptions,
+        factory: F,
+    ) -> JoinHandle<()>
+    where
+        F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
+    {
+        tokio::spawn(async move {
+            let _stopped = MarkStopped(&f.inner);
+            let mut tenure = Tenure::new(lease);
+            let factory = Arc::new(factory);
+            let _ = lead(
+                &options,
+                &f.inner,
+                &f.stop,
+                &mut tenure,
+                &"node".into(),
+                &factory,
+            )
+            .await;
+            drop(tenure);
+        })
+    }
+
+    /// Waits for the release the lease sends to its manager, and checks what was true
+    /// at that moment: the leadership had ended and the child had stopped.
+    async fn release_seen(
+        rx: &mut tokio::sync::mpsc::UnboundedReceiver<crate::driver::Command>,
+        f: &Fixture,
+        probe: &Probe,
+    ) {
+        let cmd = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .expect("the lease is released");
+        assert!(matches!(cmd, Some(crate::driver::Command::Release { .. })));
+        assert!(
+            !f.inner.leadership.is_leader(),
+            "still leader at the release"
+        );
+        assert_eq!(
+            probe.running.load(Ordering::SeqCst),
+            0,
+            "child runs at the release"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sink_panicking_in_the_supervisor_stops_child_and_leadership() {
+        let f = Arc::new(fixture_with(Some(Arc::new(PanickingSink {
+            on_running: true,
+        }))));
+        let (lease, mut rx, _generation) = crate::Lease::for_tests();
+        let probe = Probe::default();
+        let task = hold(
+            Arc::clone(&f),
+            lease,
+            SingletonOptions::default(),
+            probe.factory(false),
+        );
+        assert!(task.await.unwrap_err().is_panic());
+        assert_eq!(f.inner.leadership.state(), crate::LeaderState::Stopped);
+        assert_eq!(f.status().state, SingletonState::Stopped);
+        release_seen(&mut rx, &f, &probe).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(probe.running.load(Ordering::SeqCst), 0);
+        assert!(!f.inner.leadership.is_leader());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sink_panicking_between_restarts_stops_leadership() {
+        let f = Arc::new(fixture_with(Some(Arc::new(PanickingSink {
+            on_running: false,
+        }))));
+        let (lease, mut rx, _generation) = crate::Lease::for_tests();
+        let probe = Probe::default();
+        let task = hold(
+            Arc::clone(&f),
+            lease,
+            SingletonOptions::default(),
+            probe.factory(true),
+        );
+        assert!(task.await.unwrap_err().is_panic());
+        release_seen(&mut rx, &f, &probe).await;
+        assert_eq!(probe.started.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_aborted_supervisor_stops_child_and_leadership() {
+        let f = Arc::new(fixture());
+        let (lease, mut rx, _generation) = crate::Lease::for_tests();
+        let probe = Probe::default();
+        let task = hold(
+            Arc::clone(&f),
+            lease,
+            SingletonOptions::default(),
+            probe.factory(false),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(f.inner.leadership.is_leader());
+        assert_eq!(probe.running.load(Ordering::SeqCst), 1);
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
+        assert_eq!(f.inner.leadership.state(), crate::LeaderState::Stopped);
+        assert_eq!(f.status().state, SingletonState::Stopped);
+        release_seen(&mut rx, &f, &probe).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_factory_panic_is_a_child_failure() {
+        let f = Arc::new(fixture());
+        let (lease, _rx, _generation) = crate::Lease::for_tests();
+        let calls = Arc::new(AtomicU64::new(0));
+        let probe = Probe::default();
+        let factory = {
+            let calls = Arc::clone(&calls);
+            let child = probe.factory(false);
+            move |ctx| {
+                assert!(calls.fetch_add(1, Ordering::SeqCst) > 0, "factory fails");
+                child(ctx)
+            }
+        };
+        let task = hold(Arc::clone(&f), lease, SingletonOptions::default(), factory);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            !task.is_finished(),
+            "the supervisor survives a factory panic"
+        );
+        assert!(f.inner.leadership.is_leader());
+        assert_eq!(probe.running.load(Ordering::SeqCst), 1);
+        let status = f.status();
+        assert_eq!(status.restarts, 1);
+        assert!(status.last_failure.unwrap().contains("factory fails"));
+        task.abort();
+    }
+
+    /// The watchdog deadline passed (a late heartbeat), then a heartbeat extended it
+    /// again while the child was still being stopped: the lease must stay lost.
+    /// Real time, because the deadline is on the std clock.
+    #[tokio::test]
+    async fn a_lease_once_lost_stays_lost_while_the_child_stops() {
+        let f = Arc::new(fixture());
+        let (lease, _rx, _generation) = crate::Lease::for_tests();
+        let shared = Arc::clone(&lease.shared);
+        shared.invalidate();
+        shared.extend_validity(std::time::Instant::now() + Duration::from_millis(300));
+        let probe = Probe::default();
+        let options = SingletonOptions::default().shutdown_timeout(Duration::from_secs(2));
+        let task = hold(Arc::clone(&f), lease, options, probe.factory(false));
+        f.inner.leadership.wait_leading().await;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            f.inner.leadership.wait_not_leading(),
+        )
+        .await
+        .expect("the deadline passes");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(f.status().child, ChildState::Stopping);
+        // A heartbeat that lands now must not revive the lost lease.
+        shared.extend_validity(std::time::Instant::now() + Duration::from_secs(3600));
+        assert!(!f.inner.leadership.is_leader());
+        task.abort();
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Singletons against real clusters: one child across the fleet, takeovers, restarts,
 //! cancellation, many singletons on one backend, and real node processes.
 
+use std::future::Future;
 use std::process::Command;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -398,5 +399,262 @@ async fn node_rejects_bad_flags_with_one_line() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.starts_with("node: "), "{stderr}");
+    }
+}
+
+// ---- leadership never outlives its lease -------------------------------------------
+//
+// Whatever ends a lease on this node (its supervisor or election task dying, the task
+// dropped with its runtime), this node's `Leadership` must stop reporting leadership
+// before another node can take over, and its child must be stopped before the lock is
+// released.
+
+/// A metrics sink that panics when a singleton's child is reported running.
+#[derive(Debug)]
+struct PanicsOnRunning;
+
+impl chosen_core::MetricsSink for PanicsOnRunning {
+    fn singleton_running(&self, _node: &str, _singleton: &str, running: bool) {
+        assert!(!running, "metrics sink fails on purpose");
+    }
+}
+
+/// Counts one node's children: started, running now (decremented even when aborted).
+#[derive(Clone, Default)]
+struct Children {
+    started: Arc<AtomicU64>,
+    running: Arc<AtomicI64>,
+}
+
+struct Running(Arc<AtomicI64>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Children {
+    /// A child that runs until cancelled, counted even when it is aborted instead.
+    fn child(
+        &self,
+    ) -> impl Fn(
+        chosen_core::LeaderContext,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), std::io::Error>> + Send>>
+    + Send
+    + Sync
+    + 'static {
+        let me = self.clone();
+        move |ctx| {
+            let me = me.clone();
+            Box::pin(async move {
+                me.started.fetch_add(1, Ordering::SeqCst);
+                me.running.fetch_add(1, Ordering::SeqCst);
+                let _running = Running(Arc::clone(&me.running));
+                ctx.cancelled().await;
+                Ok(())
+            })
+        }
+    }
+}
+
+async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !check() {
+        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_metrics_sink_ends_leadership_before_another_node_leads() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("sink-panics");
+    let a = LockManager::connect(options(&pg.url(), "sink-a").metrics(Arc::new(PanicsOnRunning)))
+        .await
+        .unwrap();
+    let b = LockManager::connect(options(&pg.url(), "sink-b"))
+        .await
+        .unwrap();
+    let (children_a, children_b) = (Children::default(), Children::default());
+    let single_a =
+        Singleton::start(&a, &name, SingletonOptions::default(), children_a.child()).unwrap();
+    let leadership_a = single_a.leadership();
+    // A wins (nobody else contends yet), then its supervisor panics in the sink.
+    eventually("a wins", Duration::from_secs(10), || {
+        !matches!(
+            leadership_a.state(),
+            LeaderState::Following { leader: None }
+        ) || children_a.started.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let single_b =
+        Singleton::start(&b, &name, SingletonOptions::default(), children_b.child()).unwrap();
+    let leadership_b = single_b.leadership();
+    // Watch both sides until B leads, then a while longer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut b_led_at = None;
+    loop {
+        let (la, lb) = (leadership_a.is_leader(), leadership_b.is_leader());
+        let (ra, rb) = (
+            children_a.running.load(Ordering::SeqCst),
+            children_b.running.load(Ordering::SeqCst),
+        );
+        assert!(!(la && lb), "both nodes report leadership");
+        assert!(ra + rb <= 1, "children running at once: a={ra} b={rb}");
+        if lb && b_led_at.is_none() {
+            b_led_at = Some(Instant::now());
+        }
+        if b_led_at.is_some_and(|t| t.elapsed() > Duration::from_secs(1)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "b never led; a leads: {la}, a: {:?}",
+            single_a.status()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(!leadership_a.is_leader());
+    assert_eq!(children_a.running.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        single_a.status().state,
+        SingletonState::Stopped,
+        "{:?}",
+        single_a.status()
+    );
+    assert_eq!(leadership_a.state(), LeaderState::Stopped);
+    single_b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_factory_that_panics_is_a_child_failure_not_a_lost_supervisor() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("factory-panics");
+    let a = LockManager::connect(options(&pg.url(), "factory-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(options(&pg.url(), "factory-b"))
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let children_a = Children::default();
+    let single_a = Singleton::start(&a, &name, SingletonOptions::default(), {
+        let calls = Arc::clone(&calls);
+        let child = children_a.child();
+        move |ctx| {
+            // The first call panics before it returns a future.
+            assert!(
+                calls.fetch_add(1, Ordering::SeqCst) > 0,
+                "factory fails on purpose"
+            );
+            child(ctx)
+        }
+    })
+    .unwrap();
+    let leadership_a = single_a.leadership();
+    eventually("a's factory called", Duration::from_secs(10), || {
+        calls.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let children_b = Children::default();
+    let single_b =
+        Singleton::start(&b, &name, SingletonOptions::default(), children_b.child()).unwrap();
+    let leadership_b = single_b.leadership();
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        assert!(
+            !(leadership_a.is_leader() && leadership_b.is_leader()),
+            "both nodes report leadership"
+        );
+        let (ra, rb) = (
+            children_a.running.load(Ordering::SeqCst),
+            children_b.running.load(Ordering::SeqCst),
+        );
+        assert!(ra + rb <= 1, "children running at once: a={ra} b={rb}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // The panic counted as a child failure: A restarted the child and still leads.
+    let status = single_a.status();
+    assert!(leadership_a.is_leader(), "{status:?}");
+    assert_eq!(status.restarts, 1, "{status:?}");
+    assert!(
+        status
+            .last_failure
+            .as_deref()
+            .is_some_and(|f| f.contains("factory fails on purpose")),
+        "{status:?}"
+    );
+    assert_eq!(children_a.running.load(Ordering::SeqCst), 1);
+    assert_eq!(children_b.started.load(Ordering::SeqCst), 0);
+    single_a.shutdown().await;
+    single_b.shutdown().await;
+}
+
+/// Elections and singletons whose tasks die with their runtime (here: a second runtime
+/// shut down under them, while the manager lives on in the test's runtime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_dropped_with_its_runtime_ends_leadership() {
+    let pg = PgCluster::start().unwrap();
+    for kind in ["election", "singleton"] {
+        let name = unique_name(kind);
+        let a = LockManager::connect(options(&pg.url(), "rt-a"))
+            .await
+            .unwrap();
+        let b = LockManager::connect(options(&pg.url(), "rt-b"))
+            .await
+            .unwrap();
+        let doomed = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let children_a = Children::default();
+        let (leadership_a, keep) = {
+            let _in_doomed = doomed.enter();
+            if kind == "election" {
+                let e = chosen_core::Election::start(&a, name.as_str()).unwrap();
+                (e.leadership(), Box::new(e) as Box<dyn std::any::Any + Send>)
+            } else {
+                let s =
+                    Singleton::start(&a, &name, SingletonOptions::default(), children_a.child())
+                        .unwrap();
+                (s.leadership(), Box::new(s) as Box<dyn std::any::Any + Send>)
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), leadership_a.wait_leading())
+            .await
+            .expect("a leads");
+        if kind == "singleton" {
+            eventually("a's child runs", Duration::from_secs(10), || {
+                children_a.running.load(Ordering::SeqCst) == 1
+            })
+            .await;
+        }
+        let election_b = chosen_core::Election::start(&b, name.as_str()).unwrap();
+        let leadership_b = election_b.leadership();
+        doomed.shutdown_background();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut b_led_at = None;
+        loop {
+            let (la, lb) = (leadership_a.is_leader(), leadership_b.is_leader());
+            assert!(!(la && lb), "{kind}: both nodes report leadership");
+            if lb && b_led_at.is_none() {
+                b_led_at = Some(Instant::now());
+                assert_eq!(children_a.running.load(Ordering::SeqCst), 0, "{kind}");
+            }
+            if b_led_at.is_some_and(|t| t.elapsed() > Duration::from_millis(500)) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{kind}: b never led; a leads: {la}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(!leadership_a.is_leader(), "{kind}");
+        assert_eq!(leadership_a.state(), LeaderState::Stopped, "{kind}");
+        election_b.shutdown().await;
+        drop(keep);
     }
 }
