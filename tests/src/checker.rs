@@ -692,12 +692,10 @@ fn check_fault_effects(
                     ));
                 }
             }
-            "cut" | "terminate_backend" => {
-                if !session_ended(node, instance, f.at_us, bound) {
-                    v.ineffective.push(format!(
-                        "{what}: {node}#{instance} never reported a disconnect"
-                    ));
-                }
+            "cut" | "terminate_backend" if !session_ended(node, instance, f.at_us, bound) => {
+                v.ineffective.push(format!(
+                    "{what}: {node}#{instance} never reported a disconnect"
+                ));
             }
             "blackhole" => {
                 let long = f.healed_us - f.at_us

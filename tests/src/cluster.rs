@@ -701,13 +701,13 @@ impl PgBouncer {
             return Err(io::Error::other("PgBouncer tests need a local cluster"));
         };
         // Where Debian installs it, then `PATH` (what `.ci/run` checks with `command -v`).
-        let on_path = std::env::var_os("PATH")
+        let on_path: Vec<PathBuf> = std::env::var_os("PATH")
             .map(|p| {
                 std::env::split_paths(&p)
                     .map(|d| d.join("pgbouncer"))
                     .collect()
             })
-            .unwrap_or_else(Vec::new);
+            .unwrap_or_default();
         let binary = [
             PathBuf::from("/usr/sbin/pgbouncer"),
             PathBuf::from("/usr/bin/pgbouncer"),
