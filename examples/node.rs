@@ -16,6 +16,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_core::{
@@ -147,12 +148,15 @@ impl ChildFields {
 
 /// Emits `lease_lost` once the child's lease is lost: at once when the lease is
 /// revoked, within [`LOSS_POLL`] when its client-side deadline passes.
-async fn watch_loss(ctx: LeaderContext, events: Events, fields: ChildFields) {
+async fn watch_loss(
+    ctx: LeaderContext,
+    events: Events,
+    fields: ChildFields,
+    reported: Arc<AtomicBool>,
+) {
     loop {
-        if let Some(reason) = ctx.loss_reason() {
-            let mut f = fields.fields();
-            f.push(("reason", Field::Str(reason.to_string())));
-            events.emit("lease_lost", &f);
+        if ctx.loss_reason().is_some() {
+            report_loss(&ctx, &events, &fields, &reported);
             return;
         }
         if ctx.is_cancelled() {
@@ -168,17 +172,33 @@ async fn watch_loss(ctx: LeaderContext, events: Events, fields: ChildFields) {
     }
 }
 
+/// Emits `lease_lost` once per run, when the lease is lost.
+fn report_loss(ctx: &LeaderContext, events: &Events, fields: &ChildFields, reported: &AtomicBool) {
+    if let Some(reason) = ctx.loss_reason()
+        && !reported.swap(true, Ordering::SeqCst)
+    {
+        let mut f = fields.fields();
+        f.push(("reason", Field::Str(reason.to_string())));
+        events.emit("lease_lost", &f);
+    }
+}
+
 /// Emits `child_stopped` when dropped: when the child returns, and also when its future
 /// is dropped without returning (aborted by the singleton after the shutdown timeout).
+/// A loss the watcher had no time to report (the child was stopped for it first) is
+/// reported just before.
 struct StoppedGuard {
+    ctx: LeaderContext,
     events: Events,
     fields: ChildFields,
     watcher: tokio::task::JoinHandle<()>,
+    reported: Arc<AtomicBool>,
 }
 
 impl Drop for StoppedGuard {
     fn drop(&mut self) {
         self.watcher.abort();
+        report_loss(&self.ctx, &self.events, &self.fields, &self.reported);
         self.events.emit("child_stopped", &self.fields.fields());
     }
 }
@@ -288,13 +308,20 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
                     events.emit("child_started", &fields.fields());
                     // Reports the moment the lease is lost, from its own task, so the
                     // report does not wait for the child to notice.
-                    let watcher =
-                        tokio::spawn(watch_loss(ctx.clone(), events.clone(), fields.clone()));
+                    let reported = Arc::new(AtomicBool::new(false));
+                    let watcher = tokio::spawn(watch_loss(
+                        ctx.clone(),
+                        events.clone(),
+                        fields.clone(),
+                        Arc::clone(&reported),
+                    ));
                     // `child_stopped` when this future returns *or is dropped* (aborted).
                     let _stopped = StoppedGuard {
+                        ctx: ctx.clone(),
                         events: events.clone(),
                         fields: fields.clone(),
                         watcher,
+                        reported,
                     };
                     let mut ticks = tokio::time::interval(tick);
                     loop {

@@ -700,22 +700,14 @@ fn check_fault_effects(
             "blackhole" => {
                 let long = f.healed_us - f.at_us
                     >= (timing.lease_timeout + Duration::from_secs(1)).as_micros() as u64;
-                for r in holding.iter().filter(|_| long) {
-                    let lost = events.iter().any(|e| {
-                        e.node == node
-                            && e.instance == instance
-                            && e.event == "lease_lost"
-                            && e.token == Some(r.token)
-                            && e.mono_us >= f.at_us
-                            && e.mono_us <= f.healed_us
-                    });
-                    if !lost {
-                        v.ineffective.push(format!(
-                            "{what}: {} kept its lease through a {} ms black hole",
-                            r.label(),
-                            (f.healed_us - f.at_us) / 1000
-                        ));
-                    }
+                // The holder stops acting (lease_lost, or its child stopped) while
+                // the black hole lasts.
+                for r in holding.iter().filter(|r| long && r.end_us > f.healed_us) {
+                    v.ineffective.push(format!(
+                        "{what}: {} kept its lease through a {} ms black hole",
+                        r.label(),
+                        (f.healed_us - f.at_us) / 1000
+                    ));
                 }
             }
             _ => {}

@@ -179,6 +179,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                     "{}#{} exited on its own ({status})",
                     node.id, node.instance
                 ));
+                node.child = None;
                 spawn(&binary, node, &singletons, &events, &problems)?;
             }
         }
