@@ -16,11 +16,12 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_core::{
-    ConnectionStatus, LeaderState, LockManager, ManagerOptions, PrometheusMetrics, Singleton,
-    SingletonOptions,
+    ConnectionStatus, LeaderContext, LeaderState, LockManager, ManagerOptions, PrometheusMetrics,
+    Singleton, SingletonOptions,
 };
 
 #[path = "common/mod.rs"]
@@ -87,7 +88,11 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// One JSON object per line: `ts_us`, `node`, `event`, then the given fields.
+/// How often the loss watcher looks at a lease whose loss has no event of its own
+/// (the client-side deadline passing while heartbeats are late).
+const LOSS_POLL: Duration = Duration::from_millis(5);
+
+/// One JSON object per line: `mono_us`, `ts_us`, `node`, `event`, then the given fields.
 #[derive(Clone)]
 struct Events {
     node: Arc<str>,
@@ -95,11 +100,16 @@ struct Events {
 
 impl Events {
     fn emit(&self, event: &str, fields: &[(&str, Field)]) {
+        self.emit_at(chosen_tests::monotonic_us(), event, fields);
+    }
+
+    /// Emits an event stamped `mono_us` (`CLOCK_MONOTONIC` µs, taken by the caller).
+    fn emit_at(&self, mono_us: u64, event: &str, fields: &[(&str, Field)]) {
         let ts = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros());
         let mut line = format!(
-            "{{\"ts_us\":{ts},\"node\":{},\"event\":{}",
+            "{{\"mono_us\":{mono_us},\"ts_us\":{ts},\"node\":{},\"event\":{}",
             json_str(&self.node),
             json_str(event)
         );
@@ -117,6 +127,79 @@ impl Events {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
+    }
+}
+
+/// The fields every child event carries.
+#[derive(Clone)]
+struct ChildFields {
+    singleton: String,
+    token: u64,
+}
+
+impl ChildFields {
+    fn fields(&self) -> Vec<(&'static str, Field)> {
+        vec![
+            ("singleton", Field::Str(self.singleton.clone())),
+            ("token", Field::Num(self.token)),
+        ]
+    }
+}
+
+/// Emits `lease_lost` once the child's lease is lost: at once when the lease is
+/// revoked, within [`LOSS_POLL`] when its client-side deadline passes.
+async fn watch_loss(
+    ctx: LeaderContext,
+    events: Events,
+    fields: ChildFields,
+    reported: Arc<AtomicBool>,
+) {
+    loop {
+        if ctx.loss_reason().is_some() {
+            report_loss(&ctx, &events, &fields, &reported);
+            return;
+        }
+        if ctx.is_cancelled() {
+            // Stopping for a shutdown: the lease may still be lost before the child
+            // returns, so keep looking, at the poll rate.
+            tokio::time::sleep(LOSS_POLL).await;
+        } else {
+            tokio::select! {
+                () = ctx.cancelled() => {}
+                () = tokio::time::sleep(LOSS_POLL) => {}
+            }
+        }
+    }
+}
+
+/// Emits `lease_lost` once per run, when the lease is lost.
+fn report_loss(ctx: &LeaderContext, events: &Events, fields: &ChildFields, reported: &AtomicBool) {
+    if let Some(reason) = ctx.loss_reason()
+        && !reported.swap(true, Ordering::SeqCst)
+    {
+        let mut f = fields.fields();
+        f.push(("reason", Field::Str(reason.to_string())));
+        events.emit("lease_lost", &f);
+    }
+}
+
+/// Emits `child_stopped` when dropped: when the child returns, and also when its future
+/// is dropped without returning (aborted by the singleton after the shutdown timeout).
+/// A loss the watcher had no time to report (the child was stopped for it first) is
+/// reported just before.
+struct StoppedGuard {
+    ctx: LeaderContext,
+    events: Events,
+    fields: ChildFields,
+    watcher: tokio::task::JoinHandle<()>,
+    reported: Arc<AtomicBool>,
+}
+
+impl Drop for StoppedGuard {
+    fn drop(&mut self) {
+        self.watcher.abort();
+        report_loss(&self.ctx, &self.events, &self.fields, &self.reported);
+        self.events.emit("child_stopped", &self.fields.fields());
     }
 }
 
@@ -218,35 +301,43 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
                 let events = child_events.clone();
                 async move {
                     let token = ctx.fencing_token().get();
-                    let name = ctx.name().to_owned();
-                    let base = |extra: Vec<(&'static str, Field)>| {
-                        let mut f = vec![
-                            ("singleton", Field::Str(name.clone())),
-                            ("token", Field::Num(token)),
-                        ];
-                        f.extend(extra);
-                        f
+                    let fields = ChildFields {
+                        singleton: ctx.name().to_owned(),
+                        token,
                     };
-                    events.emit("child_started", &base(vec![]));
+                    events.emit("child_started", &fields.fields());
+                    // Reports the moment the lease is lost, from its own task, so the
+                    // report does not wait for the child to notice.
+                    let reported = Arc::new(AtomicBool::new(false));
+                    let watcher = tokio::spawn(watch_loss(
+                        ctx.clone(),
+                        events.clone(),
+                        fields.clone(),
+                        Arc::clone(&reported),
+                    ));
+                    // `child_stopped` when this future returns *or is dropped* (aborted).
+                    let _stopped = StoppedGuard {
+                        ctx: ctx.clone(),
+                        events: events.clone(),
+                        fields: fields.clone(),
+                        watcher,
+                        reported,
+                    };
                     let mut ticks = tokio::time::interval(tick);
                     loop {
                         tokio::select! {
                             () = ctx.cancelled() => break,
                             _ = ticks.tick() => {
                                 // The guarded step: only while the lease may be trusted.
+                                // The stamp is taken *before* the check, so a tick can
+                                // never be stamped after the loss it missed.
+                                let at = chosen_tests::monotonic_us();
                                 if ctx.is_valid() {
-                                    events.emit("child_tick", &base(vec![]));
+                                    events.emit_at(at, "child_tick", &fields.fields());
                                 }
                             }
                         }
                     }
-                    if let Some(reason) = ctx.loss_reason() {
-                        events.emit(
-                            "lease_lost",
-                            &base(vec![("reason", Field::Str(reason.to_string()))]),
-                        );
-                    }
-                    events.emit("child_stopped", &base(vec![]));
                     Ok::<(), std::io::Error>(())
                 }
             },

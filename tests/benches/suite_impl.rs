@@ -49,7 +49,7 @@ impl Profile {
             waiting_window: Duration::from_secs(2),
             handover_rounds: 5,
             crash_rounds: 2,
-            partition_rounds: 0,
+            partition_rounds: 1,
         }
     }
 }

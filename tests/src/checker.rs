@@ -1,5 +1,14 @@
 //! The independent checker: reads the nodes' event histories and judges them against
 //! the contract. Pure functions over events, so it is tested with made-up histories.
+//!
+//! A run of a child *acts* from `child_started` to its first `lease_lost` or
+//! `child_stopped` (or the moment its process was killed), not merely at its ticks: an
+//! overlap of any length between the acting spans of two processes is a violation,
+//! except the documented window of a process frozen for longer than the server release
+//! time (it may finish the step it checked before the freeze, fenced by a smaller
+//! token, and must not tick again). Every injected fault is checked to have taken
+//! effect, and every fault that took a holder's lease away to be followed by a
+//! takeover.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
@@ -8,8 +17,9 @@ use std::time::Duration;
 /// One event line of a `node` process, with the process instance that emitted it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
-    /// Wall-clock microseconds since the Unix epoch (all nodes share one clock).
-    pub ts_us: u64,
+    /// `CLOCK_MONOTONIC` microseconds (the `mono_us` field): one clock for every process
+    /// on the machine, never jumping backwards.
+    pub mono_us: u64,
     /// The node id.
     pub node: String,
     /// Which process of that node (a restarted node is a new instance).
@@ -22,6 +32,10 @@ pub struct Event {
     pub token: Option<u64>,
     /// The reason, where given.
     pub reason: Option<String>,
+    /// The shutdown phase, where given.
+    pub phase: Option<String>,
+    /// The session generation, where given (`connected`).
+    pub generation: Option<u64>,
 }
 
 impl Event {
@@ -31,13 +45,15 @@ impl Event {
         let fields = parse_flat_json(line)?;
         let get = |k: &str| fields.get(k).and_then(|v| v.clone());
         Some(Self {
-            ts_us: get("ts_us")?.parse().ok()?,
+            mono_us: get("mono_us")?.parse().ok()?,
             node: get("node")?,
             instance,
             event: get("event")?,
             singleton: get("singleton"),
             token: get("token").and_then(|t| t.parse().ok()),
             reason: get("reason"),
+            phase: get("phase"),
+            generation: get("generation").and_then(|g| g.parse().ok()),
         })
     }
 }
@@ -97,53 +113,92 @@ fn parse_flat_json(line: &str) -> Option<HashMap<String, Option<String>>> {
 /// A fault the nemesis injected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FaultRecord {
-    /// The fault kind (a short fixed name).
+    /// The fault kind (a short fixed name, see [`crate::nemesis::FAULT_KINDS`]).
     pub kind: &'static str,
-    /// The node it hit, or `None` for the server.
-    pub node: Option<String>,
-    /// When it began (wall-clock µs).
+    /// The node process it hit (node id and instance), or `None` for the server.
+    pub target: Option<(String, u32)>,
+    /// When it began (`CLOCK_MONOTONIC` µs): the signal sent, the proxy switched, the
+    /// backend terminated, the server stop begun.
     pub at_us: u64,
-    /// When it was healed (wall-clock µs).
+    /// When it was healed (`CLOCK_MONOTONIC` µs): for a freeze the moment just before
+    /// SIGCONT, else the moment the fault was undone or the server was back.
     pub healed_us: u64,
 }
 
-/// One run of a child: from `child_started` to its last `child_tick` (the span in which
-/// the node *acted* as the holder), and to its end.
+/// The timing the nodes ran with.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// `server_release_after`: a silence longer than it marks a freeze after which a
+    /// process may find another holder.
+    pub release: Duration,
+    /// `lease_timeout`: a black hole longer than it (plus a second) must cost the
+    /// holder its lease.
+    pub lease_timeout: Duration,
+}
+
+impl Default for Timing {
+    /// The library's defaults (7 s, 3 s).
+    fn default() -> Self {
+        Self {
+            release: Duration::from_secs(7),
+            lease_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// One run of a child: it acts from `start_us` to `end_us`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Run {
     node: String,
     instance: u32,
     token: u64,
     start_us: u64,
-    last_act_us: u64,
+    /// First `lease_lost` or `child_stopped`, or the kill of its process; `u64::MAX`
+    /// when it never ended.
     end_us: u64,
-    /// Ticks that came after a silence longer than the server release time (the node
-    /// was frozen): the documented window.
-    stale_ticks: Vec<u64>,
+    ticks: Vec<u64>,
+    /// A freeze longer than the release time inside the run: the process was silent
+    /// from `.0` to `.1`; it acted on old checks ("stale") from `.1` to `end_us`.
+    freeze: Option<(u64, u64)>,
 }
 
-/// Two nodes acting as the holder of one singleton at once.
+impl Run {
+    fn same_process(&self, other: &Self) -> bool {
+        self.node == other.node && self.instance == other.instance
+    }
+
+    fn same_lease(&self, other: &Self) -> bool {
+        self.same_process(other) && self.token == other.token
+    }
+
+    fn label(&self) -> String {
+        format!("{}#{} (token {})", self.node, self.instance, self.token)
+    }
+}
+
+/// Two processes acting as the holder of one singleton at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overlap {
     /// The singleton.
     pub singleton: String,
-    /// The two nodes.
-    pub nodes: (String, String),
+    /// The two runs (`node#instance (token t)`).
+    pub runs: (String, String),
     /// How long they overlapped.
     pub duration: Duration,
-    /// When it began (wall-clock µs).
+    /// When it began (`CLOCK_MONOTONIC` µs).
     pub at_us: u64,
 }
 
-/// A tick of a node that woke up from a freeze longer than the server release time
-/// while another node held the lock (the one unavoidable window).
+/// A process that woke up from a freeze longer than the server release time while
+/// another process held the lock, and acted on a check made before the freeze until it
+/// reported the loss (the one documented window).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StaleWindow {
     /// The singleton.
     pub singleton: String,
-    /// The stale node.
+    /// The stale process.
     pub node: String,
-    /// How long the stale node acted after waking.
+    /// How long the stale process acted after waking.
     pub duration: Duration,
     /// Its fencing token.
     pub stale_token: u64,
@@ -156,26 +211,33 @@ pub struct StaleWindow {
 pub struct Verdict {
     /// Overlaps outside the documented window: must be empty.
     pub overlaps: Vec<Overlap>,
-    /// Runs whose token did not grow over the previous holder's: must be empty.
+    /// Runs whose token did not grow over the previous holder's, and stale windows not
+    /// fenced by a greater token: must be empty.
     pub token_regressions: Vec<String>,
-    /// Events the contract forbids (e.g. a tick after the node reported its session
-    /// lost): must be empty.
+    /// Events the contract forbids (a tick after the run's end or outside a run, a
+    /// child started twice, a run that never ended): must be empty.
     pub forbidden: Vec<String>,
+    /// Faults whose effect the history does not show (a frozen process that spoke, a
+    /// cut without a disconnect, ...): must be empty, or the run proved nothing.
+    pub ineffective: Vec<String>,
+    /// Faults that took a holder's lease away with no takeover after: must be empty.
+    pub missing_takeovers: Vec<String>,
     /// The documented window, measured.
     pub stale_windows: Vec<StaleWindow>,
-    /// Ticks stamped after their node reported its session lost, within the grace of a
-    /// check-then-act delay (the tick was decided while the lease was valid; the
-    /// process was descheduled before it stamped it): how many, and the latest.
+    /// Ticks stamped after their process reported its session lost, within the grace
+    /// of a status report that trails the revocation: how many, and the latest.
     pub late_ticks: (usize, Duration),
-    /// Per fault kind: takeover latencies (fault injected -> a child running on
-    /// another node) for the singletons the fault took away.
+    /// Per fault kind: takeover latencies (fault injected -> a new lease's child
+    /// running) for the singletons the fault took away.
     pub takeovers: BTreeMap<&'static str, Vec<Duration>>,
     /// Per fault kind: how many were injected.
     pub faults: BTreeMap<&'static str, usize>,
-    /// Total time with no child running, summed over singletons, outside server-down
-    /// windows.
+    /// Total time with no child running, summed over singletons, outside server
+    /// outages.
     pub leaderless: Duration,
-    /// Child runs seen, ticks seen, singletons.
+    /// The longest time one singleton had no child running, outside server outages.
+    pub longest_leaderless: Duration,
+    /// Child runs seen.
     pub runs: usize,
     /// Ticks seen.
     pub ticks: usize,
@@ -184,50 +246,68 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    /// `true` when the history honours the contract.
+    /// `true` when the history honours the contract *and* shows every fault's effect
+    /// and every takeover.
     #[must_use]
     pub fn ok(&self) -> bool {
+        self.safe() && self.ineffective.is_empty() && self.missing_takeovers.is_empty()
+    }
+
+    /// `true` when the history honours the safety contract (no overlap, no token
+    /// regression, no forbidden event).
+    #[must_use]
+    pub fn safe(&self) -> bool {
         self.overlaps.is_empty() && self.token_regressions.is_empty() && self.forbidden.is_empty()
     }
 }
 
-/// How long before a fault a run may have shown its last sign of life and still count
-/// as the holder the fault hit (a killed process's last tick precedes the kill).
-const KILL_SLACK_US: u64 = 500_000;
+/// How long after a SIGKILL or SIGSTOP was sent its process may still stamp events (the
+/// signal reaches a thread running on another core within microseconds).
+const SIGNAL_SLACK_US: u64 = 50_000;
 
-/// How late a tick may be stamped after its node reported the loss before it counts
-/// as acting without checking (rather than the check-then-act delay of a descheduled
-/// process).
+/// How late a tick may be stamped after its process reported its session lost before
+/// it counts as forbidden (the status report and the revocation are separate steps).
 const LATE_TICK_GRACE: Duration = Duration::from_secs(1);
 
-/// Judges a history. `release` is the server-side release time the nodes ran with
-/// (a silence longer than it before a tick marks that tick as stale).
+/// How long after a fault was healed its effect (a disconnect, a lost lease) may show.
+const EFFECT_BOUND_US: u64 = 10_000_000;
+
+/// Faults that hit one node process; the others hit the server.
+fn is_server_fault(kind: &str) -> bool {
+    matches!(kind, "restart_fast" | "restart_immediate" | "server_down")
+}
+
+/// Judges a history. `timing` is what the nodes ran with.
 #[must_use]
-pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Verdict {
+pub fn check(events: &[Event], faults: &[FaultRecord], timing: Timing) -> Verdict {
     let mut v = Verdict::default();
     let mut events: Vec<&Event> = events.iter().collect();
-    events.sort_by_key(|e| e.ts_us);
+    events.sort_by_key(|e| e.mono_us);
+    let release_us = timing.release.as_micros() as u64;
 
-    // Per process instance: its last event time (to spot silences) and whether its
-    // session was reported lost since the current run started.
-    let mut last_seen: HashMap<(String, u32), u64> = HashMap::new();
+    // When each killed process ended (its runs end there at the latest).
+    let mut killed_at: HashMap<(String, u32), u64> = HashMap::new();
+    for f in faults {
+        if let (Some((node, instance)), "sigkill") = (&f.target, f.kind) {
+            killed_at.insert((node.clone(), *instance), f.at_us);
+        }
+    }
+
+    // Per process: event times (to find freezes), and since when its session is lost.
+    let mut times: HashMap<(String, u32), Vec<u64>> = HashMap::new();
     let mut session_down: HashMap<(String, u32), Option<u64>> = HashMap::new();
     let mut open: HashMap<(String, u32, String), Run> = HashMap::new();
     let mut runs: BTreeMap<String, Vec<Run>> = BTreeMap::new();
-    let release_us = release.as_micros() as u64;
 
     for e in &events {
         let proc_key = (e.node.clone(), e.instance);
-        let silent_for = last_seen
-            .get(&proc_key)
-            .map_or(0, |t| e.ts_us.saturating_sub(*t));
-        last_seen.insert(proc_key.clone(), e.ts_us);
+        times.entry(proc_key.clone()).or_default().push(e.mono_us);
         match e.event.as_str() {
             "disconnected" => {
                 session_down
                     .entry(proc_key.clone())
                     .or_insert(None)
-                    .get_or_insert(e.ts_us);
+                    .get_or_insert(e.mono_us);
             }
             "connected" => {
                 session_down.insert(proc_key.clone(), None);
@@ -236,9 +316,14 @@ pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Ver
         }
         let Some(s) = &e.singleton else { continue };
         let key = (e.node.clone(), e.instance, s.clone());
+        let token = e.token.unwrap_or(0);
         match e.event.as_str() {
             "child_started" => {
                 if let Some(prev) = open.remove(&key) {
+                    v.forbidden.push(format!(
+                        "{}#{} started {s} at {} while its run with token {} had not stopped",
+                        e.node, e.instance, e.mono_us, prev.token
+                    ));
                     runs.entry(s.clone()).or_default().push(prev);
                 }
                 open.insert(
@@ -246,45 +331,47 @@ pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Ver
                     Run {
                         node: e.node.clone(),
                         instance: e.instance,
-                        token: e.token.unwrap_or(0),
-                        start_us: e.ts_us,
-                        last_act_us: e.ts_us,
-                        end_us: e.ts_us,
-                        stale_ticks: Vec::new(),
+                        token,
+                        start_us: e.mono_us,
+                        end_us: u64::MAX,
+                        ticks: Vec::new(),
+                        freeze: None,
                     },
                 );
             }
             "child_tick" => {
                 v.ticks += 1;
                 if let Some(Some(down_at)) = session_down.get(&proc_key).copied() {
-                    let late = Duration::from_micros(e.ts_us.saturating_sub(down_at));
+                    let late = Duration::from_micros(e.mono_us.saturating_sub(down_at));
                     if late > LATE_TICK_GRACE {
                         v.forbidden.push(format!(
-                            "{} ticked {s} at {}, {late:?} after reporting its session lost",
-                            e.node, e.ts_us
+                            "{}#{} ticked {s} at {}, {late:?} after reporting its session lost",
+                            e.node, e.instance, e.mono_us
                         ));
                     } else {
                         v.late_ticks.0 += 1;
                         v.late_ticks.1 = v.late_ticks.1.max(late);
                     }
                 }
-                if let Some(run) = open.get_mut(&key) {
-                    if silent_for > release_us {
-                        run.stale_ticks.push(e.ts_us);
-                    } else {
-                        run.last_act_us = e.ts_us;
-                    }
-                    run.end_us = e.ts_us;
-                } else {
-                    v.forbidden.push(format!(
-                        "{} ticked {s} at {} outside a run",
-                        e.node, e.ts_us
-                    ));
+                match open.get_mut(&key) {
+                    Some(run) if run.end_us != u64::MAX => v.forbidden.push(format!(
+                        "{}#{} ticked {s} at {}, after its run ended at {} (lease lost)",
+                        e.node, e.instance, e.mono_us, run.end_us
+                    )),
+                    Some(run) if run.token != token => v.forbidden.push(format!(
+                        "{}#{} ticked {s} with token {token} in a run with token {}",
+                        e.node, e.instance, run.token
+                    )),
+                    Some(run) => run.ticks.push(e.mono_us),
+                    None => v.forbidden.push(format!(
+                        "{}#{} ticked {s} at {} outside a run",
+                        e.node, e.instance, e.mono_us
+                    )),
                 }
             }
             "lease_lost" | "child_stopped" => {
                 if let Some(run) = open.get_mut(&key) {
-                    run.end_us = e.ts_us;
+                    run.end_us = run.end_us.min(e.mono_us);
                     if e.event == "child_stopped" {
                         let run = open.remove(&key).expect("BUG: checked");
                         runs.entry(s.clone()).or_default().push(run);
@@ -294,13 +381,46 @@ pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Ver
             _ => {}
         }
     }
-    for ((_, _, s), run) in open {
+    for ((node, instance, s), mut run) in open {
+        if let Some(at) = killed_at.get(&(node.clone(), instance)) {
+            run.end_us = run.end_us.min(*at);
+        } else if run.end_us == u64::MAX {
+            v.forbidden.push(format!(
+                "{node}#{instance} never reported the end of its {s} run (token {}), and was not killed",
+                run.token
+            ));
+        }
         runs.entry(s).or_default().push(run);
     }
 
-    let down_windows: Vec<(u64, u64)> = faults
+    // Freezes: a silence of a process longer than the release time inside a run makes
+    // the rest of that run stale.
+    for list in runs.values_mut() {
+        for run in list.iter_mut() {
+            let Some(ts) = times.get(&(run.node.clone(), run.instance)) else {
+                continue;
+            };
+            let end = run.end_us.min(ts.last().copied().unwrap_or(run.end_us));
+            run.freeze = ts
+                .windows(2)
+                .find(|p| p[0] >= run.start_us && p[1] <= end && p[1] - p[0] > release_us)
+                .map(|p| (p[0], p[1]));
+        }
+    }
+
+    // When each process began a graceful shutdown: runs it ends then were not taken by
+    // an earlier fault.
+    let mut shutdown_at: HashMap<(String, u32), u64> = HashMap::new();
+    for e in &events {
+        if e.event == "shutdown" && e.phase.as_deref() == Some("begin") {
+            shutdown_at
+                .entry((e.node.clone(), e.instance))
+                .or_insert(e.mono_us);
+        }
+    }
+    let outages: Vec<(u64, u64)> = faults
         .iter()
-        .filter(|f| f.node.is_none())
+        .filter(|f| is_server_fault(f.kind))
         .map(|f| (f.at_us, f.healed_us))
         .collect();
     for f in faults {
@@ -310,110 +430,289 @@ pub fn check(events: &[Event], faults: &[FaultRecord], release: Duration) -> Ver
     for (singleton, list) in &mut runs {
         list.sort_by_key(|r| r.start_us);
         v.runs += list.len();
-        // Overlaps between acting spans of different nodes.
-        for (i, a) in list.iter().enumerate() {
-            for b in &list[i + 1..] {
-                if a.node == b.node && a.instance == b.instance {
-                    continue;
-                }
-                let lo = a.start_us.max(b.start_us);
-                let hi = a.last_act_us.min(b.last_act_us);
-                if lo < hi {
+        check_overlaps(singleton, list, &mut v);
+        // Tokens grow from holder to holder.
+        for pair in list.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            if !a.same_lease(b) && b.token <= a.token {
+                v.token_regressions.push(format!(
+                    "{singleton}: {} started after {}",
+                    b.label(),
+                    a.label()
+                ));
+            }
+        }
+        // Leaderless time, less server outages.
+        let mut covered_until = list.first().map_or(0, |r| r.end_us);
+        for r in list.iter().skip(1) {
+            if r.start_us > covered_until {
+                let (lo, hi) = (covered_until, r.start_us);
+                let in_outage: u64 = outages
+                    .iter()
+                    .map(|(a, b)| hi.min(*b).saturating_sub(lo.max(*a)))
+                    .sum();
+                let gap = Duration::from_micros((hi - lo).saturating_sub(in_outage));
+                v.leaderless += gap;
+                v.longest_leaderless = v.longest_leaderless.max(gap);
+            }
+            covered_until = covered_until.max(r.end_us);
+        }
+        check_takeovers(singleton, list, faults, &shutdown_at, release_us, &mut v);
+    }
+    check_fault_effects(&events, faults, &runs, timing, &mut v);
+    v
+}
+
+/// Overlaps of acting spans between different processes. An overlap with the stale
+/// part of a run (after a freeze) is the documented window when the stale run ticked
+/// no more and the other holder's token is greater; anything else is a violation.
+fn check_overlaps(singleton: &str, list: &[Run], v: &mut Verdict) {
+    // (from, to, stale) segments in which a run acts.
+    let segments = |r: &Run| -> Vec<(u64, u64, bool)> {
+        match r.freeze {
+            None => vec![(r.start_us, r.end_us, false)],
+            Some((silent, woke)) => vec![(r.start_us, silent, false), (woke, r.end_us, true)],
+        }
+    };
+    for (i, a) in list.iter().enumerate() {
+        for b in &list[i + 1..] {
+            if a.same_process(b) {
+                continue;
+            }
+            for (a_lo, a_hi, a_stale) in segments(a) {
+                for (b_lo, b_hi, b_stale) in segments(b) {
+                    let (lo, hi) = (a_lo.max(b_lo), a_hi.min(b_hi));
+                    // A stale segment may be a single instant (the process reported
+                    // the loss as the first thing after waking): it still counts.
+                    if lo > hi || (lo == hi && !a_stale && !b_stale) {
+                        continue;
+                    }
+                    let stale = match (a_stale, b_stale) {
+                        (true, false) => Some((a, b)),
+                        (false, true) => Some((b, a)),
+                        _ => None,
+                    };
+                    if let Some((s, holder)) = stale {
+                        let woke = s.freeze.expect("BUG: stale without a freeze").1;
+                        if s.ticks.iter().any(|t| *t >= woke) {
+                            v.forbidden.push(format!(
+                                "{singleton}: {} ticked after waking from a freeze while {} held it",
+                                s.label(),
+                                holder.label()
+                            ));
+                        } else if holder.token <= s.token {
+                            v.token_regressions.push(format!(
+                                "{singleton}: stale {} is not fenced by holder {}",
+                                s.label(),
+                                holder.label()
+                            ));
+                        } else {
+                            v.stale_windows.push(StaleWindow {
+                                singleton: singleton.to_owned(),
+                                node: s.node.clone(),
+                                duration: Duration::from_micros(hi - lo),
+                                stale_token: s.token,
+                                holder_token: holder.token,
+                            });
+                        }
+                        continue;
+                    }
                     v.overlaps.push(Overlap {
-                        singleton: singleton.clone(),
-                        nodes: (a.node.clone(), b.node.clone()),
+                        singleton: singleton.to_owned(),
+                        runs: (a.label(), b.label()),
                         duration: Duration::from_micros(hi - lo),
                         at_us: lo,
                     });
                 }
             }
         }
-        // Stale ticks: the documented window, with the tokens that fence it.
-        for run in list.iter() {
-            if let (Some(first), Some(last)) = (run.stale_ticks.first(), run.stale_ticks.last()) {
-                let holder = list
-                    .iter()
-                    .filter(|r| r.node != run.node && r.start_us <= *first)
-                    .max_by_key(|r| r.start_us);
-                let holder_token = holder.map_or(0, |h| h.token);
-                if holder.is_some() && holder_token <= run.token {
-                    v.token_regressions.push(format!(
-                        "{singleton}: stale {} (token {}) is not fenced by holder token {holder_token}",
-                        run.node, run.token
-                    ));
-                }
-                v.stale_windows.push(StaleWindow {
-                    singleton: singleton.clone(),
-                    node: run.node.clone(),
-                    duration: Duration::from_micros(last - first),
-                    stale_token: run.token,
-                    holder_token,
-                });
-            }
-        }
-        // Tokens grow from holder to holder.
-        for pair in list.windows(2) {
-            let (a, b) = (&pair[0], &pair[1]);
-            let same_lease = a.node == b.node && a.instance == b.instance && a.token == b.token;
-            if !same_lease && b.token <= a.token {
-                v.token_regressions.push(format!(
-                    "{singleton}: {} got token {} after {} had {}",
-                    b.node, b.token, a.node, a.token
-                ));
-            }
-        }
-        // Leaderless time, outside server-down windows.
-        let mut covered_until = list.first().map_or(0, |r| r.end_us);
-        for r in list.iter().skip(1) {
-            if r.start_us > covered_until {
-                let gap = (covered_until, r.start_us);
-                let in_down = down_windows
-                    .iter()
-                    .any(|(a, b)| gap.0 < *b + release_us && gap.1 > *a);
-                if !in_down {
-                    v.leaderless += Duration::from_micros(gap.1 - gap.0);
-                }
-            }
-            covered_until = covered_until.max(r.end_us);
-        }
-        // Takeover latency after each fault that took this singleton's holder away.
-        let mut by_time: Vec<&FaultRecord> = faults.iter().collect();
-        by_time.sort_by_key(|f| f.at_us);
-        for (i, f) in by_time.iter().enumerate() {
-            let next_fault = by_time.get(i + 1).map_or(u64::MAX, |n| n.at_us);
-            // A killed process emits nothing at its end: its run "ends" at its last
-            // tick, up to a tick interval before the kill.
-            let holder = list
+    }
+}
+
+/// For each fault that ended a holder's run (before the next fault, and within the
+/// release time after it was healed), a run under a new lease must start after it.
+fn check_takeovers(
+    singleton: &str,
+    list: &[Run],
+    faults: &[FaultRecord],
+    shutdown_at: &HashMap<(String, u32), u64>,
+    release_us: u64,
+    v: &mut Verdict,
+) {
+    let mut by_time: Vec<&FaultRecord> = faults.iter().collect();
+    by_time.sort_by_key(|f| f.at_us);
+    for (i, f) in by_time.iter().enumerate() {
+        let next_fault = by_time.get(i + 1).map_or(u64::MAX, |n| n.at_us);
+        let limit = (f.healed_us + release_us + 2_000_000).min(next_fault);
+        for holder in list.iter().filter(|r| {
+            r.start_us <= f.at_us
+                && r.end_us >= f.at_us
+                && r.end_us <= limit
+                && f.target
+                    .as_ref()
+                    .is_none_or(|(n, inst)| *n == r.node && *inst == r.instance)
+                // A run ended by its process's own graceful shutdown was taken by that
+                // shutdown (the `sigterm` fault, or the end of the run), not by this.
+                && (f.kind == "sigterm"
+                    || shutdown_at
+                        .get(&(r.node.clone(), r.instance))
+                        .is_none_or(|at| r.end_us < *at))
+        }) {
+            match list
                 .iter()
-                .find(|r| r.start_us <= f.at_us && r.end_us + KILL_SLACK_US >= f.at_us);
-            let hit = match (&f.node, holder) {
-                (None, _) => true,
-                (Some(n), Some(h)) => *n == h.node,
-                (Some(_), None) => false,
-            };
-            // Only faults that ended the holder's run count (a freeze shorter than the
-            // lease timeout, say, takes nothing away).
-            // ... and it must have ended before the next fault, which would otherwise be
-            // charged to this one.
-            let took_it = holder
-                .is_none_or(|h| h.end_us <= (f.healed_us + release_us + 2_000_000).min(next_fault));
-            if !hit || !took_it {
-                continue;
-            }
-            if let Some(next) = list.iter().find(|r| {
-                r.start_us > f.at_us
-                    && holder.is_none_or(|h| {
-                        r.node != h.node || r.instance != h.instance || r.token != h.token
-                    })
-            }) {
-                v.takeovers
+                .find(|r| r.start_us > f.at_us && !r.same_lease(holder))
+            {
+                Some(next) => v
+                    .takeovers
                     .entry(f.kind)
                     .or_default()
-                    .push(Duration::from_micros(next.start_us - f.at_us));
+                    .push(Duration::from_micros(next.start_us - f.at_us)),
+                None => v.missing_takeovers.push(format!(
+                    "{singleton}: {} at {} ended {} but no other lease took over",
+                    f.kind,
+                    f.at_us,
+                    holder.label()
+                )),
             }
         }
     }
-    v
+}
+
+/// Checks from the history that every fault took effect.
+fn check_fault_effects(
+    events: &[&Event],
+    faults: &[FaultRecord],
+    runs: &BTreeMap<String, Vec<Run>>,
+    timing: Timing,
+    v: &mut Verdict,
+) {
+    fn of<'a>(
+        events: &'a [&'a Event],
+        node: &'a str,
+        instance: u32,
+    ) -> impl Iterator<Item = &'a &'a Event> + 'a {
+        events
+            .iter()
+            .filter(move |e| e.node == node && e.instance == instance)
+    }
+    let seen = |node: &str, instance: u32, event: &str, from: u64, to: u64| {
+        of(events, node, instance).any(|e| e.event == event && e.mono_us >= from && e.mono_us <= to)
+    };
+    // The session ended between `from` and `to`: a `disconnected`, or a `connected` of
+    // a newer generation (the node reports connection states as it sees them, and a
+    // reconnect fast enough can hide the disconnected state from it).
+    let session_ended = |node: &str, instance: u32, from: u64, to: u64| {
+        let before = of(events, node, instance)
+            .filter(|e| e.event == "connected" && e.mono_us < from)
+            .filter_map(|e| e.generation)
+            .max()
+            .unwrap_or(0);
+        seen(node, instance, "disconnected", from, to)
+            || of(events, node, instance).any(|e| {
+                e.event == "connected"
+                    && e.mono_us >= from
+                    && e.mono_us <= to
+                    && e.generation.is_some_and(|g| g > before)
+            })
+    };
+    for f in faults {
+        let what = format!("{} at {}", f.kind, f.at_us);
+        let bound = f.healed_us + EFFECT_BOUND_US;
+        let Some((node, instance)) = &f.target else {
+            // The server went away: every process alive then must see its session end.
+            let mut alive: BTreeMap<&str, u32> = BTreeMap::new();
+            for e in events.iter().filter(|e| e.mono_us < f.at_us) {
+                let i = alive.entry(&e.node).or_insert(e.instance);
+                *i = (*i).max(e.instance);
+            }
+            for (node, instance) in alive {
+                let killed = faults.iter().any(|k| {
+                    k.target.as_ref() == Some(&(node.to_owned(), instance))
+                        && matches!(k.kind, "sigkill" | "sigterm")
+                        && k.at_us < f.at_us
+                });
+                if !killed && !session_ended(node, instance, f.at_us, bound) {
+                    v.ineffective.push(format!(
+                        "{what}: {node}#{instance} never reported a disconnect"
+                    ));
+                }
+            }
+            continue;
+        };
+        let (node, instance) = (node.as_str(), *instance);
+        let holding: Vec<&Run> = runs
+            .values()
+            .flatten()
+            .filter(|r| {
+                r.node == node
+                    && r.instance == instance
+                    && r.start_us <= f.at_us
+                    && r.end_us > f.at_us
+            })
+            .collect();
+        match f.kind {
+            "sigkill" | "sigterm" => {
+                if f.kind == "sigkill" {
+                    if let Some(e) =
+                        of(events, node, instance).find(|e| e.mono_us > f.at_us + SIGNAL_SLACK_US)
+                    {
+                        v.ineffective.push(format!(
+                            "{what}: {node}#{instance} still spoke at {} ({})",
+                            e.mono_us, e.event
+                        ));
+                    }
+                } else if !of(events, node, instance).any(|e| {
+                    e.event == "shutdown"
+                        && e.phase.as_deref() == Some("done")
+                        && e.mono_us >= f.at_us
+                }) {
+                    v.ineffective.push(format!(
+                        "{what}: {node}#{instance} never finished its shutdown"
+                    ));
+                }
+                if !seen(node, instance + 1, "connected", f.at_us, u64::MAX) {
+                    v.ineffective.push(format!(
+                        "{what}: no new instance of {node} connected after it"
+                    ));
+                }
+            }
+            "sigstop_short" | "sigstop_long" => {
+                if let Some(e) = of(events, node, instance)
+                    .find(|e| e.mono_us > f.at_us + SIGNAL_SLACK_US && e.mono_us < f.healed_us)
+                {
+                    v.ineffective.push(format!(
+                        "{what}: {node}#{instance} spoke while stopped, at {} ({})",
+                        e.mono_us, e.event
+                    ));
+                }
+                // Frozen past the server's idle timeout: the session is gone on waking.
+                if f.kind == "sigstop_long" && !session_ended(node, instance, f.healed_us, bound) {
+                    v.ineffective.push(format!(
+                        "{what}: {node}#{instance} never reported its session lost after waking"
+                    ));
+                }
+            }
+            "cut" | "terminate_backend" if !session_ended(node, instance, f.at_us, bound) => {
+                v.ineffective.push(format!(
+                    "{what}: {node}#{instance} never reported a disconnect"
+                ));
+            }
+            "blackhole" => {
+                let long = f.healed_us - f.at_us
+                    >= (timing.lease_timeout + Duration::from_secs(1)).as_micros() as u64;
+                // The holder stops acting (lease_lost, or its child stopped) while
+                // the black hole lasts.
+                for r in holding.iter().filter(|r| long && r.end_us > f.healed_us) {
+                    v.ineffective.push(format!(
+                        "{what}: {} kept its lease through a {} ms black hole",
+                        r.label(),
+                        (f.healed_us - f.at_us) / 1000
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
@@ -446,13 +745,15 @@ impl fmt::Display for Verdict {
         let mut s = String::new();
         let _ = write!(
             s,
-            "\nsingletons {}, child runs {}, ticks {}; overlaps {} (outside the documented window), token regressions {}, forbidden events {}; stale-window events {}",
+            "\nsingletons {}, child runs {}, ticks {}; overlaps {} (outside the documented window), token regressions {}, forbidden events {}, ineffective faults {}, missing takeovers {}; stale-window events {}",
             self.singletons,
             self.runs,
             self.ticks,
             self.overlaps.len(),
             self.token_regressions.len(),
             self.forbidden.len(),
+            self.ineffective.len(),
+            self.missing_takeovers.len(),
             self.stale_windows.len()
         );
         if let Some(max) = self.stale_windows.iter().map(|w| w.duration).max() {
@@ -464,8 +765,9 @@ impl fmt::Display for Verdict {
         }
         let _ = write!(
             s,
-            "; leaderless time outside server outages {} ms; ticks stamped just after a reported loss {} (latest {} ms after)",
+            "; leaderless time outside server outages {} ms (longest {} ms); ticks stamped just after a reported loss {} (latest {} ms after)",
             ms(self.leaderless),
+            ms(self.longest_leaderless),
             self.late_ticks.0,
             ms(self.late_ticks.1)
         );
@@ -479,6 +781,12 @@ impl fmt::Display for Verdict {
         for e in &self.forbidden {
             writeln!(f, "FORBIDDEN {e}")?;
         }
+        for e in &self.ineffective {
+            writeln!(f, "INEFFECTIVE FAULT {e}")?;
+        }
+        for e in &self.missing_takeovers {
+            writeln!(f, "MISSING TAKEOVER {e}")?;
+        }
         Ok(())
     }
 }
@@ -487,54 +795,88 @@ impl fmt::Display for Verdict {
 mod tests {
     use super::*;
 
-    fn ev(ts_ms: u64, node: &str, event: &str, token: u64) -> Event {
+    fn evi(ts_ms: u64, node: &str, instance: u32, event: &str, token: u64) -> Event {
         Event {
-            ts_us: ts_ms * 1000,
+            mono_us: ts_ms * 1000,
             node: node.to_owned(),
-            instance: 0,
+            instance,
             event: event.to_owned(),
             singleton: Some("s".to_owned()),
             token: Some(token),
             reason: None,
+            phase: None,
+            generation: None,
         }
     }
 
-    fn run(node: &str, from: u64, to: u64, token: u64) -> Vec<Event> {
-        let mut out = vec![ev(from, node, "child_started", token)];
+    fn ev(ts_ms: u64, node: &str, event: &str, token: u64) -> Event {
+        evi(ts_ms, node, 0, event, token)
+    }
+
+    fn node_ev(ts_ms: u64, node: &str, instance: u32, event: &str) -> Event {
+        Event {
+            singleton: None,
+            token: None,
+            ..evi(ts_ms, node, instance, event, 0)
+        }
+    }
+
+    fn run_i(node: &str, instance: u32, from: u64, to: u64, token: u64) -> Vec<Event> {
+        let mut out = vec![evi(from, node, instance, "child_started", token)];
         let mut t = from + 50;
         while t < to {
-            out.push(ev(t, node, "child_tick", token));
+            out.push(evi(t, node, instance, "child_tick", token));
             t += 50;
         }
-        out.push(ev(to, node, "child_stopped", token));
+        out.push(evi(to, node, instance, "child_stopped", token));
         out
+    }
+
+    fn run(node: &str, from: u64, to: u64, token: u64) -> Vec<Event> {
+        run_i(node, 0, from, to, token)
+    }
+
+    fn fault(kind: &'static str, node: Option<&str>, at_ms: u64, healed_ms: u64) -> FaultRecord {
+        FaultRecord {
+            kind,
+            target: node.map(|n| (n.to_owned(), 0)),
+            at_us: at_ms * 1000,
+            healed_us: healed_ms * 1000,
+        }
+    }
+
+    fn judge(h: &[Event], faults: &[FaultRecord]) -> Verdict {
+        check(h, faults, Timing::default())
     }
 
     #[test]
     fn parses_node_lines() {
         let e = Event::parse(
-            r#"{"ts_us":17,"node":"n-1","event":"lease_lost","singleton":"a \"b\"","token":9,"reason":"x\ny"}"#,
+            r#"{"mono_us":17,"ts_us":99,"node":"n-1","event":"lease_lost","singleton":"a \"b\"","token":9,"reason":"x\ny"}"#,
             3,
         )
         .unwrap();
-        assert_eq!(e.ts_us, 17);
+        assert_eq!(e.mono_us, 17);
         assert_eq!(e.singleton.as_deref(), Some("a \"b\""));
         assert_eq!(e.token, Some(9));
         assert_eq!(e.reason.as_deref(), Some("x\ny"));
         let e = Event::parse(
-            r#"{"ts_us":1,"node":"n","event":"following","leader":null}"#,
+            r#"{"mono_us":1,"ts_us":1,"node":"n","event":"shutdown","phase":"done"}"#,
             0,
         )
         .unwrap();
-        assert_eq!(e.event, "following");
+        assert_eq!(e.phase.as_deref(), Some("done"));
         assert!(Event::parse("not json", 0).is_none());
+        // Without the monotonic stamp a line is not an event: the checker cannot
+        // order it.
+        assert!(Event::parse(r#"{"ts_us":1,"node":"n","event":"connected"}"#, 0).is_none());
     }
 
     #[test]
     fn a_clean_handover_passes() {
         let mut h = run("a", 0, 1000, 5);
         h.extend(run("b", 1100, 2000, 6));
-        let v = check(&h, &[], Duration::from_secs(7));
+        let v = judge(&h, &[]);
         assert!(v.ok(), "{v}");
         assert_eq!(v.runs, 2);
     }
@@ -543,8 +885,37 @@ mod tests {
     fn overlapping_ticks_are_caught() {
         let mut h = run("a", 0, 1000, 5);
         h.extend(run("b", 800, 2000, 6));
-        let v = check(&h, &[], Duration::from_secs(7));
-        assert!(!v.ok());
+        let v = judge(&h, &[]);
+        assert!(!v.safe());
+        assert_eq!(v.overlaps.len(), 1, "{v}");
+    }
+
+    #[test]
+    fn an_overlap_shorter_than_one_tick_is_caught() {
+        // a's last tick is at 950; it loses its lease at 1010. b starts at 1000, so
+        // both acted for 10 ms, between two of a's ticks.
+        let mut h = vec![ev(0, "a", "child_started", 5)];
+        for t in (50..1000).step_by(50) {
+            h.push(ev(t, "a", "child_tick", 5));
+        }
+        h.push(ev(1010, "a", "lease_lost", 5));
+        h.push(ev(1020, "a", "child_stopped", 5));
+        h.extend(run("b", 1000, 2000, 6));
+        let v = judge(&h, &[]);
+        assert_eq!(v.overlaps.len(), 1, "{v}");
+        assert_eq!(v.overlaps[0].duration, Duration::from_millis(10));
+        // b starting just after a's lease_lost (but before its child_stopped) is fine.
+        let mut h = h[..h.len() - (run("b", 1000, 2000, 6).len())].to_vec();
+        h.extend(run("b", 1011, 2000, 6));
+        let v = judge(&h, &[]);
+        assert!(v.ok(), "{v}");
+    }
+
+    #[test]
+    fn two_instances_of_one_node_overlapping_are_caught() {
+        let mut h = run_i("a", 1, 0, 1000, 5);
+        h.extend(run_i("a", 2, 900, 2000, 6));
+        let v = judge(&h, &[]);
         assert_eq!(v.overlaps.len(), 1, "{v}");
     }
 
@@ -552,42 +923,88 @@ mod tests {
     fn token_regressions_are_caught() {
         let mut h = run("a", 0, 1000, 6);
         h.extend(run("b", 1100, 2000, 5));
-        let v = check(&h, &[], Duration::from_secs(7));
+        let v = judge(&h, &[]);
         assert_eq!(v.token_regressions.len(), 1, "{v}");
+    }
+
+    #[test]
+    fn a_tick_after_lease_lost_is_forbidden() {
+        let h = vec![
+            ev(0, "a", "child_started", 5),
+            ev(50, "a", "child_tick", 5),
+            ev(60, "a", "lease_lost", 5),
+            ev(100, "a", "child_tick", 5),
+            ev(120, "a", "child_stopped", 5),
+        ];
+        let v = judge(&h, &[]);
+        assert_eq!(v.forbidden.len(), 1, "{v}");
+    }
+
+    #[test]
+    fn a_run_that_never_ends_is_forbidden_unless_killed() {
+        let h = vec![ev(0, "a", "child_started", 5), ev(50, "a", "child_tick", 5)];
+        let v = judge(&h, &[]);
+        assert_eq!(v.forbidden.len(), 1, "{v}");
+        let mut h = h;
+        h.push(node_ev(500, "a", 1, "connected"));
+        h.extend(run_i("a", 1, 600, 700, 6));
+        let v = judge(&h, &[fault("sigkill", Some("a"), 60, 60)]);
+        assert!(v.ok(), "{v}");
     }
 
     #[test]
     fn a_tick_long_after_a_reported_loss_is_forbidden() {
         let mut h = vec![ev(0, "a", "child_started", 1)];
-        h.push(Event {
-            singleton: None,
-            ..ev(10, "a", "disconnected", 0)
-        });
+        h.push(node_ev(10, "a", 0, "disconnected"));
         h.push(ev(20, "a", "child_tick", 1));
-        let v = check(&h, &[], Duration::from_secs(7));
+        h.push(ev(30, "a", "child_stopped", 1));
+        let v = judge(&h, &[]);
         assert!(v.forbidden.is_empty(), "{v}");
         assert_eq!(v.late_ticks, (1, Duration::from_millis(10)));
+        h.pop();
         h.push(ev(2000, "a", "child_tick", 1));
-        let v = check(&h, &[], Duration::from_secs(7));
+        h.push(ev(2010, "a", "child_stopped", 1));
+        let v = judge(&h, &[]);
         assert_eq!(v.forbidden.len(), 1, "{v}");
+    }
+
+    /// a acts until 1000, is frozen for 10 s, and on waking at 11_000 reports the loss
+    /// while b (token `b_token`) holds since 8000.
+    fn frozen_a(b_token: u64, ticks_after_waking: &[u64]) -> Vec<Event> {
+        let mut h = vec![
+            ev(0, "a", "child_started", 5),
+            ev(500, "a", "child_tick", 5),
+            ev(1000, "a", "child_tick", 5),
+        ];
+        h.extend(run("b", 8000, 20_000, b_token));
+        for t in ticks_after_waking {
+            h.push(ev(*t, "a", "child_tick", 5));
+        }
+        h.push(ev(11_060, "a", "lease_lost", 5));
+        h.push(ev(11_070, "a", "child_stopped", 5));
+        h
     }
 
     #[test]
     fn a_frozen_node_waking_up_is_the_documented_window_not_an_overlap() {
-        // a acts until 1000, is frozen for 10 s, wakes and ticks once at 11_000 while b
-        // (token 6) holds; its token 5 is lower.
-        let mut h = vec![
-            ev(0, "a", "child_started", 5),
-            ev(500, "a", "child_tick", 5),
-        ];
-        h.push(ev(1000, "a", "child_tick", 5));
-        h.extend(run("b", 8000, 20_000, 6));
-        h.push(ev(11_000, "a", "child_tick", 5));
-        h.push(ev(11_010, "a", "child_stopped", 5));
-        let v = check(&h, &[], Duration::from_secs(7));
+        let v = judge(&frozen_a(6, &[]), &[]);
         assert!(v.ok(), "{v}");
-        assert_eq!(v.stale_windows.len(), 1);
+        assert_eq!(v.stale_windows.len(), 1, "{v}");
         assert_eq!(v.stale_windows[0].holder_token, 6);
+    }
+
+    #[test]
+    fn ticks_after_a_freeze_are_caught() {
+        let v = judge(&frozen_a(6, &[11_000, 11_050]), &[]);
+        assert!(!v.safe(), "{v}");
+        assert!(v.stale_windows.is_empty(), "{v}");
+    }
+
+    #[test]
+    fn a_stale_window_without_a_greater_token_is_caught() {
+        let v = judge(&frozen_a(4, &[]), &[]);
+        assert!(!v.safe(), "{v}");
+        assert!(!v.token_regressions.is_empty(), "{v}");
     }
 
     #[test]
@@ -595,49 +1012,34 @@ mod tests {
         // a keeps running well past the fault (a short freeze); b takes over much later.
         let mut h = run("a", 0, 20_000, 5);
         h.extend(run("b", 20_100, 21_000, 6));
-        let faults = [FaultRecord {
-            kind: "sigstop_short",
-            node: Some("a".to_owned()),
-            at_us: 1_000_000,
-            healed_us: 2_000_000,
-        }];
-        let v = check(&h, &faults, Duration::from_secs(7));
+        let faults = [fault("sigstop_short", Some("a"), 1000, 2000)];
+        let v = judge(&h, &faults);
         assert!(!v.takeovers.contains_key("sigstop_short"), "{v}");
+        // ... and that freeze did not happen: a ticked through it.
+        assert_eq!(v.ineffective.len(), 1, "{v}");
     }
 
     #[test]
     fn a_killed_holder_counts_for_its_fault_and_later_faults_are_not_charged() {
-        // a's process is killed at 1.02 s (its last tick was at 0.95 s); b takes over
-        // at 1.3 s. A second fault at 5 s hits b, whose run ends at 5.1 s; c follows.
+        // a's process is killed at 1.02 s; b takes over at 1.3 s. A short freeze of b
+        // at 2 s takes nothing; a cut at 5 s ends b's run at 5.1 s; c follows.
         let mut h = vec![ev(0, "a", "child_started", 5)];
-        let mut t = 50;
-        while t < 1000 {
+        for t in (50..1000).step_by(50) {
             h.push(ev(t, "a", "child_tick", 5));
-            t += 50;
         }
-        h.extend(run("b", 1300, 5100, 6));
+        h.push(node_ev(1200, "a", 1, "connected"));
+        let mut b = run("b", 1300, 5100, 6);
+        b.retain(|e| !(2000..3000).contains(&(e.mono_us / 1000)));
+        h.extend(b);
+        h.push(node_ev(5050, "b", 0, "disconnected"));
         h.extend(run("c", 5300, 6000, 7));
         let faults = [
-            FaultRecord {
-                kind: "sigkill",
-                node: Some("a".to_owned()),
-                at_us: 1_020_000,
-                healed_us: 1_020_000,
-            },
-            FaultRecord {
-                kind: "sigstop_short",
-                node: Some("b".to_owned()),
-                at_us: 2_000_000,
-                healed_us: 3_000_000,
-            },
-            FaultRecord {
-                kind: "cut",
-                node: Some("b".to_owned()),
-                at_us: 5_000_000,
-                healed_us: 5_100_000,
-            },
+            fault("sigkill", Some("a"), 1020, 1020),
+            fault("sigstop_short", Some("b"), 2000, 3000),
+            fault("cut", Some("b"), 5000, 5100),
         ];
-        let v = check(&h, &faults, Duration::from_secs(7));
+        let v = judge(&h, &faults);
+        assert!(v.ok(), "{v}");
         assert_eq!(
             v.takeovers["sigkill"],
             vec![Duration::from_millis(280)],
@@ -648,16 +1050,91 @@ mod tests {
     }
 
     #[test]
+    fn a_kill_that_left_the_process_running_is_ineffective() {
+        let mut h = run("a", 0, 3000, 5);
+        h.push(node_ev(3100, "a", 1, "connected"));
+        h.extend(run("b", 3200, 4000, 6));
+        let v = judge(&h, &[fault("sigkill", Some("a"), 1000, 1000)]);
+        assert!(!v.ineffective.is_empty(), "{v}");
+    }
+
+    #[test]
+    fn a_cut_without_a_disconnect_is_ineffective() {
+        let h = run("a", 0, 3000, 5);
+        let v = judge(&h, &[fault("cut", Some("a"), 1000, 1100)]);
+        assert!(!v.ineffective.is_empty(), "{v}");
+    }
+
+    #[test]
+    fn a_reconnect_to_a_new_generation_shows_a_cut() {
+        let mut h = run("a", 0, 3000, 5);
+        h.push(Event {
+            generation: Some(1),
+            ..node_ev(0, "a", 0, "connected")
+        });
+        h.push(Event {
+            generation: Some(1),
+            ..node_ev(1050, "a", 0, "connected")
+        });
+        let faults = [fault("cut", Some("a"), 1000, 1100)];
+        assert!(!judge(&h, &faults).ineffective.is_empty());
+        h.push(Event {
+            generation: Some(2),
+            ..node_ev(1060, "a", 0, "connected")
+        });
+        assert!(judge(&h, &faults).ineffective.is_empty());
+    }
+
+    #[test]
+    fn a_run_ended_by_the_final_shutdown_is_not_charged_to_a_fault() {
+        let mut h = run("a", 0, 5000, 5);
+        h.push(Event {
+            phase: Some("begin".to_owned()),
+            ..node_ev(4990, "a", 0, "shutdown")
+        });
+        let v = judge(&h, &[fault("sigstop_short", Some("a"), 1000, 2000)]);
+        assert!(v.missing_takeovers.is_empty(), "{v}");
+    }
+
+    #[test]
+    fn a_long_black_hole_that_kept_the_lease_is_ineffective() {
+        let mut h = run("a", 0, 12_000, 5);
+        h.extend(run("b", 12_100, 13_000, 6));
+        let v = judge(&h, &[fault("blackhole", Some("a"), 1000, 6000)]);
+        assert!(!v.ineffective.is_empty(), "{v}");
+    }
+
+    #[test]
+    fn a_lost_holder_without_a_takeover_is_caught() {
+        let mut h = vec![ev(0, "a", "child_started", 5)];
+        h.push(node_ev(1050, "a", 0, "disconnected"));
+        h.push(ev(1050, "a", "lease_lost", 5));
+        h.push(ev(1060, "a", "child_stopped", 5));
+        let v = judge(&h, &[fault("terminate_backend", Some("a"), 1000, 1000)]);
+        assert_eq!(v.missing_takeovers.len(), 1, "{v}");
+        h.extend(run("a", 1500, 2000, 6));
+        let v = judge(&h, &[fault("terminate_backend", Some("a"), 1000, 1000)]);
+        assert!(v.ok(), "{v}");
+        assert_eq!(
+            v.takeovers["terminate_backend"],
+            vec![Duration::from_millis(500)]
+        );
+    }
+
+    #[test]
     fn takeover_latency_is_measured_per_fault() {
         let mut h = run("a", 0, 1000, 5);
+        h.push(node_ev(1100, "a", 1, "connected"));
         h.extend(run("b", 1300, 2000, 6));
-        let faults = [FaultRecord {
-            kind: "sigkill",
-            node: Some("a".to_owned()),
-            at_us: 900_000,
-            healed_us: 900_000,
-        }];
-        let v = check(&h, &faults, Duration::from_secs(7));
-        assert_eq!(v.takeovers["sigkill"], vec![Duration::from_millis(400)]);
+        let v = judge(&h, &[fault("sigkill", Some("a"), 900, 900)]);
+        // a stamped its child_stopped at 1000, after the kill at 900: not killed.
+        assert!(!v.ineffective.is_empty(), "{v}");
+        let mut h = run("a", 0, 1000, 5);
+        h.pop();
+        h.push(node_ev(1100, "a", 1, "connected"));
+        h.extend(run("b", 1300, 2000, 6));
+        let v = judge(&h, &[fault("sigkill", Some("a"), 990, 990)]);
+        assert!(v.ok(), "{v}");
+        assert_eq!(v.takeovers["sigkill"], vec![Duration::from_millis(310)]);
     }
 }

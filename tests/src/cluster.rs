@@ -384,7 +384,7 @@ impl Local {
                 )));
             }
         };
-        signal_pid(child.id(), signal)?;
+        crate::signal(child.id(), signal)?;
         let started = Instant::now();
         loop {
             if child.try_wait()?.is_some() {
@@ -504,7 +504,7 @@ fn sweep_stale(root: &Path) {
             .ok()
             .and_then(|t| t.lines().next().and_then(|l| l.trim().parse::<u32>().ok()))
         {
-            let _ = signal_pid(postmaster, "QUIT");
+            let _ = crate::signal(postmaster, "QUIT");
             std::thread::sleep(Duration::from_millis(200));
         }
         let _ = fs::remove_dir_all(entry.path());
@@ -635,14 +635,6 @@ fn make_certificates(dir: &Path) -> io::Result<()> {
         .arg(dir.join("server.crt")))
 }
 
-/// Sends a signal by name (`STOP`, `CONT`, `KILL`, ...) to a process.
-pub(crate) fn signal_pid(pid: u32, signal: &str) -> io::Result<()> {
-    run(Command::new("kill")
-        .arg("-s")
-        .arg(signal)
-        .arg(pid.to_string()))
-}
-
 fn free_port() -> io::Result<u16> {
     // Below the kernel's ephemeral range, so outgoing connections don't take it.
     let seed = std::time::SystemTime::now()
@@ -689,15 +681,6 @@ fn tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
 
-/// Sends a signal by name (`STOP`, `CONT`, `KILL`, `TERM`, ...) to a process.
-///
-/// # Errors
-///
-/// When `kill` fails (no such process).
-pub fn signal(pid: u32, name: &str) -> io::Result<()> {
-    signal_pid(pid, name)
-}
-
 /// A PgBouncer in front of a local cluster (the Debian `pgbouncer` package).
 #[derive(Debug)]
 pub struct PgBouncer {
@@ -717,16 +700,27 @@ impl PgBouncer {
         let Inner::Local(local) = &cluster.inner else {
             return Err(io::Error::other("PgBouncer tests need a local cluster"));
         };
-        let binary = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
-            .into_iter()
-            .map(PathBuf::from)
-            .find(|p| p.exists())
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::NotFound,
-                    "pgbouncer is not installed (Debian/Ubuntu: apt-get install pgbouncer)",
-                )
-            })?;
+        // Where Debian installs it, then `PATH` (what `.ci/run` checks with `command -v`).
+        let on_path: Vec<PathBuf> = std::env::var_os("PATH")
+            .map(|p| {
+                std::env::split_paths(&p)
+                    .map(|d| d.join("pgbouncer"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let binary = [
+            PathBuf::from("/usr/sbin/pgbouncer"),
+            PathBuf::from("/usr/bin/pgbouncer"),
+        ]
+        .into_iter()
+        .chain(on_path)
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "pgbouncer is not installed (Debian/Ubuntu: apt-get install pgbouncer)",
+            )
+        })?;
         let dir = local.base.join(format!(
             "pgbouncer-{}",
             COUNTER.fetch_add(1, Ordering::Relaxed)

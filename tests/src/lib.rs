@@ -13,16 +13,25 @@
 //! behind by a test process that died are swept by the next start.
 
 pub mod checker;
+mod clock;
 mod cluster;
 pub mod nemesis;
 mod proxy;
 
-pub use cluster::{PgBouncer, PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD, signal};
+pub use clock::{monotonic_us, signal};
+pub use cluster::{PgBouncer, PgCluster, PgClusterBuilder, SUPERUSER, SUPERUSER_PASSWORD};
 pub use proxy::{FaultProxy, ProxyMode};
 /// Re-exported for examples that build connection settings by hand.
 pub use tokio_postgres::Config as PgConfig;
 /// Re-exported for examples that inspect connection settings.
 pub use tokio_postgres::config::Host as PgHost;
+
+/// `true` when running in CI (`CI=true`, as `.ci/run` is run): there no test may skip
+/// itself for a missing tool.
+#[must_use]
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
 
 /// A lock name unique to this process and call, so tests can share a database.
 #[must_use]

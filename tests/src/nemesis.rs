@@ -5,15 +5,24 @@
 //! Knobs (environment): `CHOSEN_NEMESIS_SECS` (default 60), `CHOSEN_NEMESIS_SEED`
 //! (default: from the clock; always printed), `CHOSEN_NEMESIS_NODES` (5),
 //! `CHOSEN_NEMESIS_SINGLETONS` (10).
+//!
+//! A run cannot pass by doing nothing: faults are drawn from a shuffled deck, so every
+//! kind is injected at least once (the run goes on past its duration until the first
+//! deck is dealt); every signal, termination and restart must succeed; and the
+//! [`Report`] lists what went wrong outside the contract: a node that exited on its
+//! own, a panic on a node's stderr, an output line that is not an event.
 
+use std::collections::{HashMap, HashSet};
 use std::io::{self, BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::checker::{Event, FaultRecord, Verdict, check};
-use crate::{FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, signal};
+use crate::checker::{Event, FaultRecord, Timing, Verdict, check};
+use crate::{
+    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, monotonic_us, signal,
+};
 
 /// How a run is set up.
 #[derive(Debug, Clone)]
@@ -26,8 +35,8 @@ pub struct NemesisConfig {
     pub duration: Duration,
     /// The random seed (print it; a failing run replays with the same seed).
     pub seed: u64,
-    /// The nodes' `server_release_after` (their default, 7 s).
-    pub server_release: Duration,
+    /// The nodes' `server_release_after` and `lease_timeout` (their defaults).
+    pub timing: Timing,
 }
 
 impl NemesisConfig {
@@ -48,7 +57,7 @@ impl NemesisConfig {
             singletons: num("CHOSEN_NEMESIS_SINGLETONS", 10) as usize,
             duration: Duration::from_secs(num("CHOSEN_NEMESIS_SECS", 60)),
             seed: num("CHOSEN_NEMESIS_SEED", clock_seed),
-            server_release: Duration::from_secs(7),
+            timing: Timing::default(),
         }
     }
 }
@@ -86,13 +95,30 @@ impl Rng {
     fn millis(&mut self, lo: u64, hi: u64) -> Duration {
         Duration::from_millis(lo + self.below(hi - lo + 1))
     }
+
+    /// Every fault kind once, in a random order.
+    fn deck(&mut self) -> Vec<&'static str> {
+        let mut deck = FAULT_KINDS.to_vec();
+        for i in (1..deck.len()).rev() {
+            deck.swap(i, self.below(i as u64 + 1) as usize);
+        }
+        deck
+    }
 }
 
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+/// What a run produced.
+#[derive(Debug)]
+pub struct Report {
+    /// The checker's verdict on the history.
+    pub verdict: Verdict,
+    /// The faults injected.
+    pub faults: Vec<FaultRecord>,
+    /// Everything that went wrong outside the history: unexpected exits, panics and
+    /// other stderr lines, unparsable output. Must be empty.
+    pub problems: Vec<String>,
 }
+
+type Shared<T> = Arc<Mutex<T>>;
 
 struct Node {
     id: String,
@@ -102,19 +128,24 @@ struct Node {
     instance: u32,
 }
 
+/// How long a node gets to shut down gracefully (its stop budget is a few seconds).
+const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
+
 /// Runs the nemesis and returns the checker's verdict with the faults injected.
 ///
 /// # Errors
 ///
-/// When the cluster, a proxy or a node process cannot be started.
-pub async fn run(config: &NemesisConfig) -> io::Result<(Verdict, Vec<FaultRecord>)> {
+/// When the cluster, a proxy or a node process cannot be started, or a fault cannot be
+/// injected (a signal, a backend termination or a restart failed).
+pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     let cluster = Arc::new(Mutex::new(PgCluster::start_local()?));
     let (direct_url, port) = {
         let c = cluster.lock().expect("cluster lock");
         (c.url(), c.port().expect("local cluster"))
     };
     let binary = example_binary("node")?;
-    let events: Arc<Mutex<Vec<Event>>> = Arc::default();
+    let events: Shared<Vec<Event>> = Arc::default();
+    let problems: Shared<Vec<String>> = Arc::default();
     let singletons: Vec<String> = (0..config.singletons).map(|i| format!("s{i}")).collect();
     let mut nodes = Vec::new();
     for i in 0..config.nodes {
@@ -127,80 +158,115 @@ pub async fn run(config: &NemesisConfig) -> io::Result<(Verdict, Vec<FaultRecord
             child: None,
             instance: 0,
         };
-        spawn(&binary, &mut node, &singletons, &events)?;
+        spawn(&binary, &mut node, &singletons, &events, &problems)?;
         nodes.push(node);
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
 
     let mut rng = Rng(config.seed | 1);
     let mut faults = Vec::new();
+    let mut deck = Vec::new();
+    let mut dealt = 0;
     let started = std::time::Instant::now();
-    while started.elapsed() < config.duration {
-        // A node that died on its own is restarted (and shows in the history).
+    while started.elapsed() < config.duration || dealt < FAULT_KINDS.len() {
         for node in &mut nodes {
-            if node
+            if let Some(status) = node
                 .child
                 .as_mut()
-                .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))))
+                .and_then(|c| c.try_wait().ok().flatten())
             {
-                spawn(&binary, node, &singletons, &events)?;
+                problems.lock().expect("problems lock").push(format!(
+                    "{}#{} exited on its own ({status})",
+                    node.id, node.instance
+                ));
+                node.child = None;
+                spawn(&binary, node, &singletons, &events, &problems)?;
             }
         }
-        let kind = FAULT_KINDS[rng.below(FAULT_KINDS.len() as u64) as usize];
-        // Mostly aim at nodes that hold something, so faults cause takeovers.
+        if deck.is_empty() {
+            deck = rng.deck();
+        }
+        let kind = deck.pop().expect("BUG: dealt from a full deck");
+        dealt += 1;
+        // Aim at nodes that hold something, so that every fault takes a lease away.
         let holders = holders(&events.lock().expect("events lock"));
         let candidates: Vec<usize> = (0..nodes.len())
             .filter(|i| holders.contains(&nodes[*i].id))
             .collect();
-        let target = if !candidates.is_empty() && rng.below(10) < 8 {
-            candidates[rng.below(candidates.len() as u64) as usize]
-        } else {
+        let target = if candidates.is_empty() {
             rng.below(nodes.len() as u64) as usize
+        } else {
+            candidates[rng.below(candidates.len() as u64) as usize]
         };
-        let at_us = now_us();
-        let mut node_id = Some(nodes[target].id.clone());
+        let node = &mut nodes[target];
+        let pid = node
+            .child
+            .as_ref()
+            .map(Child::id)
+            .expect("BUG: every node runs");
+        let mut record = FaultRecord {
+            kind,
+            target: Some((node.id.clone(), node.instance)),
+            at_us: monotonic_us(),
+            healed_us: 0,
+        };
         match kind {
             "sigkill" => {
-                kill(&mut nodes[target]);
+                record.at_us = monotonic_us();
+                signal(pid, "KILL")?;
+                reap(node, Duration::from_secs(5))?;
+                record.healed_us = monotonic_us();
                 tokio::time::sleep(rng.millis(500, 2000)).await;
-                spawn(&binary, &mut nodes[target], &singletons, &events)?;
+                spawn(&binary, node, &singletons, &events, &problems)?;
             }
             "sigstop_short" | "sigstop_long" => {
                 let pause = if kind == "sigstop_short" {
                     rng.millis(500, 2500)
                 } else {
-                    config.server_release + rng.millis(1000, 4000)
+                    config.timing.release + rng.millis(1000, 4000)
                 };
-                if let Some(pid) = nodes[target].child.as_ref().map(Child::id) {
-                    let _ = signal(pid, "STOP");
-                    tokio::time::sleep(pause).await;
-                    let _ = signal(pid, "CONT");
-                }
+                record.at_us = monotonic_us();
+                signal(pid, "STOP")?;
+                tokio::time::sleep(pause).await;
+                record.healed_us = monotonic_us();
+                signal(pid, "CONT")?;
             }
             "blackhole" => {
-                nodes[target].proxy.set(ProxyMode::BlackHole);
+                node.proxy.set(ProxyMode::BlackHole);
                 tokio::time::sleep(rng.millis(2000, 10_000)).await;
-                nodes[target].proxy.set(ProxyMode::Pass);
+                node.proxy.set(ProxyMode::Pass);
+                record.healed_us = monotonic_us();
             }
             "cut" => {
-                nodes[target].proxy.set(ProxyMode::Cut);
+                node.proxy.set(ProxyMode::Cut);
                 tokio::time::sleep(rng.millis(100, 1000)).await;
-                nodes[target].proxy.set(ProxyMode::Pass);
+                node.proxy.set(ProxyMode::Pass);
+                record.healed_us = monotonic_us();
             }
             "terminate_backend" => {
-                if let Ok(admin) = connect_admin(&direct_url).await {
-                    let _ = admin
-                        .execute(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-                            &[&nodes[target].id],
-                        )
-                        .await;
+                let admin = connect_admin(&direct_url).await.map_err(io::Error::other)?;
+                record.at_us = monotonic_us();
+                let rows = admin
+                    .query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                        &[&node.id],
+                    )
+                    .await
+                    .map_err(io::Error::other)?;
+                let terminated = rows.iter().filter(|r| r.get::<_, bool>(0)).count();
+                if terminated == 0 {
+                    return Err(io::Error::other(format!(
+                        "terminate_backend: no session of {} to terminate",
+                        node.id
+                    )));
                 }
+                record.healed_us = monotonic_us();
             }
             "restart_fast" | "restart_immediate" | "server_down" => {
-                node_id = None;
+                record.target = None;
                 let cluster = Arc::clone(&cluster);
                 let down = rng.millis(2000, 5000);
+                record.at_us = monotonic_us();
                 tokio::task::spawn_blocking(move || -> io::Result<()> {
                     let mut c = cluster.lock().expect("cluster lock");
                     match kind {
@@ -215,67 +281,85 @@ pub async fn run(config: &NemesisConfig) -> io::Result<(Verdict, Vec<FaultRecord
                 })
                 .await
                 .map_err(io::Error::other)??;
+                record.healed_us = monotonic_us();
             }
             "sigterm" => {
-                if let Some(child) = nodes[target].child.as_mut() {
-                    let _ = signal(child.id(), "TERM");
-                    for _ in 0..100 {
-                        if matches!(child.try_wait(), Ok(Some(_))) {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
+                record.at_us = monotonic_us();
+                signal(pid, "TERM")?;
+                let status = reap(node, SHUTDOWN_LIMIT)?;
+                if !status.success() {
+                    problems.lock().expect("problems lock").push(format!(
+                        "{}#{} did not shut down cleanly on SIGTERM ({status})",
+                        record.target.as_ref().expect("BUG: node fault").0,
+                        node.instance
+                    ));
                 }
-                kill(&mut nodes[target]);
+                record.healed_us = monotonic_us();
                 tokio::time::sleep(rng.millis(200, 1000)).await;
-                spawn(&binary, &mut nodes[target], &singletons, &events)?;
+                spawn(&binary, node, &singletons, &events, &problems)?;
             }
             other => unreachable!("unknown fault {other}"),
         }
-        faults.push(FaultRecord {
-            kind,
-            node: node_id,
-            at_us,
-            healed_us: now_us(),
-        });
-        tokio::time::sleep(rng.millis(1500, 3500)).await;
+        faults.push(record);
+        tokio::time::sleep(rng.millis(1000, 2500)).await;
     }
 
-    // Heal, let the fleet settle, then stop every node gracefully.
+    // Heal, wait for every singleton to be held again (the last fault's takeover), then
+    // stop every node gracefully: each must exit 0.
     for node in &nodes {
         node.proxy.set(ProxyMode::Pass);
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let settle = config.timing.release + Duration::from_secs(10);
+    if !wait_all_held(&events, config.singletons, settle).await {
+        problems.lock().expect("problems lock").push(format!(
+            "not every singleton was held again within {settle:?} after the last fault"
+        ));
+    }
     for node in &mut nodes {
-        if let Some(child) = node.child.as_mut() {
-            let _ = signal(child.id(), "TERM");
+        if let Some(child) = node.child.as_ref() {
+            signal(child.id(), "TERM")?;
         }
     }
     for node in &mut nodes {
-        if let Some(child) = node.child.as_mut() {
-            for _ in 0..100 {
-                if matches!(child.try_wait(), Ok(Some(_))) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+        let status = reap(node, SHUTDOWN_LIMIT)?;
+        if !status.success() {
+            problems.lock().expect("problems lock").push(format!(
+                "{}#{} did not shut down cleanly at the end ({status})",
+                node.id, node.instance
+            ));
         }
-        kill(node);
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The reader threads end at EOF, which follows the exit.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let events = events.lock().expect("events lock").clone();
-    Ok((check(&events, &faults, config.server_release), faults))
+    let problems = problems.lock().expect("problems lock").clone();
+    Ok(Report {
+        verdict: check(&events, &faults, config.timing),
+        faults,
+        problems,
+    })
 }
 
-/// Nodes whose latest process instance runs at least one child right now.
-fn holders(events: &[Event]) -> std::collections::HashSet<String> {
-    let mut latest: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+/// Waits until every singleton has a running child (bounded); `false` on timeout.
+async fn wait_all_held(events: &Shared<Vec<Event>>, singletons: usize, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if held(&events.lock().expect("events lock")) >= singletons {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Per (node, latest instance, singleton): whether a child runs right now.
+fn running(events: &[Event]) -> HashMap<(&str, &str), bool> {
+    let mut latest: HashMap<&str, u32> = HashMap::new();
     for e in events {
         let i = latest.entry(&e.node).or_insert(e.instance);
         *i = (*i).max(e.instance);
     }
-    let mut running: std::collections::HashMap<(&str, &str), bool> =
-        std::collections::HashMap::new();
+    let mut running = HashMap::new();
     for e in events {
         if latest.get(e.node.as_str()) != Some(&e.instance) {
             continue;
@@ -283,29 +367,50 @@ fn holders(events: &[Event]) -> std::collections::HashSet<String> {
         if let Some(s) = &e.singleton {
             match e.event.as_str() {
                 "child_started" => {
-                    running.insert((&e.node, s), true);
+                    running.insert((e.node.as_str(), s.as_str()), true);
                 }
                 "child_stopped" | "lease_lost" => {
-                    running.insert((&e.node, s), false);
+                    running.insert((e.node.as_str(), s.as_str()), false);
                 }
                 _ => {}
             }
         }
     }
     running
+}
+
+/// Nodes whose latest process instance runs at least one child right now.
+fn holders(events: &[Event]) -> HashSet<String> {
+    running(events)
         .into_iter()
         .filter(|(_, on)| *on)
         .map(|((n, _), _)| n.to_owned())
         .collect()
 }
 
+/// How many singletons have a running child right now.
+fn held(events: &[Event]) -> usize {
+    running(events)
+        .into_iter()
+        .filter(|(_, on)| *on)
+        .map(|((_, s), _)| s)
+        .collect::<HashSet<_>>()
+        .len()
+}
+
 fn spawn(
     binary: &PathBuf,
     node: &mut Node,
     singletons: &[String],
-    events: &Arc<Mutex<Vec<Event>>>,
+    events: &Shared<Vec<Event>>,
+    problems: &Shared<Vec<String>>,
 ) -> io::Result<()> {
-    kill(node);
+    if node.child.is_some() {
+        return Err(io::Error::other(format!(
+            "BUG: {}#{} is still running",
+            node.id, node.instance
+        )));
+    }
     node.instance += 1;
     let mut cmd = Command::new(binary);
     cmd.args(["--node-id", &node.id, "--poll-ms", "200", "--tick-ms", "50"]);
@@ -314,27 +419,83 @@ fn spawn(
     }
     let mut child = cmd
         .env("DATABASE_URL", &node.url)
+        .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()?;
     let stdout = child.stdout.take().expect("piped stdout");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let label = format!("{}#{}", node.id, node.instance);
     let (events, instance) = (Arc::clone(events), node.instance);
+    let problems_out = Arc::clone(problems);
+    let label_out = label.clone();
     std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(e) = Event::parse(&line, instance) {
-                events.lock().expect("events lock").push(e);
+        for line in BufReader::new(stdout).lines() {
+            let line = match line {
+                Ok(line) => line,
+                Err(e) => {
+                    problems_out
+                        .lock()
+                        .expect("problems lock")
+                        .push(format!("{label_out}: stdout unreadable: {e}"));
+                    break;
+                }
+            };
+            match Event::parse(&line, instance) {
+                Some(e) => events.lock().expect("events lock").push(e),
+                None => problems_out
+                    .lock()
+                    .expect("problems lock")
+                    .push(format!("{label_out}: not an event: {line:?}")),
             }
+        }
+    });
+    // The node logs nothing on stderr unless something is wrong (a panic, a fatal
+    // error): every line is a problem.
+    let problems = Arc::clone(problems);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            problems
+                .lock()
+                .expect("problems lock")
+                .push(format!("{label} stderr: {line}"));
         }
     });
     node.child = Some(child);
     Ok(())
 }
 
-fn kill(node: &mut Node) {
-    if let Some(mut child) = node.child.take() {
-        let _ = signal(child.id(), "CONT");
-        let _ = child.kill();
-        let _ = child.wait();
+/// Waits (bounded) for the node's process to exit; kills it when the limit passes, and
+/// reports that as an error status.
+fn reap(node: &mut Node, limit: Duration) -> io::Result<std::process::ExitStatus> {
+    let Some(mut child) = node.child.take() else {
+        return Err(io::Error::other(format!("{} runs no process", node.id)));
+    };
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = signal(child.id(), "CONT");
+            child.kill()?;
+            child.wait()?;
+            return Err(io::Error::other(format!(
+                "{}#{} did not exit within {limit:?}",
+                node.id, node.instance
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = signal(child.id(), "CONT");
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }

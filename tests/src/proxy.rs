@@ -25,8 +25,17 @@ pub enum ProxyMode {
 #[derive(Debug)]
 pub struct FaultProxy {
     addr: SocketAddr,
-    mode: watch::Sender<ProxyMode>,
+    mode: watch::Sender<State>,
     task: JoinHandle<()>,
+}
+
+/// The mode, and how many times it was set to `Cut`: a connection remembers the count
+/// it was accepted under and closes when it changes, so a cut that is healed before a
+/// pump looks still closes every connection it should.
+#[derive(Clone, Copy, Debug)]
+struct State {
+    mode: ProxyMode,
+    cuts: u64,
 }
 
 impl FaultProxy {
@@ -38,14 +47,18 @@ impl FaultProxy {
     pub async fn start(upstream: SocketAddr) -> io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let (mode, rx) = watch::channel(ProxyMode::Pass);
+        let (mode, rx) = watch::channel(State {
+            mode: ProxyMode::Pass,
+            cuts: 0,
+        });
         let task = tokio::spawn(async move {
             let mut tasks = Vec::new();
             while let Ok((client, _)) = listener.accept().await {
                 let rx = rx.clone();
+                let cuts = rx.borrow().cuts;
                 tasks.retain(|t: &JoinHandle<()>| !t.is_finished());
                 tasks.push(tokio::spawn(async move {
-                    let _ = serve(client, upstream, rx).await;
+                    let _ = serve(client, upstream, rx, cuts).await;
                 }));
             }
             for t in tasks {
@@ -73,13 +86,18 @@ impl FaultProxy {
 
     /// Changes what the proxy does, for existing and new connections.
     pub fn set(&self, mode: ProxyMode) {
-        self.mode.send_replace(mode);
+        self.mode.send_modify(|s| {
+            s.mode = mode;
+            if mode == ProxyMode::Cut {
+                s.cuts += 1;
+            }
+        });
     }
 }
 
 impl Drop for FaultProxy {
     fn drop(&mut self) {
-        self.mode.send_replace(ProxyMode::Cut);
+        self.set(ProxyMode::Cut);
         self.task.abort();
     }
 }
@@ -87,9 +105,10 @@ impl Drop for FaultProxy {
 async fn serve(
     client: TcpStream,
     upstream: SocketAddr,
-    mut mode: watch::Receiver<ProxyMode>,
+    mut mode: watch::Receiver<State>,
+    cuts: u64,
 ) -> io::Result<()> {
-    if !wait_pass(&mut mode).await {
+    if !wait_pass(&mut mode, cuts).await {
         return Ok(());
     }
     let server = TcpStream::connect(upstream).await?;
@@ -97,14 +116,19 @@ async fn serve(
     let _ = server.set_nodelay(true);
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
-    tokio::join!(pump(cr, sw, mode.clone()), pump(sr, cw, mode));
+    tokio::join!(pump(cr, sw, mode.clone(), cuts), pump(sr, cw, mode, cuts));
     Ok(())
 }
 
-/// Waits until the mode is `Pass` (true) or `Cut` (false).
-async fn wait_pass(mode: &mut watch::Receiver<ProxyMode>) -> bool {
+/// Waits until the mode is `Pass` (true), or `Cut` or a cut since the connection was
+/// accepted (false).
+async fn wait_pass(mode: &mut watch::Receiver<State>, cuts: u64) -> bool {
     loop {
-        match *mode.borrow_and_update() {
+        let state = *mode.borrow_and_update();
+        if state.cuts != cuts {
+            return false;
+        }
+        match state.mode {
             ProxyMode::Pass => return true,
             ProxyMode::Cut => return false,
             ProxyMode::BlackHole => {}
@@ -118,11 +142,12 @@ async fn wait_pass(mode: &mut watch::Receiver<ProxyMode>) -> bool {
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
-    mut mode: watch::Receiver<ProxyMode>,
+    mut mode: watch::Receiver<State>,
+    cuts: u64,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        if !wait_pass(&mut mode).await {
+        if !wait_pass(&mut mode, cuts).await {
             return;
         }
         tokio::select! {
@@ -132,7 +157,7 @@ async fn pump(
                     Ok(n) => n,
                 };
                 // Held back (not lost) while black-holed, like TCP retransmission.
-                if !wait_pass(&mut mode).await || to.write_all(&buf[..n]).await.is_err() {
+                if !wait_pass(&mut mode, cuts).await || to.write_all(&buf[..n]).await.is_err() {
                     return;
                 }
             }

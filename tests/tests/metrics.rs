@@ -64,8 +64,18 @@ async fn scrape(addr: SocketAddr) -> HashMap<String, f64> {
         .collect()
 }
 
-fn get(m: &HashMap<String, f64>, series: &str) -> f64 {
-    m.get(series).copied().unwrap_or(0.0)
+/// A series that may not exist yet (a follower's gauges before its first report).
+fn get(m: &HashMap<String, f64>, series: &str) -> Option<f64> {
+    m.get(series).copied()
+}
+
+/// A series that must exist: a missing one is a failure, not a 0.
+fn value(m: &HashMap<String, f64>, series: &str) -> f64 {
+    get(m, series).unwrap_or_else(|| {
+        let mut names: Vec<&String> = m.keys().collect();
+        names.sort();
+        panic!("no series {series} in the scrape: {names:#?}")
+    })
 }
 
 async fn holders(nodes: &[Node], lock: &str) -> Vec<String> {
@@ -75,7 +85,7 @@ async fn holders(nodes: &[Node], lock: &str) -> Vec<String> {
         if get(
             &m,
             &format!("chosen_lock_held{{lock=\"{lock}\",node=\"{}\"}}", n.id),
-        ) == 1.0
+        ) == Some(1.0)
         {
             out.push(n.id.clone());
         }
@@ -103,11 +113,11 @@ async fn scraped_metrics_follow_a_takeover() {
     };
     let m = scrape(nodes.iter().find(|n| n.id == leader).unwrap().metrics).await;
     assert_eq!(
-        get(&m, &format!("chosen_connection_up{{node=\"{leader}\"}}")),
+        value(&m, &format!("chosen_connection_up{{node=\"{leader}\"}}")),
         1.0
     );
     assert_eq!(
-        get(
+        value(
             &m,
             &format!("chosen_singleton_running{{node=\"{leader}\",singleton=\"{lock}\"}}")
         ),
@@ -126,12 +136,12 @@ async fn scraped_metrics_follow_a_takeover() {
                 &m,
                 &format!("chosen_poll_queries_total{{node=\"{}\"}}", n.id),
             );
-            if waiters == 1.0 && polls >= 1.0 {
+            if waiters == Some(1.0) && polls.is_some_and(|p| p >= 1.0) {
                 break;
             }
             assert!(
                 Instant::now() < deadline,
-                "{}: waiters {waiters}, polls {polls}",
+                "{}: waiters {waiters:?}, polls {polls:?}",
                 n.id
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -161,7 +171,7 @@ async fn scraped_metrics_follow_a_takeover() {
     }
     let old = scrape(nodes.iter().find(|n| n.id == leader).unwrap().metrics).await;
     assert_eq!(
-        get(
+        value(
             &old,
             &format!(
                 "chosen_lock_losses_total{{lock=\"{lock}\",node=\"{leader}\",reason=\"connection_lost\"}}"
@@ -170,7 +180,7 @@ async fn scraped_metrics_follow_a_takeover() {
         1.0
     );
     assert_eq!(
-        get(
+        value(
             &old,
             &format!("chosen_lock_held{{lock=\"{lock}\",node=\"{leader}\"}}")
         ),
@@ -180,7 +190,8 @@ async fn scraped_metrics_follow_a_takeover() {
     while get(
         &scrape(nodes.iter().find(|n| n.id == leader).unwrap().metrics).await,
         &format!("chosen_session_generation{{node=\"{leader}\"}}"),
-    ) < 2.0
+    )
+    .is_none_or(|g| g < 2.0)
     {
         assert!(
             Instant::now() < deadline,

@@ -2,7 +2,9 @@
 //! a minute; `CHOSEN_NEMESIS_SECS=600` (and `CHOSEN_NEMESIS_SEED=...` to replay) runs
 //! longer, see the README.
 
-use chosen_tests::nemesis::{NemesisConfig, run};
+use std::time::Duration;
+
+use chosen_tests::nemesis::{FAULT_KINDS, NemesisConfig, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_never_finds_two_holders() {
@@ -11,15 +13,57 @@ async fn nemesis_never_finds_two_holders() {
         "nemesis: seed {} ({} nodes, {} singletons, {:?}); replay with CHOSEN_NEMESIS_SEED={}",
         config.seed, config.nodes, config.singletons, config.duration, config.seed
     );
-    let (verdict, faults) = run(&config).await.expect("the nemesis runs");
+    let report = run(&config).await.expect("the nemesis runs");
+    let verdict = &report.verdict;
     eprintln!(
         "nemesis: {} faults injected (seed {})\n{verdict}",
-        faults.len(),
+        report.faults.len(),
         config.seed
     );
     assert!(
-        verdict.ok(),
+        verdict.safe(),
         "the contract was broken (seed {}):\n{verdict}",
+        config.seed
+    );
+    assert!(
+        report.problems.is_empty(),
+        "the nodes misbehaved (seed {}):\n{}",
+        config.seed,
+        report.problems.join("\n")
+    );
+    assert!(
+        verdict.ok(),
+        "a fault did not take effect or was not followed by a takeover (seed {}):\n{verdict}",
+        config.seed
+    );
+    for kind in FAULT_KINDS {
+        assert!(
+            verdict.faults.contains_key(kind),
+            "{kind} was never injected: {verdict}"
+        );
+    }
+    // Every fault kind that takes a lease away was seen to: a run where faults missed
+    // every holder would prove nothing.
+    for kind in [
+        "sigkill",
+        "sigstop_long",
+        "cut",
+        "terminate_backend",
+        "sigterm",
+    ] {
+        assert!(
+            verdict.takeovers.contains_key(kind),
+            "no takeover after any {kind} (seed {}): {verdict}",
+            config.seed
+        );
+    }
+    // Generous: the server release time, a lease timeout and 10 s of polls, backoff
+    // and a busy machine.
+    let bound = config.timing.release + config.timing.lease_timeout + Duration::from_secs(10);
+    assert!(
+        verdict.longest_leaderless < bound,
+        "a singleton went without a holder for {:?} (bound {bound:?}, seed {}): {verdict}",
+        verdict.longest_leaderless,
         config.seed
     );
     assert!(
