@@ -376,3 +376,47 @@ async fn a_batch_token_is_newer_than_every_tenure_before_it() {
     }
     assert!(valid_rounds >= 1, "no round raced the batch");
 }
+
+/// §2.2 (b), the other half: a lease its owner never drops does not keep the lock past
+/// the stop budget; the shutdown then releases it anyway and announces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("kept-lease");
+    let budget = Duration::from_millis(800);
+    let a = LockManager::connect(options(&pg.url(), "keeping-holder").stop_budget(budget))
+        .await
+        .unwrap();
+    let lease = a.acquire(lock.as_str()).await.unwrap();
+    let b = LockManager::connect(
+        options(&pg.url(), "budget-waiter").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        let lock = lock.clone();
+        async move { b.acquire(lock.as_str()).await.map(|l| (Instant::now(), l)) }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    a.shutdown().await;
+    assert!(!lease.is_valid(), "revoked first");
+    let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("announced, not polled")
+        .unwrap()
+        .unwrap();
+    let after = acquired - t0;
+    assert!(
+        after >= budget,
+        "released {after:?} after the shutdown began, before the budget"
+    );
+    assert!(
+        after < budget + Duration::from_secs(1),
+        "released {after:?} after the shutdown began"
+    );
+    drop(lease);
+    drop(lease_b);
+    b.shutdown().await;
+}

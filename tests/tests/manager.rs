@@ -388,10 +388,20 @@ async fn shutdown_releases_everything_and_fails_waiters() {
     // B has tried once and now sleeps for its 30 s poll interval.
     waiting.wait_for(&name).await;
     assert!(!b_waits.is_finished());
+    // The holder drops its lease as soon as it is told: the shutdown waits for that
+    // (at most the stop budget) before it releases the lock.
+    let holder = tokio::spawn(async move {
+        let reason = lease.lost().await;
+        assert!(!lease.is_valid());
+        drop(lease);
+        reason
+    });
     let t0 = Instant::now();
     a.shutdown().await;
-    assert!(!lease.is_valid());
-    assert_eq!(lease.lost().await, chosen_core::DisconnectReason::Shutdown);
+    assert_eq!(
+        holder.await.unwrap(),
+        chosen_core::DisconnectReason::Shutdown
+    );
     assert!(matches!(waiter.await.unwrap(), Err(Error::Closed)));
     assert!(matches!(a.acquire("x").await, Err(Error::Closed)));
     assert!(matches!(
