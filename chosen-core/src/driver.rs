@@ -23,7 +23,8 @@ use crate::session::{self, ConnEvent, Fault, Generation, Session, error_text};
 use crate::shared::Shared;
 use crate::status::{ConnectionStatus, DisconnectReason};
 use crate::table::{
-    Action, Entry, LockTable, Plan, Refusal, Request, RequestId, Rules, TryOutcome, jitter_below,
+    Action, Entry, FenceCheck, LockTable, Plan, Refusal, Request, RequestId, Rules, TryOutcome,
+    jitter_below,
 };
 
 pub(crate) enum Command {
@@ -107,6 +108,11 @@ impl Driver {
         let rules = Rules {
             max_locks: shared.options.max_locks,
             takeover_grace: shared.options.takeover_grace,
+            max_fence_wait: shared
+                .options
+                .lease_timeout
+                .saturating_add(shared.options.stop_budget)
+                .saturating_add(shared.options.safety_margin),
         };
         Self {
             table: LockTable::new(rules, seed),
@@ -296,6 +302,9 @@ impl Driver {
                 unlock,
                 token_for,
                 try_keys,
+                fence,
+                unfence,
+                check,
             } = plan;
             // Issued together: tokio-postgres pipelines them on the one connection.
             let unlocking = async {
@@ -338,17 +347,54 @@ impl Driver {
                     Err(lost) => Err(lost),
                 }
             };
-            let (unlocked, token, tried) = self
+            // Stop fences: taken for leases of an ended session still out, released
+            // (and the keys announced) when they come back, checked before a takeover.
+            let fencing = async {
+                if fence.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    s.fence(&fence).await
+                }
+            };
+            let unfencing = async {
+                if unfence.is_empty() {
+                    Ok(())
+                } else {
+                    s.unfence(&unfence).await
+                }
+            };
+            let checking = async {
+                if check.is_empty() {
+                    return Ok(Vec::new());
+                }
+                match s.check_fences(&check).await {
+                    Err(Fault::Query(e)) => {
+                        warn!(error = %error_text(&e), "could not check stop fences; will retry");
+                        Ok(check.iter().map(|k| (*k, FenceCheck::Failed)).collect())
+                    }
+                    other => other,
+                }
+            };
+            let ((unlocked, token, tried), (fenced, unfenced, checked)) = self
                 .guarded(&generation, deadline, async {
-                    Ok(tokio::join!(unlocking, token, trying))
+                    Ok(tokio::join!(
+                        async { tokio::join!(unlocking, token, trying) },
+                        async { tokio::join!(fencing, unfencing, checking) },
+                    ))
                 })
                 .await
                 .map_err(fault_reason)?;
             unlocked.map_err(fault_reason)?;
+            unfenced.map_err(fault_reason)?;
             let token = token.map_err(fault_reason)?;
             let tried = tried.map_err(fault_reason)?;
+            let fenced = fenced.map_err(fault_reason)?;
+            let checked = checked.map_err(fault_reason)?;
             let now = Instant::now();
             self.table.unlocked(&unlock, now);
+            self.table.unfenced(&unfence, now);
+            self.table.fenced(&fenced);
+            self.table.checked(&checked, now);
             self.table.tokens(&token_for, token, now);
             match tried {
                 Ok(outcomes) => {
@@ -437,7 +483,7 @@ impl Driver {
             self.current.clone(),
             self.weak_tx.upgrade(),
         ) else {
-            self.table.release(key, id);
+            self.table.release(key, id, Instant::now());
             return;
         };
         debug_assert_eq!(generation.id, generation_id);
@@ -468,7 +514,7 @@ impl Driver {
                 if let Ok(Some(mut lease)) = returned {
                     lease.disarm();
                 }
-                self.table.release(key, id);
+                self.table.release(key, id, Instant::now());
             }
         }
     }
@@ -587,7 +633,7 @@ impl Driver {
                 lease_id,
                 reply,
             } => {
-                self.table.release(key, lease_id);
+                self.table.release(key, lease_id, now);
                 self.carry_out();
                 if let Some(reply) = reply {
                     self.release_replies.push(reply);

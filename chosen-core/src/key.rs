@@ -80,6 +80,14 @@ impl LockKey {
         }
     }
 
+    /// The *stop fence* of this key: a companion key that a node whose session ended
+    /// while its work under this key was still running holds (on its new session) until
+    /// that work has stopped. A node that takes this key over waits while it is held.
+    /// Do not change: nodes of different versions must agree on it.
+    pub(crate) fn stop_fence(self) -> Self {
+        Self::derive("chosen.stop-fence", &self.tag())
+    }
+
     /// The text used in `NOTIFY` payloads and logs: `pair:<key1>:<key2>` or `int:<key>`.
     pub(crate) fn tag(self) -> String {
         match self {

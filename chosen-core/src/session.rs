@@ -17,7 +17,7 @@ use crate::lease::FencingToken;
 use crate::manager::HolderInfo;
 use crate::options::ManagerOptions;
 use crate::status::DisconnectReason;
-use crate::table::TryOutcome;
+use crate::table::{FenceCheck, TryOutcome};
 
 /// The channel graceful releases are announced on (payload: up to 200 key tags, see
 /// `LockKey::tag`, joined by commas).
@@ -92,6 +92,28 @@ SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
              AND l.objid::int8 = CASE WHEN $3::int8 IS NULL THEN $2::int4::int8 & 4294967295
                                       ELSE $3::int8 & 4294967295 END
              AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
+           LIMIT 1) END
+FROM k";
+
+/// Is anyone stopping work under these keys? For each stop fence (always a two-int4
+/// key), a shared try that is undone at once: `true` when nobody holds the fence, else
+/// the backend pid of its holder. On our own marked backend only.
+const CHECK_FENCES_SQL: &str = "
+WITH k AS MATERIALIZED (
+    SELECT k.i, k.a, k.b, pg_try_advisory_lock_shared(k.a, k.b) AS free
+    FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
+    WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
+)
+SELECT k.i, k.free,
+       CASE WHEN k.free THEN pg_advisory_unlock_shared(k.a, k.b) END,
+       CASE WHEN NOT k.free THEN (
+           SELECT l.pid FROM pg_lock_status() l
+           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+             AND l.mode = 'ExclusiveLock'
+             AND l.database = $5::int8::oid
+             AND l.classid::int8 = k.a::int8 & 4294967295
+             AND l.objid::int8 = k.b::int8 & 4294967295
+             AND l.objsubid = 2
            LIMIT 1) END
 FROM k";
 
@@ -215,6 +237,7 @@ pub(crate) struct Statements {
     try_one: Statement,
     unlock: Statement,
     unlock_one: Statement,
+    check_fences: Statement,
     cleanup: Statement,
     token: Statement,
     holders: Statement,
@@ -421,12 +444,26 @@ impl Session {
     /// Unlocks `keys` (each held once by this session) and announces their release.
     /// Any failure ends the session, which releases them all.
     pub(crate) async fn unlock_and_announce(&self, keys: &[LockKey]) -> Result<(), Fault> {
-        let result = if let [key] = keys {
+        let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
+        self.unlock_announcing(keys, tags).await
+    }
+
+    /// Releases the stop fences of `keys` and announces the keys: the work this process
+    /// ran under them, in an ended session, has stopped.
+    pub(crate) async fn unfence(&self, keys: &[LockKey]) -> Result<(), Fault> {
+        let fences: Vec<LockKey> = keys.iter().map(|k| k.stop_fence()).collect();
+        let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
+        self.unlock_announcing(&fences, tags).await
+    }
+
+    /// Unlocks `keys` and announces `tags`, in one statement.
+    async fn unlock_announcing(&self, keys: &[LockKey], tags: Vec<String>) -> Result<(), Fault> {
+        let result = if let ([key], [tag]) = (keys, tags.as_slice()) {
             let (a, b, big) = key_params(*key);
             self.client
                 .query(
                     &self.stmts.unlock_one,
-                    &[&a, &b, &big, &key.tag(), &self.backend_pid, &self.marker],
+                    &[&a, &b, &big, tag, &self.backend_pid, &self.marker],
                 )
                 .await
                 .and_then(|rows| {
@@ -436,7 +473,6 @@ impl Session {
                 })
         } else {
             let (a, b, big) = key_arrays(keys);
-            let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
             self.client
                 .query(
                     &self.stmts.unlock,
@@ -466,6 +502,78 @@ impl Session {
                 ),
             })),
         }
+    }
+
+    /// Takes the stop fences of `keys`; `true` per fence now held.
+    pub(crate) async fn fence(&self, keys: &[LockKey]) -> Result<Vec<(LockKey, bool)>, Fault> {
+        let fences: Vec<LockKey> = keys.iter().map(|k| k.stop_fence()).collect();
+        let outcomes = match self.try_keys(&fences).await {
+            Ok(outcomes) => outcomes,
+            Err(Fault::Query(e)) => {
+                debug!(error = %error_text(&e), "could not take stop fences");
+                return Ok(keys.iter().map(|k| (*k, false)).collect());
+            }
+            Err(lost) => return Err(lost),
+        };
+        Ok(keys
+            .iter()
+            .zip(outcomes)
+            .map(|(k, (_, o))| (*k, matches!(o, TryOutcome::Won(_))))
+            .collect())
+    }
+
+    /// Checks the stop fences of `keys`.
+    pub(crate) async fn check_fences(
+        &self,
+        keys: &[LockKey],
+    ) -> Result<Vec<(LockKey, FenceCheck)>, Fault> {
+        let mut a = Vec::with_capacity(keys.len());
+        let mut b = Vec::with_capacity(keys.len());
+        for key in keys {
+            match key.stop_fence() {
+                LockKey::Pair(x, y) => {
+                    a.push(x);
+                    b.push(y);
+                }
+                LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
+            }
+        }
+        let rows = self
+            .client
+            .query(
+                &self.stmts.check_fences,
+                &[&a, &b, &self.backend_pid, &self.marker, &self.database_oid],
+            )
+            .await
+            .map_err(classify)?;
+        if rows.is_empty() {
+            return Err(pooler(
+                "a fence check ran on another backend than the session's own",
+            ));
+        }
+        let mut out: Vec<(LockKey, FenceCheck)> =
+            keys.iter().map(|k| (*k, FenceCheck::Failed)).collect();
+        for row in &rows {
+            let parsed = (|| {
+                Ok::<_, tokio_postgres::Error>((
+                    row.try_get::<_, i64>(0)?,
+                    row.try_get::<_, Option<bool>>(1)?,
+                    row.try_get::<_, Option<i32>>(3)?,
+                ))
+            })();
+            let Ok((i, free, by)) = parsed else {
+                continue;
+            };
+            let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
+                continue;
+            };
+            entry.1 = match free {
+                Some(true) => FenceCheck::Clear,
+                Some(false) => FenceCheck::Held { by },
+                None => FenceCheck::Failed,
+            };
+        }
+        Ok(out)
     }
 
     /// A fresh fencing token (for local hand-offs).
@@ -826,24 +934,36 @@ impl Drop for AbortOnDrop {
 impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
-        let (heartbeat, try_keys, try_one, unlock, unlock_one, cleanup, token, holders, cluster) =
-            tokio::try_join!(
-                client.prepare(HEARTBEAT_SQL),
-                client.prepare(TRY_KEYS_SQL),
-                client.prepare(TRY_ONE_SQL),
-                client.prepare(UNLOCK_SQL),
-                client.prepare(UNLOCK_ONE_SQL),
-                client.prepare(CLEANUP_SQL),
-                client.prepare(TOKEN_SQL),
-                client.prepare(HOLDERS_SQL),
-                client.prepare(CLUSTER_SQL),
-            )?;
+        let (
+            (heartbeat, try_keys, try_one, unlock, unlock_one),
+            (check_fences, cleanup, token, holders, cluster),
+        ) = tokio::try_join!(
+            async {
+                tokio::try_join!(
+                    client.prepare(HEARTBEAT_SQL),
+                    client.prepare(TRY_KEYS_SQL),
+                    client.prepare(TRY_ONE_SQL),
+                    client.prepare(UNLOCK_SQL),
+                    client.prepare(UNLOCK_ONE_SQL),
+                )
+            },
+            async {
+                tokio::try_join!(
+                    client.prepare(CHECK_FENCES_SQL),
+                    client.prepare(CLEANUP_SQL),
+                    client.prepare(TOKEN_SQL),
+                    client.prepare(HOLDERS_SQL),
+                    client.prepare(CLUSTER_SQL),
+                )
+            },
+        )?;
         Ok(Self {
             heartbeat,
             try_keys,
             try_one,
             unlock,
             unlock_one,
+            check_fences,
             cleanup,
             token,
             holders,

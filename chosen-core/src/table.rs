@@ -110,12 +110,34 @@ pub(crate) struct Plan {
     pub(crate) token_for: Vec<LockKey>,
     /// Try these keys, in one statement.
     pub(crate) try_keys: Vec<LockKey>,
+    /// Take the stop fences of these keys: leases of an ended session still out.
+    pub(crate) fence: Vec<LockKey>,
+    /// Release the stop fences of these keys and announce the keys' release.
+    pub(crate) unfence: Vec<LockKey>,
+    /// Won after an unannounced takeover: is the old holder still stopping?
+    pub(crate) check: Vec<LockKey>,
 }
 
 impl Plan {
     pub(crate) fn is_empty(&self) -> bool {
-        self.unlock.is_empty() && self.token_for.is_empty() && self.try_keys.is_empty()
+        self.unlock.is_empty()
+            && self.token_for.is_empty()
+            && self.try_keys.is_empty()
+            && self.fence.is_empty()
+            && self.unfence.is_empty()
+            && self.check.is_empty()
     }
+}
+
+/// What a check of a key's stop fence found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FenceCheck {
+    /// Nobody is stopping work under the key.
+    Clear,
+    /// A node is still stopping its work (its backend pid, when the server told).
+    Held { by: Option<i32> },
+    /// The statement failed.
+    Failed,
 }
 
 /// What one try of one key found.
@@ -134,6 +156,9 @@ pub(crate) enum TryOutcome {
 pub(crate) struct Rules {
     pub(crate) max_locks: usize,
     pub(crate) takeover_grace: Duration,
+    /// How long a won key waits at most for an old holder's stop fence (its stop budget
+    /// and then some): past it, that holder's work was aborted or it is broken.
+    pub(crate) max_fence_wait: Duration,
 }
 
 /// The server-side state of a key, as far as this session is concerned. The session
@@ -146,6 +171,19 @@ enum Server {
     Trying,
     /// Won; granted locally once the takeover grace ends at `at`.
     Granting { token: FencingToken, at: Instant },
+    /// Won; its stop fence is being checked (in the current plan).
+    Checking {
+        token: FencingToken,
+        until: Option<Instant>,
+    },
+    /// Won, but the old holder is still stopping its work: checked again at `next` or on
+    /// its announcement; granted anyway at `until`.
+    Fenced {
+        token: FencingToken,
+        next: Instant,
+        until: Instant,
+        by: Option<i32>,
+    },
     /// Held; a local hand-off waits for a fresh token (`asked`: in the current plan).
     NeedsToken { asked: bool },
     /// Held, and owned by `Slot::holder`.
@@ -175,6 +213,30 @@ struct Evidence {
     announced: bool,
 }
 
+/// A lease of an ended session that its owner has not dropped yet: its work may still
+/// be running. While it is out, this process keeps the key's *stop fence* (a companion
+/// key) on its new session, so that a node that takes the key over waits for the work
+/// to stop; and it does not try the key itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stopping {
+    id: RequestId,
+    fence: Fence,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fence {
+    /// Not held: to be taken on the next session.
+    Absent,
+    /// Being taken (in the current plan); `released`: the lease came back meanwhile.
+    Taking { released: bool },
+    /// Held by this session.
+    Held,
+    /// Could not be taken (someone else held it): nothing more to do.
+    Skipped,
+    /// The lease came back: to be released and announced (`sent`: in the current plan).
+    Releasing { sent: bool },
+}
+
 #[derive(Debug)]
 struct Slot {
     name: Arc<str>,
@@ -183,6 +245,7 @@ struct Slot {
     waiters: VecDeque<Request>,
     next_try: Instant,
     evidence: Evidence,
+    stopping: Option<Stopping>,
 }
 
 impl Slot {
@@ -194,6 +257,7 @@ impl Slot {
             waiters: VecDeque::new(),
             next_try: now,
             evidence: Evidence::default(),
+            stopping: None,
         }
     }
 
@@ -202,7 +266,10 @@ impl Slot {
     }
 
     fn unused(&self) -> bool {
-        self.server == Server::Free && self.holder.is_none() && self.waiters.is_empty()
+        self.server == Server::Free
+            && self.holder.is_none()
+            && self.waiters.is_empty()
+            && self.stopping.is_none()
     }
 }
 
@@ -271,7 +338,24 @@ impl LockTable {
     pub(crate) fn session_ended(&mut self) {
         self.generation = None;
         for (key, slot) in &mut self.slots {
+            // A fence held by the old session is gone with it; a lease still out is
+            // fenced again on the next one.
+            slot.stopping = match slot.stopping {
+                Some(Stopping {
+                    fence: Fence::Releasing { .. } | Fence::Taking { released: true },
+                    ..
+                })
+                | None => None,
+                Some(Stopping { id, .. }) => Some(Stopping {
+                    id,
+                    fence: Fence::Absent,
+                }),
+            };
             if let Some(h) = slot.holder.take() {
+                slot.stopping = Some(Stopping {
+                    id: h.id,
+                    fence: Fence::Absent,
+                });
                 self.actions.push_back(Action::Lost {
                     key: *key,
                     name: h.name,
@@ -312,7 +396,10 @@ impl LockTable {
             }
             if matches!(
                 slot.server,
-                Server::Granting { .. } | Server::NeedsToken { .. }
+                Server::Granting { .. }
+                    | Server::NeedsToken { .. }
+                    | Server::Checking { .. }
+                    | Server::Fenced { .. }
             ) {
                 slot.server = Server::Unlocking { sent: false };
             }
@@ -334,12 +421,40 @@ impl LockTable {
             if slot.server != Server::Free {
                 slot.server = Server::Unlocking { sent: false };
             }
+            slot.stopping = match slot.stopping {
+                Some(Stopping {
+                    id,
+                    fence: Fence::Held | Fence::Releasing { sent: false },
+                }) => Some(Stopping {
+                    id,
+                    fence: Fence::Releasing { sent: false },
+                }),
+                Some(
+                    s @ Stopping {
+                        fence: Fence::Releasing { sent: true },
+                        ..
+                    },
+                ) => Some(s),
+                _ => None,
+            };
         }
+        self.slots.retain(|_, slot| !slot.unused());
     }
 
-    /// Leases still held locally.
+    /// Leases still out: held, or of an ended session and not dropped yet.
     pub(crate) fn held(&self) -> usize {
-        self.slots.values().filter(|s| s.holder.is_some()).count()
+        self.slots
+            .values()
+            .filter(|s| {
+                s.holder.is_some()
+                    || s.stopping.is_some_and(|st| {
+                        !matches!(
+                            st.fence,
+                            Fence::Releasing { .. } | Fence::Taking { released: true }
+                        )
+                    })
+            })
+            .count()
     }
 
     // ---- requests -------------------------------------------------------------------
@@ -408,10 +523,32 @@ impl LockTable {
 
     /// The holder of lease `id` released it (or its grant could not be delivered). A
     /// lease of an ended generation, or one already released, is ignored.
-    pub(crate) fn release(&mut self, key: LockKey, id: RequestId) {
+    pub(crate) fn release(&mut self, key: LockKey, id: RequestId, now: Instant) {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        if let Some(stopping) = slot.stopping
+            && stopping.id == id
+        {
+            // A lease of an ended session came back: its work has stopped.
+            slot.stopping = match stopping.fence {
+                Fence::Absent | Fence::Skipped => None,
+                Fence::Taking { .. } => Some(Stopping {
+                    id,
+                    fence: Fence::Taking { released: true },
+                }),
+                Fence::Held => Some(Stopping {
+                    id,
+                    fence: Fence::Releasing { sent: false },
+                }),
+                Fence::Releasing { .. } => Some(stopping),
+            };
+            if slot.stopping.is_none() {
+                slot.next_try = now;
+            }
+            self.forget_if_unused(key);
+            return;
+        }
         if slot.holder.as_ref().map(|h| h.id) != Some(id) {
             return;
         }
@@ -433,6 +570,13 @@ impl LockTable {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        if let Server::Fenced { by, next, .. } = &mut slot.server {
+            // The old holder's new session announces that its work stopped.
+            if *by == Some(sender) {
+                *next = now;
+            }
+            return;
+        }
         if slot.server != Server::Free || slot.waiters.is_empty() {
             return;
         }
@@ -450,40 +594,168 @@ impl LockTable {
         let Some(generation) = self.generation else {
             return plan;
         };
-        let mut keys: Vec<LockKey> = Vec::new();
+        let mut grants: Vec<(LockKey, FencingToken)> = Vec::new();
         for (key, slot) in &mut self.slots {
+            match slot.stopping {
+                Some(Stopping {
+                    id,
+                    fence: Fence::Absent,
+                }) if !self.closing => {
+                    slot.stopping = Some(Stopping {
+                        id,
+                        fence: Fence::Taking { released: false },
+                    });
+                    plan.fence.push(*key);
+                }
+                Some(Stopping {
+                    id,
+                    fence: Fence::Releasing { sent: false },
+                }) => {
+                    slot.stopping = Some(Stopping {
+                        id,
+                        fence: Fence::Releasing { sent: true },
+                    });
+                    plan.unfence.push(*key);
+                }
+                _ => {}
+            }
             match slot.server {
-                Server::Granting { at, .. } if at <= now => keys.push(*key),
-                Server::Granting { .. } | Server::Held | Server::Trying => {}
+                // The grace is over: before granting, is the old holder still stopping?
+                Server::Granting { token, at } if at <= now => {
+                    slot.server = Server::Checking { token, until: None };
+                    plan.check.push(*key);
+                }
+                Server::Fenced { token, until, .. } if until <= now => grants.push((*key, token)),
+                Server::Fenced {
+                    token, next, until, ..
+                } if next <= now => {
+                    slot.server = Server::Checking {
+                        token,
+                        until: Some(until),
+                    };
+                    plan.check.push(*key);
+                }
+                Server::Granting { .. }
+                | Server::Fenced { .. }
+                | Server::Checking { .. }
+                | Server::Held
+                | Server::Trying
+                | Server::NeedsToken { asked: true }
+                | Server::Unlocking { sent: true } => {}
                 Server::NeedsToken { asked: false } => {
                     slot.server = Server::NeedsToken { asked: true };
                     plan.token_for.push(*key);
                 }
-                Server::NeedsToken { asked: true } | Server::Unlocking { sent: true } => {}
                 Server::Unlocking { sent: false } => {
                     slot.server = Server::Unlocking { sent: true };
                     plan.unlock.push(*key);
                 }
                 Server::Free => {
-                    if slot.holder.is_none() && !slot.waiters.is_empty() && slot.next_try <= now {
+                    // Not while a lease of ours from an ended session is still out.
+                    if slot.holder.is_none()
+                        && slot.stopping.is_none()
+                        && !slot.waiters.is_empty()
+                        && slot.next_try <= now
+                    {
                         slot.server = Server::Trying;
                         plan.try_keys.push(*key);
                     }
                 }
             }
         }
-        for key in keys {
-            let token = match self.slots[&key].server {
-                Server::Granting { token, .. } => token,
-                _ => unreachable!("BUG: collected as granting"),
-            };
+        for (key, token) in grants {
+            // The old holder's fence outlived any stop budget: it is broken or gone.
             self.grant(key, token, generation, now);
         }
         // Deterministic order: tests replay exactly, and statements lock in key order.
         plan.unlock.sort_unstable();
         plan.token_for.sort_unstable();
         plan.try_keys.sort_unstable();
+        plan.fence.sort_unstable();
+        plan.unfence.sort_unstable();
+        plan.check.sort_unstable();
         plan
+    }
+
+    /// The fence statement of the last plan answered: `true` per key whose fence this
+    /// session now holds.
+    pub(crate) fn fenced(&mut self, outcomes: &[(LockKey, bool)]) {
+        for &(key, taken) in outcomes {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            let Some(Stopping {
+                id,
+                fence: Fence::Taking { released },
+            }) = slot.stopping
+            else {
+                continue;
+            };
+            let fence = match (taken, released) {
+                (true, false) => Fence::Held,
+                (true, true) => Fence::Releasing { sent: false },
+                (false, false) => Fence::Skipped,
+                (false, true) => {
+                    slot.stopping = None;
+                    self.forget_if_unused(key);
+                    continue;
+                }
+            };
+            slot.stopping = Some(Stopping { id, fence });
+        }
+    }
+
+    /// The unfence statement of the last plan succeeded.
+    pub(crate) fn unfenced(&mut self, keys: &[LockKey], now: Instant) {
+        for &key in keys {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            if let Some(Stopping {
+                fence: Fence::Releasing { sent: true },
+                ..
+            }) = slot.stopping
+            {
+                slot.stopping = None;
+                slot.next_try = now;
+            }
+            self.forget_if_unused(key);
+        }
+    }
+
+    /// The fence checks of the last plan answered.
+    pub(crate) fn checked(&mut self, outcomes: &[(LockKey, FenceCheck)], now: Instant) {
+        let Some(generation) = self.generation else {
+            return;
+        };
+        for &(key, outcome) in outcomes {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            let Server::Checking { token, until } = slot.server else {
+                continue;
+            };
+            let by = match outcome {
+                FenceCheck::Clear => {
+                    self.grant(key, token, generation, now);
+                    continue;
+                }
+                FenceCheck::Held { by } => by,
+                FenceCheck::Failed => None,
+            };
+            let interval = slot
+                .waiters
+                .front()
+                .map_or(Duration::from_millis(100), |w| {
+                    w.poll_interval.min(Duration::from_millis(500))
+                });
+            slot.server = Server::Fenced {
+                token,
+                next: now + interval,
+                until: until.unwrap_or(now + self.rules.max_fence_wait),
+                by,
+            };
+        }
     }
 
     /// The unlock statement of the last plan succeeded.
@@ -585,11 +857,26 @@ impl LockTable {
         self.slots
             .values()
             .filter_map(|slot| match slot.server {
+                _ if matches!(
+                    slot.stopping,
+                    Some(Stopping {
+                        fence: Fence::Absent | Fence::Releasing { sent: false },
+                        ..
+                    })
+                ) =>
+                {
+                    Some(now)
+                }
                 Server::NeedsToken { asked: false } | Server::Unlocking { sent: false } => {
                     Some(now)
                 }
                 Server::Granting { at, .. } => Some(at),
-                Server::Free if slot.holder.is_none() && !slot.waiters.is_empty() => {
+                Server::Fenced { next, until, .. } => Some(next.min(until)),
+                Server::Free
+                    if slot.holder.is_none()
+                        && slot.stopping.is_none()
+                        && !slot.waiters.is_empty() =>
+                {
                     Some(slot.next_try)
                 }
                 _ => None,
