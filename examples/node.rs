@@ -286,7 +286,24 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
         let bound = common::serve_metrics(registry, addr).await?;
         events.emit("metrics", &[("addr", Field::Str(bound.to_string()))]);
     }
-    let manager = LockManager::connect(options).await?;
+    // A node started while the database is down or restarting waits for it, as a
+    // service under a supervisor would, instead of exiting: the manager reconnects by
+    // itself once it is up, but its first connection is the caller's to retry.
+    let manager = {
+        let mut delay = Duration::from_millis(100);
+        let give_up = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match LockManager::connect(options.clone()).await {
+                Ok(manager) => break manager,
+                Err(e) if e.is_transient() && std::time::Instant::now() < give_up => {
+                    events.emit("connect_retry", &[("error", Field::Str(e.to_string()))]);
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
     spawn_status_events(&manager, events.clone());
 
     let mut singletons = Vec::new();

@@ -99,3 +99,40 @@ pub enum Error {
     #[error("the lock manager has shut down")]
     Closed,
 }
+
+impl Error {
+    /// `true` when the same call may succeed later without any change on your side: the
+    /// server could not be reached, did not answer in time, or the session is between
+    /// connections (e.g. the database is restarting or failing over). `false` for bad
+    /// configuration or input, refused logins or servers, limits, and a shut-down
+    /// manager.
+    ///
+    /// ```
+    /// # async fn demo(options: chosen_core::ManagerOptions) -> chosen_core::Result<()> {
+    /// use chosen_core::LockManager;
+    /// let manager = loop {
+    ///     match LockManager::connect(options.clone()).await {
+    ///         Ok(manager) => break manager,
+    ///         Err(e) if e.is_transient() => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
+    ///         Err(e) => return Err(e),
+    ///     }
+    /// };
+    /// # drop(manager); Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Connect { .. } | Self::ConnectTimeout { .. } | Self::NotConnected(_) => true,
+            Self::Database(e) => e.is_closed(),
+            // A standby may be promoted in a moment.
+            Self::Refused(reason) => matches!(reason, DisconnectReason::ServerInRecovery),
+            Self::InvalidConfig(_)
+            | Self::InvalidUrl { .. }
+            | Self::Authentication { .. }
+            | Self::TooManyLocks { .. }
+            | Self::InvalidName(_)
+            | Self::InvalidPollInterval(_)
+            | Self::Closed => false,
+        }
+    }
+}
