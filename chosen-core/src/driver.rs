@@ -177,6 +177,7 @@ impl Driver {
             "lock session connected"
         );
         self.table.session_started(generation.id, Instant::now());
+        self.shared.set_server_floor(0);
         let heartbeat = tokio::spawn(heartbeat_loop(
             s.heartbeat_handle(),
             Arc::clone(&self.shared),
@@ -239,9 +240,13 @@ impl Driver {
         }
     }
 
-    /// Takes every notification already received, in one go.
+    /// Takes the notifications already received, in one go (at most 10,000, so that a
+    /// flood of them cannot hold up the step).
     fn drain_events(&mut self, s: &mut Session) -> Option<Exit> {
-        while let Ok(event) = s.events.try_recv() {
+        for _ in 0..10_000 {
+            let Ok(event) = s.events.try_recv() else {
+                break;
+            };
             if let Some(exit) = self.on_event(event) {
                 return Some(exit);
             }
@@ -293,6 +298,8 @@ impl Driver {
     ) -> Result<(), DisconnectReason> {
         let generation = Arc::clone(&s.generation);
         let plan = self.table.plan(Instant::now());
+        // Lowered before the statements that release locks are sent.
+        self.shared.set_server_floor(self.table.server_floor());
         self.carry_out();
         if !plan.is_empty() {
             if let (Some(m), false) = (self.metrics(), plan.try_keys.is_empty()) {
@@ -418,6 +425,7 @@ impl Driver {
                     self.table.tried(&failed, now);
                 }
             }
+            self.shared.set_server_floor(self.table.server_floor());
             self.carry_out();
         }
         self.answer_releases();
@@ -789,6 +797,13 @@ impl Driver {
         if !failed && let Err(reason) = self.step(s, statement_deadline).await {
             debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
         }
+        if !failed
+            && let Err(e) = self
+                .guarded(generation, statement_deadline, s.reset())
+                .await
+        {
+            debug!(error = ?e, "resetting the session at shutdown failed");
+        }
         self.table.session_ended();
         self.carry_out();
         self.answer_releases();
@@ -914,12 +929,25 @@ async fn heartbeat_loop(
             () = sleep_until(tokio::time::Instant::from_std(next)) => {}
         }
         let sent = Instant::now();
+        let (epoch, floor) = shared.server_floor();
         let result = tokio::select! {
             biased;
             () = generation.revoked.cancelled() => return,
             () = sleep_until(watchdog) => Err(overdue()),
             result = session.heartbeat() => result,
         };
+        // Fewer locks than the manager held all along (no release was sent meanwhile):
+        // another client of a shared backend released them.
+        let result = result.and_then(|locks| match usize::try_from(locks) {
+            Ok(locks) if locks < floor && shared.server_floor().0 == epoch => {
+                Err(DisconnectReason::PoolerDetected {
+                    detail: format!(
+                        "the server shows {locks} advisory locks on this session, fewer than the {floor} it holds: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)"
+                    ),
+                })
+            }
+            _ => Ok(()),
+        });
         match result {
             Ok(()) => {
                 let now = Instant::now();

@@ -36,7 +36,15 @@ pub(crate) const MARKER_SETTING: &str = "chosen.session";
 
 const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8";
 
-const HEARTBEAT_SQL: &str = "SELECT pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), '')";
+/// Proves the session: the same backend, writable, still marked as ours, and how many
+/// advisory locks it holds (fewer than the manager holds means something released them
+/// behind its back: a transaction pooler sharing the backend, `DISCARD ALL`,
+/// `pg_advisory_unlock_all()`).
+const HEARTBEAT_SQL: &str = "
+SELECT pg_backend_pid(), pg_is_in_recovery(),
+       coalesce(current_setting('chosen.session', true), ''),
+       (SELECT count(*) FROM pg_lock_status() l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted)";
 
 /// Tries every due key in one statement, on our own marked backend only (behind a
 /// transaction pooler the guard makes it return no rows instead).
@@ -277,8 +285,9 @@ pub(crate) struct HeartbeatSession {
 }
 
 impl HeartbeatSession {
-    /// Proves the session is still ours and writable.
-    pub(crate) async fn heartbeat(&self) -> Result<(), DisconnectReason> {
+    /// Proves the session is still ours and writable; answers how many advisory locks
+    /// the server shows on it.
+    pub(crate) async fn heartbeat(&self) -> Result<i64, DisconnectReason> {
         let lost = |message: String| DisconnectReason::ConnectionLost { message };
         let row = match self.client.query_one(&self.statement, &[]).await {
             Ok(row) => row,
@@ -294,9 +303,10 @@ impl HeartbeatSession {
                 row.try_get::<_, Option<i32>>(0)?,
                 row.try_get::<_, Option<bool>>(1)?,
                 row.try_get::<_, Option<String>>(2)?,
+                row.try_get::<_, Option<i64>>(3)?,
             ))
         })();
-        let (Some(pid), Some(in_recovery), Some(marker)) =
+        let (Some(pid), Some(in_recovery), Some(marker), Some(locks)) =
             parsed.map_err(|e| lost(format!("heartbeat answered an odd row: {e}")))?
         else {
             return Err(lost("heartbeat answered NULL".to_owned()));
@@ -316,7 +326,7 @@ impl HeartbeatSession {
         if in_recovery {
             return Err(DisconnectReason::ServerInRecovery);
         }
-        Ok(())
+        Ok(locks)
     }
 }
 
@@ -576,6 +586,15 @@ impl Session {
         Ok(out)
     }
 
+    /// Leaves the backend as a new one would be (best effort, at shutdown): behind a
+    /// pooler that shares it, our settings would otherwise apply to other clients.
+    pub(crate) async fn reset(&self) -> Result<(), Fault> {
+        self.client
+            .batch_execute("RESET ALL; UNLISTEN *;")
+            .await
+            .map_err(classify)
+    }
+
     /// A fresh fencing token (for local hand-offs).
     pub(crate) async fn fresh_token(&self) -> Result<FencingToken, Fault> {
         let row = self
@@ -758,8 +777,12 @@ fn setup_sql(options: &ManagerOptions) -> String {
     // Keepalives and tcp_user_timeout are a second line for a real partition; they must
     // never release *earlier* than server_release_after, so they start at that point.
     let keepalive_idle_s = options.server_release_after.as_secs().max(1);
+    let statement_ms = options.lease_timeout.as_millis();
     format!(
-        "SET idle_session_timeout = {release_ms}; \
+        "SET statement_timeout = {statement_ms}; \
+         SET lock_timeout = 0; \
+         SET idle_in_transaction_session_timeout = 0; \
+         SET idle_session_timeout = {release_ms}; \
          SET tcp_keepalives_idle = {keepalive_idle_s}; \
          SET tcp_keepalives_interval = 1; \
          SET tcp_keepalives_count = 3; \
@@ -848,10 +871,12 @@ where
     let guard = AbortOnDrop(Some(conn_task));
     let proven_at = Instant::now();
     // A DBA's statement_timeout could cancel even the probe: override it in the same
-    // round trip, first (these settings exist on every server version).
+    // round trip, first (these settings exist on every server version). Only for this
+    // transaction: a backend that turns out not to be ours alone (a pooler's) keeps
+    // nothing of ours.
     let messages = client
         .simple_query(&format!(
-            "SET statement_timeout = {}; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0; {PROBE_SQL}",
+            "BEGIN; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {PROBE_SQL}; COMMIT;",
             options.lease_timeout.as_millis()
         ))
         .await

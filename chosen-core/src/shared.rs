@@ -17,6 +17,10 @@ pub(crate) struct Shared {
     valid_until: AtomicU64,
     next_id: AtomicU64,
     pub(crate) status: watch::Sender<ConnectionStatus>,
+    /// How many advisory locks the session holds at least, and an epoch that grows
+    /// whenever that number falls (before the statement that lowers it is sent), for the
+    /// heartbeat's check that nothing released them behind the manager's back.
+    server_floor: std::sync::Mutex<(u64, usize)>,
 }
 
 impl Shared {
@@ -27,7 +31,28 @@ impl Shared {
             valid_until: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             status: watch::Sender::new(status),
+            server_floor: std::sync::Mutex::new((0, 0)),
         }
+    }
+
+    /// Records how many advisory locks the session holds at least.
+    pub(crate) fn set_server_floor(&self, floor: usize) {
+        let mut g = self
+            .server_floor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if floor < g.1 {
+            g.0 += 1;
+        }
+        g.1 = floor;
+    }
+
+    /// `(epoch, floor)`: see [`Self::set_server_floor`].
+    pub(crate) fn server_floor(&self) -> (u64, usize) {
+        *self
+            .server_floor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub(crate) fn next_id(&self) -> u64 {

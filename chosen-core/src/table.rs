@@ -884,6 +884,28 @@ impl LockTable {
             .min()
     }
 
+    /// How many advisory locks this session holds at the server at least: keys and stop
+    /// fences held, not counting those in a statement that may release them or take them.
+    pub(crate) fn server_floor(&self) -> usize {
+        self.slots
+            .values()
+            .map(|s| {
+                let key = !matches!(
+                    s.server,
+                    Server::Free | Server::Trying | Server::Unlocking { sent: true }
+                );
+                let fence = matches!(
+                    s.stopping,
+                    Some(Stopping {
+                        fence: Fence::Held | Fence::Releasing { sent: false },
+                        ..
+                    })
+                );
+                usize::from(key) + usize::from(fence)
+            })
+            .sum()
+    }
+
     // ---- views ----------------------------------------------------------------------
 
     /// Every held lease and waiting request, per key.

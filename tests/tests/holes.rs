@@ -433,7 +433,14 @@ async fn a_terminated_holder_stops_its_work_before_another_node_starts() {
         let node = format!("terminated-holder-{round}");
         let a = manager(&pg.url(), &node).await;
         let lease = a.acquire(lock.as_str()).await.unwrap();
-        let b = manager(&pg.url(), &format!("eager-waiter-{round}")).await;
+        // The fence protects an old holder that reconnects within the grace; this
+        // machine runs many tests at once, so give it a margin (the default is 100 ms).
+        let b = LockManager::connect(
+            options(&pg.url(), &format!("eager-waiter-{round}"))
+                .takeover_grace(Duration::from_millis(500)),
+        )
+        .await
+        .unwrap();
         let waiting = tokio::spawn({
             let b = b.clone();
             let lock = lock.clone();
@@ -446,7 +453,7 @@ async fn a_terminated_holder_stops_its_work_before_another_node_starts() {
             let stopped = Arc::clone(&stopped);
             async move {
                 lease.lost().await;
-                tokio::time::sleep(Duration::from_millis(700)).await;
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
                 *stopped.lock().unwrap() = Some(Instant::now());
                 drop(lease);
             }

@@ -1,5 +1,5 @@
 //! Breaks found by a review of the rewritten core, one test each, against real
-//! servers. Each is `#[ignore]`d with the finding it shows until the library is fixed:
+//! servers. The two still `#[ignore]`d belong to issue 13 (tokens across a crash or failover):
 //! run them with `cargo test -p chosen-tests --test review -- --ignored`.
 
 use std::time::Duration;
@@ -35,7 +35,7 @@ fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
 /// holder gets a token *lower* than the one the old holder (maybe frozen, still
 /// writing downstream) carries. The same happens after an asynchronous failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review finding 1: fencing tokens go backwards after a server crash (token commits are never flushed)"]
+#[ignore = "review finding 1, issue 13: fencing tokens go backwards after a server crash (token commits are never flushed)"]
 async fn fencing_tokens_never_go_backwards_across_a_server_crash() {
     let mut pg = PgCluster::builder()
         .setting("wal_writer_delay", "10s")
@@ -83,7 +83,7 @@ async fn fencing_tokens_never_go_backwards_across_a_server_crash() {
 /// notices: the heartbeat checks the pid and the marker, not the locks. Another node
 /// then acquires while the first lease stays valid, indefinitely.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review finding 2: the first client behind a transaction pooler is accepted; another pool client can drop its locks unnoticed"]
+
 async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_back() {
     let pg = PgCluster::start_local().unwrap();
     let Some(bouncer) = bouncer(&pg, "pooled_lock") else {
@@ -123,7 +123,7 @@ async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_bac
 /// client of the pool: after the chosen client has even shut down, an application's
 /// statements through the pool are cancelled after `lease_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review finding 3: session settings leak onto a pooler's shared backend and cancel other clients' statements"]
+
 async fn session_settings_do_not_leak_to_other_clients_of_a_pooler() {
     let pg = PgCluster::start_local().unwrap();
     let Some(bouncer) = bouncer(&pg, "settings_leak") else {
@@ -156,7 +156,7 @@ async fn session_settings_do_not_leak_to_other_clients_of_a_pooler() {
 /// primary gets a token lower than the old holder's. Even with finding 1 fixed, only a
 /// timeline in the token's high bits keeps it increasing across a promotion.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review finding 4: fencing tokens go backwards after an asynchronous failover (no timeline in the token)"]
+#[ignore = "review finding 4, issue 13: fencing tokens go backwards after an asynchronous failover (no timeline in the token)"]
 async fn fencing_tokens_never_go_backwards_across_a_failover() {
     let mut primary = PgCluster::start_local().unwrap();
     let mut standby = primary.start_standby().unwrap();
