@@ -4,6 +4,7 @@
 mod driver;
 mod election;
 mod error;
+mod heartbeat;
 mod key;
 mod leadership;
 mod lease;
