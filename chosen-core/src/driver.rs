@@ -12,19 +12,17 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc::{UnboundedReceiver, WeakUnboundedSender};
 use tokio::sync::oneshot;
 use tokio::time::sleep_until;
-use tokio_postgres::error::SqlState;
 use tracing::{debug, info, warn};
 
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lease::{FencingToken, Lease};
 use crate::manager::{HolderInfo, LockInfo, LockState};
-use crate::session::{self, ConnEvent, Fault, Generation, Session, error_text};
+use crate::session::{self, ConnEvent, Fault, Generation, Session, TryFailure, error_text};
 use crate::shared::Shared;
 use crate::status::{ConnectionStatus, DisconnectReason};
 use crate::table::{
-    Action, Entry, FenceCheck, LockTable, Plan, Refusal, Request, RequestId, Rules, TryOutcome,
-    jitter_below,
+    Action, Entry, LockTable, Refusal, Request, RequestId, Rules, TryOutcome, jitter_below,
 };
 
 pub(crate) enum Command {
@@ -305,123 +303,31 @@ impl Driver {
             if let (Some(m), false) = (self.metrics(), plan.try_keys.is_empty()) {
                 m.poll_query(self.node(), plan.try_keys.len());
             }
-            let Plan {
-                unlock,
-                token_for,
-                try_keys,
-                fence,
-                unfence,
-                check,
-            } = plan;
-            // Issued together: tokio-postgres pipelines them on the one connection.
-            let unlocking = async {
-                if unlock.is_empty() {
-                    Ok(())
-                } else {
-                    s.unlock_and_announce(&unlock).await
-                }
-            };
-            let token = async {
-                if token_for.is_empty() {
-                    Ok(None)
-                } else {
-                    match s.fresh_token().await {
-                        Ok(t) => Ok(Some(t)),
-                        Err(Fault::Query(e)) => {
-                            warn!(error = %error_text(&e), "could not get a fencing token for a local hand-off; releasing instead");
-                            Ok(None)
-                        }
-                        Err(lost) => Err(lost),
-                    }
-                }
-            };
-            // Ok(Err(..)): the statement failed, the session is fine.
-            let trying = async {
-                if try_keys.is_empty() {
-                    return Ok(Ok(Vec::new()));
-                }
-                match s.try_keys(&try_keys).await {
-                    Ok(outcomes) => Ok(Ok(outcomes)),
-                    Err(Fault::Query(e)) => {
-                        let full = e.code() == Some(&SqlState::OUT_OF_MEMORY);
-                        if full {
-                            warn!(keys = try_keys.len(), error = %error_text(&e), "the server's lock table is full (SQLSTATE 53200); locks not acquired, will retry. Raise max_locks_per_transaction or hold fewer locks");
-                        } else {
-                            warn!(keys = try_keys.len(), error = %error_text(&e), "acquire statement failed; will retry");
-                        }
-                        Ok(Err((full, e)))
-                    }
-                    Err(lost) => Err(lost),
-                }
-            };
-            // Stop fences: taken for leases of an ended session still out, released
-            // (and the keys announced) when they come back, checked before a takeover.
-            let fencing = async {
-                if fence.is_empty() {
-                    Ok(Vec::new())
-                } else {
-                    s.fence(&fence).await
-                }
-            };
-            let unfencing = async {
-                if unfence.is_empty() {
-                    Ok(())
-                } else {
-                    s.unfence(&unfence).await
-                }
-            };
-            let checking = async {
-                if check.is_empty() {
-                    return Ok(Vec::new());
-                }
-                match s.check_fences(&check).await {
-                    Err(Fault::Query(e)) => {
-                        warn!(error = %error_text(&e), "could not check stop fences; will retry");
-                        Ok(check.iter().map(|k| (*k, FenceCheck::Failed)).collect())
-                    }
-                    other => other,
-                }
-            };
-            let ((unlocked, token, tried), (fenced, unfenced, checked)) = self
-                .guarded(&generation, deadline, async {
-                    Ok(tokio::join!(
-                        async { tokio::join!(unlocking, token, trying) },
-                        async { tokio::join!(fencing, unfencing, checking) },
-                    ))
-                })
+            let done = self
+                .guarded(&generation, deadline, s.perform(&plan))
                 .await
                 .map_err(fault_reason)?;
-            unlocked.map_err(fault_reason)?;
-            unfenced.map_err(fault_reason)?;
-            let token = token.map_err(fault_reason)?;
-            let tried = tried.map_err(fault_reason)?;
-            let fenced = fenced.map_err(fault_reason)?;
-            let checked = checked.map_err(fault_reason)?;
             let now = Instant::now();
-            self.table.unlocked(&unlock, now);
-            self.table.unfenced(&unfence, now);
-            self.table.fenced(&fenced);
-            self.table.checked(&checked, now);
-            self.table.tokens(&token_for, token, now);
-            match tried {
+            self.table.unlocked(&plan.unlock, now);
+            self.table.unfenced(&plan.unfence, now);
+            self.table.fenced(&done.fenced);
+            self.table.checked(&done.checked, now);
+            self.table.tokens(&plan.token_for, done.token, now);
+            match done.tried {
                 Ok(outcomes) => {
                     self.last_error = None;
                     self.table.tried(&outcomes, now);
                 }
-                Err((full, e)) => {
+                Err(TryFailure { full, error }) => {
                     // A full lock table is contention, not a failure of the request.
-                    self.last_error = (!full).then(|| Arc::new(e));
-                    let failed: Vec<(LockKey, TryOutcome)> = try_keys
-                        .iter()
-                        .map(|k| {
-                            let outcome = if full {
-                                TryOutcome::Held { by: None }
-                            } else {
-                                TryOutcome::Failed
-                            };
-                            (*k, outcome)
-                        })
-                        .collect();
+                    self.last_error = (!full).then(|| Arc::new(error));
+                    let outcome = if full {
+                        TryOutcome::Held { by: None }
+                    } else {
+                        TryOutcome::Failed
+                    };
+                    let failed: Vec<(LockKey, TryOutcome)> =
+                        plan.try_keys.iter().map(|k| (*k, outcome)).collect();
                     self.table.tried(&failed, now);
                 }
             }

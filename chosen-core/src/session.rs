@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -17,7 +17,7 @@ use crate::lease::FencingToken;
 use crate::manager::HolderInfo;
 use crate::options::ManagerOptions;
 use crate::status::DisconnectReason;
-use crate::table::{FenceCheck, TryOutcome};
+use crate::table::{FenceCheck, Plan, TryOutcome};
 
 /// The channel graceful releases are announced on (payload: up to 200 key tags, see
 /// `LockKey::tag`, joined by commas).
@@ -675,6 +675,111 @@ impl Session {
             out.push((key, holder_info(row, 3).map_err(Fault::Query)?));
         }
         Ok(out)
+    }
+}
+
+/// The answers to one [`Plan`]'s statements, the session being fine.
+pub(crate) struct Done {
+    /// The hand-off token, `None` when it could not be had (the keys are released).
+    pub(crate) token: Option<FencingToken>,
+    pub(crate) tried: Result<Vec<(LockKey, TryOutcome)>, TryFailure>,
+    pub(crate) fenced: Vec<(LockKey, bool)>,
+    pub(crate) checked: Vec<(LockKey, FenceCheck)>,
+}
+
+/// The try statement failed; the session is fine and the keys are not held.
+pub(crate) struct TryFailure {
+    /// The server's lock table is full (SQLSTATE 53200).
+    pub(crate) full: bool,
+    pub(crate) error: tokio_postgres::Error,
+}
+
+impl Session {
+    /// Runs a plan's statements, issued together: tokio-postgres pipelines them on the
+    /// one connection, so a step costs one round trip. A failure that ends the session
+    /// is an `Err`; a statement that failed with the session intact is in [`Done`].
+    pub(crate) async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
+        let unlocking = async {
+            if plan.unlock.is_empty() {
+                Ok(())
+            } else {
+                self.unlock_and_announce(&plan.unlock).await
+            }
+        };
+        let unfencing = async {
+            if plan.unfence.is_empty() {
+                Ok(())
+            } else {
+                self.unfence(&plan.unfence).await
+            }
+        };
+        let token = async {
+            if plan.token_for.is_empty() {
+                return Ok(None);
+            }
+            match self.fresh_token().await {
+                Ok(t) => Ok(Some(t)),
+                Err(Fault::Query(e)) => {
+                    warn!(error = %error_text(&e), "could not get a fencing token for a local hand-off; releasing instead");
+                    Ok(None)
+                }
+                Err(lost) => Err(lost),
+            }
+        };
+        let trying = async {
+            if plan.try_keys.is_empty() {
+                return Ok(Ok(Vec::new()));
+            }
+            match self.try_keys(&plan.try_keys).await {
+                Ok(outcomes) => Ok(Ok(outcomes)),
+                Err(Fault::Query(error)) => {
+                    let full = error.code() == Some(&SqlState::OUT_OF_MEMORY);
+                    let keys = plan.try_keys.len();
+                    if full {
+                        warn!(keys, error = %error_text(&error), "the server's lock table is full (SQLSTATE 53200); locks not acquired, will retry. Raise max_locks_per_transaction or hold fewer locks");
+                    } else {
+                        warn!(keys, error = %error_text(&error), "acquire statement failed; will retry");
+                    }
+                    Ok(Err(TryFailure { full, error }))
+                }
+                Err(lost) => Err(lost),
+            }
+        };
+        let fencing = async {
+            if plan.fence.is_empty() {
+                Ok(Vec::new())
+            } else {
+                self.fence(&plan.fence).await
+            }
+        };
+        let checking = async {
+            if plan.check.is_empty() {
+                return Ok(Vec::new());
+            }
+            match self.check_fences(&plan.check).await {
+                Err(Fault::Query(e)) => {
+                    warn!(error = %error_text(&e), "could not check stop fences; will retry");
+                    Ok(plan
+                        .check
+                        .iter()
+                        .map(|k| (*k, FenceCheck::Failed))
+                        .collect())
+                }
+                other => other,
+            }
+        };
+        let ((unlocked, unfenced, token), (tried, fenced, checked)) =
+            tokio::join!(async { tokio::join!(unlocking, unfencing, token) }, async {
+                tokio::join!(trying, fencing, checking)
+            },);
+        unlocked?;
+        unfenced?;
+        Ok(Done {
+            token: token?,
+            tried: tried?,
+            fenced: fenced?,
+            checked: checked?,
+        })
     }
 }
 
