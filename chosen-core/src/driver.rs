@@ -309,8 +309,9 @@ impl Driver {
                 .map_err(fault_reason)?;
             let now = Instant::now();
             self.table.unlocked(&plan.unlock, now);
+            self.table.unlocked(&plan.unlock_quiet, now);
             self.table.unfenced(&plan.unfence, now);
-            self.table.fenced(&done.fenced);
+            self.table.fenced(&done.fenced, now);
             self.table.checked(&done.checked, now);
             self.table.tokens(&plan.token_for, done.token, now);
             match done.tried {
@@ -636,7 +637,7 @@ impl Driver {
             %reason,
             "lock session lost; every lease revoked"
         );
-        self.table.session_ended();
+        self.table.session_ended(Instant::now());
         self.carry_out();
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), false, generation.id);
@@ -710,7 +711,7 @@ impl Driver {
         {
             debug!(error = ?e, "resetting the session at shutdown failed");
         }
-        self.table.session_ended();
+        self.table.session_ended(Instant::now());
         self.carry_out();
         self.answer_releases();
         self.current = None;

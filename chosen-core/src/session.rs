@@ -125,6 +125,25 @@ SELECT k.i, k.free,
            LIMIT 1) END
 FROM k";
 
+/// After a failed fence check, the shared fence locks it took survive the error: undo
+/// those the lock table shows we hold (as [`CLEANUP_SQL`] does for a failed try).
+const CLEANUP_SHARED_SQL: &str = "
+WITH me AS (
+    SELECT 1 WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
+),
+undone AS (
+    SELECT pg_advisory_unlock_shared(k.a, k.b)
+    FROM unnest($1::int4[], $2::int4[]) AS k(a, b), me
+    WHERE EXISTS (
+        SELECT 1 FROM pg_lock_status() l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+          AND l.mode = 'ShareLock' AND l.database = $5::int8::oid
+          AND l.classid::int8 = k.a::int8 & 4294967295
+          AND l.objid::int8 = k.b::int8 & 4294967295
+          AND l.objsubid = 2)
+)
+SELECT (SELECT count(*) FROM undone) FROM me";
+
 /// Unlocks one key and announces it, on our own marked backend only.
 const UNLOCK_ONE_SQL: &str = "
 SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4)
@@ -246,6 +265,7 @@ pub(crate) struct Statements {
     unlock: Statement,
     unlock_one: Statement,
     check_fences: Statement,
+    cleanup_shared: Statement,
     cleanup: Statement,
     token: Statement,
     holders: Statement,
@@ -468,6 +488,7 @@ impl Session {
 
     /// Unlocks `keys` and announces `tags`, in one statement.
     async fn unlock_announcing(&self, keys: &[LockKey], tags: Vec<String>) -> Result<(), Fault> {
+        // The single-key form always announces: only for one key with its tag.
         let result = if let ([key], [tag]) = (keys, tags.as_slice()) {
             let (a, b, big) = key_params(*key);
             self.client
@@ -548,14 +569,42 @@ impl Session {
                 LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
             }
         }
-        let rows = self
+        let rows = match self
             .client
             .query(
                 &self.stmts.check_fences,
                 &[&a, &b, &self.backend_pid, &self.marker, &self.database_oid],
             )
             .await
-            .map_err(classify)?;
+            .map_err(classify)
+        {
+            Ok(rows) => rows,
+            Err(Fault::Query(e)) => {
+                // Shared fence locks taken before the error survive it: undo them, or
+                // they would keep a stopping node from fencing for this whole session.
+                let undone = self
+                    .client
+                    .query(
+                        &self.stmts.cleanup_shared,
+                        &[&a, &b, &self.backend_pid, &self.marker, &self.database_oid],
+                    )
+                    .await;
+                return match undone.map_err(classify) {
+                    Ok(rows) if !rows.is_empty() => Err(Fault::Query(e)),
+                    Ok(_) => Err(pooler(
+                        "a fence clean-up ran on another backend than the session's own",
+                    )),
+                    Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+                    Err(Fault::Query(e2)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                        message: format!(
+                            "could not undo a failed fence check ({}); dropping the session to release everything",
+                            error_text(&e2)
+                        ),
+                    })),
+                };
+            }
+            Err(lost) => return Err(lost),
+        };
         if rows.is_empty() {
             return Err(pooler(
                 "a fence check ran on another backend than the session's own",
@@ -700,11 +749,21 @@ impl Session {
     /// is an `Err`; a statement that failed with the session intact is in [`Done`].
     pub(crate) async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
         let unlocking = async {
-            if plan.unlock.is_empty() {
-                Ok(())
-            } else {
-                self.unlock_and_announce(&plan.unlock).await
+            if plan.unlock_quiet.is_empty() {
+                if plan.unlock.is_empty() {
+                    return Ok(());
+                }
+                return self.unlock_and_announce(&plan.unlock).await;
             }
+            // One statement: every key unlocked, only the first ones announced.
+            let keys: Vec<LockKey> = plan
+                .unlock
+                .iter()
+                .chain(&plan.unlock_quiet)
+                .copied()
+                .collect();
+            let tags = plan.unlock.iter().map(|k| k.tag()).collect();
+            self.unlock_announcing(&keys, tags).await
         };
         let unfencing = async {
             if plan.unfence.is_empty() {
@@ -1065,7 +1124,7 @@ impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
         let (
-            (heartbeat, try_keys, try_one, unlock, unlock_one),
+            (heartbeat, try_keys, try_one, unlock, unlock_one, cleanup_shared),
             (check_fences, cleanup, token, holders, cluster),
         ) = tokio::try_join!(
             async {
@@ -1075,6 +1134,7 @@ impl Statements {
                     client.prepare(TRY_ONE_SQL),
                     client.prepare(UNLOCK_SQL),
                     client.prepare(UNLOCK_ONE_SQL),
+                    client.prepare(CLEANUP_SHARED_SQL),
                 )
             },
             async {
@@ -1094,6 +1154,7 @@ impl Statements {
             unlock,
             unlock_one,
             check_fences,
+            cleanup_shared,
             cleanup,
             token,
             holders,

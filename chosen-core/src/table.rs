@@ -104,8 +104,13 @@ pub(crate) enum Action {
 /// the task must report each list's outcome back before it asks for the next plan.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Plan {
-    /// Unlock these keys at the server and announce their release.
+    /// Unlock these keys at the server and announce their release: work under them
+    /// ran here and has stopped.
     pub(crate) unlock: Vec<LockKey>,
+    /// Unlock these keys without announcing: won, but never granted here (announcing
+    /// would tell waiters that any earlier holder's work has stopped, which this process
+    /// does not know).
+    pub(crate) unlock_quiet: Vec<LockKey>,
     /// Local hand-offs: one fresh fencing token for all of them.
     pub(crate) token_for: Vec<LockKey>,
     /// Try these keys, in one statement.
@@ -121,6 +126,7 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn is_empty(&self) -> bool {
         self.unlock.is_empty()
+            && self.unlock_quiet.is_empty()
             && self.token_for.is_empty()
             && self.try_keys.is_empty()
             && self.fence.is_empty()
@@ -188,8 +194,9 @@ enum Server {
     NeedsToken { asked: bool },
     /// Held, and owned by `Slot::holder`.
     Held,
-    /// Held by nobody here; to be unlocked (`sent`: in the current plan).
-    Unlocking { sent: bool },
+    /// Held by nobody here; to be unlocked (`sent`: in the current plan), announced
+    /// only when work under it ran here and stopped.
+    Unlocking { sent: bool, announce: bool },
 }
 
 #[derive(Clone, Debug)]
@@ -221,6 +228,11 @@ struct Evidence {
 struct Stopping {
     id: RequestId,
     fence: Fence,
+    /// When the lease was lost: past `max_fence_wait` from then, its work was aborted or
+    /// will never stop, and the fence is given up (others give up waiting then too).
+    since: Instant,
+    /// When to try again to take an absent fence.
+    retry_at: Instant,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -231,8 +243,6 @@ enum Fence {
     Taking { released: bool },
     /// Held by this session.
     Held,
-    /// Could not be taken (someone else held it): nothing more to do.
-    Skipped,
     /// The lease came back: to be released and announced (`sent`: in the current plan).
     Releasing { sent: bool },
 }
@@ -335,7 +345,7 @@ impl LockTable {
     }
 
     /// The session ended: every lock it held is gone, every holder has lost its lease.
-    pub(crate) fn session_ended(&mut self) {
+    pub(crate) fn session_ended(&mut self, now: Instant) {
         self.generation = None;
         for (key, slot) in &mut self.slots {
             // A fence held by the old session is gone with it; a lease still out is
@@ -346,15 +356,19 @@ impl LockTable {
                     ..
                 })
                 | None => None,
-                Some(Stopping { id, .. }) => Some(Stopping {
+                Some(Stopping { id, since, .. }) => Some(Stopping {
                     id,
                     fence: Fence::Absent,
+                    since,
+                    retry_at: now,
                 }),
             };
             if let Some(h) = slot.holder.take() {
                 slot.stopping = Some(Stopping {
                     id: h.id,
                     fence: Fence::Absent,
+                    since: now,
+                    retry_at: now,
                 });
                 self.actions.push_back(Action::Lost {
                     key: *key,
@@ -394,14 +408,22 @@ impl LockTable {
                     why: Refusal::Closed,
                 });
             }
-            if matches!(
-                slot.server,
-                Server::Granting { .. }
-                    | Server::NeedsToken { .. }
-                    | Server::Checking { .. }
-                    | Server::Fenced { .. }
-            ) {
-                slot.server = Server::Unlocking { sent: false };
+            match slot.server {
+                // A holder here released it: its work stopped.
+                Server::NeedsToken { .. } => {
+                    slot.server = Server::Unlocking {
+                        sent: false,
+                        announce: true,
+                    };
+                }
+                // Won but never granted: whoever held it before may still be stopping.
+                Server::Granting { .. } | Server::Checking { .. } | Server::Fenced { .. } => {
+                    slot.server = Server::Unlocking {
+                        sent: false,
+                        announce: false,
+                    };
+                }
+                _ => {}
             }
         }
         self.slots.retain(|_, slot| !slot.unused());
@@ -419,15 +441,23 @@ impl LockTable {
                 });
             }
             if slot.server != Server::Free {
-                slot.server = Server::Unlocking { sent: false };
+                // Leases still out past the stop budget: their work may not have
+                // stopped, so the release is not announced.
+                let announce = matches!(slot.server, Server::Unlocking { announce: true, .. });
+                slot.server = Server::Unlocking {
+                    sent: false,
+                    announce,
+                };
             }
             slot.stopping = match slot.stopping {
-                Some(Stopping {
-                    id,
-                    fence: Fence::Held | Fence::Releasing { sent: false },
-                }) => Some(Stopping {
-                    id,
+                Some(
+                    st @ Stopping {
+                        fence: Fence::Held | Fence::Releasing { sent: false },
+                        ..
+                    },
+                ) => Some(Stopping {
                     fence: Fence::Releasing { sent: false },
+                    ..st
                 }),
                 Some(
                     s @ Stopping {
@@ -479,7 +509,7 @@ impl LockTable {
             return;
         }
         if request.mode == Mode::Try {
-            let why = if known.is_some_and(Slot::busy) {
+            let why = if known.is_some_and(|s| s.busy() || s.stopping.is_some()) {
                 Some(Refusal::Busy)
             } else if self.generation.is_none() {
                 Some(Refusal::NotConnected)
@@ -532,14 +562,14 @@ impl LockTable {
         {
             // A lease of an ended session came back: its work has stopped.
             slot.stopping = match stopping.fence {
-                Fence::Absent | Fence::Skipped => None,
+                Fence::Absent => None,
                 Fence::Taking { .. } => Some(Stopping {
-                    id,
                     fence: Fence::Taking { released: true },
+                    ..stopping
                 }),
                 Fence::Held => Some(Stopping {
-                    id,
                     fence: Fence::Releasing { sent: false },
+                    ..stopping
                 }),
                 Fence::Releasing { .. } => Some(stopping),
             };
@@ -558,7 +588,10 @@ impl LockTable {
             name: holder.name,
         });
         slot.server = if slot.waiters.is_empty() {
-            Server::Unlocking { sent: false }
+            Server::Unlocking {
+                sent: false,
+                announce: true,
+            }
         } else {
             Server::NeedsToken { asked: false }
         };
@@ -596,28 +629,42 @@ impl LockTable {
         };
         let mut grants: Vec<(LockKey, FencingToken)> = Vec::new();
         for (key, slot) in &mut self.slots {
-            match slot.stopping {
-                Some(Stopping {
-                    id,
-                    fence: Fence::Absent,
-                }) if !self.closing => {
-                    slot.stopping = Some(Stopping {
-                        id,
-                        fence: Fence::Taking { released: false },
-                    });
-                    plan.fence.push(*key);
-                }
-                Some(Stopping {
-                    id,
-                    fence: Fence::Releasing { sent: false },
-                }) => {
-                    slot.stopping = Some(Stopping {
-                        id,
-                        fence: Fence::Releasing { sent: true },
-                    });
+            if let Some(st) = slot.stopping {
+                let given_up = now >= st.since + self.rules.max_fence_wait;
+                slot.stopping = match st.fence {
+                    // Past the longest any stop may take: stop fencing (the other nodes
+                    // stop waiting at the same bound), and let this process use the key.
+                    Fence::Absent if given_up => None,
+                    Fence::Held if given_up => Some(Stopping {
+                        fence: Fence::Releasing { sent: false },
+                        ..st
+                    }),
+                    // Also while closing: the lease's work may still be stopping.
+                    Fence::Absent if now >= st.retry_at => {
+                        plan.fence.push(*key);
+                        Some(Stopping {
+                            fence: Fence::Taking { released: false },
+                            ..st
+                        })
+                    }
+                    _ => Some(st),
+                };
+                if let Some(
+                    st @ Stopping {
+                        fence: Fence::Releasing { sent: false },
+                        ..
+                    },
+                ) = slot.stopping
+                {
                     plan.unfence.push(*key);
+                    slot.stopping = Some(Stopping {
+                        fence: Fence::Releasing { sent: true },
+                        ..st
+                    });
                 }
-                _ => {}
+                if slot.stopping.is_none() {
+                    slot.next_try = now;
+                }
             }
             match slot.server {
                 // The grace is over: before granting, is the old holder still stopping?
@@ -641,14 +688,24 @@ impl LockTable {
                 | Server::Held
                 | Server::Trying
                 | Server::NeedsToken { asked: true }
-                | Server::Unlocking { sent: true } => {}
+                | Server::Unlocking { sent: true, .. } => {}
                 Server::NeedsToken { asked: false } => {
                     slot.server = Server::NeedsToken { asked: true };
                     plan.token_for.push(*key);
                 }
-                Server::Unlocking { sent: false } => {
-                    slot.server = Server::Unlocking { sent: true };
-                    plan.unlock.push(*key);
+                Server::Unlocking {
+                    sent: false,
+                    announce,
+                } => {
+                    slot.server = Server::Unlocking {
+                        sent: true,
+                        announce,
+                    };
+                    if announce {
+                        plan.unlock.push(*key);
+                    } else {
+                        plan.unlock_quiet.push(*key);
+                    }
                 }
                 Server::Free => {
                     // Not while a lease of ours from an ended session is still out.
@@ -665,10 +722,11 @@ impl LockTable {
         }
         for (key, token) in grants {
             // The old holder's fence outlived any stop budget: it is broken or gone.
-            self.grant(key, token, generation, now);
+            self.grant(key, token, generation, now, false);
         }
         // Deterministic order: tests replay exactly, and statements lock in key order.
         plan.unlock.sort_unstable();
+        plan.unlock_quiet.sort_unstable();
         plan.token_for.sort_unstable();
         plan.try_keys.sort_unstable();
         plan.fence.sort_unstable();
@@ -679,29 +737,40 @@ impl LockTable {
 
     /// The fence statement of the last plan answered: `true` per key whose fence this
     /// session now holds.
-    pub(crate) fn fenced(&mut self, outcomes: &[(LockKey, bool)]) {
+    pub(crate) fn fenced(&mut self, outcomes: &[(LockKey, bool)], now: Instant) {
         for &(key, taken) in outcomes {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
-            let Some(Stopping {
-                id,
-                fence: Fence::Taking { released },
-            }) = slot.stopping
+            let Some(
+                st @ Stopping {
+                    fence: Fence::Taking { released },
+                    ..
+                },
+            ) = slot.stopping
             else {
                 continue;
             };
             let fence = match (taken, released) {
                 (true, false) => Fence::Held,
                 (true, true) => Fence::Releasing { sent: false },
-                (false, false) => Fence::Skipped,
+                // Someone held it (a node checking it, for an instant): try again soon.
+                (false, false) => {
+                    slot.stopping = Some(Stopping {
+                        fence: Fence::Absent,
+                        retry_at: now + Duration::from_millis(50),
+                        ..st
+                    });
+                    continue;
+                }
                 (false, true) => {
                     slot.stopping = None;
+                    slot.next_try = now;
                     self.forget_if_unused(key);
                     continue;
                 }
             };
-            slot.stopping = Some(Stopping { id, fence });
+            slot.stopping = Some(Stopping { fence, ..st });
         }
     }
 
@@ -737,7 +806,7 @@ impl LockTable {
             };
             let by = match outcome {
                 FenceCheck::Clear => {
-                    self.grant(key, token, generation, now);
+                    self.grant(key, token, generation, now, false);
                     continue;
                 }
                 FenceCheck::Held { by } => by,
@@ -764,7 +833,7 @@ impl LockTable {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
-            if slot.server == (Server::Unlocking { sent: true }) {
+            if matches!(slot.server, Server::Unlocking { sent: true, .. }) {
                 slot.server = Server::Free;
                 // A request that arrived meanwhile is tried at once.
                 slot.next_try = now;
@@ -787,8 +856,14 @@ impl LockTable {
                 continue;
             }
             match token {
-                Some(token) => self.grant(key, token, generation, now),
-                None => slot.server = Server::Unlocking { sent: false },
+                // A holder here released it: its work stopped, so a release is announced.
+                Some(token) => self.grant(key, token, generation, now, true),
+                None => {
+                    slot.server = Server::Unlocking {
+                        sent: false,
+                        announce: true,
+                    };
+                }
             }
         }
     }
@@ -816,7 +891,7 @@ impl LockTable {
                             at: now + self.rules.takeover_grace,
                         };
                     } else {
-                        self.grant(key, token, generation, now);
+                        self.grant(key, token, generation, now, false);
                     }
                 }
                 TryOutcome::Held { by } => {
@@ -860,14 +935,24 @@ impl LockTable {
                 _ if matches!(
                     slot.stopping,
                     Some(Stopping {
-                        fence: Fence::Absent | Fence::Releasing { sent: false },
+                        fence: Fence::Releasing { sent: false },
                         ..
                     })
                 ) =>
                 {
                     Some(now)
                 }
-                Server::NeedsToken { asked: false } | Server::Unlocking { sent: false } => {
+                _ if let Some(st) = slot.stopping
+                    && matches!(st.fence, Fence::Absent | Fence::Held) =>
+                {
+                    let give_up = st.since + self.rules.max_fence_wait;
+                    Some(if st.fence == Fence::Absent {
+                        st.retry_at.min(give_up)
+                    } else {
+                        give_up
+                    })
+                }
+                Server::NeedsToken { asked: false } | Server::Unlocking { sent: false, .. } => {
                     Some(now)
                 }
                 Server::Granting { at, .. } => Some(at),
@@ -892,7 +977,7 @@ impl LockTable {
             .map(|s| {
                 let key = !matches!(
                     s.server,
-                    Server::Free | Server::Trying | Server::Unlocking { sent: true }
+                    Server::Free | Server::Trying | Server::Unlocking { sent: true, .. }
                 );
                 let fence = matches!(
                     s.stopping,
@@ -955,7 +1040,16 @@ impl LockTable {
 
     /// Gives a lock the session holds to the oldest waiter, or unlocks it when nobody
     /// waits any more.
-    fn grant(&mut self, key: LockKey, token: FencingToken, generation: u64, now: Instant) {
+    /// `announce`: when nobody takes it, is its release announced (only when a holder
+    /// here released it, so that work under it has stopped).
+    fn grant(
+        &mut self,
+        key: LockKey,
+        token: FencingToken,
+        generation: u64,
+        now: Instant,
+        announce: bool,
+    ) {
         let slot = self
             .slots
             .get_mut(&key)
@@ -978,7 +1072,12 @@ impl LockTable {
                     waited: now.saturating_duration_since(w.enqueued),
                 });
             }
-            None => slot.server = Server::Unlocking { sent: false },
+            None => {
+                slot.server = Server::Unlocking {
+                    sent: false,
+                    announce,
+                };
+            }
         }
     }
 

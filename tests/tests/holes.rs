@@ -378,7 +378,8 @@ async fn a_batch_token_is_newer_than_every_tenure_before_it() {
 }
 
 /// §2.2 (b), the other half: a lease its owner never drops does not keep the lock past
-/// the stop budget; the shutdown then releases it anyway and announces it.
+/// the stop budget; the shutdown then releases it anyway, without an announcement (its
+/// work may still run), so a waiter finds it free by polling and waits the grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
     let pg = PgCluster::start().unwrap();
@@ -389,7 +390,7 @@ async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
         .unwrap();
     let lease = a.acquire(lock.as_str()).await.unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "budget-waiter").poll_interval(Duration::from_secs(30)),
+        options(&pg.url(), "budget-waiter").poll_interval(Duration::from_millis(200)),
     )
     .await
     .unwrap();
@@ -404,7 +405,7 @@ async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
     assert!(!lease.is_valid(), "revoked first");
     let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
-        .expect("announced, not polled")
+        .expect("the waiter takes over")
         .unwrap()
         .unwrap();
     let after = acquired - t0;
@@ -413,7 +414,7 @@ async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
         "released {after:?} after the shutdown began, before the budget"
     );
     assert!(
-        after < budget + Duration::from_secs(1),
+        after < budget + Duration::from_secs(2),
         "released {after:?} after the shutdown began"
     );
     drop(lease);

@@ -57,7 +57,6 @@ async fn wait_for_holder(observer: &LockManager, lock: &str, node: &str) {
 /// key at once and grants it with neither grace nor fence check, while the old holder
 /// (whose session the server ended) is still stopping its work under the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review2 finding 1: a node that never granted a key announces its release at shutdown; the next node skips grace and fence"]
 async fn a_takeover_abandoned_at_shutdown_does_not_announce_the_key_free() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
@@ -136,7 +135,6 @@ async fn a_takeover_abandoned_at_shutdown_does_not_announce_the_key_free() {
 /// lease is out is not answered at once either, as the docs promise, but only when the
 /// old lease is dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review2 finding 2: re-acquiring a key while its lost lease is still held hangs forever"]
 async fn reacquiring_while_the_lost_lease_is_still_held_does_not_hang() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
