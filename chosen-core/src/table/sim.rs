@@ -445,8 +445,10 @@ struct Run {
     token: FencingToken,
     how: How,
     grant_at: T,
-    /// Server time of what decided the grant (the try or the clear check).
-    decided_at: T,
+    /// How the session's tenure of the key began (a hand-off keeps the server lock, so
+    /// it inherits the grant that won it) and the server time that decided it (the try
+    /// or the clear check).
+    origin: (How, T),
     acting_end: Option<T>,
     drop_at: Option<T>,
     /// Granted after the node's validity deadline had passed (a node waking from a
@@ -1242,6 +1244,15 @@ impl Sim {
         };
         let run = self.runs.len();
         let inst = self.nodes[n].inst;
+        let origin = if how == How::Handoff {
+            self.runs
+                .iter()
+                .rev()
+                .find(|r| r.n == n && r.inst == inst && r.key == key)
+                .map_or((how, decided_at), |r| r.origin)
+        } else {
+            (how, decided_at)
+        };
         self.runs.push(Run {
             key,
             n,
@@ -1249,7 +1260,7 @@ impl Sim {
             token,
             how,
             grant_at: self.now,
-            decided_at,
+            origin,
             acting_end: born_invalid.then_some(self.now),
             drop_at: None,
             born_invalid,
@@ -2047,8 +2058,10 @@ impl Sim {
         let acting = xa
             .iter()
             .any(|a| !a.2 && ya.iter().any(|b| !b.2 && overlap(*a, *b)));
-        let fenced = self.fence_held(x.n, x.inst, x.key, y.decided_at);
-        match (y.how, acting) {
+        // A hand-off keeps the server lock: judged by how the tenure began.
+        let (how, decided_at) = y.origin;
+        let fenced = self.fence_held(x.n, x.inst, x.key, decided_at);
+        match (how, acting) {
             (How::Direct, true) => {
                 self.stats.gap_b_acting += 1;
                 Ok(())
