@@ -7,6 +7,9 @@ use proptest::prelude::*;
 
 use super::*;
 
+#[path = "sim.rs"]
+mod sim;
+
 const GRACE: Duration = Duration::from_millis(100);
 const POLL: Duration = Duration::from_millis(300);
 const MAX_FENCE: Duration = Duration::from_secs(6);

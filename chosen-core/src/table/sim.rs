@@ -1,0 +1,2417 @@
+//! A deterministic simulation of several managers against a simulated server.
+//!
+//! Each node is one [`LockTable`] plus a small model of what `driver.rs` does around it:
+//! one session (backend) that runs the table's plans as pipelined statements, a
+//! heartbeat that keeps the leases valid until the last successful heartbeat *sent* +
+//! `lease_timeout`, reconnects with backoff, a graceful shutdown, and one "child" per
+//! granted lease that acts until the node learns the lease is lost and then takes up to
+//! `stop_budget` to stop before it drops the lease. The server models what our SQL
+//! relies on: exclusive and shared advisory locks per backend, backend pids, one
+//! transaction-id counter (tokens assigned after every lock of a try statement), NOTIFY
+//! stamped with the sender's pid, `idle_session_timeout` (`server_release_after`),
+//! termination, restart, and per-connection FIFO delivery with latency (a partition
+//! holds messages until it heals, as TCP does).
+//!
+//! Time is virtual: a priority queue of events by virtual instant (a base
+//! `Instant::now()` plus virtual durations, fed to the tables), ties broken by the
+//! seeded RNG. One seed is one exact history. `CHOSEN_SIM_SEED=n` replays seed `n` and
+//! prints its trace; `CHOSEN_SIM_SEEDS=n` runs `n` seeds (`CHOSEN_SIM_FIRST` the first).
+//!
+//! The checks follow `tests/src/checker.rs`: two processes' children must never *act*
+//! (grant → the node learns of the loss) at once for one key, and never *run* (acting or
+//! stopping) at once, except the known gaps, which are counted:
+//! (a) a node frozen while the server ended its session (silence longer than
+//!     `server_release_after`): only with a greater token for the later holder;
+//! (b) a brand-new requester (its table slot never saw the key held) wins the key while
+//!     the old holder's work is stopping and its new session holds no stop fence yet;
+//! (c) the old holder had not taken its stop fence when the new holder checked it
+//!     (its reconnect took longer than `takeover_grace` after the new holder won).
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::key::LockKey;
+use crate::lease::FencingToken;
+use crate::table::{
+    Action, FenceCheck, LockTable, Mode, Plan, Refusal, Request, RequestId, Rules, TryOutcome,
+    next_random,
+};
+
+/// Virtual microseconds since the start of a run.
+type T = u64;
+const MS: T = 1_000;
+const SEC: T = 1_000_000;
+
+// ---- configuration ------------------------------------------------------------------
+
+/// The manager options the nodes run with (the library's defaults).
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    heartbeat: T,
+    lease: T,
+    stop_budget: T,
+    margin: T,
+    release: T,
+    poll: T,
+    grace: T,
+    reconnect_min: T,
+    reconnect_max: T,
+    connect_timeout: T,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            heartbeat: SEC,
+            lease: 3 * SEC,
+            stop_budget: 2 * SEC,
+            margin: SEC,
+            release: 7 * SEC,
+            poll: 300 * MS,
+            grace: 100 * MS,
+            reconnect_min: 100 * MS,
+            reconnect_max: 5 * SEC,
+            connect_timeout: 5 * SEC,
+        }
+    }
+}
+
+/// A fault a hand-written scenario injects at a given time.
+#[derive(Clone, Debug)]
+enum Scripted {
+    /// The server terminates the backend of the node holding this key.
+    TerminateHolder(usize),
+    /// The server restarts and stays down this long.
+    Restart { down: T },
+    /// A foreign backend sends `count` release announcements of this key.
+    ForgedFlood { key: usize, count: u32 },
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    seed: u64,
+    /// Key indexes of each node's singletons; empty: drawn (3–5 nodes, 1–2 each).
+    singletons: Vec<Vec<usize>>,
+    duration: T,
+    random_faults: bool,
+    script: Vec<(T, Scripted)>,
+    /// A fixed stop time of children after a loss; `None`: drawn up to the budget.
+    stop_time: Option<T>,
+    /// Children sometimes give their lease up on their own.
+    resign: bool,
+    /// Rare reconnects slower than the takeover grace (gap (c)).
+    slow_reconnects: bool,
+    trace: bool,
+}
+
+impl Config {
+    fn random(seed: u64) -> Self {
+        Self {
+            seed,
+            singletons: Vec::new(),
+            duration: 60 * SEC,
+            random_faults: true,
+            script: Vec::new(),
+            stop_time: None,
+            resign: true,
+            slow_reconnects: true,
+            trace: false,
+        }
+    }
+
+    fn scripted(seed: u64, singletons: Vec<Vec<usize>>, script: Vec<(T, Scripted)>) -> Self {
+        Self {
+            singletons,
+            duration: 20 * SEC,
+            random_faults: false,
+            script,
+            resign: false,
+            slow_reconnects: false,
+            ..Self::random(seed)
+        }
+    }
+}
+
+// ---- randomness -----------------------------------------------------------------------
+
+#[derive(Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        // splitmix64, so that neighbouring seeds start far apart.
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Self((z ^ (z >> 31)) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        next_random(&mut self.0)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+// ---- messages and events --------------------------------------------------------------
+
+/// The statements of one plan, as sent.
+#[derive(Clone, Debug, Default)]
+struct Stmts {
+    unlock: Vec<LockKey>,
+    token_for: Vec<LockKey>,
+    try_keys: Vec<LockKey>,
+    fence: Vec<LockKey>,
+    unfence: Vec<LockKey>,
+    check: Vec<LockKey>,
+}
+
+impl From<Plan> for Stmts {
+    fn from(p: Plan) -> Self {
+        Self {
+            unlock: p.unlock,
+            token_for: p.token_for,
+            try_keys: p.try_keys,
+            fence: p.fence,
+            unfence: p.unfence,
+            check: p.check,
+        }
+    }
+}
+
+/// Node → server, on the node's connection.
+#[derive(Clone, Debug)]
+enum Up {
+    Connect {
+        inst: u32,
+        attempt: u64,
+        handshake: T,
+    },
+    Batch {
+        gn: u64,
+        pid: i32,
+        stmts: Stmts,
+    },
+    Heartbeat {
+        gn: u64,
+        pid: i32,
+        sent: T,
+    },
+    Close {
+        pid: i32,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Reply {
+    /// When the server ran the statements.
+    at: T,
+    token: Option<FencingToken>,
+    tried: Vec<(LockKey, TryOutcome)>,
+    fenced: Vec<(LockKey, bool)>,
+    checked: Vec<(LockKey, FenceCheck)>,
+}
+
+/// Server → node.
+#[derive(Clone, Debug)]
+enum Down {
+    Connected {
+        attempt: u64,
+        pid: i32,
+        proven_at: T,
+    },
+    Refused {
+        attempt: u64,
+    },
+    Reply {
+        gn: u64,
+        reply: Reply,
+    },
+    HbOk {
+        gn: u64,
+        sent: T,
+    },
+    Notify {
+        to: i32,
+        sender: i32,
+        keys: Vec<LockKey>,
+    },
+    Closed {
+        pid: i32,
+    },
+}
+
+#[derive(Clone, Debug)]
+enum Ev {
+    // Node-side: deferred while the node is frozen.
+    Wake {
+        n: usize,
+        inst: u32,
+    },
+    Deliver {
+        n: usize,
+        inst: u32,
+        msg: Down,
+    },
+    HbTimer {
+        n: usize,
+        inst: u32,
+        gn: u64,
+    },
+    Watchdog {
+        n: usize,
+        inst: u32,
+        gn: u64,
+    },
+    ChildDrop {
+        n: usize,
+        inst: u32,
+        s: usize,
+        id: RequestId,
+    },
+    Resign {
+        n: usize,
+        inst: u32,
+        s: usize,
+        id: RequestId,
+    },
+    Reacquire {
+        n: usize,
+        inst: u32,
+        s: usize,
+    },
+    Reconnect {
+        n: usize,
+        inst: u32,
+    },
+    ConnectTimeout {
+        n: usize,
+        inst: u32,
+        attempt: u64,
+    },
+    // The rest of the world.
+    Thaw {
+        n: usize,
+    },
+    Heal {
+        n: usize,
+    },
+    RestartNode {
+        n: usize,
+    },
+    Arrive {
+        n: usize,
+        msg: Up,
+    },
+    IdleCheck {
+        pid: i32,
+    },
+    ServerUp,
+    FaultTick,
+    Script(usize),
+}
+
+impl Ev {
+    /// The node whose process runs this event, if any.
+    fn node(&self) -> Option<usize> {
+        match self {
+            Ev::Wake { n, .. }
+            | Ev::Deliver { n, .. }
+            | Ev::HbTimer { n, .. }
+            | Ev::Watchdog { n, .. }
+            | Ev::ChildDrop { n, .. }
+            | Ev::Resign { n, .. }
+            | Ev::Reacquire { n, .. }
+            | Ev::Reconnect { n, .. }
+            | Ev::ConnectTimeout { n, .. } => Some(*n),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Queued {
+    t: T,
+    tie: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Reversed: the heap pops the earliest first.
+        (other.t, other.tie, other.seq).cmp(&(self.t, self.tie, self.seq))
+    }
+}
+
+// ---- the world ------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Conn {
+    Down,
+    Connecting { attempt: u64 },
+    Up { gn: u64, pid: i32 },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Closing {
+    deadline: T,
+    final_sent: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SState {
+    Idle,
+    Waiting(RequestId),
+    Holding { id: RequestId, run: usize },
+    Stopping { id: RequestId, run: usize },
+    Gone,
+}
+
+#[derive(Debug)]
+struct Single {
+    key: LockKey,
+    state: SState,
+}
+
+#[derive(Debug)]
+struct Node {
+    inst: u32,
+    table: LockTable,
+    conn: Conn,
+    gens: u64,
+    attempt: u64,
+    backoff: T,
+    valid_until: T,
+    busy: Option<Stmts>,
+    closing: Option<Closing>,
+    /// The process ended (graceful shutdown); restarted later as a new instance.
+    down: bool,
+    singles: Vec<Single>,
+    /// Index into `Sim::freezes` while frozen.
+    frozen: Option<usize>,
+    deferred: Vec<Ev>,
+    partitioned: bool,
+    held_up: Vec<Up>,
+    held_down: Vec<(u32, Down)>,
+    last_up: T,
+    last_down: T,
+    wake_at: Option<T>,
+    next_req: RequestId,
+}
+
+/// How a grant came about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum How {
+    /// In the answer to a try (free key, announced release, or a brand-new slot).
+    Direct,
+    /// After the grace, on a clear stop-fence check.
+    Checked,
+    /// A local hand-off with a fresh token.
+    Handoff,
+    /// The old holder's fence outlived the maximum fence wait.
+    Expired,
+}
+
+#[derive(Clone, Debug)]
+struct Run {
+    key: LockKey,
+    n: usize,
+    inst: u32,
+    token: FencingToken,
+    how: How,
+    grant_at: T,
+    /// How the session's tenure of the key began (a hand-off keeps the server lock, so
+    /// it inherits the grant that won it) and the server time that decided it (the try
+    /// or the clear check).
+    origin: (How, T),
+    acting_end: Option<T>,
+    drop_at: Option<T>,
+    /// Granted after the node's validity deadline had passed (a node waking from a
+    /// freeze): the lease is invalid from the start, its child never acts.
+    born_invalid: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Freeze {
+    n: usize,
+    inst: u32,
+    from: T,
+    to: T,
+    /// The server ended the node's session while it was frozen.
+    server_ended: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Backend {
+    n: usize,
+    inst: u32,
+    last: T,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct FenceHold {
+    key: LockKey,
+    pid: i32,
+    from: T,
+    to: Option<T>,
+}
+
+#[derive(Debug)]
+struct Server {
+    up: bool,
+    backends: BTreeMap<i32, Backend>,
+    /// Exclusive advisory locks (keys and stop fences). Shared locks are taken and
+    /// released within one statement (the fence check), so none persist.
+    excl: BTreeMap<LockKey, i32>,
+    next_pid: i32,
+    xid: u64,
+}
+
+/// What a run counted.
+#[derive(Clone, Debug, Default)]
+struct Stats {
+    seeds: u64,
+    events: u64,
+    virtual_us: u64,
+    grants: u64,
+    takeovers: u64,
+    grants_by_how: BTreeMap<&'static str, u64>,
+    faults: BTreeMap<&'static str, u64>,
+    idle_timeouts: u64,
+    fence_waits: u64,
+    statements: u64,
+    /// Overlaps of running children in the known gaps.
+    gap_a: u64,
+    gap_b: u64,
+    gap_c: u64,
+    /// Gap (a) by another path: the old holder froze while stopping, until the new
+    /// holder's maximum fence wait ran out.
+    gap_a_fence_wait: u64,
+    /// Gap (b) where the old holder's child was still *acting* (it had not learned of
+    /// its loss yet: a network latency).
+    gap_b_acting: u64,
+    /// A brand-new requester won while the old holder's stop fence was in place.
+    b_past_fence: u64,
+    /// Grants with a smaller token than the key's last grant, by a node whose validity
+    /// deadline had passed (after a freeze).
+    stale_grants: u64,
+    violations: u64,
+}
+
+impl Stats {
+    fn add(&mut self, o: &Stats) {
+        self.seeds += o.seeds;
+        self.events += o.events;
+        self.virtual_us += o.virtual_us;
+        self.grants += o.grants;
+        self.takeovers += o.takeovers;
+        for (k, v) in &o.grants_by_how {
+            *self.grants_by_how.entry(k).or_default() += v;
+        }
+        for (k, v) in &o.faults {
+            *self.faults.entry(k).or_default() += v;
+        }
+        self.idle_timeouts += o.idle_timeouts;
+        self.fence_waits += o.fence_waits;
+        self.statements += o.statements;
+        self.gap_a += o.gap_a;
+        self.gap_b += o.gap_b;
+        self.gap_c += o.gap_c;
+        self.gap_a_fence_wait += o.gap_a_fence_wait;
+        self.gap_b_acting += o.gap_b_acting;
+        self.b_past_fence += o.b_past_fence;
+        self.stale_grants += o.stale_grants;
+        self.violations += o.violations;
+    }
+}
+
+#[derive(Debug)]
+struct Outcome {
+    stats: Stats,
+    violations: Vec<String>,
+    runs: Vec<Run>,
+    trace: Vec<String>,
+    /// Seeds of the finding "a brand-new requester ignores a stop fence" (not a failure
+    /// of the known gaps, kept apart).
+    past_fence: Vec<String>,
+    stale_grants: Vec<String>,
+    /// When the server ran a try statement, per node.
+    tries: Vec<Vec<T>>,
+}
+
+struct Sim {
+    cfg: Config,
+    t: Timing,
+    base: Instant,
+    now: T,
+    rng: Rng,
+    queue: BinaryHeap<Queued>,
+    seq: u64,
+    keys: Vec<LockKey>,
+    fence_of: BTreeMap<LockKey, LockKey>,
+    nodes: Vec<Node>,
+    server: Server,
+    runs: Vec<Run>,
+    freezes: Vec<Freeze>,
+    fences: Vec<FenceHold>,
+    pid_owners: BTreeMap<i32, (usize, u32)>,
+    last_token: BTreeMap<LockKey, FencingToken>,
+    last_grantee: BTreeMap<LockKey, usize>,
+    stats: Stats,
+    violations: Vec<String>,
+    past_fence: Vec<String>,
+    stale_grants: Vec<String>,
+    trace: Vec<String>,
+    tries: Vec<Vec<T>>,
+}
+
+impl Sim {
+    fn new(cfg: Config) -> Self {
+        let mut rng = Rng::new(cfg.seed);
+        let keys: Vec<LockKey> = (0..2).map(|i| LockKey::Pair(7, i)).collect();
+        let fence_of = keys.iter().map(|k| (*k, k.stop_fence())).collect();
+        let layout: Vec<Vec<usize>> = if cfg.singletons.is_empty() {
+            let n = rng.range(3, 5) as usize;
+            (0..n)
+                .map(|_| {
+                    let count = rng.range(1, 2);
+                    (0..count).map(|_| rng.below(2) as usize).collect()
+                })
+                .collect()
+        } else {
+            cfg.singletons.clone()
+        };
+        let t = Timing::default();
+        let nodes = layout
+            .iter()
+            .map(|ks| Node {
+                inst: 0,
+                table: LockTable::new(rules(&t), rng.next()),
+                conn: Conn::Down,
+                gens: 0,
+                attempt: 0,
+                backoff: t.reconnect_min,
+                valid_until: 0,
+                busy: None,
+                closing: None,
+                down: false,
+                singles: ks
+                    .iter()
+                    .map(|k| Single {
+                        key: keys[*k],
+                        state: SState::Idle,
+                    })
+                    .collect(),
+                frozen: None,
+                deferred: Vec::new(),
+                partitioned: false,
+                held_up: Vec::new(),
+                held_down: Vec::new(),
+                last_up: 0,
+                last_down: 0,
+                wake_at: None,
+                next_req: 1,
+            })
+            .collect::<Vec<_>>();
+        let tries = vec![Vec::new(); nodes.len()];
+        Self {
+            cfg,
+            t,
+            base: Instant::now(),
+            now: 0,
+            rng,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            keys,
+            fence_of,
+            nodes,
+            server: Server {
+                up: true,
+                backends: BTreeMap::new(),
+                excl: BTreeMap::new(),
+                next_pid: 1000,
+                xid: 700,
+            },
+            runs: Vec::new(),
+            freezes: Vec::new(),
+            fences: Vec::new(),
+            pid_owners: BTreeMap::new(),
+            last_token: BTreeMap::new(),
+            last_grantee: BTreeMap::new(),
+            stats: Stats::default(),
+            violations: Vec::new(),
+            past_fence: Vec::new(),
+            stale_grants: Vec::new(),
+            trace: Vec::new(),
+            tries,
+        }
+    }
+
+    fn at(&self, t: T) -> Instant {
+        self.base + Duration::from_micros(t)
+    }
+
+    fn t_of(&self, i: Instant) -> T {
+        // Rounded up: a wake-up a fraction of a microsecond early would find nothing due.
+        i.saturating_duration_since(self.base)
+            .as_nanos()
+            .div_ceil(1000) as T
+    }
+
+    fn log(&mut self, line: impl FnOnce() -> String) {
+        if self.cfg.trace {
+            let text = line();
+            let now = self.now;
+            self.trace
+                .push(format!("{:>9.3} ms  {text}", now as f64 / 1000.0));
+        }
+    }
+
+    #[expect(
+        clippy::needless_pass_by_value,
+        reason = "every caller builds the text with format!"
+    )]
+    fn violation(&mut self, text: String) {
+        self.log(|| format!("VIOLATION {text}"));
+        self.violations
+            .push(format!("at {:.3} ms: {text}", self.now as f64 / 1000.0));
+    }
+
+    fn push(&mut self, t: T, ev: Ev) {
+        self.seq += 1;
+        let tie = self.rng.next();
+        self.queue.push(Queued {
+            t: t.max(self.now),
+            tie,
+            seq: self.seq,
+            ev,
+        });
+    }
+
+    fn latency(&mut self) -> T {
+        if self.rng.chance(4) {
+            self.rng.range(5 * MS, 40 * MS)
+        } else {
+            self.rng.range(100, 1_500)
+        }
+    }
+
+    fn stop_time(&mut self) -> T {
+        if let Some(t) = self.cfg.stop_time {
+            return t;
+        }
+        let budget = self.t.stop_budget;
+        if self.rng.chance(30) {
+            self.rng.range(budget * 8 / 10, budget)
+        } else {
+            self.rng.range(0, budget)
+        }
+    }
+
+    fn fault(&mut self, kind: &'static str) {
+        *self.stats.faults.entry(kind).or_default() += 1;
+    }
+
+    // ---- the loop ---------------------------------------------------------------------
+
+    fn run(mut self) -> Outcome {
+        for n in 0..self.nodes.len() {
+            let t = self.rng.range(0, 50 * MS);
+            self.push(t, Ev::Reconnect { n, inst: 0 });
+            for s in 0..self.nodes[n].singles.len() {
+                let t = self.rng.range(0, 200 * MS);
+                self.push(t, Ev::Reacquire { n, inst: 0, s });
+            }
+        }
+        if self.cfg.random_faults {
+            let t = self.rng.range(2 * SEC, 5 * SEC);
+            self.push(t, Ev::FaultTick);
+        }
+        for i in 0..self.cfg.script.len() {
+            let t = self.cfg.script[i].0;
+            self.push(t, Ev::Script(i));
+        }
+        let mut same_instant = 0u32;
+        while let Some(q) = self.queue.pop() {
+            if q.t > self.cfg.duration {
+                break;
+            }
+            same_instant = if q.t == self.now { same_instant + 1 } else { 0 };
+            if same_instant > 100_000 {
+                self.violation(format!(
+                    "livelock: 100,000 events at one instant, the last {:?}",
+                    q.ev
+                ));
+                break;
+            }
+            self.now = q.t;
+            self.stats.events += 1;
+            if let Some(n) = q.ev.node()
+                && self.nodes[n].frozen.is_some()
+            {
+                self.nodes[n].deferred.push(q.ev);
+                continue;
+            }
+            self.handle(q.ev);
+        }
+        self.now = self.cfg.duration;
+        self.judge();
+        self.stats.seeds = 1;
+        self.stats.virtual_us = self.cfg.duration;
+        self.stats.violations = self.violations.len() as u64;
+        Outcome {
+            stats: self.stats,
+            violations: self.violations,
+            runs: self.runs,
+            trace: self.trace,
+            past_fence: self.past_fence,
+            stale_grants: self.stale_grants,
+            tries: self.tries,
+        }
+    }
+
+    fn current(&self, n: usize, inst: u32) -> bool {
+        self.nodes[n].inst == inst && !self.nodes[n].down
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Wake { n, inst } => {
+                if self.current(n, inst) {
+                    if self.nodes[n].wake_at.is_some_and(|w| w <= self.now) {
+                        self.nodes[n].wake_at = None;
+                    }
+                    self.node_loop(n);
+                }
+            }
+            Ev::Deliver { n, inst, msg } => {
+                if self.current(n, inst) {
+                    self.deliver(n, msg);
+                }
+            }
+            Ev::HbTimer { n, inst, gn } => {
+                if !self.current(n, inst) {
+                    return;
+                }
+                let Conn::Up { gn: g, pid } = self.nodes[n].conn else {
+                    return;
+                };
+                if g != gn {
+                    return;
+                }
+                if self.now >= self.nodes[n].valid_until {
+                    self.lose_session(n, "heartbeat overdue");
+                } else {
+                    let sent = self.now;
+                    self.send_up(n, Up::Heartbeat { gn, pid, sent });
+                }
+            }
+            Ev::Watchdog { n, inst, gn } => {
+                if self.current(n, inst)
+                    && matches!(self.nodes[n].conn, Conn::Up { gn: g, .. } if g == gn)
+                    && self.now >= self.nodes[n].valid_until
+                {
+                    self.lose_session(n, "validity deadline passed");
+                }
+            }
+            Ev::ChildDrop { n, inst, s, id } => {
+                if self.current(n, inst) {
+                    self.child_drop(n, s, id);
+                }
+            }
+            Ev::Resign { n, inst, s, id } => {
+                if self.current(n, inst)
+                    && let SState::Holding { id: h, run } = self.nodes[n].singles[s].state
+                    && h == id
+                {
+                    self.nodes[n].singles[s].state = SState::Stopping { id, run };
+                    let t = self.now + self.rng.range(0, 200 * MS);
+                    self.push(t, Ev::ChildDrop { n, inst, s, id });
+                    self.log(|| format!("n{n} child of run {run} resigns"));
+                }
+            }
+            Ev::Reacquire { n, inst, s } => {
+                if self.current(n, inst) {
+                    self.reacquire(n, s);
+                }
+            }
+            Ev::Reconnect { n, inst } => {
+                if self.current(n, inst) && self.nodes[n].conn == Conn::Down {
+                    let node = &mut self.nodes[n];
+                    node.attempt += 1;
+                    node.gens += 1;
+                    let attempt = node.attempt;
+                    node.conn = Conn::Connecting { attempt };
+                    let handshake = if self.cfg.slow_reconnects && self.rng.chance(4) {
+                        self.rng.range(60 * MS, 400 * MS)
+                    } else {
+                        self.rng.range(MS, 25 * MS)
+                    };
+                    self.send_up(
+                        n,
+                        Up::Connect {
+                            inst,
+                            attempt,
+                            handshake,
+                        },
+                    );
+                    let t = self.now + self.t.connect_timeout;
+                    self.push(t, Ev::ConnectTimeout { n, inst, attempt });
+                }
+            }
+            Ev::ConnectTimeout { n, inst, attempt } => {
+                if self.current(n, inst) {
+                    self.connect_failed(n, attempt);
+                }
+            }
+            Ev::Thaw { n } => {
+                let idx = self.nodes[n]
+                    .frozen
+                    .take()
+                    .expect("BUG: thaw of a running node");
+                self.log(|| format!("n{n} thaws (freeze {idx})"));
+                let deferred = std::mem::take(&mut self.nodes[n].deferred);
+                for (i, ev) in deferred.into_iter().enumerate() {
+                    self.push(self.now + i as T, ev);
+                }
+            }
+            Ev::Heal { n } => {
+                self.nodes[n].partitioned = false;
+                self.log(|| format!("n{n} partition heals"));
+                for msg in std::mem::take(&mut self.nodes[n].held_up) {
+                    self.send_up(n, msg);
+                }
+                for (inst, msg) in std::mem::take(&mut self.nodes[n].held_down) {
+                    self.send_down(n, inst, msg, self.now);
+                }
+            }
+            Ev::RestartNode { n } => self.restart_node(n),
+            Ev::Arrive { n, msg } => self.arrive(n, msg),
+            Ev::IdleCheck { pid } => {
+                if let Some(b) = self.server.backends.get(&pid)
+                    && b.last + self.t.release <= self.now
+                {
+                    self.stats.idle_timeouts += 1;
+                    self.terminate(pid, true, "idle_session_timeout");
+                }
+            }
+            Ev::ServerUp => {
+                self.server.up = true;
+                self.log(|| "server up".to_owned());
+            }
+            Ev::FaultTick => {
+                self.random_fault();
+                let t = self.now + self.rng.range(SEC, 6 * SEC);
+                self.push(t, Ev::FaultTick);
+            }
+            Ev::Script(i) => {
+                let what = self.cfg.script[i].1.clone();
+                match what {
+                    Scripted::TerminateHolder(k) => {
+                        let key = self.keys[k];
+                        if let Some(pid) = self.holder_pid(key) {
+                            self.fault("terminate");
+                            self.terminate(pid, true, "pg_terminate_backend");
+                        }
+                    }
+                    Scripted::Restart { down } => self.restart_server(down),
+                    Scripted::ForgedFlood { key, count } => {
+                        let key = self.keys[key];
+                        self.forged(key, count);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- the node: the driver's loop ------------------------------------------------
+
+    fn schedule_wake(&mut self, n: usize, at: T) {
+        let at = at.max(self.now);
+        if let Some(w) = self.nodes[n].wake_at
+            && w >= self.now
+            && w <= at
+        {
+            return;
+        }
+        self.nodes[n].wake_at = Some(at);
+        let inst = self.nodes[n].inst;
+        self.push(at, Ev::Wake { n, inst });
+    }
+
+    fn poke(&mut self, n: usize) {
+        self.schedule_wake(n, self.now);
+    }
+
+    fn node_loop(&mut self, n: usize) {
+        let node = &self.nodes[n];
+        if node.down || node.busy.is_some() || !matches!(node.conn, Conn::Up { .. }) {
+            return;
+        }
+        if node.closing.is_some() {
+            return self.closing_step(n);
+        }
+        let now = self.at(self.now);
+        let plan = self.nodes[n].table.plan(now);
+        self.carry_out(n, How::Expired, self.now);
+        if plan.is_empty() {
+            if let Some(w) = self.nodes[n].table.next_wakeup(now) {
+                let w = self.t_of(w);
+                self.schedule_wake(n, w);
+            }
+            return;
+        }
+        self.send_plan(n, plan);
+    }
+
+    fn send_plan(&mut self, n: usize, plan: Plan) {
+        let Conn::Up { gn, pid } = self.nodes[n].conn else {
+            self.violation(format!("n{n} planned statements while disconnected"));
+            return;
+        };
+        let stmts = Stmts::from(plan);
+        self.log(|| format!("n{n} sends {stmts:?}"));
+        self.nodes[n].busy = Some(stmts.clone());
+        self.stats.statements += 1;
+        self.send_up(n, Up::Batch { gn, pid, stmts });
+    }
+
+    fn deliver(&mut self, n: usize, msg: Down) {
+        match msg {
+            Down::Connected {
+                attempt,
+                pid,
+                proven_at,
+            } => {
+                if self.nodes[n].conn != (Conn::Connecting { attempt }) {
+                    // A late answer to an attempt given up on: drop that connection.
+                    self.send_up(n, Up::Close { pid });
+                    return;
+                }
+                let node = &mut self.nodes[n];
+                let gn = node.gens;
+                node.conn = Conn::Up { gn, pid };
+                node.valid_until = proven_at + self.t.lease;
+                node.backoff = self.t.reconnect_min;
+                let valid_until = node.valid_until;
+                let inst = node.inst;
+                let now = self.at(self.now);
+                self.nodes[n].table.session_started(gn, now);
+                self.log(|| format!("n{n} connected: generation {gn}, pid {pid}"));
+                self.push(proven_at + self.t.heartbeat, Ev::HbTimer { n, inst, gn });
+                self.push(valid_until, Ev::Watchdog { n, inst, gn });
+                self.poke(n);
+            }
+            Down::Refused { attempt } => self.connect_failed(n, attempt),
+            Down::Reply { gn, reply } => self.on_reply(n, gn, &reply),
+            Down::HbOk { gn, sent } => {
+                let Conn::Up { gn: g, .. } = self.nodes[n].conn else {
+                    return;
+                };
+                if g != gn {
+                    return;
+                }
+                let node = &mut self.nodes[n];
+                if node.valid_until > self.now {
+                    node.valid_until = node.valid_until.max(sent + self.t.lease);
+                    let (inst, valid) = (node.inst, node.valid_until);
+                    self.push(valid, Ev::Watchdog { n, inst, gn });
+                    self.push(sent + self.t.heartbeat, Ev::HbTimer { n, inst, gn });
+                } else {
+                    self.lose_session(n, "heartbeat answered too late");
+                }
+            }
+            Down::Notify { to, sender, keys } => {
+                if self.nodes[n].conn
+                    == (Conn::Up {
+                        gn: self.nodes[n].gens,
+                        pid: to,
+                    })
+                    && self.nodes[n].closing.is_none()
+                {
+                    let now = self.at(self.now);
+                    for k in &keys {
+                        self.nodes[n].table.announced(*k, sender, now);
+                    }
+                    self.carry_out(n, How::Direct, self.now);
+                    self.poke(n);
+                }
+            }
+            Down::Closed { pid } => {
+                if matches!(self.nodes[n].conn, Conn::Up { pid: p, .. } if p == pid) {
+                    self.lose_session(n, "connection closed by the server");
+                }
+            }
+        }
+    }
+
+    fn on_reply(&mut self, n: usize, gn: u64, reply: &Reply) {
+        if !matches!(self.nodes[n].conn, Conn::Up { gn: g, .. } if g == gn) {
+            return;
+        }
+        let Some(stmts) = self.nodes[n].busy.take() else {
+            return;
+        };
+        self.log(|| {
+            format!(
+                "n{n} answered: tried {:?} checked {:?} fenced {:?} token {:?}",
+                reply.tried, reply.checked, reply.fenced, reply.token
+            )
+        });
+        let now = self.at(self.now);
+        // The driver's order.
+        let table = &mut self.nodes[n].table;
+        table.unlocked(&stmts.unlock, now);
+        table.unfenced(&stmts.unfence, now);
+        table.fenced(&reply.fenced);
+        self.carry_out(n, How::Expired, self.now);
+        self.stats.fence_waits += reply
+            .checked
+            .iter()
+            .filter(|(_, c)| matches!(c, FenceCheck::Held { .. }))
+            .count() as u64;
+        self.nodes[n].table.checked(&reply.checked, now);
+        self.carry_out(n, How::Checked, reply.at);
+        self.nodes[n]
+            .table
+            .tokens(&stmts.token_for, reply.token, now);
+        self.carry_out(n, How::Handoff, reply.at);
+        // What the table knew before the answer: a won key it had seen held, with no
+        // verified announcement since, must wait the grace (the table's own rule).
+        let unannounced: Vec<LockKey> = reply
+            .tried
+            .iter()
+            .filter(|(k, _)| {
+                self.nodes[n]
+                    .table
+                    .slots
+                    .get(k)
+                    .is_some_and(|s| s.evidence.contended && !s.evidence.announced)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        self.nodes[n].table.tried(&reply.tried, now);
+
+        let granted_before = self.runs.len();
+        self.carry_out(n, How::Direct, reply.at);
+        for k in unannounced {
+            if self.runs[granted_before..]
+                .iter()
+                .any(|r| r.n == n && r.key == k)
+            {
+                self.violation(format!(
+                    "n{n} granted {k} on an unannounced takeover without the grace"
+                ));
+            }
+        }
+        if self.nodes[n].closing.is_some_and(|c| c.final_sent) {
+            self.finish_shutdown(n);
+        } else {
+            self.poke(n);
+        }
+    }
+
+    /// Carries out the table's actions (in a fixed order: the table's own order comes
+    /// from hash maps, and the history must not depend on it).
+    fn carry_out(&mut self, n: usize, how: How, decided_at: T) {
+        let mut actions = Vec::new();
+        while let Some(a) = self.nodes[n].table.poll_action() {
+            actions.push(a);
+        }
+        actions.sort_by_key(|a| match a {
+            Action::Grant { id, key, .. } => (0, *key, *id),
+            Action::Refuse { id, .. } => (1, LockKey::Int(0), *id),
+            Action::Released { key, .. } => (2, *key, 0),
+            Action::Lost { key, .. } => (3, *key, 0),
+        });
+        for a in actions {
+            match a {
+                Action::Grant {
+                    id,
+                    key,
+                    token,
+                    generation,
+                    ..
+                } => self.on_grant(n, id, key, token, generation, how, decided_at),
+                Action::Refuse { id, why } => {
+                    let Some(s) = self.nodes[n]
+                        .singles
+                        .iter()
+                        .position(|s| s.state == SState::Waiting(id))
+                    else {
+                        self.violation(format!("n{n} refused unknown request {id}"));
+                        continue;
+                    };
+                    let node = &mut self.nodes[n];
+                    if why == Refusal::Closed || node.closing.is_some() {
+                        node.singles[s].state = SState::Gone;
+                    } else {
+                        node.singles[s].state = SState::Idle;
+                        let inst = node.inst;
+                        let t = self.now + self.rng.range(0, SEC);
+                        self.push(t, Ev::Reacquire { n, inst, s });
+                    }
+                }
+                Action::Released { .. } | Action::Lost { .. } => {}
+            }
+        }
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "one grant's fields")]
+    fn on_grant(
+        &mut self,
+        n: usize,
+        id: RequestId,
+        key: LockKey,
+        token: FencingToken,
+        generation: u64,
+        how: How,
+        decided_at: T,
+    ) {
+        match self.nodes[n].conn {
+            Conn::Up { gn, pid } => {
+                if gn != generation {
+                    self.violation(format!(
+                        "n{n} granted {key} in generation {generation}, session is {gn}"
+                    ));
+                }
+                let held = self.server.excl.get(&key) == Some(&pid);
+                if !held && self.server.backends.contains_key(&pid) {
+                    self.violation(format!(
+                        "n{n} granted {key}, which its live backend {pid} does not hold"
+                    ));
+                }
+            }
+            other => self.violation(format!("n{n} granted {key} while {other:?}")),
+        }
+        if self.nodes[n].closing.is_some() {
+            self.violation(format!("n{n} granted {key} while closing"));
+        }
+        if self.nodes[n].singles.iter().any(|s| {
+            s.key == key && matches!(s.state, SState::Holding { .. } | SState::Stopping { .. })
+        }) {
+            self.violation(format!(
+                "n{n} granted {key} while a lease of its own on it is still out"
+            ));
+        }
+        let born_invalid = self.now >= self.nodes[n].valid_until;
+        if let Some(prev) = self.last_token.get(&key).copied()
+            && token <= prev
+        {
+            let text = format!("n{n} granted {key} with token {token} after token {prev}");
+            if born_invalid {
+                // The finding kept by `sim_finding_a_stale_grant_after_a_freeze`.
+                self.stats.stale_grants += 1;
+                self.log(|| format!("FINDING {text}, after its validity deadline"));
+                self.stale_grants.push(text);
+            } else {
+                self.violation(text);
+            }
+        }
+        self.last_token.insert(key, token);
+        let Some(s) = self.nodes[n]
+            .singles
+            .iter()
+            .position(|s| s.state == SState::Waiting(id))
+        else {
+            self.violation(format!("n{n} granted unknown request {id}"));
+            return;
+        };
+        let run = self.runs.len();
+        let inst = self.nodes[n].inst;
+        let origin = if how == How::Handoff {
+            self.runs
+                .iter()
+                .rev()
+                .find(|r| r.n == n && r.inst == inst && r.key == key)
+                .map_or((how, decided_at), |r| r.origin)
+        } else {
+            (how, decided_at)
+        };
+        self.runs.push(Run {
+            key,
+            n,
+            inst,
+            token,
+            how,
+            grant_at: self.now,
+            origin,
+            acting_end: born_invalid.then_some(self.now),
+            drop_at: None,
+            born_invalid,
+        });
+        self.nodes[n].singles[s].state = SState::Holding { id, run };
+        self.stats.grants += 1;
+        let name = match how {
+            How::Direct => "direct",
+            How::Checked => "checked",
+            How::Handoff => "handoff",
+            How::Expired => "expired",
+        };
+        *self.stats.grants_by_how.entry(name).or_default() += 1;
+        if self.last_grantee.insert(key, n).is_some_and(|p| p != n) {
+            self.stats.takeovers += 1;
+        }
+        self.log(|| format!("n{n} GRANT {key} token {token} ({name}) run {run}"));
+        if self.cfg.resign && self.rng.chance(35) {
+            let t = self.now + self.rng.range(300 * MS, 8 * SEC);
+            self.push(t, Ev::Resign { n, inst, s, id });
+        }
+    }
+
+    fn child_drop(&mut self, n: usize, s: usize, id: RequestId) {
+        let SState::Stopping { id: h, run } = self.nodes[n].singles[s].state else {
+            return;
+        };
+        if h != id {
+            return;
+        }
+        let r = &mut self.runs[run];
+        r.drop_at = Some(self.now);
+        r.acting_end.get_or_insert(self.now);
+        let key = self.nodes[n].singles[s].key;
+        self.log(|| format!("n{n} child of run {run} dropped its lease on {key}"));
+        let now = self.at(self.now);
+        self.nodes[n].table.release(key, id, now);
+        self.carry_out(n, How::Expired, self.now);
+        let node = &mut self.nodes[n];
+        if node.closing.is_some() {
+            node.singles[s].state = SState::Gone;
+        } else {
+            node.singles[s].state = SState::Idle;
+            let inst = node.inst;
+            let t = self.now + self.rng.range(0, SEC);
+            self.push(t, Ev::Reacquire { n, inst, s });
+        }
+        self.poke(n);
+    }
+
+    fn reacquire(&mut self, n: usize, s: usize) {
+        let node = &mut self.nodes[n];
+        if node.singles[s].state != SState::Idle || node.closing.is_some() {
+            return;
+        }
+        let id = node.next_req;
+        node.next_req += 1;
+        let key = node.singles[s].key;
+        node.singles[s].state = SState::Waiting(id);
+        let now = self.base + Duration::from_micros(self.now);
+        node.table.acquire(
+            Request {
+                id,
+                key,
+                name: Arc::from("sim"),
+                poll_interval: Duration::from_micros(self.t.poll),
+                mode: Mode::Wait,
+                since: SystemTime::UNIX_EPOCH,
+                enqueued: now,
+            },
+            now,
+        );
+        self.carry_out(n, How::Direct, self.now);
+        self.poke(n);
+    }
+
+    /// The generation ends (every lease of it revoked at once); the first reconnect
+    /// attempt follows at once.
+    fn lose_session(&mut self, n: usize, why: &str) {
+        let Conn::Up { pid, gn } = self.nodes[n].conn else {
+            return;
+        };
+        if self.nodes[n].closing.is_some() {
+            return self.finish_shutdown(n);
+        }
+        self.log(|| format!("n{n} LOSES generation {gn} (pid {pid}): {why}"));
+        self.send_up(n, Up::Close { pid });
+        let node = &mut self.nodes[n];
+        node.conn = Conn::Down;
+        node.busy = None;
+        node.valid_until = 0;
+        node.backoff = self.t.reconnect_min;
+        node.table.session_ended();
+        self.carry_out(n, How::Expired, self.now);
+        for s in 0..self.nodes[n].singles.len() {
+            match self.nodes[n].singles[s].state {
+                SState::Holding { id, run } => {
+                    self.runs[run].acting_end.get_or_insert(self.now);
+                    self.nodes[n].singles[s].state = SState::Stopping { id, run };
+                    // A child whose lease was invalid from the start never started.
+                    let stop = if self.runs[run].born_invalid {
+                        0
+                    } else {
+                        self.stop_time()
+                    };
+                    let t = self.now + stop;
+                    let inst = self.nodes[n].inst;
+                    self.push(t, Ev::ChildDrop { n, inst, s, id });
+                }
+                SState::Stopping { run, .. } => {
+                    self.runs[run].acting_end.get_or_insert(self.now);
+                }
+                _ => {}
+            }
+        }
+        let inst = self.nodes[n].inst;
+        self.push(self.now, Ev::Reconnect { n, inst });
+    }
+
+    fn connect_failed(&mut self, n: usize, attempt: u64) {
+        let node = &mut self.nodes[n];
+        if node.conn != (Conn::Connecting { attempt }) {
+            return;
+        }
+        node.conn = Conn::Down;
+        let delay = node.backoff;
+        node.backoff = (delay * 2).min(self.t.reconnect_max);
+        let inst = node.inst;
+        let wait = delay / 2 + self.rng.below(delay / 2);
+        self.push(self.now + wait, Ev::Reconnect { n, inst });
+    }
+
+    // ---- the node: graceful shutdown ---------------------------------------------------
+
+    fn begin_shutdown(&mut self, n: usize) {
+        self.log(|| format!("n{n} begins a graceful shutdown"));
+        let inst = self.nodes[n].inst;
+        let deadline = self.now + self.t.stop_budget;
+        self.nodes[n].closing = Some(Closing {
+            deadline,
+            final_sent: false,
+        });
+        for s in 0..self.nodes[n].singles.len() {
+            match self.nodes[n].singles[s].state {
+                SState::Holding { id, run } => {
+                    self.runs[run].acting_end = Some(self.now);
+                    self.nodes[n].singles[s].state = SState::Stopping { id, run };
+                    let t = self.now + self.stop_time();
+                    self.push(t, Ev::ChildDrop { n, inst, s, id });
+                }
+                SState::Stopping { run, .. } => {
+                    self.runs[run].acting_end.get_or_insert(self.now);
+                }
+                SState::Idle => self.nodes[n].singles[s].state = SState::Gone,
+                _ => {}
+            }
+        }
+        self.nodes[n].table.begin_close();
+        self.carry_out(n, How::Expired, self.now);
+        self.push(deadline, Ev::Wake { n, inst });
+        self.poke(n);
+    }
+
+    fn closing_step(&mut self, n: usize) {
+        let Some(c) = self.nodes[n].closing else {
+            return;
+        };
+        if c.final_sent {
+            return;
+        }
+        let now = self.at(self.now);
+        if self.nodes[n].table.held() == 0 || self.now >= c.deadline {
+            self.nodes[n].table.close_now();
+            self.carry_out(n, How::Expired, self.now);
+            self.nodes[n].closing = Some(Closing {
+                final_sent: true,
+                ..c
+            });
+            let plan = self.nodes[n].table.plan(now);
+            self.carry_out(n, How::Expired, self.now);
+            if plan.is_empty() {
+                self.finish_shutdown(n);
+            } else {
+                self.send_plan(n, plan);
+            }
+        } else {
+            let plan = self.nodes[n].table.plan(now);
+            self.carry_out(n, How::Expired, self.now);
+            if !plan.is_empty() {
+                self.send_plan(n, plan);
+            }
+        }
+    }
+
+    fn finish_shutdown(&mut self, n: usize) {
+        if let Conn::Up { pid, .. } = self.nodes[n].conn {
+            self.send_up(n, Up::Close { pid });
+        }
+        self.log(|| format!("n{n} shut down"));
+        let node = &mut self.nodes[n];
+        node.table.session_ended();
+        self.carry_out(n, How::Expired, self.now);
+        let node = &mut self.nodes[n];
+        node.conn = Conn::Down;
+        node.busy = None;
+        node.closing = None;
+        node.down = true;
+        for s in 0..node.singles.len() {
+            if let SState::Holding { run, .. } | SState::Stopping { run, .. } =
+                node.singles[s].state
+            {
+                // The process exits: its children end with it.
+                let r = &mut self.runs[run];
+                r.acting_end.get_or_insert(self.now);
+                r.drop_at.get_or_insert(self.now);
+            }
+            node.singles[s].state = SState::Gone;
+        }
+        let t = self.now + self.rng.range(SEC, 5 * SEC);
+        self.push(t, Ev::RestartNode { n });
+    }
+
+    fn restart_node(&mut self, n: usize) {
+        let seed = self.rng.next();
+        let rules = rules(&self.t);
+        let node = &mut self.nodes[n];
+        node.inst += 1;
+        node.table = LockTable::new(rules, seed);
+        node.conn = Conn::Down;
+        node.gens = 0;
+        node.attempt = 0;
+        node.backoff = self.t.reconnect_min;
+        node.valid_until = 0;
+        node.busy = None;
+        node.closing = None;
+        node.down = false;
+        node.wake_at = None;
+        for s in &mut node.singles {
+            s.state = SState::Idle;
+        }
+        let inst = node.inst;
+        let count = node.singles.len();
+        self.log(|| format!("n{n} restarts as instance {inst}"));
+        self.push(self.now, Ev::Reconnect { n, inst });
+        for s in 0..count {
+            let t = self.now + self.rng.range(0, 100 * MS);
+            self.push(t, Ev::Reacquire { n, inst, s });
+        }
+    }
+
+    // ---- the network ----------------------------------------------------------------------
+
+    fn send_up(&mut self, n: usize, msg: Up) {
+        if self.nodes[n].partitioned {
+            self.nodes[n].held_up.push(msg);
+            return;
+        }
+        let arrival = (self.now + self.latency()).max(self.nodes[n].last_up);
+        self.nodes[n].last_up = arrival;
+        self.push(arrival, Ev::Arrive { n, msg });
+    }
+
+    fn send_down(&mut self, n: usize, inst: u32, msg: Down, at: T) {
+        if self.nodes[n].partitioned {
+            self.nodes[n].held_down.push((inst, msg));
+            return;
+        }
+        let arrival = (at + self.latency()).max(self.nodes[n].last_down);
+        self.nodes[n].last_down = arrival;
+        self.push(arrival, Ev::Deliver { n, inst, msg });
+    }
+
+    // ---- the server -------------------------------------------------------------------
+
+    fn touch(&mut self, pid: i32) {
+        if let Some(b) = self.server.backends.get_mut(&pid) {
+            b.last = self.now;
+            self.push(self.now + self.t.release, Ev::IdleCheck { pid });
+        }
+    }
+
+    fn arrive(&mut self, n: usize, msg: Up) {
+        match msg {
+            Up::Connect {
+                inst,
+                attempt,
+                handshake,
+            } => {
+                if !self.server.up {
+                    self.send_down(n, inst, Down::Refused { attempt }, self.now);
+                    return;
+                }
+                let pid = self.server.next_pid;
+                self.server.next_pid += 1;
+                let ready = self.now + handshake;
+                self.pid_owners.insert(pid, (n, inst));
+                self.server.backends.insert(
+                    pid,
+                    Backend {
+                        n,
+                        inst,
+                        last: ready,
+                    },
+                );
+                self.push(ready + self.t.release, Ev::IdleCheck { pid });
+                self.send_down(
+                    n,
+                    inst,
+                    Down::Connected {
+                        attempt,
+                        pid,
+                        proven_at: ready,
+                    },
+                    ready,
+                );
+            }
+            Up::Batch { gn, pid, stmts } => {
+                let Some(b) = self.server.backends.get(&pid).copied() else {
+                    self.send_down(n, self.nodes[n].inst, Down::Closed { pid }, self.now);
+                    return;
+                };
+                self.touch(pid);
+                let reply = self.execute(n, pid, &stmts);
+                self.send_down(n, b.inst, Down::Reply { gn, reply }, self.now);
+            }
+            Up::Heartbeat { gn, pid, sent } => match self.server.backends.get(&pid).copied() {
+                Some(b) => {
+                    self.touch(pid);
+                    self.send_down(n, b.inst, Down::HbOk { gn, sent }, self.now);
+                }
+                None => self.send_down(n, self.nodes[n].inst, Down::Closed { pid }, self.now),
+            },
+            Up::Close { pid } => self.terminate(pid, false, "client closed the connection"),
+        }
+    }
+
+    /// The statements of one plan, in the order the driver pipelines them.
+    fn execute(&mut self, n: usize, pid: i32, stmts: &Stmts) -> Reply {
+        let mut reply = Reply {
+            at: self.now,
+            token: None,
+            tried: Vec::new(),
+            fenced: Vec::new(),
+            checked: Vec::new(),
+        };
+        // UNLOCK_SQL: unlock and announce.
+        for k in &stmts.unlock {
+            if self.server.excl.get(k) == Some(&pid) {
+                self.server.excl.remove(k);
+            } else {
+                self.violation(format!(
+                    "n{n} unlocks {k}, which backend {pid} does not hold"
+                ));
+            }
+        }
+        if !stmts.unlock.is_empty() {
+            self.notify(pid, &stmts.unlock);
+        }
+        // TOKEN_SQL.
+        if !stmts.token_for.is_empty() {
+            self.server.xid += 1;
+            reply.token = Some(FencingToken::new(self.server.xid));
+        }
+        // TRY_KEYS_SQL: every lock first, then one token for the keys won.
+        if !stmts.try_keys.is_empty() {
+            self.tries[n].push(self.now);
+            let mut won = Vec::new();
+            for k in &stmts.try_keys {
+                match self.server.excl.get(k) {
+                    Some(&holder) => {
+                        if holder == pid {
+                            self.violation(format!("n{n} tries {k}, which it holds"));
+                        }
+                        reply
+                            .tried
+                            .push((*k, TryOutcome::Held { by: Some(holder) }));
+                    }
+                    None => {
+                        self.server.excl.insert(*k, pid);
+                        won.push(*k);
+                    }
+                }
+            }
+            if !won.is_empty() {
+                self.server.xid += 1;
+                let token = FencingToken::new(self.server.xid);
+                for k in won {
+                    reply.tried.push((k, TryOutcome::Won(token)));
+                }
+            }
+        }
+        // Stop fences: taken with the try statement (a won fence burns an id).
+        let mut burned = false;
+        for k in &stmts.fence {
+            let f = self.fence_key(*k);
+            let taken = !self.server.excl.contains_key(&f);
+            if taken {
+                self.server.excl.insert(f, pid);
+                self.fences.push(FenceHold {
+                    key: *k,
+                    pid,
+                    from: self.now,
+                    to: None,
+                });
+                burned = true;
+            }
+            reply.fenced.push((*k, taken));
+        }
+        if burned {
+            self.server.xid += 1;
+        }
+        // Unfence: unlock the fences, announce the keys.
+        for k in &stmts.unfence {
+            let f = self.fence_key(*k);
+            if self.server.excl.get(&f) == Some(&pid) {
+                self.server.excl.remove(&f);
+                let now = self.now;
+                for h in &mut self.fences {
+                    if h.pid == pid && h.key == *k && h.to.is_none() {
+                        h.to = Some(now);
+                    }
+                }
+            } else {
+                self.violation(format!(
+                    "n{n} unfences {k}, whose fence {pid} does not hold"
+                ));
+            }
+        }
+        if !stmts.unfence.is_empty() {
+            self.notify(pid, &stmts.unfence);
+        }
+        // CHECK_FENCES_SQL: a shared try and unlock; the exclusive holder when taken.
+        for k in &stmts.check {
+            let f = self.fence_key(*k);
+            let outcome = match self.server.excl.get(&f) {
+                Some(&holder) => FenceCheck::Held { by: Some(holder) },
+                None => FenceCheck::Clear,
+            };
+            reply.checked.push((*k, outcome));
+        }
+        reply
+    }
+
+    fn fence_key(&self, k: LockKey) -> LockKey {
+        self.fence_of
+            .get(&k)
+            .copied()
+            .unwrap_or_else(|| k.stop_fence())
+    }
+
+    /// NOTIFY at commit: every listening backend, stamped with the sender's pid.
+    fn notify(&mut self, sender: i32, keys: &[LockKey]) {
+        let listeners: Vec<(i32, Backend)> =
+            self.server.backends.iter().map(|(p, b)| (*p, *b)).collect();
+        for (to, b) in listeners {
+            self.send_down(
+                b.n,
+                b.inst,
+                Down::Notify {
+                    to,
+                    sender,
+                    keys: keys.to_vec(),
+                },
+                self.now,
+            );
+        }
+    }
+
+    fn terminate(&mut self, pid: i32, tell: bool, why: &'static str) {
+        let Some(b) = self.server.backends.remove(&pid) else {
+            return;
+        };
+        self.server.excl.retain(|_, p| *p != pid);
+        let now = self.now;
+        for h in &mut self.fences {
+            if h.pid == pid && h.to.is_none() {
+                h.to = Some(now);
+            }
+        }
+        let node = &self.nodes[b.n];
+        if let Some(idx) = node.frozen
+            && node.inst == b.inst
+            && matches!(node.conn, Conn::Up { pid: p, .. } if p == pid)
+        {
+            self.freezes[idx].server_ended = true;
+        }
+        self.log(|| format!("server ends backend {pid} of n{}: {why}", b.n));
+        if tell {
+            self.send_down(b.n, b.inst, Down::Closed { pid }, self.now);
+        }
+    }
+
+    fn holder_pid(&self, key: LockKey) -> Option<i32> {
+        self.nodes.iter().find_map(|node| match node.conn {
+            Conn::Up { pid, .. }
+                if node
+                    .singles
+                    .iter()
+                    .any(|s| s.key == key && matches!(s.state, SState::Holding { .. })) =>
+            {
+                Some(pid)
+            }
+            _ => None,
+        })
+    }
+
+    fn restart_server(&mut self, down: T) {
+        self.fault("restart");
+        self.log(|| format!("SERVER RESTART, down for {} ms", down / MS));
+        self.server.up = false;
+        let pids: Vec<i32> = self.server.backends.keys().copied().collect();
+        for pid in pids {
+            self.terminate(pid, true, "server restart");
+        }
+        self.push(self.now + down, Ev::ServerUp);
+    }
+
+    fn forged(&mut self, key: LockKey, count: u32) {
+        self.fault("forged_notify");
+        self.log(|| format!("FORGED NOTIFY x{count} for {key}"));
+        for _ in 0..count {
+            let sender = 900_000 + self.rng.below(1000) as i32;
+            self.notify(sender, &[key]);
+        }
+    }
+
+    // ---- faults ---------------------------------------------------------------------------
+
+    /// A node a fault may hit: connected, live at the server, and not already in a
+    /// fault (double faults that hide a termination from its holder, which only the
+    /// fencing token covers, are not generated).
+    fn eligible(&self, n: usize) -> Option<i32> {
+        let node = &self.nodes[n];
+        match node.conn {
+            Conn::Up { pid, .. }
+                if !node.down
+                    && node.closing.is_none()
+                    && node.frozen.is_none()
+                    && !node.partitioned
+                    && self.server.backends.contains_key(&pid) =>
+            {
+                Some(pid)
+            }
+            _ => None,
+        }
+    }
+
+    fn pick_node(&mut self, prefer_holders: bool) -> Option<(usize, i32)> {
+        let all: Vec<(usize, i32)> = (0..self.nodes.len())
+            .filter_map(|n| self.eligible(n).map(|p| (n, p)))
+            .collect();
+        let holders: Vec<(usize, i32)> = all
+            .iter()
+            .copied()
+            .filter(|(n, _)| {
+                self.nodes[*n]
+                    .singles
+                    .iter()
+                    .any(|s| matches!(s.state, SState::Holding { .. }))
+            })
+            .collect();
+        let from = if prefer_holders && !holders.is_empty() && self.rng.chance(75) {
+            holders
+        } else {
+            all
+        };
+        if from.is_empty() {
+            return None;
+        }
+        let i = self.rng.below(from.len() as u64) as usize;
+        Some(from[i])
+    }
+
+    fn random_fault(&mut self) {
+        let roll = self.rng.below(100);
+        match roll {
+            0..30 => {
+                if let Some((n, pid)) = self.pick_node(true) {
+                    self.fault("terminate");
+                    self.log(|| format!("FAULT terminate n{n}"));
+                    self.terminate(pid, true, "pg_terminate_backend");
+                }
+            }
+            30..45 => {
+                if let Some((n, _)) = self.pick_node(true) {
+                    let d = self.rng.range(300 * MS, 15 * SEC);
+                    self.fault("partition");
+                    self.log(|| format!("FAULT partition n{n} for {} ms", d / MS));
+                    self.nodes[n].partitioned = true;
+                    self.push(self.now + d, Ev::Heal { n });
+                }
+            }
+            45..62 => {
+                if let Some((n, _)) = self.pick_node(true) {
+                    let d = if self.rng.chance(40) {
+                        self.rng.range(6 * SEC, 12 * SEC)
+                    } else {
+                        self.rng.range(100 * MS, 5 * SEC)
+                    };
+                    self.fault(if d > self.t.release {
+                        "freeze_long"
+                    } else {
+                        "freeze"
+                    });
+                    self.log(|| format!("FAULT freeze n{n} for {} ms", d / MS));
+                    self.freezes.push(Freeze {
+                        n,
+                        inst: self.nodes[n].inst,
+                        from: self.now,
+                        to: self.now + d,
+                        server_ended: false,
+                    });
+                    self.nodes[n].frozen = Some(self.freezes.len() - 1);
+                    self.push(self.now + d, Ev::Thaw { n });
+                }
+            }
+            62..70 => {
+                let calm = self.server.up
+                    && self.nodes.iter().all(|node| {
+                        node.frozen.is_none() && !node.partitioned && node.closing.is_none()
+                    });
+                if calm {
+                    let down = self.rng.range(200 * MS, 4 * SEC);
+                    self.restart_server(down);
+                }
+            }
+            70..80 => {
+                if let Some((n, _)) = self.pick_node(true) {
+                    self.fault("shutdown");
+                    self.begin_shutdown(n);
+                }
+            }
+            _ => {
+                let key = self.keys[self.rng.below(self.keys.len() as u64) as usize];
+                let count = self.rng.range(1, 50) as u32;
+                self.forged(key, count);
+            }
+        }
+    }
+
+    // ---- the checks -----------------------------------------------------------------------
+
+    /// Acting or running segments of a run: `(from, to, stale)`, the part after a freeze
+    /// during which the server ended the session being stale.
+    fn segments(&self, r: &Run, acting: bool) -> Vec<(T, T, bool)> {
+        let end = if acting { r.acting_end } else { r.drop_at }.unwrap_or(self.now);
+        if acting {
+            // As the nemesis checker: a run acts through short freezes; after a freeze in
+            // which the server ended the session, the rest of the run is stale.
+            let freeze = self.freezes.iter().find(|f| {
+                f.n == r.n
+                    && f.inst == r.inst
+                    && f.server_ended
+                    && f.from >= r.grant_at
+                    && f.from < end
+            });
+            return match freeze {
+                None => vec![(r.grant_at, end, false)],
+                Some(f) if end >= f.to => vec![(r.grant_at, f.from, false), (f.to, end, true)],
+                Some(f) => vec![(r.grant_at, f.from, false)],
+            };
+        }
+        // Running: a frozen process runs nothing, so every freeze is cut out.
+        let mut out = Vec::new();
+        let (mut from, mut stale) = (r.grant_at, false);
+        for f in self
+            .freezes
+            .iter()
+            .filter(|f| f.n == r.n && f.inst == r.inst && f.to > r.grant_at && f.from < end)
+        {
+            out.push((from, f.from.max(from), stale));
+            from = f.to;
+            stale |= f.server_ended;
+        }
+        if from <= end {
+            out.push((from, end, stale));
+        }
+        out
+    }
+
+    /// The process of `r` was frozen at some time in `[from, to)` while its run was out.
+    fn frozen_while_out(&self, r: &Run, before: T) -> bool {
+        let end = r.drop_at.unwrap_or(self.now);
+        self.freezes.iter().any(|f| {
+            f.n == r.n && f.inst == r.inst && f.from < before.min(end) && f.to > r.grant_at
+        })
+    }
+
+    fn fence_held(&self, n: usize, inst: u32, key: LockKey, at: T) -> bool {
+        self.fences.iter().any(|h| {
+            h.key == key
+                && self
+                    .pid_owner(h.pid)
+                    .is_some_and(|(hn, hi)| hn == n && hi == inst)
+                && h.from <= at
+                && h.to.is_none_or(|to| at < to)
+        })
+    }
+
+    fn pid_owner(&self, pid: i32) -> Option<(usize, u32)> {
+        self.pid_owners.get(&pid).copied()
+    }
+
+    fn judge(&mut self) {
+        let mut by_key: BTreeMap<LockKey, Vec<usize>> = BTreeMap::new();
+        for (i, r) in self.runs.iter().enumerate() {
+            by_key.entry(r.key).or_default().push(i);
+        }
+        let mut found: Vec<String> = Vec::new();
+        for list in by_key.values() {
+            for (i, &xi) in list.iter().enumerate() {
+                for &yi in &list[i + 1..] {
+                    let (x, y) = (self.runs[xi].clone(), self.runs[yi].clone());
+                    if let Err(v) = self.judge_pair(xi, &x, yi, &y) {
+                        found.push(v);
+                    }
+                }
+            }
+        }
+        for v in found {
+            self.violation(v);
+        }
+    }
+
+    /// Judges two runs of one key, `x` granted no later than `y`.
+    fn judge_pair(&mut self, xi: usize, x: &Run, yi: usize, y: &Run) -> Result<(), String> {
+        let label = |i: usize, r: &Run| {
+            format!(
+                "run {i} (n{}#{} token {} {:?} granted {:.3} ms)",
+                r.n,
+                r.inst,
+                r.token,
+                r.how,
+                r.grant_at as f64 / 1000.0
+            )
+        };
+        let overlap = |a: (T, T, bool), b: (T, T, bool)| {
+            let (lo, hi) = (a.0.max(b.0), a.1.min(b.1));
+            if a.2 || b.2 { lo <= hi } else { lo < hi }
+        };
+        if x.born_invalid || y.born_invalid {
+            // Never acted; counted as a finding when its token regressed.
+            return Ok(());
+        }
+        if x.n == y.n && x.inst == y.inst {
+            if x.drop_at.unwrap_or(self.now) > y.grant_at {
+                return Err(format!(
+                    "{} and {} of one process ran at once",
+                    label(xi, x),
+                    label(yi, y)
+                ));
+            }
+            return Ok(());
+        }
+        // The freeze window first, on running segments (acting ones are inside them).
+        let (xs, ys) = (self.segments(x, false), self.segments(y, false));
+        let mut stale_ok = false;
+        let mut fresh_overlap = false;
+        for a in &xs {
+            for b in &ys {
+                if !overlap(*a, *b) {
+                    continue;
+                }
+                match (a.2, b.2) {
+                    (false, false) => fresh_overlap = true,
+                    (true, false) | (false, true) => {
+                        let (stale, holder) = if a.2 { (x, y) } else { (y, x) };
+                        if holder.token <= stale.token {
+                            return Err(format!(
+                                "stale {} is not fenced by {}",
+                                label(if a.2 { xi } else { yi }, stale),
+                                label(if a.2 { yi } else { xi }, holder)
+                            ));
+                        }
+                        stale_ok = true;
+                    }
+                    (true, true) => {
+                        return Err(format!(
+                            "two stale runs at once: {} and {}",
+                            label(xi, x),
+                            label(yi, y)
+                        ));
+                    }
+                }
+            }
+        }
+        if stale_ok {
+            self.stats.gap_a += 1;
+        }
+        if !fresh_overlap {
+            return Ok(());
+        }
+        // Acting at once, outside the freeze window?
+        let (xa, ya) = (self.segments(x, true), self.segments(y, true));
+        let acting = xa
+            .iter()
+            .any(|a| !a.2 && ya.iter().any(|b| !b.2 && overlap(*a, *b)));
+        // A hand-off keeps the server lock: judged by how the tenure began.
+        let (how, decided_at) = y.origin;
+        let fenced = self.fence_held(x.n, x.inst, x.key, decided_at);
+        match (how, acting) {
+            (How::Direct, true) => {
+                self.stats.gap_b_acting += 1;
+                Ok(())
+            }
+            (How::Direct, false) if fenced => {
+                self.stats.b_past_fence += 1;
+                self.past_fence.push(format!(
+                    "{} won past the stop fence of {}",
+                    label(yi, y),
+                    label(xi, x)
+                ));
+                Ok(())
+            }
+            (How::Direct, false) => {
+                self.stats.gap_b += 1;
+                Ok(())
+            }
+            (How::Checked, false) if !fenced => {
+                self.stats.gap_c += 1;
+                Ok(())
+            }
+            // The old holder was frozen while its work was stopping, past the new
+            // holder's maximum fence wait: the freeze window again, fenced by the token.
+            (How::Expired, false) if self.frozen_while_out(x, y.grant_at) => {
+                if y.token <= x.token {
+                    return Err(format!("{} not fenced by {}", label(xi, x), label(yi, y)));
+                }
+                self.stats.gap_a_fence_wait += 1;
+                Ok(())
+            }
+            _ => Err(format!(
+                "{} and {} overlap ({}), outside the known gaps",
+                label(xi, x),
+                label(yi, y),
+                if acting { "both acting" } else { "running" }
+            )),
+        }
+    }
+}
+
+fn rules(t: &Timing) -> Rules {
+    Rules {
+        max_locks: 16,
+        takeover_grace: Duration::from_micros(t.grace),
+        max_fence_wait: Duration::from_micros(t.lease + t.stop_budget + t.margin),
+    }
+}
+
+// ---- running seeds ----------------------------------------------------------------------
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+fn summary(s: &Stats) -> String {
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
+         {} fence waits, {} idle timeouts; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
+         (+{} still acting), (c) {}; brand-new requester past a stop fence: {}; stale grants after a freeze: {}; \
+         violations: {}",
+        s.seeds,
+        s.virtual_us as f64 / 1e6,
+        s.events,
+        s.statements,
+        s.grants,
+        s.grants_by_how,
+        s.takeovers,
+        s.fence_waits,
+        s.idle_timeouts,
+        s.faults,
+        s.gap_a,
+        s.gap_a_fence_wait,
+        s.gap_b,
+        s.gap_b_acting,
+        s.gap_c,
+        s.b_past_fence,
+        s.stale_grants,
+        s.violations,
+    );
+    out
+}
+
+fn print_trace(seed: u64, trace: &[String], all: bool) {
+    let from = if all {
+        0
+    } else {
+        trace.len().saturating_sub(300)
+    };
+    eprintln!(
+        "---- trace of seed {seed} ({} lines, from {from}) ----",
+        trace.len()
+    );
+    for line in &trace[from..] {
+        eprintln!("{line}");
+    }
+}
+
+#[test]
+fn simulation_holds_over_many_seeds() {
+    let replay = env_u64("CHOSEN_SIM_SEED");
+    let (first, count) = match replay {
+        Some(seed) => (seed, 1),
+        None => (
+            env_u64("CHOSEN_SIM_FIRST").unwrap_or(0),
+            env_u64("CHOSEN_SIM_SEEDS").unwrap_or(600),
+        ),
+    };
+    let started = std::time::Instant::now();
+    let mut total = Stats::default();
+    let mut failures: Vec<(u64, Vec<String>)> = Vec::new();
+    let mut past_fence: Vec<(u64, String)> = Vec::new();
+    let mut stale: Vec<(u64, String)> = Vec::new();
+    for seed in first..first + count {
+        let out = Sim::new(Config {
+            trace: replay.is_some(),
+            ..Config::random(seed)
+        })
+        .run();
+        if replay.is_some() {
+            print_trace(seed, &out.trace, true);
+        }
+        total.add(&out.stats);
+        if let Some(f) = out.stale_grants.first() {
+            stale.push((seed, f.clone()));
+        }
+        if let Some(f) = out.past_fence.first() {
+            past_fence.push((seed, f.clone()));
+        }
+        if !out.violations.is_empty() {
+            failures.push((seed, out.violations));
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "simulation: seeds {first}..{}, {:.1} seeds/s: {}",
+        first + count,
+        count as f64 / secs,
+        summary(&total)
+    );
+    for (seed, text) in past_fence.iter().take(5) {
+        eprintln!("finding, seed {seed}: {text}");
+    }
+    for (seed, text) in stale.iter().take(5) {
+        eprintln!("finding, seed {seed}: {text}, after its validity deadline");
+    }
+    if let Some((seed, violations)) = failures.first() {
+        if replay.is_none() {
+            let out = Sim::new(Config {
+                trace: true,
+                ..Config::random(*seed)
+            })
+            .run();
+            print_trace(*seed, &out.trace, false);
+        }
+        let seeds: Vec<u64> = failures.iter().map(|(s, _)| *s).collect();
+        panic!(
+            "the simulation found violations with seeds {seeds:?}; first, seed {seed} \
+             (replay with CHOSEN_SIM_SEED={seed}):\n{}",
+            violations.join("\n")
+        );
+    }
+}
+
+/// The same seed gives the same history.
+#[test]
+fn a_seed_replays_exactly() {
+    let a = Sim::new(Config::random(4242)).run();
+    let b = Sim::new(Config::random(4242)).run();
+    assert_eq!(a.stats.events, b.stats.events);
+    let grants = |o: &Outcome| -> Vec<(usize, T, u64)> {
+        o.runs
+            .iter()
+            .map(|r| (r.n, r.grant_at, r.token.get()))
+            .collect()
+    };
+    assert_eq!(grants(&a), grants(&b));
+    assert!(a.stats.grants > 0);
+}
+
+/// A holder whose backend the server terminates stops its child slowly (just under the
+/// stop budget): the waiting node wins the key at the server after the grace, finds the
+/// old holder's stop fence, and starts only after the old child dropped its lease.
+#[test]
+fn a_terminated_holder_that_stops_slowly_is_waited_for() {
+    let mut cfg = Config::scripted(
+        11,
+        vec![vec![0], vec![0], vec![0]],
+        vec![(5 * SEC, Scripted::TerminateHolder(0))],
+    );
+    cfg.stop_time = Some(1_900 * MS);
+    let out = Sim::new(cfg).run();
+    assert!(out.violations.is_empty(), "{:?}", out.violations);
+    let old = out
+        .runs
+        .iter()
+        .find(|r| r.grant_at < 5 * SEC && r.drop_at.is_some())
+        .expect("a holder before the fault");
+    let dropped = old.drop_at.expect("checked");
+    assert!(
+        dropped >= 5 * SEC + 1_900 * MS,
+        "the old child stops slowly"
+    );
+    let new = out
+        .runs
+        .iter()
+        .find(|r| r.grant_at > 5 * SEC)
+        .expect("a takeover after the termination");
+    assert_ne!(new.n, old.n, "another node took over");
+    assert!(new.token > old.token);
+    assert!(
+        new.grant_at >= dropped,
+        "started at {} while the old child ran until {dropped}",
+        new.grant_at
+    );
+    assert!(
+        new.grant_at < dropped + SEC,
+        "took over {} µs after the old child stopped",
+        new.grant_at - dropped
+    );
+    assert!(out.stats.fence_waits > 0, "the new holder found the fence");
+    assert_eq!(
+        (out.stats.gap_a, out.stats.gap_b, out.stats.gap_c),
+        (0, 0, 0)
+    );
+}
+
+/// A flood of forged release announcements (a foreign backend pid) while one node holds
+/// the key: no waiter polls more often or skips the grace, and no one else is granted.
+#[test]
+fn a_forged_notify_flood_changes_nothing() {
+    let script: Vec<(T, Scripted)> = (0..20)
+        .map(|i| {
+            (
+                3 * SEC + i * 100 * MS,
+                Scripted::ForgedFlood { key: 0, count: 200 },
+            )
+        })
+        .chain(std::iter::once((8 * SEC, Scripted::TerminateHolder(0))))
+        .collect();
+    let flood = Sim::new(Config::scripted(5, vec![vec![0], vec![0], vec![0]], script)).run();
+    assert!(flood.violations.is_empty(), "{:?}", flood.violations);
+    let before: Vec<&Run> = flood.runs.iter().filter(|r| r.grant_at < 8 * SEC).collect();
+    assert_eq!(before.len(), 1, "one holder until the termination");
+    // The waiters polled no more often than their poll interval (-10 %) allows.
+    for (n, tries) in flood.tries.iter().enumerate() {
+        let during = tries
+            .iter()
+            .filter(|t| (3 * SEC..5 * SEC).contains(*t))
+            .count();
+        assert!(
+            during <= 9,
+            "n{n} ran {during} try statements in 2 s of flood"
+        );
+    }
+    let takeover = flood
+        .runs
+        .iter()
+        .find(|r| r.grant_at > 8 * SEC)
+        .expect("a takeover after the termination");
+    assert_eq!(takeover.how, How::Checked, "the grace was not skipped");
+}
+
+/// A server restart ends every session: every child stops acting at once, each key gets
+/// one new holder after the server is back, with a greater token, and no child of the
+/// new holders runs while an old one is still stopping.
+#[test]
+fn a_server_restart_hands_every_key_over_without_overlap() {
+    let mut cfg = Config::scripted(
+        23,
+        vec![vec![0], vec![1], vec![0, 1], vec![0]],
+        vec![(5 * SEC, Scripted::Restart { down: 2 * SEC })],
+    );
+    cfg.stop_time = Some(1_500 * MS);
+    let out = Sim::new(cfg).run();
+    assert!(out.violations.is_empty(), "{:?}", out.violations);
+    assert_eq!(
+        (out.stats.gap_a, out.stats.gap_b, out.stats.gap_c),
+        (0, 0, 0)
+    );
+    for key in [LockKey::Pair(7, 0), LockKey::Pair(7, 1)] {
+        let old: Vec<&Run> = out
+            .runs
+            .iter()
+            .filter(|r| r.key == key && r.grant_at < 5 * SEC)
+            .collect();
+        let new: Vec<&Run> = out
+            .runs
+            .iter()
+            .filter(|r| r.key == key && r.grant_at >= 5 * SEC)
+            .collect();
+        let last_old = old.last().expect("a holder before the restart");
+        assert!(
+            last_old.acting_end.expect("lost") < 5 * SEC + 50 * MS,
+            "the old child stopped acting when the session ended"
+        );
+        let first_new = new.first().expect("a holder after the restart");
+        assert!(
+            first_new.grant_at >= 7 * SEC,
+            "granted while the server was down"
+        );
+        assert!(first_new.token > last_old.token);
+        assert!(first_new.grant_at >= last_old.drop_at.expect("dropped"));
+    }
+}
+
+/// Seed 168: n3 wins (7, 0) with token 707 and waits on n0's stop fence (`Fenced`);
+/// n3 is frozen for 9.5 s; the server ends n3's session (idle timeout) during the
+/// freeze, and n2 takes the key over with token 713. When n3 wakes, its driver's
+/// overdue wake-up runs before the heartbeat watchdog: `plan` finds the fence wait past
+/// `max_fence_wait` (measured on a clock that includes the freeze) and grants 707, a
+/// smaller token than the holder's, on a session the server already ended. The lease is
+/// invalid from birth (its deadline passed), so its child never acts, but a `Grant` with
+/// a regressed token is handed out before the loss is noticed.
+#[test]
+#[ignore = "sim finding: after a freeze longer than server_release_after, a Fenced \
+            key whose max_fence_wait passed is granted with a stale token before the \
+            watchdog revokes the session (seed 168)"]
+fn sim_finding_a_stale_grant_after_a_freeze() {
+    let out = Sim::new(Config {
+        trace: true,
+        ..Config::random(168)
+    })
+    .run();
+    assert!(out.violations.is_empty(), "{:?}", out.violations);
+    assert!(
+        out.stale_grants.is_empty(),
+        "{:?}\n{}",
+        out.stale_grants,
+        out.trace
+            .iter()
+            .filter(|l| l.contains("(7, 0)") || l.contains("n3"))
+            .take(80)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Seed 2: n1's child (run 5, token 707) is stopping after its session ended, and n1's
+/// new session holds the key's stop fence; n0's singleton re-acquires the key with a
+/// new request on a slot the table had forgotten, wins it on the first try (no
+/// contention seen, so no grace and no fence check) and starts while n1's child still
+/// runs. Gap (b) is documented only for the old holder's reconnect time; the fence in
+/// place does not stop a brand-new requester.
+#[test]
+#[ignore = "sim finding: a brand-new requester ignores a stop fence in place (seed 2)"]
+fn sim_finding_a_brand_new_requester_ignores_a_stop_fence() {
+    let out = Sim::new(Config::random(2)).run();
+    assert!(out.violations.is_empty(), "{:?}", out.violations);
+    assert!(out.past_fence.is_empty(), "{:?}", out.past_fence);
+}
