@@ -295,6 +295,13 @@ impl Driver {
         deadline: Option<Instant>,
     ) -> Result<(), DisconnectReason> {
         let generation = Arc::clone(&s.generation);
+        // After a freeze the task may run before the heartbeat task's watchdog: a session
+        // whose deadline passed grants nothing (the server may have ended it already).
+        if deadline.is_none() && !self.shared.is_valid_now() {
+            return Err(DisconnectReason::HeartbeatOverdue {
+                lease_timeout: self.shared.options.lease_timeout,
+            });
+        }
         let plan = self.table.plan(Instant::now());
         // Lowered before the statements that release locks are sent.
         self.shared.set_server_floor(self.table.server_floor());

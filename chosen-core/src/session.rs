@@ -59,13 +59,25 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 /// * For a key not won, the backend pid of its holder, read from `pg_lock_status()` (the
 ///   function behind `pg_locks`, readable by every role): release announcements are
 ///   trusted only from that backend.
+/// * For a key won, whether its stop fence (`$7`, `$8`) is free (a shared try, undone at
+///   once), and if not, the pid of the backend holding it: an earlier holder whose
+///   session the server ended is still stopping its work.
 const TRY_KEYS_SQL: &str = "
 WITH k AS MATERIALIZED (
-    SELECT k.i, k.a, k.b, k.big,
+    SELECT k.i, k.a, k.b, k.big, k.fa, k.fb,
            CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
                 ELSE pg_try_advisory_lock(k.big) END AS won
-    FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i)
+    FROM unnest($1::int4[], $2::int4[], $3::int8[], $7::int4[], $8::int4[])
+         WITH ORDINALITY AS k(a, b, big, fa, fb, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+),
+f AS MATERIALIZED (
+    SELECT k.i,
+           CASE WHEN k.won THEN
+               CASE WHEN pg_try_advisory_lock_shared(k.fa, k.fb)
+                    THEN pg_advisory_unlock_shared(k.fa, k.fb) ELSE false END
+           END AS fence_free
+    FROM k
 ),
 done AS (SELECT count(*) AS n FROM k)
 SELECT k.i,
@@ -79,8 +91,18 @@ SELECT k.i,
              AND l.objid::int8 = CASE WHEN k.big IS NULL THEN k.b::int8 & 4294967295
                                       ELSE k.big & 4294967295 END
              AND l.objsubid = CASE WHEN k.big IS NULL THEN 2 ELSE 1 END
+           LIMIT 1) END,
+       f.fence_free,
+       CASE WHEN NOT f.fence_free THEN (
+           SELECT l.pid FROM pg_lock_status() l
+           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+             AND l.mode = 'ExclusiveLock'
+             AND l.database = $6::int8::oid
+             AND l.classid::int8 = k.fa::int8 & 4294967295
+             AND l.objid::int8 = k.fb::int8 & 4294967295
+             AND l.objsubid = 2
            LIMIT 1) END
-FROM k";
+FROM k JOIN f USING (i)";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
 /// to build or unnest). Same semantics, same guard.
@@ -89,6 +111,13 @@ WITH k AS MATERIALIZED (
     SELECT CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
                 ELSE pg_try_advisory_lock($3::int8) END AS won
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+),
+f AS MATERIALIZED (
+    SELECT CASE WHEN k.won THEN
+               CASE WHEN pg_try_advisory_lock_shared($7::int4, $8::int4)
+                    THEN pg_advisory_unlock_shared($7::int4, $8::int4) ELSE false END
+           END AS fence_free
+    FROM k
 )
 SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
        CASE WHEN NOT k.won THEN (
@@ -100,8 +129,18 @@ SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
              AND l.objid::int8 = CASE WHEN $3::int8 IS NULL THEN $2::int4::int8 & 4294967295
                                       ELSE $3::int8 & 4294967295 END
              AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
+           LIMIT 1) END,
+       f.fence_free,
+       CASE WHEN NOT f.fence_free THEN (
+           SELECT l.pid FROM pg_lock_status() l
+           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+             AND l.mode = 'ExclusiveLock'
+             AND l.database = $6::int8::oid
+             AND l.classid::int8 = $7::int4::int8 & 4294967295
+             AND l.objid::int8 = $8::int4::int8 & 4294967295
+             AND l.objsubid = 2
            LIMIT 1) END
-FROM k";
+FROM k, f";
 
 /// Is anyone stopping work under these keys? For each stop fence (always a two-int4
 /// key), a shared try that is undone at once: `true` when nobody holds the fence, else
@@ -368,7 +407,9 @@ impl Session {
         &self,
         keys: &[LockKey],
     ) -> Result<Vec<(LockKey, TryOutcome)>, Fault> {
-        let result = if let [key] = keys {
+        type Row = (i64, Option<i64>, Option<i32>, Option<bool>, Option<i32>);
+        let (fa, fb) = fence_arrays(keys);
+        let result = if let ([key], [fa], [fb]) = (keys, fa.as_slice(), fb.as_slice()) {
             let (a, b, big) = key_params(*key);
             self.client
                 .query(
@@ -380,13 +421,23 @@ impl Session {
                         &self.backend_pid,
                         &self.marker,
                         &self.database_oid,
+                        fa,
+                        fb,
                     ],
                 )
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| Ok((1i64, r.try_get(0)?, r.try_get(1)?)))
-                        .collect::<Result<Vec<(i64, Option<i64>, Option<i32>)>, _>>()
+                        .map(|r| {
+                            Ok((
+                                1i64,
+                                r.try_get(0)?,
+                                r.try_get(1)?,
+                                r.try_get(2)?,
+                                r.try_get(3)?,
+                            ))
+                        })
+                        .collect::<Result<Vec<Row>, _>>()
                 })
         } else {
             let (a, b, big) = key_arrays(keys);
@@ -400,21 +451,33 @@ impl Session {
                         &self.backend_pid,
                         &self.marker,
                         &self.database_oid,
+                        &fa,
+                        &fb,
                     ],
                 )
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
-                        .collect::<Result<Vec<(i64, Option<i64>, Option<i32>)>, _>>()
+                        .map(|r| {
+                            Ok((
+                                r.try_get(0)?,
+                                r.try_get(1)?,
+                                r.try_get(2)?,
+                                r.try_get(3)?,
+                                r.try_get(4)?,
+                            ))
+                        })
+                        .collect::<Result<Vec<Row>, _>>()
                 })
         };
         let rows = match result.map_err(classify) {
             Ok(rows) => rows,
             Err(Fault::Lost(reason)) => return Err(Fault::Lost(reason)),
             Err(Fault::Query(e)) => {
-                // Session locks taken before the error survive it: undo them.
+                // Session locks taken before the error survive it: undo them, and the
+                // shared fence locks of the fence checks.
                 self.cleanup(keys).await?;
+                self.cleanup_shared(&fa, &fb).await?;
                 return Err(Fault::Query(e));
             }
         };
@@ -427,16 +490,50 @@ impl Session {
             .iter()
             .map(|k| (*k, TryOutcome::Held { by: None }))
             .collect();
-        for (i, token, holder) in rows {
+        for (i, token, holder, fence_free, fence_holder) in rows {
             let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
                 continue;
             };
-            entry.1 = match token {
-                Some(t) => TryOutcome::Won(FencingToken::new(t as u64)),
-                None => TryOutcome::Held { by: holder },
+            entry.1 = match (token, fence_free) {
+                (Some(t), Some(false)) => TryOutcome::WonFenced {
+                    token: FencingToken::new(t as u64),
+                    by: fence_holder,
+                },
+                (Some(t), _) => TryOutcome::Won(FencingToken::new(t as u64)),
+                (None, _) => TryOutcome::Held { by: holder },
             };
         }
         Ok(out)
+    }
+
+    /// Undoes shared fence locks a failed statement may have left.
+    async fn cleanup_shared(&self, fa: &[i32], fb: &[i32]) -> Result<(), Fault> {
+        let undone = self
+            .client
+            .query(
+                &self.stmts.cleanup_shared,
+                &[
+                    &fa,
+                    &fb,
+                    &self.backend_pid,
+                    &self.marker,
+                    &self.database_oid,
+                ],
+            )
+            .await;
+        match undone.map_err(classify) {
+            Ok(rows) if !rows.is_empty() => Ok(()),
+            Ok(_) => Err(pooler(
+                "a fence clean-up ran on another backend than the session's own",
+            )),
+            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                message: format!(
+                    "could not undo a failed statement's fence checks ({}); dropping the session to release everything",
+                    error_text(&e)
+                ),
+            })),
+        }
     }
 
     /// Unlocks what a failed try statement may have locked.
@@ -549,7 +646,12 @@ impl Session {
         Ok(keys
             .iter()
             .zip(outcomes)
-            .map(|(k, (_, o))| (*k, matches!(o, TryOutcome::Won(_))))
+            .map(|(k, (_, o))| {
+                (
+                    *k,
+                    matches!(o, TryOutcome::Won(_) | TryOutcome::WonFenced { .. }),
+                )
+            })
             .collect())
     }
 
@@ -582,26 +684,8 @@ impl Session {
             Err(Fault::Query(e)) => {
                 // Shared fence locks taken before the error survive it: undo them, or
                 // they would keep a stopping node from fencing for this whole session.
-                let undone = self
-                    .client
-                    .query(
-                        &self.stmts.cleanup_shared,
-                        &[&a, &b, &self.backend_pid, &self.marker, &self.database_oid],
-                    )
-                    .await;
-                return match undone.map_err(classify) {
-                    Ok(rows) if !rows.is_empty() => Err(Fault::Query(e)),
-                    Ok(_) => Err(pooler(
-                        "a fence clean-up ran on another backend than the session's own",
-                    )),
-                    Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-                    Err(Fault::Query(e2)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
-                        message: format!(
-                            "could not undo a failed fence check ({}); dropping the session to release everything",
-                            error_text(&e2)
-                        ),
-                    })),
-                };
+                self.cleanup_shared(&a, &b).await?;
+                return Err(Fault::Query(e));
             }
             Err(lost) => return Err(lost),
         };
@@ -868,6 +952,16 @@ fn key_params(key: LockKey) -> (Option<i32>, Option<i32>, Option<i64>) {
         LockKey::Pair(a, b) => (Some(a), Some(b), None),
         LockKey::Int(k) => (None, None, Some(k)),
     }
+}
+
+/// The stop fences of `keys`, as the two arrays of their two-int4 keys.
+fn fence_arrays(keys: &[LockKey]) -> (Vec<i32>, Vec<i32>) {
+    keys.iter()
+        .map(|k| match k.stop_fence() {
+            LockKey::Pair(a, b) => (a, b),
+            LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
+        })
+        .unzip()
 }
 
 /// The three parallel arrays the batched statements `unnest`.

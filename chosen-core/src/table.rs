@@ -151,6 +151,12 @@ pub(crate) enum FenceCheck {
 pub(crate) enum TryOutcome {
     /// The session took the lock; the token was assigned after every lock of the batch.
     Won(FencingToken),
+    /// The session took the lock, but its stop fence is held (by that backend pid, when
+    /// the server told): an earlier holder's work is still stopping.
+    WonFenced {
+        token: FencingToken,
+        by: Option<i32>,
+    },
     /// Another session holds it (its backend pid, when the server told).
     Held { by: Option<i32> },
     /// The statement failed; nothing is known about the key.
@@ -893,6 +899,29 @@ impl LockTable {
                     } else {
                         self.grant(key, token, generation, now, false);
                     }
+                }
+                TryOutcome::WonFenced { token, by } => {
+                    // Whatever we knew, someone's work under the key is still stopping:
+                    // wait for its fence (and at least the grace, when unannounced).
+                    let evidence = std::mem::take(&mut slot.evidence);
+                    let unannounced = evidence.contended && !evidence.announced;
+                    let interval = slot
+                        .waiters
+                        .front()
+                        .map_or(Duration::from_millis(100), |w| {
+                            w.poll_interval.min(Duration::from_millis(500))
+                        });
+                    let wait = if unannounced {
+                        interval.max(self.rules.takeover_grace)
+                    } else {
+                        interval
+                    };
+                    slot.server = Server::Fenced {
+                        token,
+                        next: now + wait,
+                        until: now + self.rules.max_fence_wait,
+                        by,
+                    };
                 }
                 TryOutcome::Held { by } => {
                     slot.server = Server::Free;

@@ -566,6 +566,30 @@ fn a_fence_held_past_any_stop_budget_is_given_up_on() {
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
 
+#[test]
+fn a_first_try_that_finds_a_stop_fence_waits_for_it() {
+    // A request that never saw the key held wins it, but the statement finds its stop
+    // fence held: an earlier holder's work still stops.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(
+        &[key(1)],
+        TryOutcome::WonFenced {
+            token: token(10),
+            by: Some(300),
+        },
+    );
+    assert!(f.granted().is_empty(), "granted past a stop fence");
+    f.advance(POLL);
+    let plan = f.plan();
+    assert_eq!(plan.check, vec![key(1)]);
+    f.table
+        .checked(&[(key(1), FenceCheck::Held { by: Some(300) })], f.now);
+    f.table.announced(key(1), 300, f.now);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
 // ---- properties ---------------------------------------------------------------------
 
 /// One input to the table, drawn at random.
@@ -608,7 +632,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<u16>().prop_map(|pick| Op::Withdraw { pick }),
         3 => any::<u16>().prop_map(|pick| Op::Release { pick }),
         6 => (
-            proptest::collection::vec((0u8..3, 0u8..2), 4),
+            proptest::collection::vec((0u8..4, 0u8..2), 4),
             any::<bool>(),
             proptest::collection::vec((0u8..3, 0u8..2), 4),
             proptest::bool::weighted(0.8),
@@ -795,6 +819,10 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                             1 => TryOutcome::Held {
                                 by: Some(i32::from(*pid)),
                             },
+                            2 => TryOutcome::WonFenced {
+                                token: batch_token,
+                                by: Some(i32::from(*pid)),
+                            },
                             _ => TryOutcome::Failed,
                         };
                         (*k, outcome)
@@ -808,6 +836,15 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                             if !announced {
                                 m.graced.insert(*k, (now + GRACE, false, None));
                             }
+                        }
+                        TryOutcome::WonFenced { .. } => {
+                            // Someone's work is still stopping: only a clear fence check
+                            // (or the longest wait) may grant it, after the grace too
+                            // when the takeover was unannounced.
+                            m.server_held.insert(*k);
+                            let (_, announced) = m.seen.remove(k).unwrap_or((None, true));
+                            let at = if announced { now } else { now + GRACE };
+                            m.graced.insert(*k, (at, false, Some(now)));
                         }
                         TryOutcome::Held { by } => {
                             m.seen.insert(*k, (*by, false));
