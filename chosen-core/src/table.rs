@@ -195,6 +195,8 @@ enum Server {
         next: Instant,
         until: Instant,
         by: Option<i32>,
+        /// Not checked before this (the end of the takeover grace, when it applies).
+        not_before: Instant,
     },
     /// Held; a local hand-off waits for a fresh token (`asked`: in the current plan).
     NeedsToken { asked: bool },
@@ -609,10 +611,17 @@ impl LockTable {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
-        if let Server::Fenced { by, next, .. } = &mut slot.server {
-            // The old holder's new session announces that its work stopped.
+        if let Server::Fenced {
+            by,
+            next,
+            not_before,
+            ..
+        } = &mut slot.server
+        {
+            // The old holder's new session announces that its work stopped: look again
+            // (not before the grace ends, though: another holder may not know yet).
             if *by == Some(sender) {
-                *next = now;
+                *next = now.max(*not_before);
             }
             return;
         }
@@ -829,6 +838,7 @@ impl LockTable {
                 next: now + interval,
                 until: until.unwrap_or(now + self.rules.max_fence_wait),
                 by,
+                not_before: now,
             };
         }
     }
@@ -921,6 +931,11 @@ impl LockTable {
                         next: now + wait,
                         until: now + self.rules.max_fence_wait,
                         by,
+                        not_before: if unannounced {
+                            now + self.rules.takeover_grace
+                        } else {
+                            now
+                        },
                     };
                 }
                 TryOutcome::Held { by } => {
