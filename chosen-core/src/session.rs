@@ -58,7 +58,8 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   no transaction ids. Keys won in one statement share one token.
 /// * For a key not won, the backend pid of its holder, read from `pg_lock_status()` (the
 ///   function behind `pg_locks`, readable by every role): release announcements are
-///   trusted only from that backend.
+///   trusted only from that backend. The lock table is read once per statement, into a
+///   map (only when some key was not won), so a batch of many keys costs one scan.
 /// * For a key won, whether its stop fence (`$7`, `$8`) is free (a shared try, undone at
 ///   once), and if not, the pid of the backend holding it: an earlier holder whose
 ///   session the server ended is still stopping its work.
@@ -72,37 +73,38 @@ WITH k AS MATERIALIZED (
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
 f AS MATERIALIZED (
-    SELECT k.i,
+    SELECT k.*,
            CASE WHEN k.won THEN
                CASE WHEN pg_try_advisory_lock_shared(k.fa, k.fb)
                     THEN pg_advisory_unlock_shared(k.fa, k.fb) ELSE false END
            END AS fence_free
     FROM k
 ),
-done AS (SELECT count(*) AS n FROM k)
-SELECT k.i,
-       CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN pg_current_xact_id()::text::int8 END,
-       CASE WHEN NOT k.won THEN (
-           SELECT l.pid FROM pg_lock_status() l
-           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
-             AND l.database = $6::int8::oid
-             AND l.classid::int8 = CASE WHEN k.big IS NULL THEN k.a::int8 & 4294967295
-                                        ELSE (k.big >> 32) & 4294967295 END
-             AND l.objid::int8 = CASE WHEN k.big IS NULL THEN k.b::int8 & 4294967295
-                                      ELSE k.big & 4294967295 END
-             AND l.objsubid = CASE WHEN k.big IS NULL THEN 2 ELSE 1 END
-           LIMIT 1) END,
+done AS (SELECT count(*) AS n FROM k),
+holders AS (
+    SELECT jsonb_object_agg(l.classid::text || ':' || l.objid::text || ':' || l.objsubid::text,
+                            l.pid) AS m
+    FROM pg_lock_status() l
+    WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+      AND l.mode = 'ExclusiveLock' AND l.database = $6::int8::oid
+)
+SELECT f.i,
+       CASE WHEN f.won AND (SELECT n FROM done) > 0 THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
+           CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2'
+                ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1' END
+       ))::int4 END,
        f.fence_free,
        CASE WHEN NOT f.fence_free THEN (
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
              AND l.mode = 'ExclusiveLock'
              AND l.database = $6::int8::oid
-             AND l.classid::int8 = k.fa::int8 & 4294967295
-             AND l.objid::int8 = k.fb::int8 & 4294967295
+             AND l.classid::int8 = f.fa::int8 & 4294967295
+             AND l.objid::int8 = f.fb::int8 & 4294967295
              AND l.objsubid = 2
            LIMIT 1) END
-FROM k JOIN f USING (i)";
+FROM f";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
 /// to build or unnest). Same semantics, same guard.
@@ -1036,8 +1038,11 @@ fn setup_sql(options: &ManagerOptions) -> String {
     // never release *earlier* than server_release_after, so they start at that point.
     let keepalive_idle_s = options.server_release_after.as_secs().max(1);
     let statement_ms = options.lease_timeout.as_millis();
+    // Our statements are few and always the same: plan them once (a custom plan per
+    // execution of the try statement cost more than the statement itself).
     format!(
-        "SET statement_timeout = {statement_ms}; \
+        "SET plan_cache_mode = force_generic_plan; \
+         SET statement_timeout = {statement_ms}; \
          SET lock_timeout = 0; \
          SET idle_in_transaction_session_timeout = 0; \
          SET idle_session_timeout = {release_ms}; \

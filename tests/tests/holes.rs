@@ -490,3 +490,66 @@ async fn a_terminated_holder_stops_its_work_before_another_node_starts() {
         a.shutdown().await;
     }
 }
+
+/// Release announcements are believed only from the backend a failed try saw holding the
+/// key: that look-up must be right for every key shape (negative halves, big keys), in
+/// the single-key and the batched statement, or hand-overs fall back to polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_are_verified_for_every_key_shape() {
+    use chosen_core::LockKey;
+    let pg = PgCluster::start().unwrap();
+    let shapes = [
+        vec![LockKey::Int(-5)],
+        vec![LockKey::Pair(-1, -2)],
+        vec![
+            LockKey::Int(i64::MIN + 7),
+            LockKey::Int(0x7fff_ffff_0000_0001),
+            LockKey::Pair(i32::MIN, 3),
+            LockKey::Pair(12, -12),
+        ],
+    ];
+    for keys in shapes {
+        let a = manager(&pg.url(), "shape-holder").await;
+        let b = LockManager::connect(
+            options(&pg.url(), "shape-waiter").poll_interval(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+        let mut held = Vec::new();
+        for k in &keys {
+            held.push(a.acquire(*k).await.unwrap());
+        }
+        let waits: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                let b = b.clone();
+                let k = *k;
+                tokio::spawn(async move { b.acquire(k).await })
+            })
+            .collect();
+        // Let B's first (failed) try see the holders.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while b.locks().await.unwrap().len() < keys.len() {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t0 = Instant::now();
+        drop(held);
+        for w in waits {
+            let lease = tokio::time::timeout(Duration::from_secs(5), w)
+                .await
+                .expect("woken by the verified announcement, not the 30 s poll")
+                .unwrap()
+                .unwrap();
+            drop(lease);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "{keys:?}: hand-over took {:?}",
+            t0.elapsed()
+        );
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+}
