@@ -39,8 +39,18 @@ use super::MetricsSink;
 /// | `chosen_singleton_restarts_total` | counter | `node`, `singleton` |
 /// | `chosen_apalis_tasks_total` | counter | `node`, `lock`, `outcome` |
 /// | `chosen_tower_follower_responses_total` | counter | `node`, `lock` |
+///
+/// Labels stay bounded: `lock` and `singleton` take at most
+/// [`DEFAULT_MAX_LOCK_LABELS`](Self::DEFAULT_MAX_LOCK_LABELS) distinct names per sink
+/// (change it with [`with_max_lock_labels`](Self::with_max_lock_labels)); the names
+/// seen after that report as `_other`, so a process that derives lock names from data
+/// (one per tenant, per job id) cannot grow the registry without bound. Series are
+/// never removed, so counters keep their meaning across releases.
 #[derive(Debug, Clone)]
 pub struct PrometheusMetrics {
+    /// The `lock`/`singleton` label values admitted so far, and how many may be.
+    names: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    max_names: usize,
     lock_held: IntGaugeVec,
     lock_waiters: IntGaugeVec,
     acquisitions: IntCounterVec,
@@ -59,6 +69,33 @@ pub struct PrometheusMetrics {
 }
 
 impl PrometheusMetrics {
+    /// How many distinct lock and singleton names get their own label value.
+    pub const DEFAULT_MAX_LOCK_LABELS: usize = 1_000;
+
+    /// At most `max` distinct `lock`/`singleton` label values; later names report as
+    /// `_other`.
+    #[must_use]
+    pub fn with_max_lock_labels(mut self, max: usize) -> Self {
+        self.max_names = max;
+        self
+    }
+
+    /// The label value for `name`: itself while the cap allows, else `_other`.
+    fn label<'a>(&self, name: &'a str) -> &'a str {
+        let mut names = self
+            .names
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if names.contains(name) {
+            return name;
+        }
+        if names.len() < self.max_names {
+            names.insert(name.to_owned());
+            return name;
+        }
+        "_other"
+    }
+
     /// Creates the collectors and registers them into `registry`.
     ///
     /// # Errors
@@ -72,6 +109,8 @@ impl PrometheusMetrics {
             IntCounterVec::new(Opts::new(name, help), labels)
         };
         let m = Self {
+            names: std::sync::Arc::default(),
+            max_names: Self::DEFAULT_MAX_LOCK_LABELS,
             lock_held: gauge(
                 "chosen_lock_held",
                 "1 while this node holds the lock",
@@ -185,25 +224,35 @@ fn gauge_of(g: &Gauge, value: f64) {
 
 impl MetricsSink for PrometheusMetrics {
     fn lock_acquired(&self, node: &str, lock: &str, waited: Duration) {
-        self.lock_held.with_label_values(&[node, lock]).set(1);
-        self.acquisitions.with_label_values(&[node, lock]).inc();
+        self.lock_held
+            .with_label_values(&[node, self.label(lock)])
+            .set(1);
+        self.acquisitions
+            .with_label_values(&[node, self.label(lock)])
+            .inc();
         self.wait_seconds
-            .with_label_values(&[node, lock])
+            .with_label_values(&[node, self.label(lock)])
             .observe(waited.as_secs_f64());
     }
 
     fn lock_released(&self, node: &str, lock: &str) {
-        self.lock_held.with_label_values(&[node, lock]).set(0);
+        self.lock_held
+            .with_label_values(&[node, self.label(lock)])
+            .set(0);
     }
 
     fn lock_lost(&self, node: &str, lock: &str, reason: &str) {
-        self.lock_held.with_label_values(&[node, lock]).set(0);
-        self.losses.with_label_values(&[node, lock, reason]).inc();
+        self.lock_held
+            .with_label_values(&[node, self.label(lock)])
+            .set(0);
+        self.losses
+            .with_label_values(&[node, self.label(lock), reason])
+            .inc();
     }
 
     fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
         self.lock_waiters
-            .with_label_values(&[node, lock])
+            .with_label_values(&[node, self.label(lock)])
             .set(i64::try_from(waiters).unwrap_or(i64::MAX));
     }
 
@@ -239,25 +288,70 @@ impl MetricsSink for PrometheusMetrics {
 
     fn singleton_running(&self, node: &str, singleton: &str, running: bool) {
         self.singleton_running
-            .with_label_values(&[node, singleton])
+            .with_label_values(&[node, self.label(singleton)])
             .set(i64::from(running));
     }
 
     fn singleton_restart(&self, node: &str, singleton: &str) {
         self.singleton_restarts
-            .with_label_values(&[node, singleton])
+            .with_label_values(&[node, self.label(singleton)])
             .inc();
     }
 
     fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
         self.apalis_tasks
-            .with_label_values(&[node, lock, outcome])
+            .with_label_values(&[node, self.label(lock), outcome])
             .inc();
     }
 
     fn follower_response(&self, node: &str, lock: &str) {
         self.follower_responses
-            .with_label_values(&[node, lock])
+            .with_label_values(&[node, self.label(lock)])
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_labels_are_capped_and_counters_kept() {
+        let registry = Registry::new();
+        let m = PrometheusMetrics::register(&registry)
+            .unwrap()
+            .with_max_lock_labels(2);
+        for name in ["a", "b", "c", "d", "a"] {
+            m.lock_acquired("n", name, Duration::from_millis(1));
+            m.lock_released("n", name);
+        }
+        let families = registry.gather();
+        let acquisitions = families
+            .iter()
+            .find(|f| f.name() == "chosen_lock_acquisitions_total")
+            .unwrap();
+        let mut seen: Vec<(String, f64)> = acquisitions
+            .get_metric()
+            .iter()
+            .map(|metric| {
+                let lock = metric
+                    .get_label()
+                    .iter()
+                    .find(|l| l.name() == "lock")
+                    .unwrap()
+                    .value()
+                    .to_owned();
+                (lock, metric.get_counter().get_value())
+            })
+            .collect();
+        seen.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(
+            seen,
+            vec![
+                ("_other".to_owned(), 2.0),
+                ("a".to_owned(), 2.0),
+                ("b".to_owned(), 1.0)
+            ]
+        );
     }
 }
