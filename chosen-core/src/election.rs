@@ -161,7 +161,12 @@ pub(crate) async fn campaign(
 ) -> Option<Lease> {
     let acquire = manager.acquire(request.clone());
     tokio::pin!(acquire);
-    let mut refresh = tokio::time::interval(LEADER_REFRESH);
+    // On the manager's shared grid: the look-ups of every election following on this
+    // manager arrive together and share one statement.
+    let mut refresh = tokio::time::interval_at(
+        tokio::time::Instant::from_std(manager.next_shared_tick(LEADER_REFRESH)),
+        LEADER_REFRESH,
+    );
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

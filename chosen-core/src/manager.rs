@@ -410,6 +410,12 @@ impl LockManager {
         LockKey::derive(&self.shared.options.namespace, name)
     }
 
+    /// See `Shared::next_shared_tick`.
+    pub(crate) fn next_shared_tick(&self, period: Duration) -> std::time::Instant {
+        self.shared
+            .next_shared_tick(period, std::time::Instant::now())
+    }
+
     /// This manager's node id (its session's `application_name`).
     #[must_use]
     pub fn node_id(&self) -> &str {

@@ -55,6 +55,17 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The next instant after `now` on a grid of `period` shared by everything of this
+    /// manager: periodic work aligned on it (the elections' leader look-ups) reaches the
+    /// manager's task together and shares one statement.
+    pub(crate) fn next_shared_tick(&self, period: Duration, now: Instant) -> Instant {
+        let period_ns = period.as_nanos().max(1);
+        let since = now.saturating_duration_since(self.epoch).as_nanos();
+        let ticks = since / period_ns + 1;
+        let offset = u64::try_from(ticks.saturating_mul(period_ns)).unwrap_or(u64::MAX);
+        self.epoch + Duration::from_nanos(offset)
+    }
+
     pub(crate) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
