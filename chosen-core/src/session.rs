@@ -56,13 +56,14 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   between.
 /// * A transaction id (the token) is assigned only when a lock was won: failed polls burn
 ///   no transaction ids. Keys won in one statement share one token.
-/// * For a key not won, the backend pid of its holder, read from `pg_lock_status()` (the
-///   function behind `pg_locks`, readable by every role): release announcements are
-///   trusted only from that backend. The lock table is read once per statement, into a
-///   map (only when some key was not won), so a batch of many keys costs one scan.
-/// * For a key won, whether its stop fence (`$7`, `$8`) is free (a shared try, undone at
-///   once), and if not, the pid of the backend holding it: an earlier holder whose
-///   session the server ended is still stopping its work.
+/// * The lock table (`pg_lock_status()`, the function behind `pg_locks`, readable by
+///   every role) is read once, after every try of the statement (the lateral reference
+///   to `done` orders it), into a map of the exclusive advisory locks of other backends.
+///   From it: for a key not won, the backend pid of its holder (release announcements
+///   are trusted only from that backend); for a key won, the backend holding its stop
+///   fence (`$7`, `$8`), if any: an earlier holder whose session the server ended is
+///   still stopping its work. Reading, not taking, the fence never gets in the way of
+///   the stopping holder's own exclusive take.
 const TRY_KEYS_SQL: &str = "
 WITH k AS MATERIALIZED (
     SELECT k.i, k.a, k.b, k.big, k.fa, k.fb,
@@ -72,59 +73,44 @@ WITH k AS MATERIALIZED (
          WITH ORDINALITY AS k(a, b, big, fa, fb, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
-f AS MATERIALIZED (
-    SELECT k.*,
-           CASE WHEN k.won THEN
-               CASE WHEN pg_try_advisory_lock_shared(k.fa, k.fb)
-                    THEN pg_advisory_unlock_shared(k.fa, k.fb) ELSE false END
-           END AS fence_free
-    FROM k
-),
 done AS (SELECT count(*) AS n FROM k),
 holders AS (
-    SELECT jsonb_object_agg(l.classid::text || ':' || l.objid::text || ':' || l.objsubid::text,
-                            l.pid) AS m
-    FROM pg_lock_status() l
-    WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
-      AND l.mode = 'ExclusiveLock' AND l.database = $6::int8::oid
+    SELECT x.m FROM done d, LATERAL (
+        SELECT jsonb_object_agg(
+                   l.classid::text || ':' || l.objid::text || ':' || l.objsubid::text
+                   || CASE WHEN l.mode = 'ExclusiveLock' THEN ':x' ELSE ':s' END,
+                   l.pid) AS m
+        FROM pg_lock_status() l
+        WHERE d.n >= 0 AND l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+          AND l.pid <> pg_backend_pid() AND l.database = $6::int8::oid
+    ) x
 )
-SELECT f.i,
-       CASE WHEN f.won AND (SELECT n FROM done) > 0 THEN pg_current_xact_id()::text::int8 END,
-       CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
-           CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2'
-                ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1' END
+SELECT k.i,
+       CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN NOT k.won THEN ((SELECT m FROM holders) ->> (
+           CASE WHEN k.big IS NULL THEN (k.a::int8 & 4294967295)::text || ':' || (k.b::int8 & 4294967295)::text || ':2:x'
+                ELSE ((k.big >> 32) & 4294967295)::text || ':' || (k.big & 4294967295)::text || ':1:x' END
        ))::int4 END,
-       f.fence_free,
-       CASE WHEN NOT f.fence_free THEN (
-           SELECT l.pid FROM pg_lock_status() l
-           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
-             AND l.mode = 'ExclusiveLock'
-             AND l.database = $6::int8::oid
-             AND l.classid::int8 = f.fa::int8 & 4294967295
-             AND l.objid::int8 = f.fb::int8 & 4294967295
-             AND l.objsubid = 2
-           LIMIT 1) END
-FROM f";
+       CASE WHEN k.won THEN coalesce(
+           ((SELECT m FROM holders) ->> ((k.fa::int8 & 4294967295)::text || ':' || (k.fb::int8 & 4294967295)::text || ':2:s'))::int4,
+           ((SELECT m FROM holders) ->> ((k.fa::int8 & 4294967295)::text || ':' || (k.fb::int8 & 4294967295)::text || ':2:x'))::int4
+       ) END
+FROM k";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
-/// to build or unnest). Same semantics, same guard.
+/// to build or unnest). Same semantics, same guard; the lock table is read only when
+/// needed (the key not won, or to look for its stop fence once won).
 const TRY_ONE_SQL: &str = "
 WITH k AS MATERIALIZED (
     SELECT CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
                 ELSE pg_try_advisory_lock($3::int8) END AS won
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
-),
-f AS MATERIALIZED (
-    SELECT CASE WHEN k.won THEN
-               CASE WHEN pg_try_advisory_lock_shared($7::int4, $8::int4)
-                    THEN pg_advisory_unlock_shared($7::int4, $8::int4) ELSE false END
-           END AS fence_free
-    FROM k
 )
 SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
        CASE WHEN NOT k.won THEN (
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+             AND l.pid <> pg_backend_pid() AND l.mode = 'ExclusiveLock'
              AND l.database = $6::int8::oid
              AND l.classid::int8 = CASE WHEN $3::int8 IS NULL THEN $1::int4::int8 & 4294967295
                                         ELSE ($3::int8 >> 32) & 4294967295 END
@@ -132,58 +118,57 @@ SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
                                       ELSE $3::int8 & 4294967295 END
              AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
            LIMIT 1) END,
-       f.fence_free,
-       CASE WHEN NOT f.fence_free THEN (
+       CASE WHEN k.won THEN (
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
-             AND l.mode = 'ExclusiveLock'
+             AND l.pid <> pg_backend_pid()
              AND l.database = $6::int8::oid
              AND l.classid::int8 = $7::int4::int8 & 4294967295
              AND l.objid::int8 = $8::int4::int8 & 4294967295
              AND l.objsubid = 2
            LIMIT 1) END
-FROM k, f";
-
-/// Is anyone stopping work under these keys? For each stop fence (always a two-int4
-/// key), a shared try that is undone at once: `true` when nobody holds the fence, else
-/// the backend pid of its holder. On our own marked backend only.
-const CHECK_FENCES_SQL: &str = "
-WITH k AS MATERIALIZED (
-    SELECT k.i, k.a, k.b, pg_try_advisory_lock_shared(k.a, k.b) AS free
-    FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
-    WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
-)
-SELECT k.i, k.free,
-       CASE WHEN k.free THEN pg_advisory_unlock_shared(k.a, k.b) END,
-       CASE WHEN NOT k.free THEN (
-           SELECT l.pid FROM pg_lock_status() l
-           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
-             AND l.mode = 'ExclusiveLock'
-             AND l.database = $5::int8::oid
-             AND l.classid::int8 = k.a::int8 & 4294967295
-             AND l.objid::int8 = k.b::int8 & 4294967295
-             AND l.objsubid = 2
-           LIMIT 1) END
 FROM k";
 
-/// After a failed fence check, the shared fence locks it took survive the error: undo
-/// those the lock table shows we hold (as [`CLEANUP_SQL`] does for a failed try).
-const CLEANUP_SHARED_SQL: &str = "
-WITH me AS (
-    SELECT 1 WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
-),
-undone AS (
-    SELECT pg_advisory_unlock_shared(k.a, k.b)
-    FROM unnest($1::int4[], $2::int4[]) AS k(a, b), me
-    WHERE EXISTS (
-        SELECT 1 FROM pg_lock_status() l
-        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
-          AND l.mode = 'ShareLock' AND l.database = $5::int8::oid
-          AND l.classid::int8 = k.a::int8 & 4294967295
-          AND l.objid::int8 = k.b::int8 & 4294967295
-          AND l.objsubid = 2)
+/// Is anyone stopping work under these keys? For each stop fence (always a two-int4
+/// key), the backend holding it, read from the lock table once (never by taking the
+/// fence, which could make the stopping holder's own take fail). On our own marked
+/// backend only.
+const CHECK_FENCES_SQL: &str = "
+WITH holders AS (
+    SELECT jsonb_object_agg(l.classid::text || ':' || l.objid::text, l.pid) AS m
+    FROM pg_lock_status() l
+    WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+      AND l.pid <> pg_backend_pid()
+      AND l.objsubid = 2 AND l.database = $5::int8::oid
 )
-SELECT (SELECT count(*) FROM undone) FROM me";
+SELECT k.i,
+       ((SELECT m FROM holders) ->> ((k.a::int8 & 4294967295)::text || ':' || (k.b::int8 & 4294967295)::text))::int4
+FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
+WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4";
+
+/// Takes stop fences, in *shared* mode: no probe or other shared holder can make the
+/// take fail (checks look for the fence held in any mode by another backend). On our
+/// own marked backend only.
+const FENCE_SQL: &str = "
+SELECT k.i, pg_try_advisory_lock_shared(k.a, k.b)
+FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
+WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4";
+
+/// Releases stop fences (shared) and announces their keys, on our own marked backend.
+const UNFENCE_SQL: &str = "
+WITH me AS (
+    SELECT 1 WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+),
+u AS MATERIALIZED (
+    SELECT k.i, pg_advisory_unlock_shared(k.a, k.b) AS ok
+    FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i), me
+),
+n AS (
+    SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j))
+    FROM unnest($3::text[]) WITH ORDINALITY AS t(tag, j), me
+    GROUP BY (t.j - 1) / 200
+)
+SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 
 /// Unlocks one key and announces it, on our own marked backend only.
 const UNLOCK_ONE_SQL: &str = "
@@ -306,7 +291,8 @@ pub(crate) struct Statements {
     unlock: Statement,
     unlock_one: Statement,
     check_fences: Statement,
-    cleanup_shared: Statement,
+    fence: Statement,
+    unfence: Statement,
     cleanup: Statement,
     token: Statement,
     holders: Statement,
@@ -409,7 +395,7 @@ impl Session {
         &self,
         keys: &[LockKey],
     ) -> Result<Vec<(LockKey, TryOutcome)>, Fault> {
-        type Row = (i64, Option<i64>, Option<i32>, Option<bool>, Option<i32>);
+        type Row = (i64, Option<i64>, Option<i32>, Option<i32>);
         let (fa, fb) = fence_arrays(keys);
         let result = if let ([key], [fa], [fb]) = (keys, fa.as_slice(), fb.as_slice()) {
             let (a, b, big) = key_params(*key);
@@ -430,15 +416,7 @@ impl Session {
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| {
-                            Ok((
-                                1i64,
-                                r.try_get(0)?,
-                                r.try_get(1)?,
-                                r.try_get(2)?,
-                                r.try_get(3)?,
-                            ))
-                        })
+                        .map(|r| Ok((1i64, r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
                         .collect::<Result<Vec<Row>, _>>()
                 })
         } else {
@@ -460,15 +438,7 @@ impl Session {
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| {
-                            Ok((
-                                r.try_get(0)?,
-                                r.try_get(1)?,
-                                r.try_get(2)?,
-                                r.try_get(3)?,
-                                r.try_get(4)?,
-                            ))
-                        })
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
                         .collect::<Result<Vec<Row>, _>>()
                 })
         };
@@ -476,10 +446,8 @@ impl Session {
             Ok(rows) => rows,
             Err(Fault::Lost(reason)) => return Err(Fault::Lost(reason)),
             Err(Fault::Query(e)) => {
-                // Session locks taken before the error survive it: undo them, and the
-                // shared fence locks of the fence checks.
+                // Session locks taken before the error survive it: undo them.
                 self.cleanup(keys).await?;
-                self.cleanup_shared(&fa, &fb).await?;
                 return Err(Fault::Query(e));
             }
         };
@@ -492,50 +460,20 @@ impl Session {
             .iter()
             .map(|k| (*k, TryOutcome::Held { by: None }))
             .collect();
-        for (i, token, holder, fence_free, fence_holder) in rows {
+        for (i, token, holder, fence_holder) in rows {
             let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
                 continue;
             };
-            entry.1 = match (token, fence_free) {
-                (Some(t), Some(false)) => TryOutcome::WonFenced {
+            entry.1 = match (token, fence_holder) {
+                (Some(t), Some(by)) => TryOutcome::WonFenced {
                     token: FencingToken::new(t as u64),
-                    by: fence_holder,
+                    by: Some(by),
                 },
                 (Some(t), _) => TryOutcome::Won(FencingToken::new(t as u64)),
                 (None, _) => TryOutcome::Held { by: holder },
             };
         }
         Ok(out)
-    }
-
-    /// Undoes shared fence locks a failed statement may have left.
-    async fn cleanup_shared(&self, fa: &[i32], fb: &[i32]) -> Result<(), Fault> {
-        let undone = self
-            .client
-            .query(
-                &self.stmts.cleanup_shared,
-                &[
-                    &fa,
-                    &fb,
-                    &self.backend_pid,
-                    &self.marker,
-                    &self.database_oid,
-                ],
-            )
-            .await;
-        match undone.map_err(classify) {
-            Ok(rows) if !rows.is_empty() => Ok(()),
-            Ok(_) => Err(pooler(
-                "a fence clean-up ran on another backend than the session's own",
-            )),
-            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
-                message: format!(
-                    "could not undo a failed statement's fence checks ({}); dropping the session to release everything",
-                    error_text(&e)
-                ),
-            })),
-        }
     }
 
     /// Unlocks what a failed try statement may have locked.
@@ -580,9 +518,35 @@ impl Session {
     /// Releases the stop fences of `keys` and announces the keys: the work this process
     /// ran under them, in an ended session, has stopped.
     pub(crate) async fn unfence(&self, keys: &[LockKey]) -> Result<(), Fault> {
-        let fences: Vec<LockKey> = keys.iter().map(|k| k.stop_fence()).collect();
+        let (fa, fb) = fence_arrays(keys);
         let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
-        self.unlock_announcing(&fences, tags).await
+        let rows = self
+            .client
+            .query(
+                &self.stmts.unfence,
+                &[&fa, &fb, &tags, &self.backend_pid, &self.marker],
+            )
+            .await
+            .and_then(|rows| {
+                rows.iter()
+                    .map(|r| r.try_get::<_, Option<bool>>(1))
+                    .collect::<Result<Vec<_>, _>>()
+            });
+        match rows.map_err(classify) {
+            Ok(done) if done.len() == keys.len() && done.iter().all(|ok| *ok == Some(true)) => {
+                Ok(())
+            }
+            Ok(_) => Err(pooler(
+                "the server says this session did not hold a stop fence it held",
+            )),
+            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                message: format!(
+                    "could not release stop fences ({}); dropping the session to release them",
+                    error_text(&e)
+                ),
+            })),
+        }
     }
 
     /// Unlocks `keys` and announces `tags`, in one statement.
@@ -634,27 +598,43 @@ impl Session {
         }
     }
 
-    /// Takes the stop fences of `keys`; `true` per fence now held.
+    /// Takes the stop fences of `keys` (shared); `true` per fence now held.
     pub(crate) async fn fence(&self, keys: &[LockKey]) -> Result<Vec<(LockKey, bool)>, Fault> {
-        let fences: Vec<LockKey> = keys.iter().map(|k| k.stop_fence()).collect();
-        let outcomes = match self.try_keys(&fences).await {
-            Ok(outcomes) => outcomes,
+        let (fa, fb) = fence_arrays(keys);
+        let rows = self
+            .client
+            .query(
+                &self.stmts.fence,
+                &[&fa, &fb, &self.backend_pid, &self.marker],
+            )
+            .await
+            .and_then(|rows| {
+                rows.iter()
+                    .map(|r| Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, Option<bool>>(1)?)))
+                    .collect::<Result<Vec<_>, _>>()
+            });
+        let rows = match rows.map_err(classify) {
+            Ok(rows) => rows,
             Err(Fault::Query(e)) => {
-                debug!(error = %error_text(&e), "could not take stop fences");
-                return Ok(keys.iter().map(|k| (*k, false)).collect());
+                // Nothing is known: end the session rather than leak a fence it took.
+                return Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                    message: format!("could not take stop fences ({})", error_text(&e)),
+                }));
             }
             Err(lost) => return Err(lost),
         };
-        Ok(keys
-            .iter()
-            .zip(outcomes)
-            .map(|(k, (_, o))| {
-                (
-                    *k,
-                    matches!(o, TryOutcome::Won(_) | TryOutcome::WonFenced { .. }),
-                )
-            })
-            .collect())
+        if rows.is_empty() && !keys.is_empty() {
+            return Err(pooler(
+                "a fence statement ran on another backend than the session's own",
+            ));
+        }
+        let mut out: Vec<(LockKey, bool)> = keys.iter().map(|k| (*k, false)).collect();
+        for (i, taken) in rows {
+            if let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) {
+                entry.1 = taken == Some(true);
+            }
+        }
+        Ok(out)
     }
 
     /// Checks the stop fences of `keys`.
@@ -673,25 +653,15 @@ impl Session {
                 LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
             }
         }
-        let rows = match self
+        let rows = self
             .client
             .query(
                 &self.stmts.check_fences,
                 &[&a, &b, &self.backend_pid, &self.marker, &self.database_oid],
             )
             .await
-            .map_err(classify)
-        {
-            Ok(rows) => rows,
-            Err(Fault::Query(e)) => {
-                // Shared fence locks taken before the error survive it: undo them, or
-                // they would keep a stopping node from fencing for this whole session.
-                self.cleanup_shared(&a, &b).await?;
-                return Err(Fault::Query(e));
-            }
-            Err(lost) => return Err(lost),
-        };
-        if rows.is_empty() {
+            .map_err(classify)?;
+        if rows.is_empty() && !keys.is_empty() {
             return Err(pooler(
                 "a fence check ran on another backend than the session's own",
             ));
@@ -702,20 +672,18 @@ impl Session {
             let parsed = (|| {
                 Ok::<_, tokio_postgres::Error>((
                     row.try_get::<_, i64>(0)?,
-                    row.try_get::<_, Option<bool>>(1)?,
-                    row.try_get::<_, Option<i32>>(3)?,
+                    row.try_get::<_, Option<i32>>(1)?,
                 ))
             })();
-            let Ok((i, free, by)) = parsed else {
+            let Ok((i, holder)) = parsed else {
                 continue;
             };
             let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
                 continue;
             };
-            entry.1 = match free {
-                Some(true) => FenceCheck::Clear,
-                Some(false) => FenceCheck::Held { by },
-                None => FenceCheck::Failed,
+            entry.1 = match holder {
+                None => FenceCheck::Clear,
+                Some(by) => FenceCheck::Held { by: Some(by) },
             };
         }
         Ok(out)
@@ -1223,8 +1191,8 @@ impl Statements {
     async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
         let (
-            (heartbeat, try_keys, try_one, unlock, unlock_one, cleanup_shared),
-            (check_fences, cleanup, token, holders, cluster),
+            (heartbeat, try_keys, try_one, unlock, unlock_one),
+            (check_fences, cleanup, token, holders, cluster, fence, unfence),
         ) = tokio::try_join!(
             async {
                 tokio::try_join!(
@@ -1233,7 +1201,6 @@ impl Statements {
                     client.prepare(TRY_ONE_SQL),
                     client.prepare(UNLOCK_SQL),
                     client.prepare(UNLOCK_ONE_SQL),
-                    client.prepare(CLEANUP_SHARED_SQL),
                 )
             },
             async {
@@ -1243,6 +1210,8 @@ impl Statements {
                     client.prepare(TOKEN_SQL),
                     client.prepare(HOLDERS_SQL),
                     client.prepare(CLUSTER_SQL),
+                    client.prepare(FENCE_SQL),
+                    client.prepare(UNFENCE_SQL),
                 )
             },
         )?;
@@ -1253,7 +1222,8 @@ impl Statements {
             unlock,
             unlock_one,
             check_fences,
-            cleanup_shared,
+            fence,
+            unfence,
             cleanup,
             token,
             holders,

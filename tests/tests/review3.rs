@@ -1,6 +1,5 @@
 //! Breaks found by a third review (fence checks inside the try statement), against real
-//! servers. Each is `#[ignore]`d until fixed: run them with
-//! `cargo test -p chosen-tests --test review3 -- --ignored`.
+//! servers, kept as regression tests.
 
 use std::time::{Duration, Instant};
 
@@ -23,7 +22,6 @@ fn options(url: &str, node: &str) -> ManagerOptions {
 /// holder never gets its fence, and the new holder is granted while the old lease
 /// (whose work is still stopping) is out and was never dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review3 finding 1: a shared fence probe makes the stopping holder's fence try fail, and the prober grants"]
 async fn a_fence_probe_does_not_keep_a_stopping_holder_from_fencing() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
