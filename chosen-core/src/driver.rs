@@ -314,6 +314,13 @@ impl Driver {
                 .guarded(&generation, deadline, s.perform(&plan))
                 .await
                 .map_err(fault_reason)?;
+            // A freeze during the statement: its results would grant on a session whose
+            // deadline passed (the server may have ended it and given the keys away).
+            if deadline.is_none() && !self.shared.is_valid_now() {
+                return Err(DisconnectReason::HeartbeatOverdue {
+                    lease_timeout: self.shared.options.lease_timeout,
+                });
+            }
             let now = Instant::now();
             self.table.unlocked(&plan.unlock, now);
             self.table.unlocked(&plan.unlock_quiet, now);

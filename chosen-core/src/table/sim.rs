@@ -1083,6 +1083,11 @@ impl Sim {
         let Some(stmts) = self.nodes[n].busy.take() else {
             return;
         };
+        // As the driver: results that arrive after the validity deadline (a freeze
+        // during the statement) end the session instead of granting.
+        if self.now >= self.nodes[n].valid_until {
+            return self.lose_session(n, "validity deadline passed (seen with a reply)");
+        }
         self.log(|| {
             format!(
                 "n{n} answered: tried {:?} checked {:?} fenced {:?} token {:?}",
