@@ -532,21 +532,7 @@ impl Session {
                     .map(|r| r.try_get::<_, Option<bool>>(1))
                     .collect::<Result<Vec<_>, _>>()
             });
-        match rows.map_err(classify) {
-            Ok(done) if done.len() == keys.len() && done.iter().all(|ok| *ok == Some(true)) => {
-                Ok(())
-            }
-            Ok(_) => Err(pooler(
-                "the server says this session did not hold a stop fence it held",
-            )),
-            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
-                message: format!(
-                    "could not release stop fences ({}); dropping the session to release them",
-                    error_text(&e)
-                ),
-            })),
-        }
+        released(rows, keys.len(), "stop fences")
     }
 
     /// Unlocks `keys` and announces `tags`, in one statement.
@@ -579,23 +565,7 @@ impl Session {
                         .collect::<Result<Vec<_>, _>>()
                 })
         };
-        match result.map_err(classify) {
-            // We only unlock keys the session holds, once each: anything else means the
-            // statement ran on a backend that is not ours.
-            Ok(done) if done.len() == keys.len() && done.iter().all(|ok| *ok == Some(true)) => {
-                Ok(())
-            }
-            Ok(_) => Err(pooler(
-                "the server says this session did not hold a lock it held",
-            )),
-            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
-                message: format!(
-                    "could not release locks ({}); dropping the session to release them",
-                    error_text(&e)
-                ),
-            })),
-        }
+        released(result, keys.len(), "locks")
     }
 
     /// Takes the stop fences of `keys` (shared); `true` per fence now held.
@@ -893,6 +863,29 @@ impl Session {
             fenced: fenced?,
             checked: checked?,
         })
+    }
+}
+
+/// Judges an unlocking statement: we only unlock what the session holds, once each, so
+/// anything but one `true` per key means the statement ran on a backend that is not
+/// ours; any failure ends the session, which releases everything.
+fn released(
+    result: Result<Vec<Option<bool>>, tokio_postgres::Error>,
+    expected: usize,
+    what: &str,
+) -> Result<(), Fault> {
+    match result.map_err(classify) {
+        Ok(done) if done.len() == expected && done.iter().all(|ok| *ok == Some(true)) => Ok(()),
+        Ok(_) => Err(pooler(&format!(
+            "the server says this session did not hold {what} it held"
+        ))),
+        Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+        Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+            message: format!(
+                "could not release {what} ({}); dropping the session to release them",
+                error_text(&e)
+            ),
+        })),
     }
 }
 

@@ -1,6 +1,5 @@
 //! Breaks found by a second review (stop fences, the heartbeat's lock count, shutdown),
-//! one test each, against real servers. Each is `#[ignore]`d until fixed: run them with
-//! `cargo test -p chosen-tests --test review2 -- --ignored`.
+//! one test each, against real servers, kept as regression tests.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -2174,17 +2174,24 @@ fn print_trace(seed: u64, trace: &[String], all: bool) {
     } else {
         trace.len().saturating_sub(300)
     };
-    eprintln!(
+    tracing::info!(
         "---- trace of seed {seed} ({} lines, from {from}) ----",
         trace.len()
     );
     for line in &trace[from..] {
-        eprintln!("{line}");
+        tracing::info!("{line}");
     }
 }
 
 #[test]
 fn simulation_holds_over_many_seeds() {
+    // Reports (the summary, findings, a failing seed's trace) go through tracing, to the
+    // test's output (`--nocapture` shows it for a passing run).
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .without_time()
+        .with_target(false)
+        .try_init();
     let replay = env_u64("CHOSEN_SIM_SEED");
     let (first, count) = match replay {
         Some(seed) => (seed, 1),
@@ -2219,17 +2226,17 @@ fn simulation_holds_over_many_seeds() {
         }
     }
     let secs = started.elapsed().as_secs_f64();
-    eprintln!(
+    tracing::info!(
         "simulation: seeds {first}..{}, {:.1} seeds/s: {}",
         first + count,
         count as f64 / secs,
         summary(&total)
     );
     for (seed, text) in past_fence.iter().take(5) {
-        eprintln!("finding, seed {seed}: {text}");
+        tracing::warn!("finding, seed {seed}: {text}");
     }
     for (seed, text) in stale.iter().take(5) {
-        eprintln!("finding, seed {seed}: {text}, after its validity deadline");
+        tracing::warn!("finding, seed {seed}: {text}, after its validity deadline");
     }
     if let Some((seed, violations)) = failures.first() {
         if replay.is_none() {
