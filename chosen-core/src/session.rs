@@ -56,14 +56,19 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   between.
 /// * A transaction id (the token) is assigned only when a lock was won: failed polls burn
 ///   no transaction ids. Keys won in one statement share one token.
+/// * For a key won, its stop fence (`$7`, `$8`) is *probed*: taken exclusively and
+///   released again in one expression (`fence_clear`). It fails when another backend
+///   holds the fence in any mode: an earlier holder whose session the server ended is
+///   still stopping its work. A stopping holder takes its fence with a bounded wait
+///   ([`FENCE_SQL`]), so meeting a probe only delays its take by the probe's instant.
+///   Probing costs about what a try costs; reading the lock table costs a scan of the
+///   server's whole lock hash table (50-70 µs on a small server, more on a big one).
 /// * The lock table (`pg_lock_status()`, the function behind `pg_locks`, readable by
-///   every role) is read once, after every try of the statement (the lateral reference
-///   to `done` orders it), into a map of the exclusive advisory locks of other backends.
-///   From it: for a key not won, the backend pid of its holder (release announcements
-///   are trusted only from that backend); for a key won, the backend holding its stop
-///   fence (`$7`, `$8`), if any: an earlier holder whose session the server ended is
-///   still stopping its work. Reading, not taking, the fence never gets in the way of
-///   the stopping holder's own exclusive take.
+///   every role) is read only when needed: for a key not won (the backend pid of its
+///   holder: release announcements are trusted only from that backend), or a fence
+///   probe that failed (the backend pid of the fence's holder, 0 when it let go
+///   meanwhile). Once, into a map of other backends' advisory locks, after every try of
+///   the statement (the lateral reference to `done` orders it).
 const TRY_KEYS_SQL: &str = "
 WITH k AS MATERIALIZED (
     SELECT k.i, k.a, k.b, k.big, k.fa, k.fb,
@@ -74,6 +79,13 @@ WITH k AS MATERIALIZED (
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
 done AS (SELECT count(*) AS n FROM k),
+f AS MATERIALIZED (
+    SELECT k.*, CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN
+               CASE WHEN pg_try_advisory_lock(k.fa, k.fb) THEN pg_advisory_unlock(k.fa, k.fb)
+                    ELSE false END
+           END AS fence_clear
+    FROM k
+),
 holders AS (
     SELECT x.m FROM done d, LATERAL (
         SELECT jsonb_object_agg(
@@ -85,29 +97,37 @@ holders AS (
           AND l.pid <> pg_backend_pid() AND l.database = $6::int8::oid
     ) x
 )
-SELECT k.i,
-       CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN pg_current_xact_id()::text::int8 END,
-       CASE WHEN NOT k.won THEN ((SELECT m FROM holders) ->> (
-           CASE WHEN k.big IS NULL THEN (k.a::int8 & 4294967295)::text || ':' || (k.b::int8 & 4294967295)::text || ':2:x'
-                ELSE ((k.big >> 32) & 4294967295)::text || ':' || (k.big & 4294967295)::text || ':1:x' END
+SELECT f.i,
+       CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
+           CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2:x'
+                ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1:x' END
        ))::int4 END,
-       CASE WHEN k.won THEN coalesce(
-           ((SELECT m FROM holders) ->> ((k.fa::int8 & 4294967295)::text || ':' || (k.fb::int8 & 4294967295)::text || ':2:s'))::int4,
-           ((SELECT m FROM holders) ->> ((k.fa::int8 & 4294967295)::text || ':' || (k.fb::int8 & 4294967295)::text || ':2:x'))::int4
+       CASE WHEN f.won AND NOT f.fence_clear THEN coalesce(
+           ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:s'))::int4,
+           ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:x'))::int4,
+           0
        ) END
-FROM k";
+FROM f";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
-/// to build or unnest). Same semantics, same guard; the lock table is read only when
-/// needed (the key not won, or to look for its stop fence once won).
+/// to build or unnest). Same semantics, same guard; the fence is probed once the key is
+/// won, and the lock table is read only when the key was not won or the probe failed.
 const TRY_ONE_SQL: &str = "
 WITH k AS MATERIALIZED (
     SELECT CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
                 ELSE pg_try_advisory_lock($3::int8) END AS won
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+),
+f AS MATERIALIZED (
+    SELECT k.won, CASE WHEN k.won THEN
+               CASE WHEN pg_try_advisory_lock($7::int4, $8::int4)
+                    THEN pg_advisory_unlock($7::int4, $8::int4) ELSE false END
+           END AS fence_clear
+    FROM k
 )
-SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
-       CASE WHEN NOT k.won THEN (
+SELECT CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN NOT f.won THEN (
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
              AND l.pid <> pg_backend_pid() AND l.mode = 'ExclusiveLock'
@@ -118,7 +138,7 @@ SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
                                       ELSE $3::int8 & 4294967295 END
              AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
            LIMIT 1) END,
-       CASE WHEN k.won THEN (
+       CASE WHEN f.won AND NOT f.fence_clear THEN coalesce((
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
              AND l.pid <> pg_backend_pid()
@@ -126,33 +146,73 @@ SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END,
              AND l.classid::int8 = $7::int4::int8 & 4294967295
              AND l.objid::int8 = $8::int4::int8 & 4294967295
              AND l.objsubid = 2
-           LIMIT 1) END
-FROM k";
+           LIMIT 1), 0) END
+FROM f";
 
-/// Is anyone stopping work under these keys? For each stop fence (always a two-int4
-/// key), the backend holding it, read from the lock table once (never by taking the
-/// fence, which could make the stopping holder's own take fail). On our own marked
-/// backend only.
+/// Is anyone stopping work under these keys? Each stop fence (always a two-int4 key) is
+/// probed as in [`TRY_KEYS_SQL`]: taken exclusively and released at once, never held
+/// (a held probe would make the stopping holder's own take wait). Only for a fence
+/// found held is the lock table read, for its holder's backend pid (0 when it let go
+/// meanwhile). On our own marked backend only.
 const CHECK_FENCES_SQL: &str = "
-WITH holders AS (
+WITH f AS MATERIALIZED (
+    SELECT k.i, k.a, k.b,
+           CASE WHEN pg_try_advisory_lock(k.a, k.b) THEN pg_advisory_unlock(k.a, k.b)
+                ELSE false END AS clear
+    FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
+    WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
+),
+holders AS (
     SELECT jsonb_object_agg(l.classid::text || ':' || l.objid::text, l.pid) AS m
     FROM pg_lock_status() l
     WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
       AND l.pid <> pg_backend_pid()
       AND l.objsubid = 2 AND l.database = $5::int8::oid
 )
-SELECT k.i,
-       ((SELECT m FROM holders) ->> ((k.a::int8 & 4294967295)::text || ':' || (k.b::int8 & 4294967295)::text))::int4
-FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
-WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4";
+SELECT f.i,
+       CASE WHEN NOT f.clear THEN coalesce(
+           ((SELECT m FROM holders) ->> ((f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text))::int4,
+           0) END
+FROM f";
 
-/// Takes stop fences, in *shared* mode: no probe or other shared holder can make the
-/// take fail (checks look for the fence held in any mode by another backend). On our
-/// own marked backend only.
+/// How long a stopping holder's fence take waits for probes to let go (they hold the
+/// fence for an instant). Past it, the take fails, what it took is undone and it is
+/// tried again soon.
+const FENCE_LOCK_TIMEOUT: &str = "500ms";
+
+/// Takes stop fences, in *shared* mode, waiting at most `$5` (`lock_timeout`, for this
+/// statement only) for probes that hold one for an instant: a probe must not make the
+/// take fail, or the probe's node could grant the key while this one's work still runs.
+/// Shared, so that no other shared holder can make it fail either. On our own marked
+/// backend only.
 const FENCE_SQL: &str = "
-SELECT k.i, pg_try_advisory_lock_shared(k.a, k.b)
-FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
-WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4";
+WITH me AS MATERIALIZED (
+    SELECT set_config('lock_timeout', $5, true)
+    WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
+)
+SELECT k.i, pg_advisory_lock_shared(k.a, k.b)::text IS NOT NULL
+FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i), me";
+
+/// After a failed fence statement (a take that waited too long, a full lock table):
+/// releases the fences of `$1`, `$2` this backend holds in shared mode (each held once:
+/// only fences being taken are passed). Reads the lock table directly (no relation
+/// lock). Returns one row when the guard passed.
+const UNFENCE_QUIET_SQL: &str = "
+WITH me AS (
+    SELECT 1 WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+),
+undone AS (
+    SELECT pg_advisory_unlock_shared(k.a, k.b)
+    FROM unnest($1::int4[], $2::int4[]) AS k(a, b), me
+    WHERE EXISTS (
+        SELECT 1 FROM pg_lock_status() l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+          AND l.mode = 'ShareLock' AND l.database = $3::int8::oid
+          AND l.classid::int8 = k.a::int8 & 4294967295
+          AND l.objid::int8 = k.b::int8 & 4294967295
+          AND l.objsubid = 2)
+)
+SELECT (SELECT count(*) FROM undone) FROM me";
 
 /// Releases stop fences (shared) and announces their keys, on our own marked backend.
 const UNFENCE_SQL: &str = "
@@ -197,9 +257,9 @@ n AS (
 )
 SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 
-/// After a failed try statement some of its locks may have been taken (session locks
-/// survive the statement's error): unlock those the lock table shows we hold, on our
-/// own marked backend only. It reads `pg_lock_status()` directly, not the `pg_locks`
+/// After a failed try statement some of its locks (or a fence probe's) may have been
+/// taken (session locks survive the statement's error): unlock those the lock table
+/// shows we hold exclusively, on our own marked backend only. It reads `pg_lock_status()` directly, not the `pg_locks`
 /// view, and gets the database oid as a parameter, so it needs no relation lock: it
 /// runs when the lock table is full. Returns one row when the guard passed.
 const CLEANUP_SQL: &str = "
@@ -213,7 +273,7 @@ undone AS (
     WHERE EXISTS (
         SELECT 1 FROM pg_lock_status() l
         WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
-          AND l.database = $4::int8::oid
+          AND l.mode = 'ExclusiveLock' AND l.database = $4::int8::oid
           AND l.classid::int8 = CASE WHEN k.big IS NULL THEN k.a::int8 & 4294967295
                                      ELSE (k.big >> 32) & 4294967295 END
           AND l.objid::int8 = CASE WHEN k.big IS NULL THEN k.b::int8 & 4294967295
@@ -293,6 +353,7 @@ pub(crate) struct Statements {
     check_fences: Statement,
     fence: Statement,
     unfence: Statement,
+    unfence_quiet: Statement,
     cleanup: Statement,
     token: Statement,
     holders: Statement,
@@ -446,8 +507,11 @@ impl Session {
             Ok(rows) => rows,
             Err(Fault::Lost(reason)) => return Err(Fault::Lost(reason)),
             Err(Fault::Query(e)) => {
-                // Session locks taken before the error survive it: undo them.
-                self.cleanup(keys).await?;
+                // Session locks taken before the error survive it: undo them, and any
+                // fence probe the error caught between its take and its release.
+                let mut taken = keys.to_vec();
+                taken.extend(keys.iter().map(|k| k.stop_fence()));
+                self.cleanup(&taken).await?;
                 return Err(Fault::Query(e));
             }
         };
@@ -467,7 +531,8 @@ impl Session {
             entry.1 = match (token, fence_holder) {
                 (Some(t), Some(by)) => TryOutcome::WonFenced {
                     token: FencingToken::new(t as u64),
-                    by: Some(by),
+                    // 0: the fence was let go between the probe and the read.
+                    by: (by != 0).then_some(by),
                 },
                 (Some(t), _) => TryOutcome::Won(FencingToken::new(t as u64)),
                 (None, _) => TryOutcome::Held { by: holder },
@@ -568,14 +633,22 @@ impl Session {
         released(result, keys.len(), "locks")
     }
 
-    /// Takes the stop fences of `keys` (shared); `true` per fence now held.
+    /// Takes the stop fences of `keys` (shared); `true` per fence now held. A take that
+    /// fails (it waited too long for a probe, or the lock table is full) undoes what the
+    /// statement took and answers `false` for every key: they are tried again soon.
     pub(crate) async fn fence(&self, keys: &[LockKey]) -> Result<Vec<(LockKey, bool)>, Fault> {
         let (fa, fb) = fence_arrays(keys);
         let rows = self
             .client
             .query(
                 &self.stmts.fence,
-                &[&fa, &fb, &self.backend_pid, &self.marker],
+                &[
+                    &fa,
+                    &fb,
+                    &self.backend_pid,
+                    &self.marker,
+                    &FENCE_LOCK_TIMEOUT,
+                ],
             )
             .await
             .and_then(|rows| {
@@ -586,10 +659,12 @@ impl Session {
         let rows = match rows.map_err(classify) {
             Ok(rows) => rows,
             Err(Fault::Query(e)) => {
-                // Nothing is known: end the session rather than leak a fence it took.
-                return Err(Fault::Lost(DisconnectReason::ConnectionLost {
-                    message: format!("could not take stop fences ({})", error_text(&e)),
-                }));
+                warn!(
+                    error = %error_text(&e),
+                    "could not take stop fences; undoing and trying again"
+                );
+                self.unfence_quietly(&fa, &fb).await?;
+                return Ok(keys.iter().map(|k| (*k, false)).collect());
             }
             Err(lost) => return Err(lost),
         };
@@ -605,6 +680,37 @@ impl Session {
             }
         }
         Ok(out)
+    }
+
+    /// Releases, without announcing, the fences a failed fence statement took.
+    async fn unfence_quietly(&self, fa: &[i32], fb: &[i32]) -> Result<(), Fault> {
+        let rows = self
+            .client
+            .query(
+                &self.stmts.unfence_quiet,
+                &[
+                    &fa,
+                    &fb,
+                    &self.database_oid,
+                    &self.backend_pid,
+                    &self.marker,
+                ],
+            )
+            .await;
+        match rows.map_err(classify) {
+            Ok(rows) if rows.is_empty() => Err(pooler(
+                "the clean-up after a failed fence ran on another backend than the session's own",
+            )),
+            Ok(_) => Ok(()),
+            Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+            // Nothing is known: end the session rather than leak a fence it took.
+            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+                message: format!(
+                    "could not undo a failed fence take ({}); dropping the session to release everything",
+                    error_text(&e)
+                ),
+            })),
+        }
     }
 
     /// Checks the stop fences of `keys`.
@@ -653,6 +759,7 @@ impl Session {
             };
             entry.1 = match holder {
                 None => FenceCheck::Clear,
+                Some(0) => FenceCheck::Held { by: None },
                 Some(by) => FenceCheck::Held { by: Some(by) },
             };
         }
@@ -1185,7 +1292,7 @@ impl Statements {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
         let (
             (heartbeat, try_keys, try_one, unlock, unlock_one),
-            (check_fences, cleanup, token, holders, cluster, fence, unfence),
+            (check_fences, cleanup, token, holders, cluster, fence, unfence, unfence_quiet),
         ) = tokio::try_join!(
             async {
                 tokio::try_join!(
@@ -1205,6 +1312,7 @@ impl Statements {
                     client.prepare(CLUSTER_SQL),
                     client.prepare(FENCE_SQL),
                     client.prepare(UNFENCE_SQL),
+                    client.prepare(UNFENCE_QUIET_SQL),
                 )
             },
         )?;
@@ -1217,6 +1325,7 @@ impl Statements {
             check_fences,
             fence,
             unfence,
+            unfence_quiet,
             cleanup,
             token,
             holders,

@@ -620,7 +620,9 @@ impl LockTable {
         {
             // The old holder's new session announces that its work stopped: look again
             // (not before the grace ends, though: another holder may not know yet).
-            if *by == Some(sender) {
+            // When the fence's holder is not known, any announcement of the key is a
+            // hint: a check only looks, it grants only a clear fence.
+            if by.is_none() || *by == Some(sender) {
                 *next = now.max(*not_before);
             }
             return;

@@ -82,3 +82,79 @@ async fn a_fence_probe_does_not_keep_a_stopping_holder_from_fencing() {
     );
     drop(lease);
 }
+
+/// The same collision with the probes as they are now: a fence probe takes the fence
+/// *exclusively* for an instant (held longer here, but within the take's wait bound).
+/// The stopping holder's shared take waits for it instead of failing, so it holds its
+/// fence from the moment the probe ends, and the new holder is not granted while the
+/// old lease is out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exclusive_fence_probe_only_delays_a_stopping_holders_take() {
+    let pg = PgCluster::start().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let prober = connect_admin(&pg.url()).await.unwrap();
+    let lock = unique_name("probe-exclusive");
+    let a = LockManager::connect(options(&pg.url(), "probe-xa"))
+        .await
+        .unwrap();
+    let lease = a.acquire(lock.as_str()).await.unwrap();
+    let b = LockManager::connect(
+        options(&pg.url(), "probe-xb").takeover_grace(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    let b_waiting = tokio::spawn({
+        let b = b.clone();
+        let lock = lock.clone();
+        async move { b.acquire(lock.as_str()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let LockKey::Pair(ka, kb) = a.key_for(&lock) else {
+        unreachable!("named locks are pairs")
+    };
+    let LockKey::Pair(fa, fb) = LockKey::derive("chosen.stop-fence", &format!("pair:{ka}:{kb}"))
+    else {
+        unreachable!("fences are pairs")
+    };
+    prober
+        .execute("SELECT pg_advisory_lock($1, $2)", &[&fa, &fb])
+        .await
+        .unwrap();
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'probe-xa'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1);
+    // A reconnects and waits for its fence behind the "probe"; B wins the key and finds
+    // the fence held by the probe.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    prober
+        .execute("SELECT pg_advisory_unlock($1, $2)", &[&fa, &fb])
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let granted = tokio::time::timeout(Duration::from_millis(1500), b_waiting).await;
+    assert!(
+        granted.is_err(),
+        "B was granted the key {:?} after the probe while A's lease of it (work still stopping) was out",
+        started.elapsed()
+    );
+    // A holds its fence, shared.
+    let holds: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.mode = 'ShareLock' AND l.granted
+               AND a.application_name = 'probe-xa'
+               AND l.classid::int8 = $1::int8 & 4294967295 AND l.objid::int8 = $2::int8 & 4294967295",
+            &[&i64::from(fa), &i64::from(fb)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(holds, 1, "the stopping holder holds its fence");
+    drop(lease);
+}

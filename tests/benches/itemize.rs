@@ -1,0 +1,195 @@
+//! Where the cost of an uncontended acquire + release goes: the statements chosen sends,
+//! taken apart, on one raw tokio-postgres connection, against the bare pair and against
+//! chosen itself. Every round runs every variant once, in a rotated order.
+//!
+//! ```text
+//! cargo bench -p chosen-tests --bench itemize               # fsync and synchronous_commit off
+//! cargo bench -p chosen-tests --bench itemize -- --durable  # both on
+//! ```
+
+#![allow(missing_docs)] // a benchmark binary
+
+use std::time::{Duration, Instant};
+
+use chosen_core::{LockManager, ManagerOptions};
+use chosen_tests::{PgCluster, connect_admin};
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+struct Variant {
+    name: &'static str,
+    lock: &'static str,
+    unlock: &'static str,
+}
+
+fn main() -> Res<()> {
+    // `--current-thread`: every task on one thread, so a hop between tasks costs no
+    // wake-up of another thread.
+    let mut builder = if std::env::args().any(|a| a == "--current-thread") {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    builder.enable_all().build()?.block_on(run())
+}
+
+async fn run() -> Res<()> {
+    let durable = std::env::args().any(|a| a == "--durable");
+    let rounds: usize = std::env::var("CHOSEN_ITEMIZE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let mut builder =
+        PgCluster::builder().setting("shared_preload_libraries", "pg_stat_statements");
+    if durable {
+        builder = builder
+            .setting("fsync", "on")
+            .setting("synchronous_commit", "on");
+    }
+    let cluster = builder.start()?;
+    let url = cluster.url();
+    let raw = connect_admin(&url).await?;
+    raw.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await?;
+    raw.batch_execute("SET chosen.session = 'itemize'").await?;
+    let pid: i32 = raw.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+    let marker = "itemize".to_owned();
+    // Another session listens, as a waiting node would.
+    let listener = connect_admin(&url).await?;
+    listener.batch_execute("LISTEN chosen_release").await?;
+
+    let variants = [
+        Variant {
+            name: "bare pair",
+            lock: "SELECT pg_try_advisory_lock(1, 2) WHERE $1::int4 IS NOT NULL AND $2::text IS NOT NULL",
+            unlock: "SELECT pg_advisory_unlock(1, 2) WHERE $1::int4 IS NOT NULL AND $2::text IS NOT NULL",
+        },
+        Variant {
+            name: "+ pooler guard",
+            lock: "SELECT pg_try_advisory_lock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+            unlock: "SELECT pg_advisory_unlock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+        Variant {
+            name: "+ guard + token (xid)",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END FROM k",
+            unlock: "SELECT pg_advisory_unlock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+        Variant {
+            name: "+ guard + NOTIFY",
+            lock: "SELECT pg_try_advisory_lock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+            unlock: "SELECT pg_advisory_unlock(1, 2), pg_notify('chosen_release', 'x')::text WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+        Variant {
+            name: "+ guard + fence read (pg_lock_status)",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT CASE WHEN k.won THEN (SELECT l.pid FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() AND l.classid::int8 = 7 AND l.objid::int8 = 9 AND l.objsubid = 2 LIMIT 1) END FROM k",
+            unlock: "SELECT pg_advisory_unlock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+        Variant {
+            name: "+ guard + fence probe (try, unlock)",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT CASE WHEN k.won THEN CASE WHEN pg_try_advisory_lock(7, 9) THEN pg_advisory_unlock(7, 9) ELSE false END END FROM k",
+            unlock: "SELECT pg_advisory_unlock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+        Variant {
+            name: "+ guard + interest probe on release (no NOTIFY)",
+            lock: "SELECT pg_try_advisory_lock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+            unlock: "WITH u AS MATERIALIZED (SELECT pg_advisory_unlock(1, 2) AS ok WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT u.ok, CASE WHEN pg_try_advisory_lock(7, 11) THEN pg_advisory_unlock(7, 11) ELSE pg_notify('chosen_release', 'x') IS NULL END FROM u",
+        },
+        Variant {
+            name: "0.2 statements (guard, xid, fence probe, NOTIFY)",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2), f AS MATERIALIZED (SELECT k.won, CASE WHEN k.won THEN CASE WHEN pg_try_advisory_lock(7, 9) THEN pg_advisory_unlock(7, 9) ELSE false END END AS clear FROM k) SELECT CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END, f.clear FROM f",
+            unlock: "SELECT pg_advisory_unlock(1, 2), pg_notify('chosen_release', 'x')::text WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+        Variant {
+            name: "before: guard, xid, fence read, NOTIFY",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT CASE WHEN k.won THEN pg_current_xact_id()::text::int8 END, CASE WHEN k.won THEN (SELECT l.pid FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() AND l.classid::int8 = 7 AND l.objid::int8 = 9 AND l.objsubid = 2 LIMIT 1) END FROM k",
+            unlock: "SELECT pg_advisory_unlock(1, 2), pg_notify('chosen_release', 'x')::text WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
+        },
+    ];
+    let mut prepared = Vec::new();
+    for v in &variants {
+        prepared.push((raw.prepare(v.lock).await?, raw.prepare(v.unlock).await?));
+    }
+    let manager = LockManager::connect(ManagerOptions::from_url(&url)?.node_id("itemize")).await?;
+    let n = variants.len() + 1;
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); n];
+    let warm_up = (rounds / 10).max(5);
+    // A fresh random order every round (a fixed generator: runs are comparable), so no
+    // variant always follows another and pays for its after-effects.
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    // `CHOSEN_ITEMIZE_ONLY=i`: run variant i alone (the last one is chosen), to see it
+    // without the others' after-effects.
+    let only: Option<usize> = std::env::var("CHOSEN_ITEMIZE_ONLY")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    for round in 0..warm_up + rounds {
+        for i in (1..n).rev() {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            order.swap(i, (seed >> 33) as usize % (i + 1));
+        }
+        if let Some(only) = only {
+            order.iter_mut().for_each(|o| *o = only.min(n - 1));
+        }
+        for &which in &order {
+            let t = Instant::now();
+            if which == variants.len() {
+                let lease = manager.acquire("itemize").await?;
+                lease.release().await?;
+            } else {
+                let (lock, unlock) = &prepared[which];
+                raw.query(lock, &[&pid, &marker]).await?;
+                raw.query(unlock, &[&pid, &marker]).await?;
+            }
+            if round >= warm_up {
+                times[which].push(t.elapsed());
+            }
+        }
+    }
+    manager.shutdown().await;
+    // What chosen sent, per acquire + release.
+    let rows = raw
+        .query(
+            "SELECT calls, mean_exec_time, left(regexp_replace(query, '\\s+', ' ', 'g'), 90) FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%' AND query NOT LIKE '%pg_try_advisory_lock(1, 2)%' AND query NOT LIKE '%pg_advisory_unlock(1, 2)%' ORDER BY calls DESC LIMIT 30",
+            &[],
+        )
+        .await?;
+    for r in rows {
+        let calls: i64 = r.get(0);
+        let mean: f64 = r.get(1);
+        let q: String = r.get(2);
+        println!(
+            "{:>6.2} per pair, {:>6.1} µs server time: {q}",
+            calls as f64 / (warm_up + rounds) as f64,
+            mean * 1000.0
+        );
+    }
+    let p50 = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let floor = if times[0].is_empty() {
+        Duration::from_micros(1)
+    } else {
+        p50(&mut times[0].clone())
+    };
+    println!(
+        "{} rounds, fsync and synchronous_commit {}\n",
+        rounds,
+        if durable { "on" } else { "off" }
+    );
+    println!("| variant (acquire + release) | p50 | × bare pair |\n|---|---|---|");
+    for (i, t) in times.iter_mut().enumerate().filter(|(_, t)| !t.is_empty()) {
+        let name = variants
+            .get(i)
+            .map_or("chosen (acquire + release)", |v| v.name);
+        let m = p50(t);
+        println!(
+            "| {name} | {} µs | {:.2} |",
+            m.as_micros(),
+            m.as_secs_f64() / floor.as_secs_f64()
+        );
+    }
+    Ok(())
+}
