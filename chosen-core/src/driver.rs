@@ -328,6 +328,7 @@ impl Driver {
             self.table.fenced(&done.fenced, now);
             self.table.checked(&done.checked, now);
             self.table.tokens(&plan.token_for, done.token, now);
+            self.table.registered(&done.registered);
             match done.tried {
                 Ok(outcomes) => {
                     self.last_error = None;

@@ -55,6 +55,9 @@ pub enum LockKey {
     Int(i64),
 }
 
+/// How many interest buckets there are (see [`LockKey::interest`]). Do not change.
+const INTEREST_BUCKETS: u32 = 256;
+
 impl LockKey {
     /// Derives the key of lock `name` in `namespace` (see the type docs).
     #[must_use]
@@ -86,6 +89,33 @@ impl LockKey {
     /// Do not change: nodes of different versions must agree on it.
     pub(crate) fn stop_fence(self) -> Self {
         Self::derive("chosen.stop-fence", &self.tag())
+    }
+
+    /// The *interest* key of this key's bucket: a session that waits for a key another
+    /// session holds holds its bucket's interest key in shared mode, and a release
+    /// announces itself (`NOTIFY`) only when its bucket's interest key is held by
+    /// another session. 256 buckets, so a session waiting for many keys holds at most
+    /// 256 of them. Do not change: nodes of different versions must agree on it.
+    pub(crate) fn interest(self) -> Self {
+        Self::interest_of(self.interest_bucket())
+    }
+
+    /// The bucket of [`Self::interest`].
+    pub(crate) fn interest_bucket(self) -> u16 {
+        match Self::derive("chosen.interest-bucket", &self.tag()) {
+            Self::Pair(a, _) => (a as u32 % INTEREST_BUCKETS) as u16,
+            Self::Int(_) => unreachable!("BUG: derived keys are pairs"),
+        }
+    }
+
+    /// The interest key of `bucket`.
+    pub(crate) fn interest_of(bucket: u16) -> Self {
+        static KEYS: std::sync::OnceLock<Vec<LockKey>> = std::sync::OnceLock::new();
+        KEYS.get_or_init(|| {
+            (0..INTEREST_BUCKETS)
+                .map(|b| Self::derive("chosen.interest", &b.to_string()))
+                .collect()
+        })[usize::from(bucket) % INTEREST_BUCKETS as usize]
     }
 
     /// The text used in `NOTIFY` payloads and logs: `pair:<key1>:<key2>` or `int:<key>`.

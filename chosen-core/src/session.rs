@@ -63,6 +63,13 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   ([`FENCE_SQL`]), so meeting a probe only delays its take by the probe's instant.
 ///   Probing costs about what a try costs; reading the lock table costs a scan of the
 ///   server's whole lock hash table (50-70 µs on a small server, more on a big one).
+/// * A key not won whose flag in `$9` is set registers interest in releases: it takes
+///   its bucket's interest key (`$10`, `$11`, see `LockKey::interest`) in shared mode
+///   and is tried once more (a release between the two tries found no interest and
+///   announced nothing; if the take fails, a releaser is probing the bucket right now,
+///   after its unlock, so the key is tried once more too). The last column says whether
+///   the interest key was taken. Releases announce themselves only to buckets someone
+///   registered in (see [`UNLOCK_SQL`]).
 /// * The lock table (`pg_lock_status()`, the function behind `pg_locks`, readable by
 ///   every role) is read only when needed: for a key not won (the backend pid of its
 ///   holder: release announcements are trusted only from that backend), or a fence
@@ -70,15 +77,24 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   meanwhile). Once, into a map of other backends' advisory locks, after every try of
 ///   the statement (the lateral reference to `done` orders it).
 const TRY_KEYS_SQL: &str = "
-WITH k AS MATERIALIZED (
+WITH t AS MATERIALIZED (
     SELECT k.i, k.a, k.b, k.big, k.fa, k.fb,
-           CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
-                ELSE pg_try_advisory_lock(k.big) END AS won
-    FROM unnest($1::int4[], $2::int4[], $3::int8[], $7::int4[], $8::int4[])
-         WITH ORDINALITY AS k(a, b, big, fa, fb, i)
+           CASE WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
+                           ELSE pg_try_advisory_lock(k.big) END) THEN 1
+                WHEN NOT k.reg THEN 0
+                WHEN pg_try_advisory_lock_shared(k.ia, k.ib) THEN
+                    CASE WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
+                                    ELSE pg_try_advisory_lock(k.big) END) THEN 3 ELSE 2 END
+                WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
+                           ELSE pg_try_advisory_lock(k.big) END) THEN 1
+                ELSE 0 END AS r
+    FROM unnest($1::int4[], $2::int4[], $3::int8[], $7::int4[], $8::int4[],
+                $9::bool[], $10::int4[], $11::int4[])
+         WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
-done AS (SELECT count(*) AS n FROM k),
+k AS (SELECT t.*, t.r IN (1, 3) AS won FROM t),
+done AS (SELECT count(*) AS n FROM t),
 f AS MATERIALIZED (
     SELECT k.*, CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN
                CASE WHEN pg_try_advisory_lock(k.fa, k.fb) THEN pg_advisory_unlock(k.fa, k.fb)
@@ -107,20 +123,29 @@ SELECT f.i,
            ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:s'))::int4,
            ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:x'))::int4,
            0
-       ) END
+       ) END,
+       f.r >= 2
 FROM f";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
 /// to build or unnest). Same semantics, same guard; the fence is probed once the key is
 /// won, and the lock table is read only when the key was not won or the probe failed.
 const TRY_ONE_SQL: &str = "
-WITH k AS MATERIALIZED (
-    SELECT CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
-                ELSE pg_try_advisory_lock($3::int8) END AS won
+WITH t AS MATERIALIZED (
+    SELECT CASE WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
+                           ELSE pg_try_advisory_lock($3::int8) END) THEN 1
+                WHEN NOT $9::bool THEN 0
+                WHEN pg_try_advisory_lock_shared($10::int4, $11::int4) THEN
+                    CASE WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
+                                    ELSE pg_try_advisory_lock($3::int8) END) THEN 3 ELSE 2 END
+                WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
+                           ELSE pg_try_advisory_lock($3::int8) END) THEN 1
+                ELSE 0 END AS r
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
+k AS (SELECT t.r, t.r IN (1, 3) AS won FROM t),
 f AS MATERIALIZED (
-    SELECT k.won, CASE WHEN k.won THEN
+    SELECT k.r, k.won, CASE WHEN k.won THEN
                CASE WHEN pg_try_advisory_lock($7::int4, $8::int4)
                     THEN pg_advisory_unlock($7::int4, $8::int4) ELSE false END
            END AS fence_clear
@@ -146,7 +171,8 @@ SELECT CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END,
              AND l.classid::int8 = $7::int4::int8 & 4294967295
              AND l.objid::int8 = $8::int4::int8 & 4294967295
              AND l.objsubid = 2
-           LIMIT 1), 0) END
+           LIMIT 1), 0) END,
+       f.r >= 2
 FROM f";
 
 /// Is anyone stopping work under these keys? Each stop fence (always a two-int4 key) is
@@ -175,29 +201,53 @@ SELECT f.i,
            0) END
 FROM f";
 
-/// How long a stopping holder's fence take waits for probes to let go (they hold the
-/// fence for an instant). Past it, the take fails, what it took is undone and it is
-/// tried again soon.
-const FENCE_LOCK_TIMEOUT: &str = "500ms";
+/// How long a stopping holder's fence take waits for a probe to let go (a probe holds
+/// the fence for an instant: microseconds; under two hot probe loops on 2 cores, at
+/// most 15 ms). The wait holds up the session's other statements, the heartbeat among
+/// them, so it stays far below any heartbeat's slack. Past it, the statement fails;
+/// the fences it took are kept and the others tried again soon.
+const FENCE_LOCK_TIMEOUT: &str = "50ms";
 
-/// Takes stop fences, in *shared* mode, waiting at most `$5` (`lock_timeout`, for this
-/// statement only) for probes that hold one for an instant: a probe must not make the
-/// take fail, or the probe's node could grant the key while this one's work still runs.
-/// Shared, so that no other shared holder can make it fail either. On our own marked
-/// backend only.
+/// Takes stop fences, in *shared* mode: first every one without waiting (`t`, read
+/// whole by the sub-select before any row is returned), then, for a fence held
+/// exclusively at that instant (a probe), waiting at most `$5` (`lock_timeout`, for
+/// this statement only): a probe must not make the take fail, or the probe's node could
+/// grant the key while this one's work still runs. Shared, so that no other shared
+/// holder can make it fail. On our own marked backend only.
 const FENCE_SQL: &str = "
 WITH me AS MATERIALIZED (
     SELECT set_config('lock_timeout', $5, true)
     WHERE pg_backend_pid() = $3 AND current_setting('chosen.session', true) = $4
+),
+t AS MATERIALIZED (
+    SELECT k.i, k.a, k.b, pg_try_advisory_lock_shared(k.a, k.b) AS got
+    FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i), me
 )
-SELECT k.i, pg_advisory_lock_shared(k.a, k.b)::text IS NOT NULL
-FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i), me";
+SELECT t.i, CASE WHEN t.got THEN true
+                 ELSE pg_advisory_lock_shared(t.a, t.b)::text IS NOT NULL END
+FROM t
+WHERE (SELECT count(*) FROM t) >= 0";
 
-/// After a failed fence statement (a take that waited too long, a full lock table):
-/// releases the fences of `$1`, `$2` this backend holds in shared mode (each held once:
-/// only fences being taken are passed). Reads the lock table directly (no relation
-/// lock). Returns one row when the guard passed.
-const UNFENCE_QUIET_SQL: &str = "
+/// Which of the stop fences `$1`, `$2` this backend holds (shared): after a failed fence
+/// statement, the fences it took before it failed are kept, never undone (undoing them
+/// would open a gap in which a node checking the key finds it clear). Reads the lock
+/// table directly (no relation lock). On our own marked backend only.
+const FENCES_HELD_SQL: &str = "
+SELECT k.i, EXISTS (
+    SELECT 1 FROM pg_lock_status() l
+    WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+      AND l.mode = 'ShareLock' AND l.database = $3::int8::oid
+      AND l.classid::int8 = k.a::int8 & 4294967295
+      AND l.objid::int8 = k.b::int8 & 4294967295
+      AND l.objsubid = 2)
+FROM unnest($1::int4[], $2::int4[]) WITH ORDINALITY AS k(a, b, i)
+WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5";
+
+/// Releases, without announcing, the two-int4 keys of `$1`, `$2` this backend holds in
+/// shared mode, once each: the interest keys of a failed try statement, interest keys
+/// no longer needed. Reads the lock table directly (no relation lock).
+/// Returns one row when the guard passed.
+const UNLOCK_SHARED_SQL: &str = "
 WITH me AS (
     SELECT 1 WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
@@ -230,17 +280,30 @@ n AS (
 )
 SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 
-/// Unlocks one key and announces it, on our own marked backend only.
+/// Unlocks one key and, if another session registered interest in its bucket
+/// (`$7`, `$8`; see [`TRY_KEYS_SQL`]), announces it; on our own marked backend only.
+/// The interest key is probed after the unlock, the way fences are (taken exclusively
+/// and released at once): it fails while another session holds it shared. No waiter,
+/// no `NOTIFY`: it costs a commit record, a signal to every listening backend and a
+/// message to each of their clients.
 const UNLOCK_ONE_SQL: &str = "
-SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4)
-            ELSE pg_advisory_unlock($3::int8) END,
-       pg_notify('chosen_release', $4)::text
-WHERE pg_backend_pid() = $5 AND current_setting('chosen.session', true) = $6";
+WITH u AS MATERIALIZED (
+    SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4)
+                ELSE pg_advisory_unlock($3::int8) END AS ok
+    WHERE pg_backend_pid() = $5 AND current_setting('chosen.session', true) = $6
+)
+SELECT u.ok,
+       CASE WHEN pg_try_advisory_lock($7::int4, $8::int4)
+            THEN NOT pg_advisory_unlock($7::int4, $8::int4)
+            ELSE pg_notify('chosen_release', $4)::text IS NOT NULL END
+FROM u";
 
-/// Unlocks and announces many keys, on our own marked backend only: one notification
-/// per 200 keys (tags joined by commas, well under the 8,000-byte payload limit),
-/// delivered at commit, after the unlocks. The server stamps each notification with
-/// this backend's pid, which is how waiters tell a real release from a forged one.
+/// Unlocks many keys and announces the first of them (`$4`: their tags; `$7`, `$8`:
+/// their interest keys) whose bucket another session registered interest in (probed
+/// once per bucket, after every unlock), on our own marked backend only: one
+/// notification per 200 keys (tags joined by commas, well under the 8,000-byte payload
+/// limit), delivered at commit, after the unlocks. The server stamps each notification
+/// with this backend's pid, which is how waiters tell a real release from a forged one.
 const UNLOCK_SQL: &str = "
 WITH me AS (
     SELECT 1 WHERE pg_backend_pid() = $5 AND current_setting('chosen.session', true) = $6
@@ -250,9 +313,21 @@ u AS MATERIALIZED (
                      ELSE pg_advisory_unlock(k.big) END AS ok
     FROM unnest($1::int4[], $2::int4[], $3::int8[]) WITH ORDINALITY AS k(a, b, big, i), me
 ),
+t AS MATERIALIZED (
+    SELECT t.tag, t.ia, t.ib, t.j
+    FROM unnest($4::text[], $7::int4[], $8::int4[]) WITH ORDINALITY AS t(tag, ia, ib, j), me
+    WHERE (SELECT count(*) FROM u) >= 0
+),
+p AS MATERIALIZED (
+    SELECT d.ia, d.ib,
+           CASE WHEN pg_try_advisory_lock(d.ia, d.ib) THEN NOT pg_advisory_unlock(d.ia, d.ib)
+                ELSE true END AS interested
+    FROM (SELECT DISTINCT t.ia, t.ib FROM t) d
+),
 n AS (
     SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j))
-    FROM unnest($4::text[]) WITH ORDINALITY AS t(tag, j), me
+    FROM t JOIN p ON p.ia = t.ia AND p.ib = t.ib
+    WHERE p.interested
     GROUP BY (t.j - 1) / 200
 )
 SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
@@ -353,7 +428,8 @@ pub(crate) struct Statements {
     check_fences: Statement,
     fence: Statement,
     unfence: Statement,
-    unfence_quiet: Statement,
+    unlock_shared: Statement,
+    fences_held: Statement,
     cleanup: Statement,
     token: Statement,
     holders: Statement,
@@ -449,16 +525,28 @@ impl Session {
         }
     }
 
-    /// Tries every key in one statement. On a statement error (e.g. the server's lock
-    /// table is full), the locks it took are undone first and the error is returned as
-    /// [`Fault::Query`].
+    /// Tries every key in one statement; the keys of `register` that are not won
+    /// register interest in their bucket (see [`TRY_KEYS_SQL`]). Answers the outcome
+    /// per key and the keys whose bucket's interest key was taken. On a statement error
+    /// (e.g. the server's lock table is full), the locks it took are undone first and
+    /// the error is returned as [`Fault::Query`].
     pub(crate) async fn try_keys(
         &self,
         keys: &[LockKey],
-    ) -> Result<Vec<(LockKey, TryOutcome)>, Fault> {
-        type Row = (i64, Option<i64>, Option<i32>, Option<i32>);
+        register: &[LockKey],
+    ) -> Result<(Vec<(LockKey, TryOutcome)>, Vec<LockKey>), Fault> {
+        type Row = (i64, Option<i64>, Option<i32>, Option<i32>, Option<bool>);
         let (fa, fb) = fence_arrays(keys);
-        let result = if let ([key], [fa], [fb]) = (keys, fa.as_slice(), fb.as_slice()) {
+        let reg: Vec<bool> = keys.iter().map(|k| register.contains(k)).collect();
+        let (ia, ib) = interest_arrays(keys);
+        let result = if let ([key], [fa], [fb], [reg], [ia], [ib]) = (
+            keys,
+            fa.as_slice(),
+            fb.as_slice(),
+            reg.as_slice(),
+            ia.as_slice(),
+            ib.as_slice(),
+        ) {
             let (a, b, big) = key_params(*key);
             self.client
                 .query(
@@ -472,12 +560,23 @@ impl Session {
                         &self.database_oid,
                         fa,
                         fb,
+                        reg,
+                        ia,
+                        ib,
                     ],
                 )
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| Ok((1i64, r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                        .map(|r| {
+                            Ok((
+                                1i64,
+                                r.try_get(0)?,
+                                r.try_get(1)?,
+                                r.try_get(2)?,
+                                r.try_get(3)?,
+                            ))
+                        })
                         .collect::<Result<Vec<Row>, _>>()
                 })
         } else {
@@ -494,12 +593,23 @@ impl Session {
                         &self.database_oid,
                         &fa,
                         &fb,
+                        &reg,
+                        &ia,
+                        &ib,
                     ],
                 )
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
+                        .map(|r| {
+                            Ok((
+                                r.try_get(0)?,
+                                r.try_get(1)?,
+                                r.try_get(2)?,
+                                r.try_get(3)?,
+                                r.try_get(4)?,
+                            ))
+                        })
                         .collect::<Result<Vec<Row>, _>>()
                 })
         };
@@ -512,6 +622,11 @@ impl Session {
                 let mut taken = keys.to_vec();
                 taken.extend(keys.iter().map(|k| k.stop_fence()));
                 self.cleanup(&taken).await?;
+                // And the interest keys it may have taken (none of them was held).
+                if !register.is_empty() {
+                    let (ia, ib) = interest_arrays(register);
+                    self.unlock_shared_held(&ia, &ib, "interest keys").await?;
+                }
                 return Err(Fault::Query(e));
             }
         };
@@ -524,10 +639,14 @@ impl Session {
             .iter()
             .map(|k| (*k, TryOutcome::Held { by: None }))
             .collect();
-        for (i, token, holder, fence_holder) in rows {
+        let mut registered = Vec::new();
+        for (i, token, holder, fence_holder, interest) in rows {
             let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
                 continue;
             };
+            if interest == Some(true) {
+                registered.push(entry.0);
+            }
             entry.1 = match (token, fence_holder) {
                 (Some(t), Some(by)) => TryOutcome::WonFenced {
                     token: FencingToken::new(t as u64),
@@ -538,7 +657,7 @@ impl Session {
                 (None, _) => TryOutcome::Held { by: holder },
             };
         }
-        Ok(out)
+        Ok((out, registered))
     }
 
     /// Unlocks what a failed try statement may have locked.
@@ -605,10 +724,13 @@ impl Session {
         // The single-key form always announces: only for one key with its tag.
         let result = if let ([key], [tag]) = (keys, tags.as_slice()) {
             let (a, b, big) = key_params(*key);
+            let LockKey::Pair(ia, ib) = key.interest() else {
+                unreachable!("BUG: interest keys are two-int4 keys")
+            };
             self.client
                 .query(
                     &self.stmts.unlock_one,
-                    &[&a, &b, &big, tag, &self.backend_pid, &self.marker],
+                    &[&a, &b, &big, tag, &self.backend_pid, &self.marker, &ia, &ib],
                 )
                 .await
                 .and_then(|rows| {
@@ -618,10 +740,20 @@ impl Session {
                 })
         } else {
             let (a, b, big) = key_arrays(keys);
+            let (ia, ib) = interest_arrays(&keys[..tags.len().min(keys.len())]);
             self.client
                 .query(
                     &self.stmts.unlock,
-                    &[&a, &b, &big, &tags, &self.backend_pid, &self.marker],
+                    &[
+                        &a,
+                        &b,
+                        &big,
+                        &tags,
+                        &self.backend_pid,
+                        &self.marker,
+                        &ia,
+                        &ib,
+                    ],
                 )
                 .await
                 .and_then(|rows| {
@@ -633,9 +765,10 @@ impl Session {
         released(result, keys.len(), "locks")
     }
 
-    /// Takes the stop fences of `keys` (shared); `true` per fence now held. A take that
-    /// fails (it waited too long for a probe, or the lock table is full) undoes what the
-    /// statement took and answers `false` for every key: they are tried again soon.
+    /// Takes the stop fences of `keys` (shared); `true` per fence now held. When the
+    /// statement fails (a take waited too long, the lock table is full), the fences it
+    /// took are kept, read back from the lock table: `false` only for the others, which
+    /// are tried again soon.
     pub(crate) async fn fence(&self, keys: &[LockKey]) -> Result<Vec<(LockKey, bool)>, Fault> {
         let (fa, fb) = fence_arrays(keys);
         let rows = self
@@ -661,10 +794,37 @@ impl Session {
             Err(Fault::Query(e)) => {
                 warn!(
                     error = %error_text(&e),
-                    "could not take stop fences; undoing and trying again"
+                    "could not take every stop fence; keeping those taken, trying the others again"
                 );
-                self.unfence_quietly(&fa, &fb).await?;
-                return Ok(keys.iter().map(|k| (*k, false)).collect());
+                self.client
+                    .query(
+                        &self.stmts.fences_held,
+                        &[
+                            &fa,
+                            &fb,
+                            &self.database_oid,
+                            &self.backend_pid,
+                            &self.marker,
+                        ],
+                    )
+                    .await
+                    .and_then(|rows| {
+                        rows.iter()
+                            .map(|r| {
+                                Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, Option<bool>>(1)?))
+                            })
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                    .map_err(|e| match classify(e) {
+                        Fault::Lost(reason) => Fault::Lost(reason),
+                        // Nothing is known: end the session rather than leak a fence.
+                        Fault::Query(e) => Fault::Lost(DisconnectReason::ConnectionLost {
+                            message: format!(
+                                "could not tell which stop fences a failed statement took ({}); dropping the session to release everything",
+                                error_text(&e)
+                            ),
+                        }),
+                    })?
             }
             Err(lost) => return Err(lost),
         };
@@ -682,12 +842,14 @@ impl Session {
         Ok(out)
     }
 
-    /// Releases, without announcing, the fences a failed fence statement took.
-    async fn unfence_quietly(&self, fa: &[i32], fb: &[i32]) -> Result<(), Fault> {
+    /// Releases, without announcing, the shared two-int4 keys (`a`, `b`) this backend
+    /// holds, once each: what a failed fence or try statement took, interest keys no
+    /// longer needed (`what` names them in errors).
+    async fn unlock_shared_held(&self, fa: &[i32], fb: &[i32], what: &str) -> Result<(), Fault> {
         let rows = self
             .client
             .query(
-                &self.stmts.unfence_quiet,
+                &self.stmts.unlock_shared,
                 &[
                     &fa,
                     &fb,
@@ -698,15 +860,15 @@ impl Session {
             )
             .await;
         match rows.map_err(classify) {
-            Ok(rows) if rows.is_empty() => Err(pooler(
-                "the clean-up after a failed fence ran on another backend than the session's own",
-            )),
+            Ok(rows) if rows.is_empty() => Err(pooler(&format!(
+                "the release of {what} ran on another backend than the session's own"
+            ))),
             Ok(_) => Ok(()),
             Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-            // Nothing is known: end the session rather than leak a fence it took.
+            // Nothing is known: end the session rather than leak what it took.
             Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
                 message: format!(
-                    "could not undo a failed fence take ({}); dropping the session to release everything",
+                    "could not release {what} ({}); dropping the session to release everything",
                     error_text(&e)
                 ),
             })),
@@ -863,6 +1025,8 @@ pub(crate) struct Done {
     /// The hand-off token, `None` when it could not be had (the keys are released).
     pub(crate) token: Option<FencingToken>,
     pub(crate) tried: Result<Vec<(LockKey, TryOutcome)>, TryFailure>,
+    /// Keys whose bucket's interest key the try statement took.
+    pub(crate) registered: Vec<LockKey>,
     pub(crate) fenced: Vec<(LockKey, bool)>,
     pub(crate) checked: Vec<(LockKey, FenceCheck)>,
 }
@@ -918,10 +1082,10 @@ impl Session {
         };
         let trying = async {
             if plan.try_keys.is_empty() {
-                return Ok(Ok(Vec::new()));
+                return Ok((Ok(Vec::new()), Vec::new()));
             }
-            match self.try_keys(&plan.try_keys).await {
-                Ok(outcomes) => Ok(Ok(outcomes)),
+            match self.try_keys(&plan.try_keys, &plan.register).await {
+                Ok((outcomes, registered)) => Ok((Ok(outcomes), registered)),
                 Err(Fault::Query(error)) => {
                     let full = error.code() == Some(&SqlState::OUT_OF_MEMORY);
                     let keys = plan.try_keys.len();
@@ -930,7 +1094,7 @@ impl Session {
                     } else {
                         warn!(keys, error = %error_text(&error), "acquire statement failed; will retry");
                     }
-                    Ok(Err(TryFailure { full, error }))
+                    Ok((Err(TryFailure { full, error }), Vec::new()))
                 }
                 Err(lost) => Err(lost),
             }
@@ -958,15 +1122,32 @@ impl Session {
                 other => other,
             }
         };
-        let ((unlocked, unfenced, token), (tried, fenced, checked)) =
-            tokio::join!(async { tokio::join!(unlocking, unfencing, token) }, async {
-                tokio::join!(trying, fencing, checking)
-            },);
+        let unregistering = async {
+            if plan.unregister.is_empty() {
+                return Ok(());
+            }
+            let (ia, ib): (Vec<i32>, Vec<i32>) = plan
+                .unregister
+                .iter()
+                .map(|b| match LockKey::interest_of(*b) {
+                    LockKey::Pair(a, b) => (a, b),
+                    LockKey::Int(_) => unreachable!("BUG: interest keys are two-int4 keys"),
+                })
+                .unzip();
+            self.unlock_shared_held(&ia, &ib, "interest keys").await
+        };
+        let ((unlocked, unfenced, token, unregistered), (tried, fenced, checked)) = tokio::join!(
+            async { tokio::join!(unlocking, unfencing, token, unregistering) },
+            async { tokio::join!(trying, fencing, checking) },
+        );
         unlocked?;
         unfenced?;
+        unregistered?;
+        let (tried, registered) = tried?;
         Ok(Done {
             token: token?,
-            tried: tried?,
+            tried,
+            registered,
             fenced: fenced?,
             checked: checked?,
         })
@@ -1030,6 +1211,16 @@ fn fence_arrays(keys: &[LockKey]) -> (Vec<i32>, Vec<i32>) {
         .map(|k| match k.stop_fence() {
             LockKey::Pair(a, b) => (a, b),
             LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
+        })
+        .unzip()
+}
+
+/// The interest keys of `keys`' buckets, as the two arrays of their two-int4 keys.
+fn interest_arrays(keys: &[LockKey]) -> (Vec<i32>, Vec<i32>) {
+    keys.iter()
+        .map(|k| match k.interest() {
+            LockKey::Pair(a, b) => (a, b),
+            LockKey::Int(_) => unreachable!("BUG: interest keys are two-int4 keys"),
         })
         .unzip()
 }
@@ -1292,7 +1483,17 @@ impl Statements {
         // Prepared concurrently: tokio-postgres pipelines them in one round trip.
         let (
             (heartbeat, try_keys, try_one, unlock, unlock_one),
-            (check_fences, cleanup, token, holders, cluster, fence, unfence, unfence_quiet),
+            (
+                check_fences,
+                cleanup,
+                token,
+                holders,
+                cluster,
+                fence,
+                unfence,
+                unlock_shared,
+                fences_held,
+            ),
         ) = tokio::try_join!(
             async {
                 tokio::try_join!(
@@ -1312,7 +1513,8 @@ impl Statements {
                     client.prepare(CLUSTER_SQL),
                     client.prepare(FENCE_SQL),
                     client.prepare(UNFENCE_SQL),
-                    client.prepare(UNFENCE_QUIET_SQL),
+                    client.prepare(UNLOCK_SHARED_SQL),
+                    client.prepare(FENCES_HELD_SQL),
                 )
             },
         )?;
@@ -1325,7 +1527,8 @@ impl Statements {
             check_fences,
             fence,
             unfence,
-            unfence_quiet,
+            unlock_shared,
+            fences_held,
             cleanup,
             token,
             holders,

@@ -31,7 +31,7 @@
 //! * **Withdrawn requests** (their caller stopped waiting) leave the queue at once; a key
 //!   nobody holds or wants is forgotten. Memory is bounded by live requests and keys held.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -121,6 +121,11 @@ pub(crate) struct Plan {
     pub(crate) unfence: Vec<LockKey>,
     /// Won after an unannounced takeover: is the old holder still stopping?
     pub(crate) check: Vec<LockKey>,
+    /// Keys of `try_keys` that, when not won, take their bucket's interest key (shared)
+    /// and are tried once more in the same statement (at most one per bucket).
+    pub(crate) register: Vec<LockKey>,
+    /// Interest buckets no key waits in any more: release their interest keys.
+    pub(crate) unregister: Vec<u16>,
 }
 
 impl Plan {
@@ -132,6 +137,8 @@ impl Plan {
             && self.fence.is_empty()
             && self.unfence.is_empty()
             && self.check.is_empty()
+            && self.register.is_empty()
+            && self.unregister.is_empty()
     }
 }
 
@@ -162,6 +169,13 @@ pub(crate) enum TryOutcome {
     /// The statement failed; nothing is known about the key.
     Failed,
 }
+
+/// How soon a release announcement from a backend the last try did not see holding the
+/// key brings the next try forward (see [`LockTable::announced`]): it helps a waiter
+/// with a long poll interval whose last try saw a holder that was replaced since; and a
+/// flood of forged announcements costs each waiting node at most one more statement
+/// per second (none at poll intervals below it).
+pub(crate) const UNVERIFIED_CUE: Duration = Duration::from_secs(1);
 
 /// The table's configuration.
 #[derive(Clone, Copy, Debug)]
@@ -264,11 +278,14 @@ struct Slot {
     next_try: Instant,
     evidence: Evidence,
     stopping: Option<Stopping>,
+    /// The key's interest bucket (see [`LockKey::interest`]).
+    bucket: u16,
 }
 
 impl Slot {
-    fn new(name: Arc<str>, now: Instant) -> Self {
+    fn new(key: LockKey, name: Arc<str>, now: Instant) -> Self {
         Self {
+            bucket: key.interest_bucket(),
             name,
             server: Server::Free,
             holder: None,
@@ -277,6 +294,14 @@ impl Slot {
             evidence: Evidence::default(),
             stopping: None,
         }
+    }
+
+    /// Waits for another session's release: its bucket's interest is wanted.
+    fn wants_interest(&self) -> bool {
+        matches!(self.server, Server::Free | Server::Trying)
+            && self.holder.is_none()
+            && self.stopping.is_none()
+            && !self.waiters.is_empty()
     }
 
     fn busy(&self) -> bool {
@@ -318,6 +343,9 @@ pub(crate) struct LockTable {
     /// Set once a graceful shutdown began: no new requests.
     closing: bool,
     slots: HashMap<LockKey, Slot>,
+    /// Interest buckets whose key this session holds (shared): some key of the bucket
+    /// waits for another session's release. See [`LockKey::interest`].
+    interest: HashSet<u16>,
     /// The next shared poll tick per poll interval.
     ticks: HashMap<Duration, Instant>,
     rng: u64,
@@ -331,6 +359,7 @@ impl LockTable {
             generation: None,
             closing: false,
             slots: HashMap::new(),
+            interest: HashSet::new(),
             ticks: HashMap::new(),
             rng: seed | 1,
             actions: VecDeque::new(),
@@ -355,6 +384,7 @@ impl LockTable {
     /// The session ended: every lock it held is gone, every holder has lost its lease.
     pub(crate) fn session_ended(&mut self, now: Instant) {
         self.generation = None;
+        self.interest.clear();
         for (key, slot) in &mut self.slots {
             // A fence held by the old session is gone with it; a lease still out is
             // fenced again on the next one.
@@ -535,7 +565,7 @@ impl LockTable {
         let slot = self
             .slots
             .entry(request.key)
-            .or_insert_with(|| Slot::new(Arc::clone(&request.name), now));
+            .or_insert_with(|| Slot::new(request.key, Arc::clone(&request.name), now));
         if !slot.busy() {
             // A head waiter is tried at once, whatever was planned for an earlier one.
             slot.next_try = now;
@@ -620,9 +650,7 @@ impl LockTable {
         {
             // The old holder's new session announces that its work stopped: look again
             // (not before the grace ends, though: another holder may not know yet).
-            // When the fence's holder is not known, any announcement of the key is a
-            // hint: a check only looks, it grants only a clear fence.
-            if by.is_none() || *by == Some(sender) {
+            if *by == Some(sender) {
                 *next = now.max(*not_before);
             }
             return;
@@ -633,6 +661,11 @@ impl LockTable {
         if slot.evidence.holder_pid == Some(sender) {
             slot.evidence.announced = true;
             slot.next_try = now;
+        } else {
+            // From a holder the last try did not see (it took over since), or forged:
+            // only a cue to try again within `UNVERIFIED_CUE`, without skipping the
+            // grace, however many arrive.
+            slot.next_try = slot.next_try.min(now + UNVERIFIED_CUE);
         }
     }
 
@@ -741,6 +774,21 @@ impl LockTable {
             // The old holder's fence outlived any stop budget: it is broken or gone.
             self.grant(key, token, generation, now, false);
         }
+        // Interest: a key that waits for another session's release registers its bucket
+        // (once per bucket per statement); a bucket no waiting key needs is released.
+        plan.try_keys.sort_unstable();
+        let mut flagged: HashSet<u16> = HashSet::new();
+        for key in &plan.try_keys {
+            let bucket = self.slots[key].bucket;
+            if !self.interest.contains(&bucket) && flagged.insert(bucket) {
+                plan.register.push(*key);
+            }
+        }
+        let unwanted = self.unwanted_interest();
+        for bucket in unwanted {
+            self.interest.remove(&bucket);
+            plan.unregister.push(bucket);
+        }
         // Deterministic order: tests replay exactly, and statements lock in key order.
         plan.unlock.sort_unstable();
         plan.unlock_quiet.sort_unstable();
@@ -749,7 +797,42 @@ impl LockTable {
         plan.fence.sort_unstable();
         plan.unfence.sort_unstable();
         plan.check.sort_unstable();
+        plan.register.sort_unstable();
+        plan.unregister.sort_unstable();
         plan
+    }
+
+    /// Interest buckets held that no waiting key needs any more.
+    fn unwanted_interest(&self) -> Vec<u16> {
+        if self.interest.is_empty() {
+            return Vec::new();
+        }
+        let wanted: HashSet<u16> = self
+            .slots
+            .values()
+            .filter(|slot| slot.wants_interest())
+            .map(|slot| slot.bucket)
+            .collect();
+        self.interest
+            .iter()
+            .filter(|b| !wanted.contains(b))
+            .copied()
+            .collect()
+    }
+
+    /// The try statement of the last plan took the interest keys of these keys'
+    /// buckets (see [`Plan::register`]).
+    pub(crate) fn registered(&mut self, keys: &[LockKey]) {
+        if self.generation.is_none() {
+            return;
+        }
+        for key in keys {
+            self.interest.insert(
+                self.slots
+                    .get(key)
+                    .map_or_else(|| key.interest_bucket(), |s| s.bucket),
+            );
+        }
     }
 
     /// The fence statement of the last plan answered: `true` per key whose fence this
@@ -975,6 +1058,9 @@ impl LockTable {
     /// planned; else a grace that ends or a poll tick.
     pub(crate) fn next_wakeup(&self, now: Instant) -> Option<Instant> {
         self.generation?;
+        if !self.unwanted_interest().is_empty() {
+            return Some(now);
+        }
         self.slots
             .values()
             .filter_map(|slot| match slot.server {

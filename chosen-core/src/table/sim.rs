@@ -28,7 +28,7 @@
 //!     (its reconnect took longer than `takeover_grace` after the new holder won).
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -178,11 +178,15 @@ struct Stmts {
     fence: Vec<LockKey>,
     unfence: Vec<LockKey>,
     check: Vec<LockKey>,
+    register: Vec<LockKey>,
+    unregister: Vec<u16>,
 }
 
 impl From<Plan> for Stmts {
     fn from(p: Plan) -> Self {
         Self {
+            register: p.register,
+            unregister: p.unregister,
             unlock: p.unlock,
             unlock_quiet: p.unlock_quiet,
             token_for: p.token_for,
@@ -205,7 +209,7 @@ enum Up {
     Batch {
         gn: u64,
         pid: i32,
-        stmts: Stmts,
+        stmts: Box<Stmts>,
     },
     Heartbeat {
         gn: u64,
@@ -223,6 +227,8 @@ struct Reply {
     at: T,
     token: Option<FencingToken>,
     tried: Vec<(LockKey, TryOutcome)>,
+    /// Keys whose interest bucket the try statement registered.
+    registered: Vec<LockKey>,
     fenced: Vec<(LockKey, bool)>,
     checked: Vec<(LockKey, FenceCheck)>,
 }
@@ -490,6 +496,8 @@ struct Server {
     /// Exclusive advisory locks (keys and stop fences). Shared locks are taken and
     /// released within one statement (the fence check), so none persist.
     excl: BTreeMap<LockKey, i32>,
+    /// Interest buckets: the backends holding each bucket's interest key (shared).
+    interest: BTreeMap<u16, BTreeSet<i32>>,
     next_pid: i32,
     xid: u64,
 }
@@ -656,6 +664,7 @@ impl Sim {
                 up: true,
                 backends: BTreeMap::new(),
                 excl: BTreeMap::new(),
+                interest: BTreeMap::new(),
                 next_pid: 1000,
                 xid: 700,
             },
@@ -1004,7 +1013,14 @@ impl Sim {
         self.log(|| format!("n{n} sends {stmts:?}"));
         self.nodes[n].busy = Some(stmts.clone());
         self.stats.statements += 1;
-        self.send_up(n, Up::Batch { gn, pid, stmts });
+        self.send_up(
+            n,
+            Up::Batch {
+                gn,
+                pid,
+                stmts: Box::new(stmts),
+            },
+        );
     }
 
     fn deliver(&mut self, n: usize, msg: Down) {
@@ -1127,6 +1143,7 @@ impl Sim {
             })
             .map(|(k, _)| *k)
             .collect();
+        self.nodes[n].table.registered(&reply.registered);
         self.nodes[n].table.tried(&reply.tried, now);
 
         let granted_before = self.runs.len();
@@ -1616,9 +1633,16 @@ impl Sim {
             at: self.now,
             token: None,
             tried: Vec::new(),
+            registered: Vec::new(),
             fenced: Vec::new(),
             checked: Vec::new(),
         };
+        // Interest keys no longer needed (released without a word).
+        for b in &stmts.unregister {
+            if let Some(pids) = self.server.interest.get_mut(b) {
+                pids.remove(&pid);
+            }
+        }
         // UNLOCK_SQL: unlock all, announce the first list.
         for k in stmts.unlock.iter().chain(&stmts.unlock_quiet) {
             if self.server.excl.get(k) == Some(&pid) {
@@ -1629,8 +1653,20 @@ impl Sim {
                 ));
             }
         }
-        if !stmts.unlock.is_empty() {
-            self.notify(pid, &stmts.unlock);
+        // Announced only where another backend registered interest.
+        let interested: Vec<LockKey> = stmts
+            .unlock
+            .iter()
+            .copied()
+            .filter(|k| {
+                self.server
+                    .interest
+                    .get(&k.interest_bucket())
+                    .is_some_and(|pids| pids.iter().any(|p| *p != pid))
+            })
+            .collect();
+        if !interested.is_empty() {
+            self.notify(pid, &interested);
         }
         // TOKEN_SQL.
         if !stmts.token_for.is_empty() {
@@ -1646,6 +1682,17 @@ impl Sim {
                     Some(&holder) => {
                         if holder == pid {
                             self.violation(format!("n{n} tries {k}, which it holds"));
+                        }
+                        // Not won: register interest (the second try fails too: the
+                        // statement runs at one instant here).
+                        if stmts.register.contains(k) {
+                            let pids = self.server.interest.entry(k.interest_bucket()).or_default();
+                            if !pids.insert(pid) {
+                                self.violation(format!(
+                                    "n{n} registers interest in a bucket it holds"
+                                ));
+                            }
+                            reply.registered.push(*k);
                         }
                         reply
                             .tried
@@ -1756,6 +1803,9 @@ impl Sim {
             return;
         };
         self.server.excl.retain(|_, p| *p != pid);
+        for pids in self.server.interest.values_mut() {
+            pids.remove(&pid);
+        }
         let now = self.now;
         for h in &mut self.fences {
             if h.pid == pid && h.to.is_none() {

@@ -202,8 +202,11 @@ fn a_verified_announcement_skips_the_grace_and_polls_at_once() {
 }
 
 #[test]
-fn an_announcement_from_another_backend_is_ignored() {
-    // Any role may NOTIFY on our channel; only the holder's backend is believed.
+fn an_announcement_from_another_backend_is_only_a_cue() {
+    // Any role may NOTIFY on our channel, and a holder that took over since our last try
+    // announces too: only the backend the last try saw is believed (the grace is
+    // skipped); any other announcement brings the next try forward by a bounded amount,
+    // at most one try per `UNVERIFIED_CUE` however many arrive, and skips nothing.
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
     f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
@@ -211,12 +214,26 @@ fn an_announcement_from_another_backend_is_ignored() {
     for forged in [1, 4241, 4243, -4242] {
         f.table.announced(key(1), forged, f.now);
     }
-    assert!(f.plan().is_empty(), "a forged announcement made us poll");
-    f.advance(Duration::from_secs(3600 + 400));
+    assert!(
+        f.plan().is_empty(),
+        "an unverified announcement made us poll at once"
+    );
+    f.advance(UNVERIFIED_CUE / 2);
+    for forged in 0..1000 {
+        f.table.announced(key(1), forged, f.now);
+    }
+    assert!(f.plan().is_empty(), "a flood moved the cue forward");
+    f.advance(UNVERIFIED_CUE / 2);
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4243) });
+    for forged in 0..1000 {
+        f.table.announced(key(1), forged + 5000, f.now);
+    }
+    assert!(f.plan().is_empty(), "two tries within one cue interval");
+    f.advance(UNVERIFIED_CUE);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     assert!(
         f.granted().is_empty(),
-        "a forged announcement skipped the grace"
+        "an unverified announcement skipped the grace"
     );
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
