@@ -329,6 +329,7 @@ impl Driver {
             self.table.checked(&done.checked, now);
             self.table.tokens(&plan.token_for, done.token, now);
             self.table.registered(&done.registered);
+            self.table.seen_held(&done.seen_held);
             match done.tried {
                 Ok(outcomes) => {
                     self.last_error = None;

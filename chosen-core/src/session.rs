@@ -67,9 +67,11 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   its bucket's interest key (`$10`, `$11`, see `LockKey::interest`) in shared mode
 ///   and is tried once more (a release between the two tries found no interest and
 ///   announced nothing; if the take fails, a releaser is probing the bucket right now,
-///   after its unlock, so the key is tried once more too). The last column says whether
-///   the interest key was taken. Releases announce themselves only to buckets someone
-///   registered in (see [`UNLOCK_SQL`]).
+///   after its unlock, so the key is tried once more too). The last column says how
+///   it went: 0 not won, 1 won at the first try, 2 not won and registered, 3 won after
+///   registering, 4 won at the last try without registering. Releases announce
+///   themselves only to buckets someone registered in (see [`UNLOCK_SQL`]). A key won
+///   after a failed first try (3, 4) was held a moment before: a takeover.
 /// * The lock table (`pg_lock_status()`, the function behind `pg_locks`, readable by
 ///   every role) is read only when needed: for a key not won (the backend pid of its
 ///   holder: release announcements are trusted only from that backend), or a fence
@@ -86,14 +88,14 @@ WITH t AS MATERIALIZED (
                     CASE WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
                                     ELSE pg_try_advisory_lock(k.big) END) THEN 3 ELSE 2 END
                 WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
-                           ELSE pg_try_advisory_lock(k.big) END) THEN 1
+                           ELSE pg_try_advisory_lock(k.big) END) THEN 4
                 ELSE 0 END AS r
     FROM unnest($1::int4[], $2::int4[], $3::int8[], $7::int4[], $8::int4[],
                 $9::bool[], $10::int4[], $11::int4[])
          WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
-k AS (SELECT t.*, t.r IN (1, 3) AS won FROM t),
+k AS (SELECT t.*, t.r IN (1, 3, 4) AS won FROM t),
 done AS (SELECT count(*) AS n FROM t),
 f AS MATERIALIZED (
     SELECT k.*, CASE WHEN k.won AND (SELECT n FROM done) > 0 THEN
@@ -124,7 +126,7 @@ SELECT f.i,
            ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:x'))::int4,
            0
        ) END,
-       f.r >= 2
+       f.r
 FROM f";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
@@ -139,11 +141,11 @@ WITH t AS MATERIALIZED (
                     CASE WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
                                     ELSE pg_try_advisory_lock($3::int8) END) THEN 3 ELSE 2 END
                 WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
-                           ELSE pg_try_advisory_lock($3::int8) END) THEN 1
+                           ELSE pg_try_advisory_lock($3::int8) END) THEN 4
                 ELSE 0 END AS r
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
 ),
-k AS (SELECT t.r, t.r IN (1, 3) AS won FROM t),
+k AS (SELECT t.r, t.r IN (1, 3, 4) AS won FROM t),
 f AS MATERIALIZED (
     SELECT k.r, k.won, CASE WHEN k.won THEN
                CASE WHEN pg_try_advisory_lock($7::int4, $8::int4)
@@ -172,7 +174,7 @@ SELECT CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END,
              AND l.objid::int8 = $8::int4::int8 & 4294967295
              AND l.objsubid = 2
            LIMIT 1), 0) END,
-       f.r >= 2
+       f.r
 FROM f";
 
 /// Is anyone stopping work under these keys? Each stop fence (always a two-int4 key) is
@@ -534,8 +536,8 @@ impl Session {
         &self,
         keys: &[LockKey],
         register: &[LockKey],
-    ) -> Result<(Vec<(LockKey, TryOutcome)>, Vec<LockKey>), Fault> {
-        type Row = (i64, Option<i64>, Option<i32>, Option<i32>, Option<bool>);
+    ) -> Result<Tried, Fault> {
+        type Row = (i64, Option<i64>, Option<i32>, Option<i32>, Option<i32>);
         let (fa, fb) = fence_arrays(keys);
         let reg: Vec<bool> = keys.iter().map(|k| register.contains(k)).collect();
         let (ia, ib) = interest_arrays(keys);
@@ -625,7 +627,8 @@ impl Session {
                 // And the interest keys it may have taken (none of them was held).
                 if !register.is_empty() {
                     let (ia, ib) = interest_arrays(register);
-                    self.unlock_shared_held(&ia, &ib, "interest keys").await?;
+                    self.unlock_shared_held(&ia, &ib, "interest keys", true)
+                        .await?;
                 }
                 return Err(Fault::Query(e));
             }
@@ -640,12 +643,16 @@ impl Session {
             .map(|k| (*k, TryOutcome::Held { by: None }))
             .collect();
         let mut registered = Vec::new();
-        for (i, token, holder, fence_holder, interest) in rows {
+        let mut seen_held = Vec::new();
+        for (i, token, holder, fence_holder, how) in rows {
             let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
                 continue;
             };
-            if interest == Some(true) {
+            if matches!(how, Some(2 | 3)) {
                 registered.push(entry.0);
+            }
+            if matches!(how, Some(3 | 4)) {
+                seen_held.push(entry.0);
             }
             entry.1 = match (token, fence_holder) {
                 (Some(t), Some(by)) => TryOutcome::WonFenced {
@@ -657,7 +664,11 @@ impl Session {
                 (None, _) => TryOutcome::Held { by: holder },
             };
         }
-        Ok((out, registered))
+        Ok(Tried {
+            outcomes: out,
+            registered,
+            seen_held,
+        })
     }
 
     /// Unlocks what a failed try statement may have locked.
@@ -843,9 +854,16 @@ impl Session {
     }
 
     /// Releases, without announcing, the shared two-int4 keys (`a`, `b`) this backend
-    /// holds, once each: what a failed fence or try statement took, interest keys no
-    /// longer needed (`what` names them in errors).
-    async fn unlock_shared_held(&self, fa: &[i32], fb: &[i32], what: &str) -> Result<(), Fault> {
+    /// holds, once each: the interest keys a failed try statement took, interest keys no
+    /// longer needed (`what` names them in errors). A statement error ends the session
+    /// when `fatal` (nothing is known), else it is returned as [`Fault::Query`].
+    async fn unlock_shared_held(
+        &self,
+        fa: &[i32],
+        fb: &[i32],
+        what: &str,
+        fatal: bool,
+    ) -> Result<(), Fault> {
         let rows = self
             .client
             .query(
@@ -865,6 +883,7 @@ impl Session {
             ))),
             Ok(_) => Ok(()),
             Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
+            Err(Fault::Query(e)) if !fatal => Err(Fault::Query(e)),
             // Nothing is known: end the session rather than leak what it took.
             Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
                 message: format!(
@@ -1027,8 +1046,19 @@ pub(crate) struct Done {
     pub(crate) tried: Result<Vec<(LockKey, TryOutcome)>, TryFailure>,
     /// Keys whose bucket's interest key the try statement took.
     pub(crate) registered: Vec<LockKey>,
+    /// Keys won after the try statement's first try of them found them held.
+    pub(crate) seen_held: Vec<LockKey>,
     pub(crate) fenced: Vec<(LockKey, bool)>,
     pub(crate) checked: Vec<(LockKey, FenceCheck)>,
+}
+
+/// What a try statement answered.
+pub(crate) struct Tried {
+    pub(crate) outcomes: Vec<(LockKey, TryOutcome)>,
+    /// Keys whose bucket's interest key the statement took.
+    pub(crate) registered: Vec<LockKey>,
+    /// Keys won after the statement's first try of them found them held.
+    pub(crate) seen_held: Vec<LockKey>,
 }
 
 /// The try statement failed; the session is fine and the keys are not held.
@@ -1082,10 +1112,10 @@ impl Session {
         };
         let trying = async {
             if plan.try_keys.is_empty() {
-                return Ok((Ok(Vec::new()), Vec::new()));
+                return Ok((Ok(Vec::new()), Vec::new(), Vec::new()));
             }
             match self.try_keys(&plan.try_keys, &plan.register).await {
-                Ok((outcomes, registered)) => Ok((Ok(outcomes), registered)),
+                Ok(t) => Ok((Ok(t.outcomes), t.registered, t.seen_held)),
                 Err(Fault::Query(error)) => {
                     let full = error.code() == Some(&SqlState::OUT_OF_MEMORY);
                     let keys = plan.try_keys.len();
@@ -1094,7 +1124,7 @@ impl Session {
                     } else {
                         warn!(keys, error = %error_text(&error), "acquire statement failed; will retry");
                     }
-                    Ok((Err(TryFailure { full, error }), Vec::new()))
+                    Ok((Err(TryFailure { full, error }), Vec::new(), Vec::new()))
                 }
                 Err(lost) => Err(lost),
             }
@@ -1134,7 +1164,17 @@ impl Session {
                     LockKey::Int(_) => unreachable!("BUG: interest keys are two-int4 keys"),
                 })
                 .unzip();
-            self.unlock_shared_held(&ia, &ib, "interest keys").await
+            match self
+                .unlock_shared_held(&ia, &ib, "interest keys", false)
+                .await
+            {
+                // A leaked interest key costs other sessions a NOTIFY now and then.
+                Err(Fault::Query(e)) => {
+                    warn!(error = %error_text(&e), "could not release interest keys");
+                    Ok(())
+                }
+                other => other,
+            }
         };
         let ((unlocked, unfenced, token, unregistered), (tried, fenced, checked)) = tokio::join!(
             async { tokio::join!(unlocking, unfencing, token, unregistering) },
@@ -1143,11 +1183,12 @@ impl Session {
         unlocked?;
         unfenced?;
         unregistered?;
-        let (tried, registered) = tried?;
+        let (tried, registered, seen_held) = tried?;
         Ok(Done {
             token: token?,
             tried,
             registered,
+            seen_held,
             fenced: fenced?,
             checked: checked?,
         })

@@ -170,6 +170,10 @@ pub(crate) enum TryOutcome {
     Failed,
 }
 
+/// How many times in a row a key that failed without its bucket's interest registered
+/// is tried again soon (see [`Plan::register`]); then it waits for its poll.
+const MAX_QUICK_REGISTERS: u8 = 5;
+
 /// How soon a release announcement from a backend the last try did not see holding the
 /// key brings the next try forward (see [`LockTable::announced`]): it helps a waiter
 /// with a long poll interval whose last try saw a holder that was replaced since; and a
@@ -280,12 +284,17 @@ struct Slot {
     stopping: Option<Stopping>,
     /// The key's interest bucket (see [`LockKey::interest`]).
     bucket: u16,
+    /// Tries in a row that failed without the bucket's interest held (another key of
+    /// the bucket was flagged, or the take met a releaser's probe): the first few are
+    /// followed by another try at once, which registers.
+    unregistered: u8,
 }
 
 impl Slot {
     fn new(key: LockKey, name: Arc<str>, now: Instant) -> Self {
         Self {
             bucket: key.interest_bucket(),
+            unregistered: 0,
             name,
             server: Server::Free,
             holder: None,
@@ -665,7 +674,9 @@ impl LockTable {
             // From a holder the last try did not see (it took over since), or forged:
             // only a cue to try again within `UNVERIFIED_CUE`, without skipping the
             // grace, however many arrive.
-            slot.next_try = slot.next_try.min(now + UNVERIFIED_CUE);
+            // On a shared tick, so that cues for many keys share one statement.
+            let cue = next_tick(&mut self.ticks, &mut self.rng, UNVERIFIED_CUE, now);
+            slot.next_try = slot.next_try.min(cue);
         }
     }
 
@@ -827,11 +838,31 @@ impl LockTable {
             return;
         }
         for key in keys {
-            self.interest.insert(
-                self.slots
-                    .get(key)
-                    .map_or_else(|| key.interest_bucket(), |s| s.bucket),
-            );
+            let bucket = match self.slots.get_mut(key) {
+                Some(slot) => {
+                    slot.unregistered = 0;
+                    slot.bucket
+                }
+                None => key.interest_bucket(),
+            };
+            self.interest.insert(bucket);
+        }
+    }
+
+    /// The try statement of the last plan found these keys held at its first try and
+    /// won them at a later one: the holder's session ended in between, so the win is a
+    /// takeover (the grace applies), whatever the table knew before.
+    pub(crate) fn seen_held(&mut self, keys: &[LockKey]) {
+        for key in keys {
+            if let Some(slot) = self.slots.get_mut(key)
+                && slot.server == Server::Trying
+            {
+                slot.evidence = Evidence {
+                    contended: true,
+                    holder_pid: None,
+                    announced: false,
+                };
+            }
         }
     }
 
@@ -984,6 +1015,7 @@ impl LockTable {
             }
             match outcome {
                 TryOutcome::Won(token) => {
+                    slot.unregistered = 0;
                     let evidence = std::mem::take(&mut slot.evidence);
                     let unannounced = evidence.contended && !evidence.announced;
                     if unannounced && !self.rules.takeover_grace.is_zero() {
@@ -1031,6 +1063,24 @@ impl LockTable {
                         announced: false,
                     };
                     self.not_acquired(key, Refusal::Busy, now);
+                    // Waiting without interest registered, a release would not be
+                    // announced to us: try again at once (a few times), registering.
+                    if let Some(slot) = self.slots.get_mut(&key)
+                        && !slot.waiters.is_empty()
+                        && !self.interest.contains(&slot.bucket)
+                        && slot.unregistered < MAX_QUICK_REGISTERS
+                    {
+                        // At once the first time (the bucket was flagged for another key
+                        // of it), then backing off: 100, 200, 400, 800 ms (a releaser's
+                        // probe holds the interest key for an instant; anything that
+                        // holds it longer is not a release).
+                        let backoff = match slot.unregistered {
+                            0 => Duration::ZERO,
+                            n => Duration::from_millis(50) * (1 << n),
+                        };
+                        slot.unregistered += 1;
+                        slot.next_try = slot.next_try.min(now + backoff);
+                    }
                 }
                 TryOutcome::Failed => {
                     slot.server = Server::Free;
@@ -1120,7 +1170,9 @@ impl LockTable {
                 );
                 usize::from(key) + usize::from(fence)
             })
-            .sum()
+            .sum::<usize>()
+            // Interest keys whose take was answered and whose release is not yet sent.
+            + self.interest.len()
     }
 
     // ---- views ----------------------------------------------------------------------
