@@ -334,10 +334,13 @@ WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2";
 ///   which `pg_postmaster_start_time()` does not show; a DBA's reset only makes the
 ///   age shorter); the latest checkpoint, plus a second for its time's truncation to
 ///   seconds, when it was written on the current timeline and is the end of a recovery
-///   (`redo_lsn = checkpoint_lsn`: shutdown-type) or follows a promotion in this run
-///   (`prev_timeline_id <> timeline_id`); and the WAL writer's start, which only roles
-///   allowed to read other sessions' statistics (`pg_read_all_stats`) see: it starts
-///   when recovery ends, so it marks a promotion to the millisecond.
+///   (`redo_lsn = checkpoint_lsn`: shutdown-type), or the timeline is above 1 (the
+///   server or an ancestor was promoted: every checkpoint on its timeline is later than
+///   the promotion; `prev_timeline_id` does not tell, measured: it equals the timeline
+///   right after a promotion) and the WAL writer's start is not visible; and the WAL
+///   writer's start, which only roles allowed to read other sessions' statistics
+///   (`pg_read_all_stats`) see: it starts when recovery ends, so it marks a promotion
+///   or a crash restart to the millisecond.
 /// * `NULL` age: the current timeline is newer than the latest checkpoint's, so the
 ///   server was promoted and its (spread) end-of-recovery checkpoint is not done yet:
 ///   the term's start is unknown, and the client takes its first sight of the term.
@@ -349,7 +352,7 @@ SELECT w.tl,
                pg_postmaster_start_time(),
                (SELECT stats_reset FROM pg_stat_bgwriter),
                CASE WHEN w.tl = c.timeline_id
-                     AND (c.redo_lsn = c.checkpoint_lsn OR c.prev_timeline_id <> c.timeline_id)
+                     AND (c.redo_lsn = c.checkpoint_lsn OR (w.tl > 1 AND ww.started IS NULL))
                     THEN c.checkpoint_time + interval '1 second' END,
                ww.started)) * 1000)::int8
        END,
