@@ -1359,7 +1359,6 @@ where
             ),
         }));
     }
-    let term = read_term(&client).await?;
     let marker = new_marker(options, generation);
     client
         .batch_execute(&format!(
@@ -1368,6 +1367,8 @@ where
         ))
         .await
         .map_err(Error::database)?;
+    // After the settings: a DBA's statement_timeout must not cancel it.
+    let term = read_term(&client).await?;
     let stmts = Statements::prepare(&client)
         .await
         .map_err(Error::database)?;
