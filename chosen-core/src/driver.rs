@@ -79,6 +79,9 @@ pub(crate) struct Driver {
     last_error: Option<Arc<tokio_postgres::Error>>,
     /// Waiter counts last reported to the metrics sink, per key.
     reported_waiting: HashMap<LockKey, (Arc<str>, usize)>,
+    /// A server term whose start the server could not tell, and when this process
+    /// first saw it.
+    term_first_seen: Option<(String, Instant)>,
 }
 
 impl Drop for Driver {
@@ -131,6 +134,7 @@ impl Driver {
             rng: seed | 1,
             last_error: None,
             reported_waiting: HashMap::new(),
+            term_first_seen: None,
         }
     }
 
@@ -175,6 +179,7 @@ impl Driver {
             "lock session connected"
         );
         self.table.session_started(generation.id, Instant::now());
+        self.hold_grants_for_term(&s.term);
         self.shared.set_server_floor(0);
         let heartbeat = tokio::spawn(crate::heartbeat::run(
             s.heartbeat_handle(),
@@ -235,6 +240,40 @@ impl Driver {
                 drop(s);
                 Exit::Shutdown
             }
+        }
+    }
+
+    /// A server whose current term as primary (start, crash restart, promotion) began
+    /// less than `term_grant_delay` ago grants nothing before that much time passed: a
+    /// holder of the previous term that went silent may still trust its lease.
+    fn hold_grants_for_term(&mut self, term: &session::Term) {
+        let delay = self.shared.options.get_term_grant_delay();
+        if delay.is_zero() {
+            return;
+        }
+        let not_before = match term.age {
+            Some(age) => term.read_at + delay.saturating_sub(age),
+            None => {
+                // Promoted, and the server cannot tell when yet: the term began before
+                // this process first saw it.
+                let first = match &self.term_first_seen {
+                    Some((identity, at)) if *identity == term.identity => *at,
+                    _ => term.read_at,
+                };
+                self.term_first_seen = Some((term.identity.clone(), first));
+                first + delay
+            }
+        };
+        let now = Instant::now();
+        if not_before > now {
+            info!(
+                node_id = %self.shared.options.node_id,
+                timeline = term.timeline,
+                term_age = ?term.age,
+                grants_in = ?(not_before - now),
+                "the server's term as primary began recently; no lock is granted before the term grant delay passed"
+            );
+            self.table.hold_grants_until(not_before);
         }
     }
 

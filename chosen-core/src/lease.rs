@@ -17,11 +17,34 @@ use crate::status::DisconnectReason;
 /// A number that grows with every acquisition of a lock.
 ///
 /// Each acquisition gets a token strictly greater than the token of every earlier
-/// holder of the same lock, on any node. It is a PostgreSQL transaction id
-/// (`pg_current_xact_id()`), assigned only when a lock is actually won. Pass it to
-/// systems your guarded work writes to, and have them reject writes carrying a token
-/// lower than one they have already seen: that stops a holder which was frozen past
-/// the server's release time and wakes up believing it still holds the lock.
+/// holder of the same lock, on any node, also across a server crash and a failover.
+/// Pass it to systems your guarded work writes to, and have them reject writes carrying
+/// a token lower than one they have already seen: that stops a holder which was frozen
+/// past the server's release time and wakes up believing it still holds the lock.
+///
+/// # Layout
+///
+/// ```text
+///  63          48 47                                            0
+/// +--------------+-----------------------------------------------+
+/// |   timeline   |     transaction id (low 48 bits of xid8)      |
+/// +--------------+-----------------------------------------------+
+/// ```
+///
+/// * The low 48 bits are the PostgreSQL transaction id (`pg_current_xact_id()`, the
+///   64-bit `xid8` with its epoch) of the statement that won the lock, assigned only
+///   when a lock is actually won and committed synchronously (`synchronous_commit =
+///   on` for that statement, whatever the server's setting), so a crash cannot hand
+///   the same id out again. 2<sup>48</sup> transactions are 89 years at 100,000 per
+///   second; past that the low bits would wrap and tokens go backwards (PostgreSQL's
+///   own epoch runs out at 2<sup>64</sup>).
+/// * The high 16 bits are the server's timeline (`pg_walfile_name(pg_current_wal_lsn())`),
+///   which a promotion raises: after an asynchronous failover the promoted standby may
+///   hand out transaction ids the old primary already handed out without replicating
+///   them, and the timeline keeps its tokens above every token of the old primary. A
+///   server on timeline 65,536 or later is refused.
+///
+/// Tokens of the same lock compare as plain numbers (`u64`).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct FencingToken(u64);
 
@@ -32,10 +55,30 @@ impl FencingToken {
         Self(value)
     }
 
+    /// The token of transaction id `xid` (its low 48 bits) on `timeline`.
+    #[must_use]
+    pub const fn from_parts(timeline: u16, xid: u64) -> Self {
+        Self(((timeline as u64) << 48) | (xid & Self::XID_MASK))
+    }
+
+    const XID_MASK: u64 = (1 << 48) - 1;
+
     /// The token as a number.
     #[must_use]
     pub const fn get(self) -> u64 {
         self.0
+    }
+
+    /// The server timeline the token was issued on (its high 16 bits).
+    #[must_use]
+    pub const fn timeline(self) -> u16 {
+        (self.0 >> 48) as u16
+    }
+
+    /// The low 48 bits of the transaction id that issued the token.
+    #[must_use]
+    pub const fn xact_id(self) -> u64 {
+        self.0 & Self::XID_MASK
     }
 }
 

@@ -74,6 +74,8 @@ pub struct ManagerOptions {
     pub(crate) reconnect_max: Duration,
     pub(crate) max_locks: usize,
     pub(crate) takeover_grace: Duration,
+    /// `None`: the default, `lease_timeout + stop_budget + safety_margin`.
+    pub(crate) term_grant_delay: Option<Duration>,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -97,6 +99,7 @@ impl fmt::Debug for ManagerOptions {
             .field("reconnect_max", &self.reconnect_max)
             .field("max_locks", &self.max_locks)
             .field("takeover_grace", &self.takeover_grace)
+            .field("term_grant_delay", &self.get_term_grant_delay())
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -138,6 +141,7 @@ impl ManagerOptions {
             reconnect_max: Duration::from_secs(5),
             max_locks: 4096,
             takeover_grace: Duration::from_millis(100),
+            term_grant_delay: None,
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -327,6 +331,42 @@ impl ManagerOptions {
         self
     }
 
+    /// How long after the server's current term as primary began (its start, a crash
+    /// restart, or its promotion from standby) no lock is granted on it. Default: the
+    /// longest a holder that lost the previous term *silently* (partitioned, frozen, its
+    /// sockets silent) may still trust its lease and stop its work, `lease_timeout +
+    /// stop_budget + safety_margin` (6 s with the defaults); at least that, at most
+    /// 24 h. Zero turns the delay off, which is **unsafe** unless nothing can hold a lock
+    /// silently across a restart or failover (a single process, say).
+    ///
+    /// A restart or a failover ends every session at once, and a new primary holds no
+    /// advisory locks at all: a holder that did not hear of it keeps working until its
+    /// own deadline. The term's start is read from the server, its age computed with
+    /// the server's clock (so the client's clock does not matter); see the crate
+    /// documentation ("A new primary term") for how, and what a DBA can do to make it
+    /// exact. The cost: after a restart or failover, the first grant comes this long
+    /// after the server came back, even when no holder was silent.
+    #[must_use]
+    pub fn term_grant_delay(mut self, delay: Duration) -> Self {
+        self.term_grant_delay = Some(delay);
+        self
+    }
+
+    /// The term grant delay (see [`term_grant_delay`](Self::term_grant_delay)).
+    #[must_use]
+    pub fn get_term_grant_delay(&self) -> Duration {
+        self.term_grant_delay.unwrap_or_else(|| self.max_stop())
+    }
+
+    /// The longest a holder that lost its session may still act or stop:
+    /// `lease_timeout + stop_budget + safety_margin` (saturating; validated far below
+    /// overflow).
+    pub(crate) fn max_stop(&self) -> Duration {
+        self.lease_timeout
+            .saturating_add(self.stop_budget)
+            .saturating_add(self.safety_margin)
+    }
+
     /// The node id (see [`node_id`](Self::node_id)).
     #[must_use]
     pub fn get_node_id(&self) -> &str {
@@ -482,6 +522,15 @@ impl ManagerOptions {
                 self.takeover_grace, self.lease_timeout
             ));
         }
+        if let Some(delay) = self.term_grant_delay
+            && !delay.is_zero()
+            && (delay < self.max_stop() || delay > MAX_TIMING)
+        {
+            return bad(format!(
+                "term_grant_delay {delay:?} must be zero (unsafe: no delay) or between lease_timeout + stop_budget + safety_margin = {:?} and {MAX_TIMING_TEXT}",
+                self.max_stop()
+            ));
+        }
         if self.max_locks == 0 {
             return bad("max_locks must be at least 1".to_owned());
         }
@@ -560,6 +609,20 @@ mod tests {
     }
 
     #[test]
+    fn the_term_grant_delay_defaults_to_the_longest_stop() {
+        assert_eq!(opts().get_term_grant_delay(), Duration::from_secs(6));
+        let o = opts()
+            .lease_timeout(Duration::from_secs(4))
+            .server_release_after(Duration::from_secs(9));
+        assert_eq!(o.get_term_grant_delay(), Duration::from_secs(7));
+        opts().term_grant_delay(Duration::ZERO).validate().unwrap();
+        opts()
+            .term_grant_delay(Duration::from_secs(60))
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
     fn debug_hides_password() {
         let text = format!("{:?}", opts());
         assert!(!text.contains("hunter2"), "{text}");
@@ -589,6 +652,7 @@ mod tests {
             opts().poll_interval(Duration::from_millis(1)),
             opts().max_locks(0),
             opts().reconnect_backoff(Duration::from_secs(2), Duration::from_secs(1)),
+            opts().term_grant_delay(Duration::from_secs(1)),
         ] {
             assert!(
                 matches!(o.validate(), Err(Error::InvalidConfig(_))),
@@ -640,6 +704,7 @@ mod tests {
                 "24h",
             );
             rejected(&opts().takeover_grace(value), "takeover_grace", "24h");
+            rejected(&opts().term_grant_delay(value), "term_grant_delay", "24h");
             rejected(&opts().poll_interval(value), "poll_interval", "1h");
             rejected(&opts().connect_timeout(value), "connect_timeout", "1h");
             rejected(

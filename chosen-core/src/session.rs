@@ -116,7 +116,7 @@ holders AS (
     ) x
 )
 SELECT f.i,
-       CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN f.won AND set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
        CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
            CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2:x'
                 ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1:x' END
@@ -153,7 +153,7 @@ f AS MATERIALIZED (
            END AS fence_clear
     FROM k
 )
-SELECT CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END,
+SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
        CASE WHEN NOT f.won THEN (
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
@@ -382,9 +382,117 @@ ORDER BY a.application_name, l.classid, l.objid";
 
 /// A new fencing token for local hand-offs (the session keeps the locks), on our own
 /// marked backend only.
+///
+/// Every statement that issues a token makes its transaction durable before the token
+/// is returned, whatever the server's `synchronous_commit`: a transaction that only
+/// takes a transaction id writes no WAL of its own, and PostgreSQL commits such a
+/// transaction asynchronously *even with* `synchronous_commit = on`; a crash before
+/// the WAL writer's next round then loses its commit record and the restarted server
+/// hands the same id out again (verified on PostgreSQL 15: with either measure alone
+/// the id was handed out again after `pg_ctl stop -m immediate`). So the statement
+/// writes a transactional logical decoding message (prefix `chosen.token`, empty, any
+/// role may; logical decoding consumers see it) and sets `synchronous_commit = on` for
+/// its own transaction: the commit is flushed (and, with synchronous standbys, waits
+/// for them) before the answer is sent. Only when a lock was won: failed tries write
+/// nothing.
 const TOKEN_SQL: &str = "
-SELECT pg_current_xact_id()::text::int8
+SELECT CASE WHEN set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END
 WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2";
+
+/// The server's current term as primary: which timeline it writes, and how long ago
+/// the term began (its start, crash restart or promotion), computed with the server's
+/// own clock, so the client's clock never matters. Run once per session, after the
+/// probe found the server writable; every function in it may be run by any role.
+///
+/// * `timeline`: the first 8 hex digits of the current WAL file name.
+/// * The age is measured from the latest of: the postmaster's start (a plain restart;
+///   the old server's backends were all gone by then); the reset of the shared
+///   statistics (PostgreSQL 15 discards them when it reinitializes after a crash,
+///   which `pg_postmaster_start_time()` does not show; a DBA's reset only makes the
+///   age shorter); the latest checkpoint, plus a second for its time's truncation to
+///   seconds, when it was written on the current timeline and is the end of a recovery
+///   (`redo_lsn = checkpoint_lsn`: shutdown-type), or the timeline is above 1 (the
+///   server or an ancestor was promoted: every checkpoint on its timeline is later than
+///   the promotion; `prev_timeline_id` does not tell, measured: it equals the timeline
+///   right after a promotion) and the WAL writer's start is not visible; and the WAL
+///   writer's start, which only roles allowed to read other sessions' statistics
+///   (`pg_read_all_stats`) see: it starts when recovery ends, so it marks a promotion
+///   or a crash restart to the millisecond.
+/// * `NULL` age: the current timeline is newer than the latest checkpoint's, so the
+///   server was promoted and its (spread) end-of-recovery checkpoint is not done yet:
+///   the term's start is unknown, and the client takes its first sight of the term.
+/// * `identity`: what tells one term from another in that case.
+const TERM_SQL: &str = "
+SELECT w.tl,
+       CASE WHEN w.tl = c.timeline_id OR ww.started IS NOT NULL THEN
+           greatest(0, extract(epoch FROM clock_timestamp() - greatest(
+               pg_postmaster_start_time(),
+               (SELECT stats_reset FROM pg_stat_bgwriter),
+               CASE WHEN w.tl = c.timeline_id
+                     AND (c.redo_lsn = c.checkpoint_lsn OR (w.tl > 1 AND ww.started IS NULL))
+                    THEN c.checkpoint_time + interval '1 second' END,
+               ww.started)) * 1000)::int8
+       END,
+       w.tl::text || '/' || pg_postmaster_start_time()::text || '/'
+           || coalesce((SELECT stats_reset FROM pg_stat_bgwriter)::text, '')
+FROM pg_control_checkpoint() c,
+     (SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8 AS tl) w,
+     (SELECT max(a.backend_start) AS started FROM pg_stat_activity a
+      WHERE a.backend_type = 'walwriter') ww";
+
+/// What [`TERM_SQL`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Term {
+    /// The server's timeline: the high bits of every token of this session.
+    pub(crate) timeline: u16,
+    /// How long before `read_at` the term began; `None` when unknown.
+    pub(crate) age: Option<std::time::Duration>,
+    /// Tells terms apart when the age is unknown.
+    pub(crate) identity: String,
+    /// When the answer arrived (so the age is at least this old then).
+    pub(crate) read_at: Instant,
+}
+
+/// Reads the server's current term (see [`TERM_SQL`]).
+async fn read_term(client: &Client) -> Result<Term> {
+    let messages = client
+        .simple_query(TERM_SQL)
+        .await
+        .map_err(Error::database)?;
+    let read_at = Instant::now();
+    let row = messages
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .ok_or_else(|| Error::InvalidUrl {
+            message: "the server answered the term query with no row".to_owned(),
+        })?;
+    let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
+    let Ok(timeline) = u16::try_from(timeline) else {
+        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+            message: format!(
+                "the server is on timeline {timeline}: fencing tokens carry the timeline in 16 bits, so at most 65535 failovers are supported"
+            ),
+        }));
+    };
+    if timeline == 0 {
+        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+            message: "the server answered no timeline".to_owned(),
+        }));
+    }
+    let age = row
+        .get(1)
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis);
+    Ok(Term {
+        timeline,
+        age,
+        identity: row.get(2).unwrap_or_default().to_owned(),
+        read_at,
+    })
+}
 
 /// What the connection task reports.
 #[derive(Debug)]
@@ -451,6 +559,8 @@ pub(crate) struct Session {
     pub(crate) events: mpsc::UnboundedReceiver<ConnEvent>,
     /// When the setup query that proved the session was sent.
     pub(crate) proven_at: Instant,
+    /// The server's current term as primary.
+    pub(crate) term: Term,
     conn_task: JoinHandle<()>,
 }
 
@@ -656,11 +766,13 @@ impl Session {
             }
             entry.1 = match (token, fence_holder) {
                 (Some(t), Some(by)) => TryOutcome::WonFenced {
-                    token: FencingToken::new(t as u64),
+                    token: FencingToken::from_parts(self.term.timeline, t as u64),
                     // 0: the fence was let go between the probe and the read.
                     by: (by != 0).then_some(by),
                 },
-                (Some(t), _) => TryOutcome::Won(FencingToken::new(t as u64)),
+                (Some(t), _) => {
+                    TryOutcome::Won(FencingToken::from_parts(self.term.timeline, t as u64))
+                }
                 (None, _) => TryOutcome::Held { by: holder },
             };
         }
@@ -969,7 +1081,7 @@ impl Session {
             ));
         };
         match row.try_get::<_, Option<i64>>(0) {
-            Ok(Some(t)) => Ok(FencingToken::new(t as u64)),
+            Ok(Some(t)) => Ok(FencingToken::from_parts(self.term.timeline, t as u64)),
             Ok(None) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
                 message: "the server answered a NULL transaction id".to_owned(),
             })),
@@ -1487,6 +1599,8 @@ where
         ))
         .await
         .map_err(Error::database)?;
+    // After the settings: a DBA's statement_timeout must not cancel it.
+    let term = read_term(&client).await?;
     let stmts = Statements::prepare(&client)
         .await
         .map_err(Error::database)?;
@@ -1499,6 +1613,7 @@ where
         generation: Generation::new(generation),
         events,
         proven_at,
+        term,
         conn_task: guard.disarm(),
     })
 }

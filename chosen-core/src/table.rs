@@ -359,6 +359,9 @@ pub(crate) struct LockTable {
     ticks: HashMap<Duration, Instant>,
     rng: u64,
     actions: VecDeque<Action>,
+    /// Nothing won on this session is granted before this instant: see
+    /// [`Self::hold_grants_until`].
+    grants_not_before: Option<Instant>,
 }
 
 impl LockTable {
@@ -372,6 +375,7 @@ impl LockTable {
             ticks: HashMap::new(),
             rng: seed | 1,
             actions: VecDeque::new(),
+            grants_not_before: None,
         }
     }
 
@@ -390,10 +394,19 @@ impl LockTable {
         }
     }
 
+    /// The session that just started grants nothing it wins before `at`: its server's
+    /// term as primary began recently, and a holder of the previous term that went
+    /// silent may trust its lease until then. A key won earlier waits, held, until `at`
+    /// (and then its stop fence is checked, as after the takeover grace).
+    pub(crate) fn hold_grants_until(&mut self, at: Instant) {
+        self.grants_not_before = Some(at);
+    }
+
     /// The session ended: every lock it held is gone, every holder has lost its lease.
     pub(crate) fn session_ended(&mut self, now: Instant) {
         self.generation = None;
         self.interest.clear();
+        self.grants_not_before = None;
         for (key, slot) in &mut self.slots {
             // A fence held by the old session is gone with it; a lease still out is
             // fenced again on the next one.
@@ -1018,11 +1031,14 @@ impl LockTable {
                     slot.unregistered = 0;
                     let evidence = std::mem::take(&mut slot.evidence);
                     let unannounced = evidence.contended && !evidence.announced;
+                    let held_until = self.grants_not_before.filter(|at| *at > now);
                     if unannounced && !self.rules.takeover_grace.is_zero() {
                         slot.server = Server::Granting {
                             token,
-                            at: now + self.rules.takeover_grace,
+                            at: (now + self.rules.takeover_grace).max(held_until.unwrap_or(now)),
                         };
+                    } else if let Some(at) = held_until {
+                        slot.server = Server::Granting { token, at };
                     } else {
                         self.grant(key, token, generation, now, false);
                     }
@@ -1043,16 +1059,18 @@ impl LockTable {
                     } else {
                         interval
                     };
+                    let held_until = self.grants_not_before.unwrap_or(now).max(now);
                     slot.server = Server::Fenced {
                         token,
-                        next: now + wait,
-                        until: now + self.rules.max_fence_wait,
+                        next: (now + wait).max(held_until),
+                        until: (now + self.rules.max_fence_wait).max(held_until),
                         by,
                         not_before: if unannounced {
                             now + self.rules.takeover_grace
                         } else {
                             now
-                        },
+                        }
+                        .max(held_until),
                     };
                 }
                 TryOutcome::Held { by } => {
@@ -1234,6 +1252,10 @@ impl LockTable {
         now: Instant,
         announce: bool,
     ) {
+        debug_assert!(
+            self.grants_not_before.is_none_or(|at| now >= at),
+            "BUG: a grant before the term's grant delay ended"
+        );
         let slot = self
             .slots
             .get_mut(&key)

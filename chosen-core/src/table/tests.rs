@@ -269,6 +269,64 @@ fn an_announcement_does_not_outlive_a_lost_race() {
 }
 
 #[test]
+fn a_win_on_a_new_primary_term_waits_until_the_hold_ends() {
+    let mut f = Fixture::new();
+    let hold = Duration::from_secs(6);
+    f.table.session_ended(f.now);
+    f.table.session_started(2, f.now);
+    f.table.hold_grants_until(f.now + hold);
+    let a = f.wait(key(1));
+    let b = f.try_(key(2));
+    // Tried at once (the lock is taken at the server), but not granted.
+    f.try_round(&[key(1), key(2)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "granted during the term's hold");
+    assert_eq!(f.table.next_wakeup(f.now), Some(f.now + hold));
+    f.advance(hold - ms(1));
+    assert!(f.plan().is_empty());
+    f.advance(ms(1));
+    // Then, as after the grace, the stop fences are checked before granting.
+    f.clear_fences(&[key(1), key(2)]);
+    assert_eq!(f.granted(), vec![(a, token(10)), (b, token(10))]);
+}
+
+#[test]
+fn a_fenced_win_on_a_new_term_waits_for_the_hold_too() {
+    let mut f = Fixture::new();
+    // Shorter than the longest fence wait, which would grant without a check.
+    let hold = Duration::from_secs(3);
+    f.table.hold_grants_until(f.now + hold);
+    let a = f.wait(key(1));
+    f.try_round(
+        &[key(1)],
+        TryOutcome::WonFenced {
+            token: token(10),
+            by: Some(9),
+        },
+    );
+    // The fence lets go at once, but the hold still applies, whatever is announced.
+    f.table.announced(key(1), 9, f.now);
+    assert!(f.plan().check.is_empty(), "checked during the hold");
+    f.advance(hold);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn the_hold_ends_with_its_session() {
+    let mut f = Fixture::new();
+    f.table.hold_grants_until(f.now + Duration::from_secs(6));
+    f.table.session_ended(f.now);
+    f.table.session_started(2, f.now);
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(
+        f.granted(),
+        vec![(a, token(10))],
+        "the next session sets its own hold"
+    );
+}
+
+#[test]
 fn after_a_reconnect_the_first_win_waits_the_grace() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
@@ -644,7 +702,11 @@ enum Op {
         sender: u8,
     },
     SessionEnd,
-    SessionStart,
+    /// A new session, whose server's term began recently: nothing it wins is granted
+    /// for `hold` ms (0: an old term).
+    SessionStart {
+        hold: u16,
+    },
     Advance {
         ms: u16,
     },
@@ -670,7 +732,7 @@ fn op() -> impl Strategy<Value = Op> {
             }),
         2 => (0u8..4, 0u8..2).prop_map(|(key, sender)| Op::Announce { key, sender }),
         2 => Just(Op::SessionEnd),
-        3 => Just(Op::SessionStart),
+        3 => prop_oneof![Just(0u16), 0u16..2000].prop_map(|hold| Op::SessionStart { hold }),
         4 => (0u16..400).prop_map(|ms| Op::Advance { ms }),
         1 => Just(Op::Close),
     ]
@@ -702,6 +764,8 @@ struct Model {
     fences_held: BTreeSet<LockKey>,
     generation: Option<u64>,
     generations: u64,
+    /// No grant before this (the current session's term hold).
+    not_before: Option<Instant>,
     next_token: u64,
     next_id: RequestId,
     closing: bool,
@@ -938,11 +1002,17 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                     }
                 }
             }
-            Op::SessionStart => {
+            Op::SessionStart { hold } => {
                 if m.generation.is_none() {
                     m.generations += 1;
                     m.generation = Some(m.generations);
                     table.session_started(m.generations, now);
+                    if *hold > 0 {
+                        m.not_before = Some(now + ms(u64::from(*hold)));
+                        table.hold_grants_until(now + ms(u64::from(*hold)));
+                    } else {
+                        m.not_before = None;
+                    }
                 }
             }
             Op::Advance { ms: d } => now += ms(u64::from(*d)),
@@ -984,6 +1054,11 @@ fn drain(table: &mut LockTable, m: &mut Model, now: Instant) -> Result<(), TestC
                 ..
             } => {
                 prop_assert!(!m.closing, "granted while closing");
+                prop_assert!(
+                    m.not_before.is_none_or(|at| now >= at),
+                    "granted {} during the new term's hold",
+                    k
+                );
                 prop_assert_eq!(
                     Some(generation),
                     m.generation,
@@ -1150,7 +1225,7 @@ fn history_old_lease_still_out_blocks_the_local_waiter() {
         },
         step(0, 0),
         Op::SessionEnd,
-        Op::SessionStart,
+        Op::SessionStart { hold: 0 },
         step(0, 0),
         Op::Advance { ms: 200 },
         step(0, 0),

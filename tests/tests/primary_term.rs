@@ -1,0 +1,246 @@
+//! A new primary term (a restart, a crash, a promotion) against real servers: no lock
+//! is granted before a holder of the old term that went silent has fenced itself, and
+//! fencing tokens never go backwards. Each prints a `TERM` line with the measured times
+//! (run with `--nocapture` to see them).
+
+use std::time::{Duration, Instant};
+
+use chosen_core::{FencingToken, LockManager, ManagerOptions};
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .expect("valid URL")
+        .node_id(node)
+        .poll_interval(Duration::from_millis(100))
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
+}
+
+/// Waits until the server's current term is older than the grant delay, so the first
+/// grants of a test are not held back by the cluster's own start.
+async fn settle(options: &ManagerOptions) {
+    tokio::time::sleep(options.get_term_grant_delay()).await;
+}
+
+/// (b) The holder is partitioned (its sockets silent) and the server restarts: the
+/// holder never hears of it and trusts its lease until its own deadline. The other node
+/// reconnects at once and finds the lock free on the new server; it must not start
+/// before the old holder fenced itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_fences_itself_before_a_restarted_server_grants() {
+    let mut pg = PgCluster::start_local().unwrap();
+    let port = pg.port().unwrap();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
+        .await
+        .unwrap();
+    let name = unique_name("term-partition");
+    let a_opts = options(&proxy.url(&pg.url(), port), "term-a");
+    let delay = a_opts.get_term_grant_delay();
+    settle(&a_opts).await;
+    let a = LockManager::connect(a_opts).await.unwrap();
+    let b = LockManager::connect(options(&pg.url(), "term-b"))
+        .await
+        .unwrap();
+    let held = a.acquire(name.as_str()).await.unwrap();
+    let old_token = held.fencing_token();
+    let a_lost = tokio::spawn(async move {
+        held.lost().await;
+        Instant::now()
+    });
+    let b_task = {
+        let name = name.clone();
+        tokio::spawn(async move {
+            let lease = b.acquire(name.as_str()).await.unwrap();
+            (Instant::now(), lease.fencing_token(), b, lease)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    proxy.set(ProxyMode::BlackHole);
+    let t0 = Instant::now();
+    let mut restarting = tokio::task::spawn_blocking(move || {
+        pg.restart("fast").unwrap();
+        (pg, Instant::now())
+    });
+    let (b_at, new_token, _b, _lease) = tokio::time::timeout(Duration::from_secs(60), b_task)
+        .await
+        .expect("the other node takes over")
+        .unwrap();
+    let a_lost_at = tokio::time::timeout(Duration::from_secs(30), a_lost)
+        .await
+        .expect("the partitioned holder fences itself")
+        .unwrap();
+    let (_pg, up_at) = (&mut restarting).await.unwrap();
+    eprintln!(
+        "TERM partitioned holder + restart: server back after {:?}, old holder fenced after {:?}, new holder after {:?} ({:?} after the server was back; delay {delay:?})",
+        up_at - t0,
+        a_lost_at - t0,
+        b_at - t0,
+        b_at.saturating_duration_since(up_at)
+    );
+    assert!(
+        b_at > a_lost_at,
+        "overlap: the new holder started {:?} before the partitioned holder fenced itself",
+        a_lost_at - b_at
+    );
+    assert!(
+        b_at - up_at <= delay + Duration::from_secs(2),
+        "takeover took {:?} after the server was back (delay {delay:?})",
+        b_at - up_at
+    );
+    assert!(new_token > old_token, "{new_token} <= {old_token}");
+    drop(a);
+}
+
+/// The cost: a plain restart with no silent holder hands over only after the delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_restart_hands_over_after_the_delay() {
+    let mut pg = PgCluster::start_local().unwrap();
+    let name = unique_name("term-plain");
+    let a_opts = options(&pg.url(), "plain-a");
+    let delay = a_opts.get_term_grant_delay();
+    settle(&a_opts).await;
+    let a = LockManager::connect(a_opts).await.unwrap();
+    let b = LockManager::connect(options(&pg.url(), "plain-b"))
+        .await
+        .unwrap();
+    let held = a.acquire(name.as_str()).await.unwrap();
+    let b_task = {
+        let name = name.clone();
+        tokio::spawn(async move {
+            let lease = b.acquire(name.as_str()).await.unwrap();
+            (Instant::now(), b, lease)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    let (pg, up_at) = tokio::task::spawn_blocking(move || {
+        pg.restart("fast").unwrap();
+        (pg, Instant::now())
+    })
+    .await
+    .unwrap();
+    assert!(!held.is_valid(), "the holder heard of the restart");
+    let (b_at, _b, _lease) = tokio::time::timeout(Duration::from_secs(60), b_task)
+        .await
+        .expect("the other node takes over")
+        .unwrap();
+    eprintln!(
+        "TERM plain restart: server back after {:?}, first grant after {:?} ({:?} after the server was back; delay {delay:?})",
+        up_at - t0,
+        b_at - t0,
+        b_at - up_at
+    );
+    assert!(b_at - up_at <= delay + Duration::from_secs(2));
+    drop((pg, a));
+}
+
+/// (c) After an asynchronous failover the promoted standby hands out transaction ids
+/// the old primary already handed out: the timeline in the token's high bits keeps
+/// every token issued after the promotion above every token issued before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_never_go_backwards_across_a_promotion() {
+    let mut primary = PgCluster::start_local().unwrap();
+    let mut standby = primary.start_standby().unwrap();
+    let name = unique_name("term-failover");
+    // The standby falls behind (here: it is down) while the old primary hands out
+    // tokens that it therefore never receives.
+    standby.stop("fast").unwrap();
+    let a = LockManager::connect(
+        options(&primary.url(), "failover-a").term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
+    let mut before: Vec<FencingToken> = Vec::new();
+    for _ in 0..20 {
+        let lease = a.acquire(name.as_str()).await.unwrap();
+        before.push(lease.fencing_token());
+        lease.release().await.unwrap();
+    }
+    let held = a.acquire(name.as_str()).await.unwrap();
+    before.push(held.fencing_token());
+    primary.stop("immediate").unwrap();
+    standby.start_again().unwrap();
+    let admin = connect_admin(&standby.url()).await.unwrap();
+    let promoted: bool = admin
+        .query_one("SELECT pg_promote(true, 60)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(promoted);
+
+    let t0 = Instant::now();
+    let b = LockManager::connect(options(&standby.url(), "failover-b"))
+        .await
+        .unwrap();
+    let mut after = Vec::new();
+    for _ in 0..5 {
+        let lease = b.acquire(name.as_str()).await.unwrap();
+        if after.is_empty() {
+            eprintln!(
+                "TERM promotion: first grant {:?} after connecting to the promoted standby",
+                t0.elapsed()
+            );
+        }
+        after.push(lease.fencing_token());
+        lease.release().await.unwrap();
+    }
+    let newest_before = *before.iter().max().unwrap();
+    let oldest_after = *after.iter().min().unwrap();
+    eprintln!(
+        "TERM promotion: tokens before {:?}..{newest_before} (timeline {}, xid {}), after {oldest_after}.. (timeline {}, xid {})",
+        before.first(),
+        newest_before.timeline(),
+        newest_before.xact_id(),
+        oldest_after.timeline(),
+        oldest_after.xact_id(),
+    );
+    assert!(
+        oldest_after > newest_before,
+        "fencing token went backwards across a failover: {newest_before} before, {oldest_after} after"
+    );
+    assert!(oldest_after.timeline() > newest_before.timeline());
+    drop(held);
+}
+
+/// (c) A crash with `synchronous_commit = off` (the harness's setting) loses commit
+/// records still in the WAL buffers (the WAL writer flushes every 10 s here), and the
+/// restarted server hands their transaction ids out again: the statements that issue
+/// tokens commit synchronously whatever the server's setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_never_go_backwards_across_a_crash() {
+    let mut pg = PgCluster::builder()
+        .setting("wal_writer_delay", "10s")
+        .setting("autovacuum", "off")
+        .start()
+        .unwrap();
+    let name = unique_name("term-crash");
+    let a = LockManager::connect(options(&pg.url(), "crash-a").term_grant_delay(Duration::ZERO))
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        a.acquire(name.as_str())
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let held = a.acquire(name.as_str()).await.unwrap();
+    let old = held.fencing_token();
+    pg.restart("immediate").unwrap();
+    let b = LockManager::connect(options(&pg.url(), "crash-b").term_grant_delay(Duration::ZERO))
+        .await
+        .unwrap();
+    let lease = b.acquire(name.as_str()).await.unwrap();
+    let new = lease.fencing_token();
+    eprintln!("TERM crash: token before {old}, after {new}");
+    assert!(
+        !held.is_valid(),
+        "the old holder's session died with the server"
+    );
+    assert!(
+        new > old,
+        "fencing token went backwards across a server crash: the old holder had {old}, the next one got {new}"
+    );
+}
