@@ -155,10 +155,15 @@ fn one_way(mode: ProxyMode) -> Duration {
     }
 }
 
+/// What the reader hands the writer: a chunk, or the end of the stream (`None`), with
+/// when it may be passed on.
+type Item = (tokio::time::Instant, Option<Vec<u8>>);
+
 /// One direction: a reader that stamps each chunk with when it may be written, and a
 /// writer that writes them in order, each at its time. Ends (closing the write half,
-/// after every chunk read before an end of stream) when the reading side closes, or at
-/// once on a cut or when the proxy is dropped.
+/// after every chunk read before an end of stream, and as late: a close is delayed
+/// like data) when the reading side closes, or at once on a cut or when the proxy is
+/// dropped.
 async fn pump(from: OwnedReadHalf, to: OwnedWriteHalf, mode: watch::Receiver<State>, cuts: u64) {
     let (tx, rx) = mpsc::unbounded_channel();
     let writer = write_half(to, rx, mode.clone(), cuts);
@@ -174,7 +179,7 @@ async fn pump(from: OwnedReadHalf, to: OwnedWriteHalf, mode: watch::Receiver<Sta
 
 async fn read_half(
     mut from: OwnedReadHalf,
-    tx: mpsc::UnboundedSender<(tokio::time::Instant, Vec<u8>)>,
+    tx: mpsc::UnboundedSender<Item>,
     mut mode: watch::Receiver<State>,
     cuts: u64,
 ) {
@@ -187,12 +192,15 @@ async fn read_half(
         }
         tokio::select! {
             read = from.read(&mut buf) => {
+                let due = tokio::time::Instant::now() + one_way(mode.borrow().mode);
                 let n = match read {
-                    Ok(0) | Err(_) => return,
+                    Ok(0) | Err(_) => {
+                        let _ = tx.send((due, None));
+                        return;
+                    }
                     Ok(n) => n,
                 };
-                let due = tokio::time::Instant::now() + one_way(mode.borrow().mode);
-                if tx.send((due, buf[..n].to_vec())).is_err() {
+                if tx.send((due, Some(buf[..n].to_vec()))).is_err() {
                     return;
                 }
             }
@@ -203,7 +211,7 @@ async fn read_half(
 
 async fn write_half(
     mut to: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<(tokio::time::Instant, Vec<u8>)>,
+    mut rx: mpsc::UnboundedReceiver<Item>,
     mut mode: watch::Receiver<State>,
     cuts: u64,
 ) {
@@ -212,7 +220,7 @@ async fn write_half(
         let (due, chunk) = tokio::select! {
             next = rx.recv() => match next {
                 Some(next) => next,
-                // The reader ended: everything it read was written.
+                // The reader ended without an end of stream: a cut.
                 None => return,
             },
             // A cut, or the proxy dropped, while idle.
@@ -232,6 +240,10 @@ async fn write_half(
         if !wait_pass(&mut mode, cuts).await {
             return;
         }
+        // The end of the stream: closing the write half passes it on.
+        let Some(chunk) = chunk else {
+            return;
+        };
         tokio::select! {
             written = to.write_all(&chunk) => if written.is_err() { return },
             () = until_cut(&mut cut, cuts) => return,
@@ -331,6 +343,28 @@ mod tests {
             .await
             .expect("every byte arrives")
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_close_is_delayed_like_data() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = FaultProxy::start(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        proxy.set(ProxyMode::Latency(Duration::from_millis(600)));
+        let mut client = TcpStream::connect(proxy.addr()).await.unwrap();
+        let (mut server, _) = listener.accept().await.unwrap();
+        let t = Instant::now();
+        client.write_all(b"last words").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        server.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"last words");
+        let after = t.elapsed();
+        assert!(
+            after >= Duration::from_millis(300),
+            "closed after {after:?}"
+        );
     }
 
     #[tokio::test]
