@@ -1,77 +1,466 @@
 //! The heartbeat: its own task per session, so that nothing the manager's task does (a
 //! slow statement, a flood of notifications, a burst of requests) can delay it.
+//!
+//! Heartbeats are pipelined: one is sent every `heartbeat_interval` whether or not the
+//! earlier ones have answered (tokio-postgres pipelines queries on one `Client`; the
+//! server answers them in order). So a slow database is not a dead one: leases stay
+//! valid while the round trip stays below `lease_timeout - heartbeat_interval`, where
+//! one heartbeat at a time lost them above `lease_timeout / 2`.
+//!
+//! The rules ([`Pulse`]: when to send, how many may be on their way, what an answer
+//! means) are apart from the task that carries them out ([`run`]).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::time::sleep_until;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::session::{self, Generation};
 use crate::shared::Shared;
 use crate::status::DisconnectReason;
 
+/// However the settings compare, never more heartbeats than this on their way at once
+/// (it bounds memory; with any sane settings the bound from the lease timeout is lower).
+const MAX_IN_FLIGHT: usize = 1024;
+
+/// At most one warning about slow heartbeats per this long.
+const SLOW_WARNING_EVERY: Duration = Duration::from_secs(30);
+
 /// Proves the session alive every heartbeat interval, on its own task, so nothing the
 /// manager's task does can delay it. Each success extends the leases' validity from
-/// the moment its query was *sent*; a failure, or no success within the lease timeout,
-/// revokes the generation at once.
+/// the moment *its own* query was sent; a failure, or no success within the lease
+/// timeout, revokes the generation at once.
 pub(crate) async fn run(
     session: session::HeartbeatSession,
     shared: Arc<Shared>,
     generation: Arc<Generation>,
     proven_at: Instant,
 ) {
-    let interval = shared.options.heartbeat_interval;
     let lease_timeout = shared.options.lease_timeout;
+    let mut pulse = Pulse::new(proven_at, shared.options.heartbeat_interval, lease_timeout);
     let revoke = |reason: DisconnectReason| {
         shared.invalidate();
         generation.revoke(reason);
     };
     let overdue = || DisconnectReason::HeartbeatOverdue { lease_timeout };
-    let mut next = proven_at.checked_add(interval).unwrap_or(proven_at);
+    let session = &session;
+    // Declared after `session`, which its futures borrow. Dropping it (the task ends or
+    // is aborted) drops the queries' futures; their replies are then discarded.
+    let mut in_flight = FuturesUnordered::new();
     loop {
         let watchdog = tokio::time::Instant::from_std(shared.valid_until());
+        let next = pulse.next_send().map(tokio::time::Instant::from_std);
         tokio::select! {
             biased;
             () = generation.revoked.cancelled() => return,
+            // No success within the lease timeout (even if replies are on their way).
             () = sleep_until(watchdog) => return revoke(overdue()),
-            () = sleep_until(tokio::time::Instant::from_std(next)) => {}
-        }
-        let sent = Instant::now();
-        let (epoch, floor) = shared.server_floor();
-        let result = tokio::select! {
-            biased;
-            () = generation.revoked.cancelled() => return,
-            () = sleep_until(watchdog) => Err(overdue()),
-            result = session.heartbeat() => result,
-        };
-        // Fewer locks than the manager held all along (no release was sent meanwhile):
-        // another client of a shared backend released them.
-        let result = result.and_then(|locks| match usize::try_from(locks) {
-            Ok(locks) if locks < floor && shared.server_floor().0 == epoch => {
-                Err(DisconnectReason::PoolerDetected {
-                    detail: format!(
-                        "the server shows {locks} advisory locks on this session, fewer than the {floor} it holds: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)"
-                    ),
-                })
-            }
-            _ => Ok(()),
-        });
-        match result {
-            Ok(()) => {
+            Some((beat, answer)) = in_flight.next(), if !in_flight.is_empty() => {
                 let now = Instant::now();
-                if !shared.renew_validity(sent + lease_timeout, now) {
-                    // The deadline passed while the reply was on its way: too late.
-                    return revoke(overdue());
+                match pulse.answered(beat, answer, shared.server_floor().0, now) {
+                    Verdict::Renew { until, rtt, slow } => {
+                        if !shared.renew_validity(until, now) {
+                            // The deadline passed while the reply was on its way: too late.
+                            return revoke(overdue());
+                        }
+                        if let Some(m) = shared.options.metrics.as_deref() {
+                            m.heartbeat(&shared.options.node_id, rtt);
+                        }
+                        debug!(rtt_us = rtt.as_micros() as u64, in_flight = in_flight.len(), "heartbeat");
+                        if let Some(slow) = slow {
+                            warn!(
+                                node_id = %shared.options.node_id,
+                                rtt_ms = rtt.as_millis() as u64,
+                                warn_above_ms = slow.warn_above.as_millis() as u64,
+                                limit_ms = slow.limit.as_millis() as u64,
+                                slow_since_last_warning = slow.since_last_warning,
+                                "heartbeat round trip above half the lease timeout; leases are lost if round trips reach the limit (lease_timeout - heartbeat_interval)"
+                            );
+                        }
+                    }
+                    Verdict::Revoke(reason) => return revoke(reason),
                 }
-                let rtt = now.saturating_duration_since(sent);
-                if let Some(m) = shared.options.metrics.as_deref() {
-                    m.heartbeat(&shared.options.node_id, rtt);
-                }
-                debug!(rtt_us = rtt.as_micros() as u64, "heartbeat");
             }
-            Err(reason) => return revoke(reason),
+            () = sleep_until(next.unwrap_or_else(far_future)), if next.is_some() => {
+                // Read before the query is sent (it goes out when `in_flight` first polls
+                // it): validity counts from no later than the send, and the lock floor
+                // holds for the server's state when the query runs (see `Pulse::answered`).
+                let beat = pulse.send(Instant::now(), shared.server_floor());
+                in_flight.push(async move { (beat, session.heartbeat().await) });
+            }
         }
-        next = sent.checked_add(interval).unwrap_or(sent);
+    }
+}
+
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
+}
+
+/// The heartbeat's rules, apart from its I/O: when the next heartbeat is due, how many
+/// may be on their way, and what an answer means.
+#[derive(Debug)]
+pub(crate) struct Pulse {
+    interval: Duration,
+    lease_timeout: Duration,
+    /// `ceil(lease_timeout / interval) + 1`: more could not help. A heartbeat still
+    /// unanswered `lease_timeout` after it was sent means validity has lapsed (answers
+    /// come back in order, so every success was sent before it).
+    max_in_flight: usize,
+    in_flight: usize,
+    /// When the next heartbeat is due (on a fixed grid, whatever the answers do).
+    next: Instant,
+    /// Round trips above half the lease timeout: when the last warning was given, and
+    /// how many slow ones came since.
+    last_warning: Option<Instant>,
+    slow_since_warning: u64,
+}
+
+/// One heartbeat on its way: when it was sent, and the lock floor (with its epoch,
+/// see [`Shared::set_server_floor`]) read just before.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Beat {
+    sent: Instant,
+    epoch: u64,
+    floor: usize,
+}
+
+/// What an answer means.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Extend validity to `until` (unless it already lapsed: then the answer is too late).
+    Renew {
+        until: Instant,
+        rtt: Duration,
+        /// Set when a slow round trip should be reported now (rate-limited).
+        slow: Option<SlowWarning>,
+    },
+    /// End the session.
+    Revoke(DisconnectReason),
+}
+
+/// A warning about slow heartbeats is due.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SlowWarning {
+    /// Half the lease timeout.
+    warn_above: Duration,
+    /// The round trip at which leases are lost: `lease_timeout - heartbeat_interval`.
+    limit: Duration,
+    /// Slow round trips since the last warning, this one included.
+    since_last_warning: u64,
+}
+
+impl Pulse {
+    /// The first heartbeat is due one interval after the session was proven.
+    pub(crate) fn new(proven_at: Instant, interval: Duration, lease_timeout: Duration) -> Self {
+        let max_in_flight = lease_timeout
+            .as_nanos()
+            .div_ceil(interval.as_nanos().max(1))
+            .saturating_add(1);
+        Self {
+            interval,
+            lease_timeout,
+            max_in_flight: usize::try_from(max_in_flight)
+                .unwrap_or(usize::MAX)
+                .min(MAX_IN_FLIGHT),
+            in_flight: 0,
+            next: proven_at.checked_add(interval).unwrap_or(proven_at),
+            last_warning: None,
+            slow_since_warning: 0,
+        }
+    }
+
+    /// When the next heartbeat is due; `None` while the most allowed are on their way
+    /// (then it is due as soon as one answers).
+    pub(crate) fn next_send(&self) -> Option<Instant> {
+        (self.in_flight < self.max_in_flight).then_some(self.next)
+    }
+
+    /// A heartbeat is sent at `now`, after reading the lock floor `(epoch, floor)`.
+    pub(crate) fn send(&mut self, now: Instant, (epoch, floor): (u64, usize)) -> Beat {
+        self.in_flight += 1;
+        // On the grid; but after a stall (a freeze, a full pipeline) start again from
+        // now rather than sending the missed ones in a burst.
+        self.next = self
+            .next
+            .checked_add(self.interval)
+            .filter(|next| *next > now)
+            .or_else(|| now.checked_add(self.interval))
+            .unwrap_or(now);
+        Beat {
+            sent: now,
+            epoch,
+            floor,
+        }
+    }
+
+    /// The answer to `beat` arrived at `now`, while the lock floor's epoch is `epoch`.
+    ///
+    /// The lock count is compared with the floor read when *this* heartbeat was sent:
+    /// every lock counted then was taken by a statement already answered, so before this
+    /// query ran (the server runs one session's statements in order); a lock released
+    /// since then raised the epoch before its statement was sent, and then the count
+    /// proves nothing and is not judged. So fewer locks than the floor, with the epoch
+    /// unchanged, means another client released them.
+    pub(crate) fn answered(
+        &mut self,
+        beat: Beat,
+        answer: Result<i64, DisconnectReason>,
+        epoch: u64,
+        now: Instant,
+    ) -> Verdict {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        let locks = match answer {
+            Ok(locks) => locks,
+            Err(reason) => return Verdict::Revoke(reason),
+        };
+        if let Ok(locks) = usize::try_from(locks)
+            && locks < beat.floor
+            && epoch == beat.epoch
+        {
+            return Verdict::Revoke(DisconnectReason::PoolerDetected {
+                detail: format!(
+                    "the server shows {locks} advisory locks on this session, fewer than the {} it holds: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)",
+                    beat.floor
+                ),
+            });
+        }
+        let rtt = now.saturating_duration_since(beat.sent);
+        Verdict::Renew {
+            until: beat
+                .sent
+                .checked_add(self.lease_timeout)
+                .unwrap_or(beat.sent),
+            rtt,
+            slow: self.slow(rtt, now),
+        }
+    }
+
+    /// Counts a round trip above half the lease timeout; a warning is due for the first
+    /// one and then at most once per [`SLOW_WARNING_EVERY`].
+    fn slow(&mut self, rtt: Duration, now: Instant) -> Option<SlowWarning> {
+        let warn_above = self.lease_timeout / 2;
+        if rtt <= warn_above {
+            return None;
+        }
+        self.slow_since_warning += 1;
+        if self
+            .last_warning
+            .is_some_and(|at| now.saturating_duration_since(at) < SLOW_WARNING_EVERY)
+        {
+            return None;
+        }
+        self.last_warning = Some(now);
+        Some(SlowWarning {
+            warn_above,
+            limit: self.lease_timeout.saturating_sub(self.interval),
+            since_last_warning: std::mem::take(&mut self.slow_since_warning),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::Shared;
+
+    const INTERVAL: Duration = Duration::from_secs(1);
+    const LEASE: Duration = Duration::from_secs(3);
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn renewed(verdict: Verdict) -> (Instant, Duration, Option<SlowWarning>) {
+        match verdict {
+            Verdict::Renew { until, rtt, slow } => (until, rtt, slow),
+            other => panic!("expected a renewal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sends_on_a_fixed_grid_whether_or_not_answers_come() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        assert_eq!(pulse.next_send(), Some(t0 + INTERVAL));
+        // Fired a little late: the next one stays on the grid.
+        pulse.send(t0 + ms(1_003), (0, 0));
+        assert_eq!(pulse.next_send(), Some(t0 + ms(2_000)));
+        pulse.send(t0 + ms(2_000), (0, 0));
+        assert_eq!(pulse.next_send(), Some(t0 + ms(3_000)));
+    }
+
+    #[test]
+    fn never_more_in_flight_than_the_lease_timeout_can_use() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        // ceil(3 s / 1 s) + 1 = 4.
+        let beats: Vec<Beat> = (1..=4)
+            .map(|i| pulse.send(t0 + INTERVAL * i, (0, 0)))
+            .collect();
+        assert_eq!(pulse.next_send(), None, "at the bound");
+        pulse.answered(beats[0], Ok(0), 0, t0 + ms(5_500));
+        // Due at once (its slot passed while the pipeline was full), and the grid goes
+        // on from there.
+        assert_eq!(pulse.next_send(), Some(t0 + ms(5_000)));
+        pulse.send(t0 + ms(5_500), (0, 0));
+        assert_eq!(pulse.next_send(), None, "full again");
+        pulse.answered(beats[1], Ok(0), 0, t0 + ms(5_600));
+        assert_eq!(pulse.next_send(), Some(t0 + ms(6_000)));
+        // A lease timeout that is not a multiple of the interval rounds up.
+        assert_eq!(Pulse::new(t0, ms(400), ms(1_000)).max_in_flight, 4);
+        // Absurd ratios stay bounded.
+        assert_eq!(
+            Pulse::new(t0, ms(10), Duration::from_secs(24 * 3600)).max_in_flight,
+            MAX_IN_FLIGHT
+        );
+    }
+
+    #[test]
+    fn no_burst_after_a_stall() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        // The task ran again only 10 s late (a freeze): one heartbeat, not ten.
+        pulse.send(t0 + ms(11_000), (0, 0));
+        assert_eq!(pulse.next_send(), Some(t0 + ms(12_000)));
+    }
+
+    #[test]
+    fn each_answer_renews_from_its_own_send() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let first = pulse.send(t0 + ms(1_000), (0, 0));
+        let second = pulse.send(t0 + ms(2_000), (0, 0));
+        let (until, rtt, slow) = renewed(pulse.answered(first, Ok(0), 0, t0 + ms(2_900)));
+        assert_eq!(until, t0 + ms(4_000));
+        assert_eq!(rtt, ms(1_900));
+        assert!(slow.is_some(), "1.9 s is above half the lease timeout");
+        let (until, _, _) = renewed(pulse.answered(second, Ok(0), 0, t0 + ms(3_900)));
+        assert_eq!(until, t0 + ms(5_000));
+    }
+
+    #[test]
+    fn an_error_revokes() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let beat = pulse.send(t0 + INTERVAL, (0, 0));
+        let reason = DisconnectReason::ServerInRecovery;
+        assert_eq!(
+            pulse.answered(beat, Err(reason.clone()), 0, t0 + ms(1_001)),
+            Verdict::Revoke(reason)
+        );
+        assert_eq!(pulse.in_flight, 0);
+    }
+
+    #[test]
+    fn fewer_locks_than_the_floor_read_at_send_is_a_pooler() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        // Sent while the session held 2 locks; the floor has not fallen since.
+        let beat = pulse.send(t0 + INTERVAL, (7, 2));
+        assert!(matches!(
+            pulse.answered(beat, Ok(1), 7, t0 + ms(1_010)),
+            Verdict::Revoke(DisconnectReason::PoolerDetected { .. })
+        ));
+        // As many or more (a lock won meanwhile) is fine.
+        let beat = pulse.send(t0 + 2 * INTERVAL, (7, 2));
+        renewed(pulse.answered(beat, Ok(3), 7, t0 + ms(2_010)));
+        // A release was sent after this heartbeat read the floor (the epoch moved): the
+        // count may already show it, so it proves nothing.
+        let beat = pulse.send(t0 + 3 * INTERVAL, (7, 2));
+        renewed(pulse.answered(beat, Ok(1), 8, t0 + ms(3_010)));
+        // Pipelined: an earlier heartbeat read a higher floor than a later one; each is
+        // judged against its own.
+        let early = pulse.send(t0 + 4 * INTERVAL, (8, 2));
+        let late = pulse.send(t0 + 5 * INTERVAL, (9, 1));
+        renewed(pulse.answered(late, Ok(1), 9, t0 + ms(5_500)));
+        renewed(pulse.answered(early, Ok(1), 9, t0 + ms(5_500)));
+        // Negative or absurd counts are not judged (as before).
+        let beat = pulse.send(t0 + 6 * INTERVAL, (9, 2));
+        renewed(pulse.answered(beat, Ok(-1), 9, t0 + ms(6_010)));
+    }
+
+    #[test]
+    fn slow_round_trips_warn_at_most_every_thirty_seconds() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let mut warnings = Vec::new();
+        for i in 1..=70u32 {
+            let sent = t0 + INTERVAL * i;
+            let beat = pulse.send(sent, (0, 0));
+            // Fast ones never warn; slow ones (above 1.5 s) warn at most every 30 s.
+            let rtt = if i % 2 == 0 { ms(1_600) } else { ms(200) };
+            let (_, _, slow) = renewed(pulse.answered(beat, Ok(0), 0, sent + rtt));
+            if let Some(slow) = slow {
+                assert_eq!(slow.warn_above, ms(1_500));
+                assert_eq!(slow.limit, ms(2_000));
+                warnings.push((i, slow.since_last_warning));
+            }
+        }
+        assert_eq!(warnings, vec![(2, 1), (32, 15), (62, 15)]);
+        // Exactly half is not above half.
+        let beat = pulse.send(t0 + ms(100_000), (0, 0));
+        let (_, _, slow) = renewed(pulse.answered(beat, Ok(0), 0, t0 + ms(101_500)));
+        assert!(slow.is_none());
+    }
+
+    /// The heartbeat rules and the validity they renew, in virtual time, with every
+    /// answer `rtt` after its send (in order, as the server answers a pipeline).
+    /// Returns when validity lapsed, if it did within `beats` heartbeats.
+    fn lapses_at(rtt: Duration, beats: u32) -> Option<Duration> {
+        let options = crate::ManagerOptions::from_url("postgres://test@localhost/test")
+            .expect("BUG: static URL parses");
+        let shared = Shared::new(options, crate::ConnectionStatus::Connecting { attempt: 1 });
+        let t0 = Instant::now();
+        shared.extend_validity(t0 + LEASE);
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let mut answers: std::collections::VecDeque<(Instant, Beat)> = Default::default();
+        let mut sent = 0;
+        while sent < beats || !answers.is_empty() {
+            // The next event: an answer, or a send that is due.
+            let answer_at = answers.front().map(|(at, _)| *at);
+            let send_at = pulse.next_send().filter(|_| sent < beats);
+            let now = match (answer_at, send_at) {
+                (Some(a), Some(s)) => a.min(s),
+                (Some(a), None) => a,
+                (None, Some(s)) => s,
+                (None, None) => unreachable!(),
+            };
+            // The watchdog.
+            if now >= shared.valid_until() {
+                return Some(shared.valid_until() - t0);
+            }
+            if answer_at == Some(now) {
+                let (_, beat) = answers.pop_front().expect("BUG: an answer is due");
+                let Verdict::Renew { until, .. } = pulse.answered(beat, Ok(0), 0, now) else {
+                    panic!("no pooler here");
+                };
+                if !shared.renew_validity(until, now) {
+                    return Some(now - t0);
+                }
+            } else {
+                let beat = pulse.send(now, (0, 0));
+                answers.push_back((now + rtt, beat));
+                sent += 1;
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn round_trips_below_lease_timeout_minus_interval_keep_the_lease() {
+        for rtt in [ms(1), ms(500), ms(1_500), ms(1_900), ms(1_999)] {
+            assert_eq!(lapses_at(rtt, 60), None, "rtt {rtt:?}");
+        }
+    }
+
+    #[test]
+    fn round_trips_at_or_above_lease_timeout_minus_interval_lose_it() {
+        for rtt in [ms(2_000), ms(2_500), ms(4_000)] {
+            let lapsed = lapses_at(rtt, 60).unwrap_or_else(|| panic!("rtt {rtt:?} kept it"));
+            // Never later than a lease timeout after the last answered send.
+            assert!(lapsed <= Duration::from_secs(6), "rtt {rtt:?}: {lapsed:?}");
+        }
     }
 }

@@ -236,6 +236,11 @@ impl ManagerOptions {
 
     /// How often the session proves it is alive, the same backend, and on a primary.
     /// Default 1 s; at least 10 ms, at most half the lease timeout.
+    ///
+    /// Heartbeats are pipelined: one is sent every interval whether or not the earlier
+    /// ones have answered, so leases survive database round trips below
+    /// `lease_timeout - heartbeat_interval` (2 s with the defaults); a round trip above
+    /// half the lease timeout is logged as a warning (at most every 30 s).
     #[must_use]
     pub fn heartbeat_interval(mut self, interval: Duration) -> Self {
         self.heartbeat_interval = interval;

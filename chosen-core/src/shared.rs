@@ -106,3 +106,46 @@ impl Shared {
         Instant::now() < self.valid_until()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared() -> Shared {
+        let options = ManagerOptions::from_url("postgres://test@localhost/test")
+            .expect("BUG: static URL parses");
+        Shared::new(options, ConnectionStatus::Connecting { attempt: 1 })
+    }
+
+    fn s(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    #[test]
+    fn a_late_answer_of_an_earlier_heartbeat_never_shortens_validity() {
+        let shared = shared();
+        let t0 = Instant::now();
+        shared.extend_validity(t0 + s(3));
+        // The later heartbeat's answer is handled first...
+        assert!(shared.renew_validity(t0 + s(5), t0 + s(2)));
+        // ...then the earlier one's: still renewed (the session is alive), not shortened.
+        assert!(shared.renew_validity(t0 + s(4), t0 + s(2)));
+        assert_eq!(shared.valid_until(), t0 + s(5));
+    }
+
+    #[test]
+    fn an_answer_after_validity_lapsed_does_not_revive_it() {
+        let shared = shared();
+        let t0 = Instant::now();
+        shared.extend_validity(t0 + s(3));
+        // Exactly at the deadline is already too late.
+        assert!(!shared.renew_validity(t0 + s(6), t0 + s(3)));
+        assert!(!shared.renew_validity(t0 + s(6), t0 + s(4)));
+        assert_eq!(shared.valid_until(), t0 + s(3));
+        // Nor after the session was invalidated.
+        shared.extend_validity(t0 + s(10));
+        shared.invalidate();
+        assert!(!shared.renew_validity(t0 + s(12), t0 + s(4)));
+        assert!(!shared.is_valid_now());
+    }
+}

@@ -3,7 +3,8 @@
 //! Each node is one [`LockTable`] plus a small model of what `driver.rs` does around it:
 //! one session (backend) that runs the table's plans as pipelined statements, a
 //! heartbeat that keeps the leases valid until the last successful heartbeat *sent* +
-//! `lease_timeout`, reconnects with backoff, a graceful shutdown, and one "child" per
+//! `lease_timeout` (pipelined like `heartbeat.rs`: one sent every interval whatever the
+//! answers do, at most `ceil(lease / interval) + 1` on their way), reconnects with backoff, a graceful shutdown, and one "child" per
 //! granted lease that acts until the node learns the lease is lost and then takes up to
 //! `stop_budget` to stop before it drops the lease. The server models what our SQL
 //! relies on: exclusive and shared advisory locks per backend, backend pids, one
@@ -415,6 +416,11 @@ struct Node {
     attempt: u64,
     backoff: T,
     valid_until: T,
+    /// Heartbeats sent in this generation and not answered yet; when the next is due;
+    /// whether one is due but waits for an answer (the most allowed are on their way).
+    hb_in_flight: u64,
+    hb_next: T,
+    hb_waiting: bool,
     busy: Option<Stmts>,
     closing: Option<Closing>,
     /// The process ended (graceful shutdown); restarted later as a new instance.
@@ -627,6 +633,9 @@ impl Sim {
                 attempt: 0,
                 backoff: t.reconnect_min,
                 valid_until: 0,
+                hb_in_flight: 0,
+                hb_next: 0,
+                hb_waiting: false,
                 busy: None,
                 closing: None,
                 down: false,
@@ -835,11 +844,25 @@ impl Sim {
                 if g != gn {
                     return;
                 }
-                if self.now >= self.nodes[n].valid_until {
+                let max_in_flight = self.t.lease.div_ceil(self.t.heartbeat) + 1;
+                let node = &mut self.nodes[n];
+                if self.now >= node.valid_until {
                     self.lose_session(n, "heartbeat overdue");
+                } else if node.hb_in_flight >= max_in_flight {
+                    node.hb_waiting = true;
                 } else {
+                    // As `Pulse::send`: on the grid, or from now after a stall.
+                    node.hb_in_flight += 1;
+                    let next = node.hb_next + self.t.heartbeat;
+                    node.hb_next = if next > self.now {
+                        next
+                    } else {
+                        self.now + self.t.heartbeat
+                    };
+                    let next = node.hb_next;
                     let sent = self.now;
                     self.send_up(n, Up::Heartbeat { gn, pid, sent });
+                    self.push(next, Ev::HbTimer { n, inst, gn });
                 }
             }
             Ev::Watchdog { n, inst, gn } => {
@@ -1039,6 +1062,9 @@ impl Sim {
                 let gn = node.gens;
                 node.conn = Conn::Up { gn, pid };
                 node.valid_until = proven_at + self.t.lease;
+                node.hb_in_flight = 0;
+                node.hb_next = proven_at + self.t.heartbeat;
+                node.hb_waiting = false;
                 node.backoff = self.t.reconnect_min;
                 let valid_until = node.valid_until;
                 let inst = node.inst;
@@ -1059,11 +1085,16 @@ impl Sim {
                     return;
                 }
                 let node = &mut self.nodes[n];
+                node.hb_in_flight = node.hb_in_flight.saturating_sub(1);
                 if node.valid_until > self.now {
                     node.valid_until = node.valid_until.max(sent + self.t.lease);
+                    // The next heartbeat waited for this answer: due now.
+                    let waiting = std::mem::take(&mut node.hb_waiting);
                     let (inst, valid) = (node.inst, node.valid_until);
                     self.push(valid, Ev::Watchdog { n, inst, gn });
-                    self.push(sent + self.t.heartbeat, Ev::HbTimer { n, inst, gn });
+                    if waiting {
+                        self.push(self.now, Ev::HbTimer { n, inst, gn });
+                    }
                 } else {
                     self.lose_session(n, "heartbeat answered too late");
                 }
