@@ -41,6 +41,11 @@ pub(crate) async fn run(
     let lease_timeout = shared.options.lease_timeout;
     let mut pulse = Pulse::new(proven_at, shared.options.heartbeat_interval, lease_timeout);
     let revoke = |reason: DisconnectReason| {
+        // Already revoked (the driver ended this generation and may have started the
+        // next one, whose validity this must not wipe): nothing to do.
+        if generation.revoked.is_cancelled() {
+            return;
+        }
         shared.invalidate();
         generation.revoke(reason);
     };
@@ -462,5 +467,100 @@ mod tests {
             // Never later than a lease timeout after the last answered send.
             assert!(lapsed <= Duration::from_secs(6), "rtt {rtt:?}: {lapsed:?}");
         }
+    }
+
+    // Review of the pipelined heartbeat (branch `flap`), finding 1:
+    //
+    // The server's `tcp_user_timeout` (was `server_release_after` in session.rs
+    // setup_sql; now `session::tcp_user_timeout`) counts from the ORIGINAL send time of the oldest server byte still
+    // unacknowledged (Linux: retransmits_timed_out() measures from tp->retrans_stamp),
+    // not from when the last heartbeat ran. With pipelining the client keeps sending
+    // heartbeats that reach the server while server->client bytes are being
+    // retransmitted; those heartbeats' segments carry no newer ACK. When the
+    // retransmission finally gets through, the replies renew validity to the *latest*
+    // heartbeat's send + lease_timeout, which can be up to ~(lease_timeout - interval)
+    // after the moment the server's tcp_user_timeout clock started. If the link then
+    // fails completely (the client's ACK is lost), the server drops the session (and
+    // its locks) at T0 + server_release_after, while the client trusts its lease far
+    // beyond that. One heartbeat at a time (main) could not do this: heartbeat k+1 is
+    // sent only after reply k was read, so its segment ACKs everything before it.
+    //
+    // Timeline (ms), options valid per `validate()`: heartbeat 1 s, lease 10 s,
+    // stop_budget 2 s, margin 0.1 s, server_release_after 12.2 s
+    // (10 + 2 + 0.1 = 12.1 < 12.2).
+    //   1000  hb@1000 runs, reply delivered at once (validity -> 11000)
+    //   1002  server sends a NOTIFY / poll reply: LOST (server->client blackholed);
+    //         T0 = 1002 is now the oldest unacked byte; RTO retransmits at
+    //         T0+200, +600, +1400, +3000, +6200 (exponential backoff)
+    //   2000..7000  hb@2000..hb@7000 reach the server (client->server fine), run, and
+    //         their replies queue behind the unacked byte
+    //   7202  server->client heals just in time for the retransmission at T0+6200:
+    //         the client reads every reply; hb@7000's renews validity to 17000
+    //   7203  the link fails both ways; the client's ACK never arrives
+    //   13202 server: tcp_user_timeout (12.2 s since T0) -> backend ends, locks free;
+    //         another node is granted at the next poll (~13.5 s)
+    //   17000 client: watchdog fires; the child may run until 19000 (stop budget)
+    //   => ~5.5 s of two holders. The contract needs
+    //      valid_until + stop_budget + margin <= server release.
+    #[test]
+    fn review_tcp_user_timeout_counts_from_the_oldest_unacked_byte() {
+        let interval = ms(1_000);
+        let lease = ms(10_000);
+        let stop_budget = ms(2_000);
+        let margin = ms(100);
+        let release = ms(12_200);
+        // The invariant the options check.
+        assert!(lease + stop_budget + margin < release);
+        let options = crate::ManagerOptions::from_url("postgres://test@localhost/test")
+            .expect("BUG: static URL parses")
+            .heartbeat_interval(interval)
+            .lease_timeout(lease)
+            .stop_budget(stop_budget)
+            .safety_margin(margin)
+            .server_release_after(release);
+        options
+            .validate()
+            .expect("the options keep the timing invariant");
+        let shared = Shared::new(options, crate::ConnectionStatus::Connecting { attempt: 1 });
+        let t0 = Instant::now();
+        shared.extend_validity(t0 + lease);
+        let mut pulse = Pulse::new(t0, interval, lease);
+
+        // hb@1000: answered at once.
+        let beat = pulse.send(t0 + ms(1_000), (0, 0));
+        let (until, _, _) = renewed(pulse.answered(beat, Ok(0), 0, t0 + ms(1_001)));
+        assert!(shared.renew_validity(until, t0 + ms(1_001)));
+        // T0: the server's first byte that will stay unacknowledged.
+        let oldest_unacked = t0 + ms(1_002);
+        // hb@2000..hb@7000 are sent (pipelined, nothing answered in between: the
+        // pipeline holds ceil(10/1)+1 = 11) and run at the server at once.
+        let mut queued = Vec::new();
+        for s in 2..=7u64 {
+            let at = t0 + ms(1_000 * s);
+            assert_eq!(
+                pulse.next_send(),
+                Some(at),
+                "on the grid, pipeline not full"
+            );
+            queued.push(pulse.send(at, (0, 0)));
+        }
+        // The retransmission at T0 + 6200 delivers them all; then the link fails.
+        let delivered = oldest_unacked + ms(6_200);
+        for beat in queued {
+            let (until, _, _) = renewed(pulse.answered(beat, Ok(0), 0, delivered));
+            assert!(shared.renew_validity(until, delivered), "not lapsed yet");
+        }
+        let server_releases = oldest_unacked + crate::session::tcp_user_timeout(&shared.options);
+        let client_child_may_run_until = shared.valid_until() + stop_budget;
+        assert!(
+            client_child_may_run_until + margin <= server_releases,
+            "lease trusted until {:?} (+ stop budget {:?} + margin {:?}) but the server's \
+             tcp_user_timeout ends the session at {:?}: overlap {:?}",
+            shared.valid_until() - t0,
+            stop_budget,
+            margin,
+            server_releases - t0,
+            (client_child_may_run_until + margin) - server_releases,
+        );
     }
 }

@@ -273,7 +273,8 @@ impl ManagerOptions {
 
     /// After how long the server ends a silent session, releasing its locks so another
     /// node can take over. Set on the session as `idle_session_timeout` (and as
-    /// the TCP keepalive and `tcp_user_timeout` floor). Default 7 s; at most 24 h.
+    /// the TCP keepalive floor; `tcp_user_timeout` is this plus `lease_timeout`).
+    /// Default 7 s; at most 24 h.
     #[must_use]
     pub fn server_release_after(mut self, after: Duration) -> Self {
         self.server_release_after = after;

@@ -1442,10 +1442,22 @@ pub(crate) fn error_text(error: &tokio_postgres::Error) -> String {
     }
 }
 
+/// The server's `tcp_user_timeout`: how long the server keeps a connection whose sent
+/// data stays unacknowledged. Linux counts it from the first send of the oldest
+/// unacknowledged byte, not from the last query: with heartbeats pipelined, replies
+/// stuck behind a lost byte can renew validity up to a lease timeout after that clock
+/// started, so it must be at least `server_release_after + lease_timeout` (a
+/// one-way loss then keeps the session, and its locks, that much longer; an idle
+/// silent session is still ended by `idle_session_timeout` at `server_release_after`).
+pub(crate) fn tcp_user_timeout(options: &ManagerOptions) -> std::time::Duration {
+    options.server_release_after + options.lease_timeout
+}
+
 /// The settings that make the server end a silent session in bounded time, and keep a
 /// DBA's defaults from breaking the contract.
 fn setup_sql(options: &ManagerOptions) -> String {
     let release_ms = options.server_release_after.as_millis();
+    let user_timeout_ms = tcp_user_timeout(options).as_millis();
     // Keepalives and tcp_user_timeout are a second line for a real partition; they must
     // never release *earlier* than server_release_after, so they start at that point.
     let keepalive_idle_s = options.server_release_after.as_secs().max(1);
@@ -1461,7 +1473,7 @@ fn setup_sql(options: &ManagerOptions) -> String {
          SET tcp_keepalives_idle = {keepalive_idle_s}; \
          SET tcp_keepalives_interval = 1; \
          SET tcp_keepalives_count = 3; \
-         SET tcp_user_timeout = {release_ms}; \
+         SET tcp_user_timeout = {user_timeout_ms}; \
          SET client_connection_check_interval = 1000; \
          LISTEN {RELEASE_CHANNEL};"
     )

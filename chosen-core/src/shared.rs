@@ -85,9 +85,12 @@ impl Shared {
     /// turns true again after `lost()` resolved). Returns whether it renewed.
     pub(crate) fn renew_validity(&self, deadline: Instant, now: Instant) -> bool {
         let deadline = self.nanos(deadline);
-        let now = self.nanos(now);
         self.valid_until
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                // The clock is read here, not only by the caller: a thread paused between
+                // its reading and this update must not revive validity that lapsed (and
+                // was reported lost) meanwhile.
+                let now = self.nanos(now.max(Instant::now()));
                 (current > now).then_some(current.max(deadline))
             })
             .is_ok()
