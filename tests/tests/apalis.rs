@@ -38,6 +38,56 @@ async fn record(
     Ok(())
 }
 
+/// Ticks run under a stable leader before the kill.
+const STABLE_TICKS: usize = 4;
+
+/// Ticks after the kill that the failover may cost.
+const FAILOVER_TICKS: u64 = 3;
+
+/// The witness rows, by tick: `(node, token)` per run.
+type Ticks = BTreeMap<i64, Vec<(String, i64)>>;
+
+async fn witness_ticks(admin: &tokio_postgres::Client) -> Ticks {
+    let rows = admin
+        .query("SELECT tick, node, token FROM witness ORDER BY tick", &[])
+        .await
+        .unwrap();
+    let mut by_tick = Ticks::new();
+    for row in &rows {
+        by_tick
+            .entry(row.get(0))
+            .or_default()
+            .push((row.get(1), row.get(2)));
+    }
+    by_tick
+}
+
+fn last_tick(ticks: &Ticks) -> u64 {
+    ticks.keys().next_back().map_or(0, |t| *t as u64)
+}
+
+/// Polls the witness table until `done` holds for its rows (ticks come once a second:
+/// the deadline is generous), and returns them.
+async fn wait_for_ticks(
+    admin: &tokio_postgres::Client,
+    what: &str,
+    done: impl Fn(&Ticks) -> bool,
+) -> Ticks {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ticks = witness_ticks(admin).await;
+        if done(&ticks) {
+            return ticks;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what} (now {}): {ticks:?}",
+            now_secs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -89,8 +139,11 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
         nodes.push((manager, leadership, stats, monitor));
     }
 
-    // Stable leadership for a while.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // Stable leadership for a few ticks.
+    let before = wait_for_ticks(&admin, "ticks under a stable leader", |ticks| {
+        ticks.len() >= STABLE_TICKS
+    })
+    .await;
     let leader = nodes
         .iter()
         .position(|n| n.1.is_leader())
@@ -99,36 +152,34 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
         ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
+    let last_before = last_tick(&before);
     let killed_at = now_secs();
     admin
         .execute("SELECT pg_terminate_backend($1)", &[&pid])
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    let end = now_secs();
+    // The failover may take up to FAILOVER_TICKS ticks; then a new leader runs every
+    // tick again: wait for the second of those.
+    let after = wait_for_ticks(&admin, "ticks under the next leader", |ticks| {
+        last_tick(ticks) > killed_at + FAILOVER_TICKS
+    })
+    .await;
+    let last_after = last_tick(&after);
     stop.notify_waiters();
     for (_, _, _, monitor) in nodes.iter_mut() {
         let _ = tokio::time::timeout(Duration::from_secs(10), monitor).await;
     }
 
-    let rows = admin
-        .query("SELECT tick, node, token FROM witness ORDER BY tick", &[])
-        .await
-        .unwrap();
-    let mut by_tick: BTreeMap<i64, Vec<(String, i64)>> = BTreeMap::new();
-    for row in &rows {
-        by_tick
-            .entry(row.get(0))
-            .or_default()
-            .push((row.get(1), row.get(2)));
-    }
+    let by_tick = witness_ticks(&admin).await;
+    let rows: usize = by_tick.values().map(Vec::len).sum();
     let first = *by_tick.keys().next().expect("some ticks ran") as u64;
     let duplicates: Vec<_> = by_tick.iter().filter(|(_, v)| v.len() > 1).collect();
     assert!(duplicates.is_empty(), "ticks ran twice: {duplicates:?}");
 
-    // Every tick while a leader was stable ran: from the first tick until a second
-    // before the kill, and from 3 s after the kill until 2 s before the end.
-    let stable = (first..killed_at.saturating_sub(1)).chain(killed_at + 3..end.saturating_sub(2));
+    // Every tick while a leader was stable ran: from the first tick until the last one
+    // seen before the kill, and from FAILOVER_TICKS after the kill until the last one
+    // seen before the end.
+    let stable = (first..=last_before).chain(killed_at + FAILOVER_TICKS..=last_after);
     let missing: Vec<u64> = stable
         .filter(|t| !by_tick.contains_key(&(*t as i64)))
         .collect();
@@ -146,7 +197,7 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
 
     let last = *by_tick.keys().last().expect("some ticks ran") as u64;
     let scheduled = last - first + 1;
-    let executed = rows.len() as u64;
+    let executed = rows as u64;
     let skipped: u64 = nodes
         .iter()
         .map(|n| n.2.skipped_not_leader() + n.2.skipped_stale_tick())
