@@ -33,16 +33,24 @@ use crate::status::DisconnectReason;
 ///
 /// * The low 48 bits are the PostgreSQL transaction id (`pg_current_xact_id()`, the
 ///   64-bit `xid8` with its epoch) of the statement that won the lock, assigned only
-///   when a lock is actually won and committed synchronously (`synchronous_commit =
-///   on` for that statement, whatever the server's setting), so a crash cannot hand
-///   the same id out again. 2<sup>48</sup> transactions are 89 years at 100,000 per
+///   when a lock is actually won and committed durably (a small WAL record and
+///   `synchronous_commit = local` for that statement, whatever the server's setting),
+///   so a crash cannot hand the same id out again. 2<sup>48</sup> transactions are 89 years at 100,000 per
 ///   second; past that the low bits would wrap and tokens go backwards (PostgreSQL's
 ///   own epoch runs out at 2<sup>64</sup>).
 /// * The high 16 bits are the server's timeline (`pg_walfile_name(pg_current_wal_lsn())`),
 ///   which a promotion raises: after an asynchronous failover the promoted standby may
 ///   hand out transaction ids the old primary already handed out without replicating
 ///   them, and the timeline keeps its tokens above every token of the old primary. A
-///   server on timeline 65,536 or later is refused.
+///   server on timeline 32,768 or later is refused, so that bit 63 stays clear and a
+///   token stored in a signed 64-bit column (`bigint`) stays positive.
+///   This needs timelines that do not collide: two standbys promoted one after the
+///   other without a shared WAL archive (the second never saw the first's timeline)
+///   both take the same timeline number, and the second's ids start from the old
+///   primary's, below the first's; so does a base backup restored without
+///   `recovery.signal`. Then tokens go backwards (downstream systems refuse the new,
+///   legitimate holder: a stall, not two writers). Keep a shared WAL archive, or let
+///   the failover tool rebuild standbys after a promotion.
 ///
 /// Tokens of the same lock compare as plain numbers (`u64`).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]

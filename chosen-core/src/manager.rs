@@ -259,7 +259,9 @@ impl LockManager {
     }
 
     /// Takes the lock if it is free right now: `Ok(None)` when another session, or
-    /// another request of this process, holds or waits for it.
+    /// another request of this process, holds or waits for it, and while nothing may be
+    /// granted yet because the server's term as primary began less than
+    /// [`term_grant_delay`](crate::ManagerOptions::term_grant_delay) ago.
     ///
     /// # Errors
     ///

@@ -116,7 +116,7 @@ holders AS (
     ) x
 )
 SELECT f.i,
-       CASE WHEN f.won AND set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
        CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
            CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2:x'
                 ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1:x' END
@@ -153,7 +153,7 @@ f AS MATERIALIZED (
            END AS fence_clear
     FROM k
 )
-SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
+SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
        CASE WHEN NOT f.won THEN (
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
@@ -391,12 +391,15 @@ ORDER BY a.application_name, l.classid, l.objid";
 /// hands the same id out again (verified on PostgreSQL 15: with either measure alone
 /// the id was handed out again after `pg_ctl stop -m immediate`). So the statement
 /// writes a transactional logical decoding message (prefix `chosen.token`, empty, any
-/// role may; logical decoding consumers see it) and sets `synchronous_commit = on` for
-/// its own transaction: the commit is flushed (and, with synchronous standbys, waits
-/// for them) before the answer is sent. Only when a lock was won: failed tries write
-/// nothing.
+/// role may; logical decoding consumers see it) and sets `synchronous_commit = local`
+/// for its own transaction: the commit is flushed to the local WAL before the answer is
+/// sent. Local, not `on`: with synchronous standbys configured and one of them down, a
+/// commit waiting for it would hang the win (no `statement_timeout` covers that wait)
+/// and every statement queued behind it, the heartbeat among them; across a failover,
+/// the timeline in the token's high bits orders the new term's tokens after the old
+/// ones. Only when a lock was won: failed tries write nothing.
 const TOKEN_SQL: &str = "
-SELECT CASE WHEN set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END
+SELECT CASE WHEN set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END
 WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2";
 
 /// The server's current term as primary: which timeline it writes, and how long ago
@@ -470,13 +473,33 @@ async fn read_term(client: &Client) -> Result<Term> {
             message: "the server answered the term query with no row".to_owned(),
         })?;
     let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
-    let Ok(timeline) = u16::try_from(timeline) else {
+    // 15 bits: a token stored in a signed 64-bit column (PostgreSQL's bigint) must stay
+    // positive.
+    let Some(timeline) = u16::try_from(timeline).ok().filter(|t| *t < 1 << 15) else {
         return Err(Error::Refused(DisconnectReason::ConnectFailed {
             message: format!(
-                "the server is on timeline {timeline}: fencing tokens carry the timeline in 16 bits, so at most 65535 failovers are supported"
+                "the server is on timeline {timeline}: fencing tokens carry the timeline in 15 bits (so that they stay positive as a signed 64-bit number), so at most 32767 timelines are supported"
             ),
         }));
     };
+    // Every token-issuing statement writes a logical decoding message (see TOKEN_SQL):
+    // a role without the right would fail every win with a bare permission error.
+    let may_emit = client
+        .simple_query(
+            "SELECT has_function_privilege('pg_catalog.pg_logical_emit_message(boolean, text, text)', 'EXECUTE')",
+        )
+        .await
+        .map_err(Error::database)?
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(|v| v == "t"),
+            _ => None,
+        });
+    if may_emit != Some(true) {
+        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+            message: "this role may not execute pg_logical_emit_message(boolean, text, text), which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) TO the role (PostgreSQL grants it to PUBLIC by default)".to_owned(),
+        }));
+    }
     if timeline == 0 {
         return Err(Error::Refused(DisconnectReason::ConnectFailed {
             message: "the server answered no timeline".to_owned(),

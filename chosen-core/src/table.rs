@@ -573,6 +573,10 @@ impl LockTable {
                 Some(Refusal::Busy)
             } else if self.generation.is_none() {
                 Some(Refusal::NotConnected)
+            } else if self.grants_not_before.is_some_and(|at| at > now) {
+                // Nothing can be granted before the hold of a new primary term ends: a
+                // try answers now rather than wait it out.
+                Some(Refusal::Busy)
             } else {
                 None
             };

@@ -282,6 +282,11 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 .await
                 .map_err(io::Error::other)??;
                 record.healed_us = monotonic_us();
+                // A new primary term grants nothing for `term_grant_delay` (6 s at the
+                // nodes' defaults): let the fleet lead again before the next fault, so
+                // that it too takes a lease away (after the nodes reported the loss).
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
             }
             "sigterm" => {
                 record.at_us = monotonic_us();

@@ -1413,3 +1413,27 @@ fn held_interest_keys_count_in_the_server_floor() {
         "lowered before the release is sent"
     );
 }
+
+#[test]
+fn a_try_during_a_new_terms_hold_answers_at_once() {
+    // Review 6, finding 2: nothing can be granted before the hold ends; a try must not
+    // wait it out (nor take the key at the server meanwhile).
+    let mut f = Fixture::new();
+    f.table.hold_grants_until(f.now + Duration::from_secs(6));
+    let t = f.try_(key(1));
+    assert_eq!(
+        f.actions(),
+        vec![Action::Refuse {
+            id: t,
+            why: Refusal::Busy
+        }]
+    );
+    assert!(f.plan().is_empty(), "tried at the server");
+    // A waiting request is tried (and held at the server) and granted after the hold.
+    let w = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(4)));
+    assert!(f.granted().is_empty());
+    f.advance(Duration::from_secs(6));
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(w, token(4))]);
+}
