@@ -4,11 +4,13 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chosen_core::{
     ConnectionStatus, DisconnectReason, Error, FencingToken, LockManager, ManagerOptions,
+    MetricsSink,
 };
 use chosen_tests::{
     FaultProxy, PgBouncer, PgCluster, ProxyMode, connect_admin, signal, unique_name,
@@ -119,7 +121,34 @@ fn ms(d: Duration) -> u128 {
     d.as_millis()
 }
 
-/// A, then B, contend; the fault is applied to whoever holds first.
+/// Counts a manager's try statements (each poll of its waiting keys is one).
+#[derive(Debug, Default)]
+struct PollCounter(AtomicU64);
+
+impl MetricsSink for PollCounter {
+    fn poll_query(&self, _node: &str, _keys: usize) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl PollCounter {
+    /// Waits until `manager` has started `n` try statements.
+    async fn wait_for(&self, n: u64, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.0.load(Ordering::SeqCst) < n {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for try statement {n} ({} so far)",
+                self.0.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+/// A, then B, contend; the fault is applied to whoever holds first. Returns once B has
+/// tried the lock and seen A hold it, so that B takes over as a waiter that knows the
+/// lock was contended (and grants with the takeover grace), whatever the fault.
 async fn two_contenders(
     url_a: &str,
     url_b: &str,
@@ -128,7 +157,8 @@ async fn two_contenders(
     let a = LockManager::connect(options(url_a, "node-a"))
         .await
         .unwrap();
-    let b = LockManager::connect(options(url_b, "node-b"))
+    let polls = Arc::new(PollCounter::default());
+    let b = LockManager::connect(options(url_b, "node-b").metrics(polls.clone()))
         .await
         .unwrap();
     let history = History::default();
@@ -137,7 +167,9 @@ async fn two_contenders(
         .wait_for("A to hold", Duration::from_secs(10), |h| h.len() == 1)
         .await;
     history.contend(b.clone(), name.to_owned());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // B's manager runs one statement at a time and plans the next try only after the
+    // last one answered: its second try means the first came back without the lock.
+    polls.wait_for(2, Duration::from_secs(10)).await;
     assert_eq!(history.current_holders(), vec!["node-a".to_owned()]);
     (a, b, history)
 }
@@ -365,7 +397,8 @@ async fn killed_holder_process_is_replaced_within_a_poll() {
     let name = unique_name("killed");
     let (mut holder, lines) = spawn_holder(&pg.url(), &name, "killed-holder");
     wait_line(&lines, "acquired");
-    let b = LockManager::connect(options(&pg.url(), "node-b"))
+    let polls = Arc::new(PollCounter::default());
+    let b = LockManager::connect(options(&pg.url(), "node-b").metrics(polls.clone()))
         .await
         .unwrap();
     let waiting = tokio::spawn({
@@ -373,7 +406,9 @@ async fn killed_holder_process_is_replaced_within_a_poll() {
         let name = name.clone();
         async move { b.acquire(name.as_str()).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // B waits, having seen the holder hold the lock (see `two_contenders`).
+    polls.wait_for(2, Duration::from_secs(10)).await;
+    assert!(!waiting.is_finished());
     let t0 = Instant::now();
     holder.kill().unwrap();
     let _ = holder.wait();
