@@ -598,7 +598,13 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
     let m = LockManager::connect(options(&url, "multi-host"))
         .await
         .unwrap();
-    assert!(m.try_acquire(unique_name("multi")).await.unwrap().is_some());
+    // (Acquire, not try: the cluster just started, and no lock is granted before its
+    // term is `term_grant_delay` old.)
+    let lease = tokio::time::timeout(Duration::from_secs(20), m.acquire(unique_name("multi")))
+        .await
+        .expect("granted once the new term's hold ends")
+        .unwrap();
+    assert!(lease.is_valid());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

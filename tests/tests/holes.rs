@@ -282,7 +282,10 @@ async fn a_batch_token_is_newer_than_every_tenure_before_it() {
     let mut valid_rounds = 0;
     for round in 0..16 {
         let a = LockManager::connect(
-            options(&pg.url(), &format!("batcher-{round}")).max_locks(KEYS as usize + 10),
+            // No term hold: the cluster just started, and the tries must race now.
+            options(&pg.url(), &format!("batcher-{round}"))
+                .max_locks(KEYS as usize + 10)
+                .term_grant_delay(Duration::ZERO),
         )
         .await
         .unwrap();

@@ -43,11 +43,12 @@ async fn two_managers_contend_and_exactly_one_holds() {
     let b = manager(&pg.url(), "contend-b").await;
     let name = unique_name("contend");
 
-    let lease = a
-        .try_acquire(&name)
+    // Acquire, not try: on a server that just started, nothing is granted before its
+    // term is `term_grant_delay` old (a try answers `None` meanwhile).
+    let lease = tokio::time::timeout(Duration::from_secs(20), a.acquire(&name))
         .await
-        .unwrap()
-        .expect("free lock is taken");
+        .expect("free lock is taken")
+        .unwrap();
     assert!(lease.is_valid());
     assert!(
         b.try_acquire(&name).await.unwrap().is_none(),

@@ -276,7 +276,16 @@ fn a_win_on_a_new_primary_term_waits_until_the_hold_ends() {
     f.table.session_started(2, f.now);
     f.table.hold_grants_until(f.now + hold);
     let a = f.wait(key(1));
-    let b = f.try_(key(2));
+    let b = f.wait(key(2));
+    // A try answers at once (see `a_try_during_a_new_terms_hold_answers_at_once`).
+    let t = f.try_(key(3));
+    assert_eq!(
+        f.actions(),
+        vec![Action::Refuse {
+            id: t,
+            why: Refusal::Busy
+        }]
+    );
     // Tried at once (the lock is taken at the server), but not granted.
     f.try_round(&[key(1), key(2)], TryOutcome::Won(token(10)));
     assert!(f.granted().is_empty(), "granted during the term's hold");
