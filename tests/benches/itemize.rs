@@ -75,8 +75,8 @@ async fn run() -> Res<()> {
             unlock: "SELECT pg_advisory_unlock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
         },
         Variant {
-            name: "+ guard + durable token (xid, sync commit, WAL message)",
-            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT CASE WHEN k.won AND set_config('synchronous_commit', 'on', true) = 'on' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END FROM k",
+            name: "+ guard + durable token (xid, local sync commit, WAL message)",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT CASE WHEN k.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END FROM k",
             unlock: "SELECT pg_advisory_unlock(1, 2) WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
         },
         Variant {
@@ -100,7 +100,12 @@ async fn run() -> Res<()> {
             unlock: "WITH u AS MATERIALIZED (SELECT pg_advisory_unlock(1, 2) AS ok WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT u.ok, CASE WHEN pg_try_advisory_lock(7, 11) THEN pg_advisory_unlock(7, 11) ELSE pg_notify('chosen_release', 'x') IS NULL END FROM u",
         },
         Variant {
-            name: "0.2 statements (guard, xid, fence probe, NOTIFY)",
+            name: "0.2 statements (guard, durable token, fence probe, interest probe: no NOTIFY)",
+            lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2), f AS MATERIALIZED (SELECT k.won, CASE WHEN k.won THEN CASE WHEN pg_try_advisory_lock(7, 9) THEN pg_advisory_unlock(7, 9) ELSE false END END AS clear FROM k) SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END, f.clear FROM f",
+            unlock: "WITH u AS MATERIALIZED (SELECT pg_advisory_unlock(1, 2) AS ok WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2) SELECT u.ok, CASE WHEN pg_try_advisory_lock(7, 11) THEN pg_advisory_unlock(7, 11) ELSE pg_notify('chosen_release', 'x') IS NULL END FROM u",
+        },
+        Variant {
+            name: "earlier 0.2 statements (guard, xid, fence probe, NOTIFY)",
             lock: "WITH k AS MATERIALIZED (SELECT pg_try_advisory_lock(1, 2) AS won WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2), f AS MATERIALIZED (SELECT k.won, CASE WHEN k.won THEN CASE WHEN pg_try_advisory_lock(7, 9) THEN pg_advisory_unlock(7, 9) ELSE false END END AS clear FROM k) SELECT CASE WHEN f.won THEN pg_current_xact_id()::text::int8 END, f.clear FROM f",
             unlock: "SELECT pg_advisory_unlock(1, 2), pg_notify('chosen_release', 'x')::text WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
         },
