@@ -382,6 +382,8 @@ fn spawn_status_events(manager: &LockManager, events: Events) {
                 ConnectionStatus::Connected {
                     generation,
                     backend_pid,
+                    server,
+                    ..
                 } => events.emit(
                     "connected",
                     &[
@@ -390,6 +392,7 @@ fn spawn_status_events(manager: &LockManager, events: Events) {
                             "backend_pid",
                             Field::Num(u64::from(backend_pid.unsigned_abs())),
                         ),
+                        ("server", Field::Str(server)),
                     ],
                 ),
                 ConnectionStatus::Disconnected { reason, .. } => {

@@ -168,6 +168,7 @@ impl Driver {
             .send_replace(ConnectionStatus::Connected {
                 generation: generation.id,
                 backend_pid: s.backend_pid,
+                server: s.server.clone(),
             });
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), true, generation.id);

@@ -226,6 +226,7 @@ impl LockManager {
         let status = ConnectionStatus::Connected {
             generation: 1,
             backend_pid: first.backend_pid,
+            server: first.server.clone(),
         };
         let shared = Arc::new(Shared::new(options, status));
         shared.extend_validity(first.proven_at + shared.options.lease_timeout);

@@ -34,7 +34,7 @@ const MIN_SERVER_VERSION: i32 = 140_000;
 /// transaction pooler that shares backends between clients shows another one's.
 pub(crate) const MARKER_SETTING: &str = "chosen.session";
 
-const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8";
+const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), '')";
 
 /// Proves the session: the same backend, writable, still marked as ours, and how many
 /// advisory locks it holds (fewer than the manager holds means something released them
@@ -578,6 +578,10 @@ pub(crate) struct Session {
     pub(crate) marker: String,
     /// `oid` of the current database.
     pub(crate) database_oid: i64,
+    /// The server's address and port as it sees this connection (`inet_server_addr()`,
+    /// `inet_server_port()`), empty over a Unix socket: which host of a multi-host URL
+    /// the session is on.
+    pub(crate) server: String,
     pub(crate) generation: Arc<Generation>,
     pub(crate) events: mpsc::UnboundedReceiver<ConnEvent>,
     /// When the setup query that proved the session was sent.
@@ -1607,6 +1611,8 @@ where
     let found_marker = field(3).to_owned();
     let advisory_locks: i64 = field(4).parse().unwrap_or(0);
     let database_oid: i64 = field(5).parse().unwrap_or(0);
+    // The server's address as it sees this connection (empty over a Unix socket).
+    let server = field(6).to_owned();
     if version < MIN_SERVER_VERSION {
         return Err(Error::Refused(DisconnectReason::ServerTooOld { version }));
     }
@@ -1645,6 +1651,7 @@ where
         backend_pid,
         marker,
         database_oid,
+        server,
         generation: Generation::new(generation),
         events,
         proven_at,

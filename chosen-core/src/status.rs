@@ -18,6 +18,11 @@ pub enum ConnectionStatus {
         generation: u64,
         /// The server process id serving the session (`pg_backend_pid()`).
         backend_pid: i32,
+        /// The server's address and port as it sees this connection
+        /// (`inet_server_addr()`:`inet_server_port()`, e.g. `10.0.0.7:5432`; empty over
+        /// a Unix socket): which host of a multi-host URL the session is on, e.g. the
+        /// promoted standby after a failover.
+        server: String,
     },
     /// The session is down; every lease was revoked. A new attempt follows unless
     /// the manager shut down.

@@ -598,6 +598,15 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
     let m = LockManager::connect(options(&url, "multi-host"))
         .await
         .unwrap();
+    // The status says which host it is on: the primary's port.
+    match m.connection_status() {
+        ConnectionStatus::Connected { server, .. } => assert_eq!(
+            server,
+            format!("127.0.0.1:{}", pg.port().unwrap()),
+            "the session is on the primary"
+        ),
+        other => panic!("not connected: {other:?}"),
+    }
     // (Acquire, not try: the cluster just started, and no lock is granted before its
     // term is `term_grant_delay` old.)
     let lease = tokio::time::timeout(Duration::from_secs(20), m.acquire(unique_name("multi")))
