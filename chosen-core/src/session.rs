@@ -443,6 +443,11 @@ FROM pg_control_checkpoint() c,
      (SELECT max(a.backend_start) AS started FROM pg_stat_activity a
       WHERE a.backend_type = 'walwriter') ww";
 
+/// Every token-issuing statement writes a logical decoding message (see [`TOKEN_SQL`]):
+/// a role without the right would fail every win with a bare permission error, so the
+/// connect checks it.
+const EMIT_PRIVILEGE_SQL: &str = "SELECT has_function_privilege('pg_catalog.pg_logical_emit_message(boolean, text, text)', 'EXECUTE')";
+
 /// What [`TERM_SQL`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Term {
@@ -458,20 +463,21 @@ pub(crate) struct Term {
 
 /// Reads the server's current term (see [`TERM_SQL`]).
 async fn read_term(client: &Client) -> Result<Term> {
+    // With it, in the same round trip: may this role write the token's WAL record?
     let messages = client
-        .simple_query(TERM_SQL)
+        .simple_query(&format!("{TERM_SQL}; {EMIT_PRIVILEGE_SQL}"))
         .await
         .map_err(Error::database)?;
     let read_at = Instant::now();
-    let row = messages
-        .iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
-            _ => None,
-        })
-        .ok_or_else(|| Error::InvalidUrl {
+    let mut rows = messages.iter().filter_map(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+        _ => None,
+    });
+    let (Some(row), Some(privilege)) = (rows.next(), rows.next()) else {
+        return Err(Error::InvalidUrl {
             message: "the server answered the term query with no row".to_owned(),
-        })?;
+        });
+    };
     let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
     // 15 bits: a token stored in a signed 64-bit column (PostgreSQL's bigint) must stay
     // positive.
@@ -482,20 +488,7 @@ async fn read_term(client: &Client) -> Result<Term> {
             ),
         }));
     };
-    // Every token-issuing statement writes a logical decoding message (see TOKEN_SQL):
-    // a role without the right would fail every win with a bare permission error.
-    let may_emit = client
-        .simple_query(
-            "SELECT has_function_privilege('pg_catalog.pg_logical_emit_message(boolean, text, text)', 'EXECUTE')",
-        )
-        .await
-        .map_err(Error::database)?
-        .iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(|v| v == "t"),
-            _ => None,
-        });
-    if may_emit != Some(true) {
+    if privilege.get(0) != Some("t") {
         return Err(Error::Refused(DisconnectReason::ConnectFailed {
             message: "this role may not execute pg_logical_emit_message(boolean, text, text), which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) TO the role (PostgreSQL grants it to PUBLIC by default)".to_owned(),
         }));
@@ -1038,17 +1031,7 @@ impl Session {
         &self,
         keys: &[LockKey],
     ) -> Result<Vec<(LockKey, FenceCheck)>, Fault> {
-        let mut a = Vec::with_capacity(keys.len());
-        let mut b = Vec::with_capacity(keys.len());
-        for key in keys {
-            match key.stop_fence() {
-                LockKey::Pair(x, y) => {
-                    a.push(x);
-                    b.push(y);
-                }
-                LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
-            }
-        }
+        let (a, b) = fence_arrays(keys);
         let rows = self
             .client
             .query(
@@ -1295,14 +1278,7 @@ impl Session {
             if plan.unregister.is_empty() {
                 return Ok(());
             }
-            let (ia, ib): (Vec<i32>, Vec<i32>) = plan
-                .unregister
-                .iter()
-                .map(|b| match LockKey::interest_of(*b) {
-                    LockKey::Pair(a, b) => (a, b),
-                    LockKey::Int(_) => unreachable!("BUG: interest keys are two-int4 keys"),
-                })
-                .unzip();
+            let (ia, ib) = pair_arrays(plan.unregister.iter().map(|b| LockKey::interest_of(*b)));
             match self
                 .unlock_shared_held(&ia, &ib, "interest keys", false)
                 .await
@@ -1387,22 +1363,21 @@ fn key_params(key: LockKey) -> (Option<i32>, Option<i32>, Option<i64>) {
 
 /// The stop fences of `keys`, as the two arrays of their two-int4 keys.
 fn fence_arrays(keys: &[LockKey]) -> (Vec<i32>, Vec<i32>) {
-    keys.iter()
-        .map(|k| match k.stop_fence() {
-            LockKey::Pair(a, b) => (a, b),
-            LockKey::Int(_) => unreachable!("BUG: stop fences are two-int4 keys"),
-        })
-        .unzip()
+    pair_arrays(keys.iter().map(|k| k.stop_fence()))
 }
 
 /// The interest keys of `keys`' buckets, as the two arrays of their two-int4 keys.
 fn interest_arrays(keys: &[LockKey]) -> (Vec<i32>, Vec<i32>) {
-    keys.iter()
-        .map(|k| match k.interest() {
-            LockKey::Pair(a, b) => (a, b),
-            LockKey::Int(_) => unreachable!("BUG: interest keys are two-int4 keys"),
-        })
-        .unzip()
+    pair_arrays(keys.iter().map(|k| k.interest()))
+}
+
+/// Derived keys (stop fences, interest keys: always two-int4 keys) as two arrays.
+fn pair_arrays(keys: impl Iterator<Item = LockKey>) -> (Vec<i32>, Vec<i32>) {
+    keys.map(|k| match k {
+        LockKey::Pair(a, b) => (a, b),
+        LockKey::Int(_) => unreachable!("BUG: derived keys are two-int4 keys"),
+    })
+    .unzip()
 }
 
 /// The three parallel arrays the batched statements `unnest`.

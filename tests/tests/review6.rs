@@ -66,3 +66,39 @@ async fn try_acquire_answers_promptly_during_the_term_hold() {
         "try_acquire took {took:?} (the term hold) instead of answering at once"
     );
 }
+
+/// F7. A role that may not run `pg_logical_emit_message` (a DBA revoked it from
+/// PUBLIC) would fail every win with a bare permission error: the connect refuses it,
+/// naming the grant to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_may_not_emit_the_token_record_is_refused_at_connect() {
+    use std::str::FromStr;
+
+    let pg = PgCluster::start().unwrap();
+    let admin = chosen_tests::connect_admin(&pg.url()).await.unwrap();
+    let role = unique_name("chosen_no_emit").replace('-', "_");
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN PASSWORD 'no-emit-secret'; \
+             GRANT CONNECT ON DATABASE postgres TO {role}; \
+             REVOKE EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) FROM PUBLIC;"
+        ))
+        .await
+        .unwrap();
+    let mut config = tokio_postgres::Config::from_str(&pg.url()).unwrap();
+    config.user(&role).password("no-emit-secret");
+    let refused = LockManager::connect(ManagerOptions::from_pg_config(config).node_id("no-emit"))
+        .await
+        .expect_err("refused at connect");
+    let text = refused.to_string();
+    assert!(
+        text.contains("pg_logical_emit_message") && text.contains("GRANT EXECUTE"),
+        "{text}"
+    );
+    admin
+        .batch_execute(
+            "GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) TO PUBLIC",
+        )
+        .await
+        .unwrap();
+}
