@@ -244,3 +244,106 @@ async fn tokens_never_go_backwards_across_a_crash() {
         "fencing token went backwards across a server crash: the old holder had {old}, the next one got {new}"
     );
 }
+
+/// (a) The holder is partitioned (its sockets silent), the primary stops and its hot
+/// standby is promoted. The other node, on a multi-host URL, finds the promoted server
+/// by itself, where no lock is held at all; it must not start before the old holder
+/// fenced itself, and it takes over within the grant delay (+ 2 s) of the promotion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_fences_itself_before_a_promoted_standby_grants() {
+    let mut primary = PgCluster::start_local().unwrap();
+    let standby = primary.start_standby().unwrap();
+    let (primary_port, standby_port) = (primary.port().unwrap(), standby.port().unwrap());
+    let proxy = FaultProxy::start(([127, 0, 0, 1], primary_port).into())
+        .await
+        .unwrap();
+    let name = unique_name("term-promotion");
+    let a_opts = options(&proxy.url(&primary.url(), primary_port), "promote-a");
+    let delay = a_opts.get_term_grant_delay();
+    // Both hosts, the primary first; read-write targeting is the default for a
+    // multi-host URL.
+    let multi_host = format!(
+        "host=127.0.0.1,127.0.0.1 port={primary_port},{standby_port} user=postgres password={} dbname=postgres",
+        chosen_tests::SUPERUSER_PASSWORD
+    );
+    settle(&a_opts).await;
+    let a = LockManager::connect(a_opts).await.unwrap();
+    let b = LockManager::connect(options(&multi_host, "promote-b"))
+        .await
+        .unwrap();
+    assert_eq!(server_of(&b), format!("127.0.0.1:{primary_port}"));
+    let held = a.acquire(name.as_str()).await.unwrap();
+    let old_token = held.fencing_token();
+    let a_lost = tokio::spawn(async move {
+        held.lost().await;
+        Instant::now()
+    });
+    let b_task = {
+        let name = name.clone();
+        tokio::spawn(async move {
+            let lease = b.acquire(name.as_str()).await.unwrap();
+            (Instant::now(), lease.fencing_token(), b, lease)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The partition, then the failover: the old primary stops serving before the
+    // standby is promoted (what Patroni, RDS and Cloud SQL do).
+    proxy.set(ProxyMode::BlackHole);
+    let t0 = Instant::now();
+    tokio::task::spawn_blocking(move || {
+        primary.stop("fast").unwrap();
+        primary
+    })
+    .await
+    .unwrap();
+    let admin = connect_admin(&standby.url()).await.unwrap();
+    let promoted: bool = admin
+        .query_one("SELECT pg_promote(true, 60)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(promoted);
+    let promoted_at = Instant::now();
+
+    let (b_at, new_token, b, _lease) = tokio::time::timeout(Duration::from_secs(60), b_task)
+        .await
+        .expect("the other node takes over on the promoted standby")
+        .unwrap();
+    let a_lost_at = tokio::time::timeout(Duration::from_secs(30), a_lost)
+        .await
+        .expect("the partitioned holder fences itself")
+        .unwrap();
+    eprintln!(
+        "TERM partitioned holder + promotion: promoted after {:?}, old holder fenced after {:?}, new holder after {:?} ({:?} after the promotion; delay {delay:?})",
+        promoted_at - t0,
+        a_lost_at - t0,
+        b_at - t0,
+        b_at.saturating_duration_since(promoted_at)
+    );
+    assert!(
+        b_at > a_lost_at,
+        "overlap: the new holder started {:?} before the partitioned holder fenced itself",
+        a_lost_at - b_at
+    );
+    assert!(
+        b_at - promoted_at <= delay + Duration::from_secs(2),
+        "takeover took {:?} after the promotion (delay {delay:?})",
+        b_at - promoted_at
+    );
+    assert!(new_token > old_token, "{new_token} <= {old_token}");
+    assert!(new_token.timeline() > old_token.timeline());
+    assert_eq!(
+        server_of(&b),
+        format!("127.0.0.1:{standby_port}"),
+        "the session moved to the promoted standby"
+    );
+    drop(a);
+}
+
+fn server_of(m: &LockManager) -> String {
+    match m.connection_status() {
+        chosen_core::ConnectionStatus::Connected { server, .. } => server,
+        other => panic!("not connected: {other:?}"),
+    }
+}
