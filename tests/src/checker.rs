@@ -274,7 +274,10 @@ const EFFECT_BOUND_US: u64 = 10_000_000;
 
 /// Faults that hit one node process; the others hit the server.
 fn is_server_fault(kind: &str) -> bool {
-    matches!(kind, "restart_fast" | "restart_immediate" | "server_down")
+    matches!(
+        kind,
+        "restart_fast" | "restart_immediate" | "server_down" | "failover"
+    )
 }
 
 /// Judges a history. `timing` is what the nodes ran with.
@@ -697,6 +700,21 @@ fn check_fault_effects(
                     "{what}: {node}#{instance} never reported a disconnect"
                 ));
             }
+            "latency" => {
+                // A steady slow database below the heartbeat's bound is not a dead
+                // one: the holder keeps its session and every lease through it.
+                if session_ended(node, instance, f.at_us, f.healed_us) {
+                    v.ineffective.push(format!(
+                        "{what}: {node}#{instance} lost its session under a slow database"
+                    ));
+                }
+                for r in holding.iter().filter(|r| r.end_us <= f.healed_us) {
+                    v.ineffective.push(format!(
+                        "{what}: {} gave up its lease under a slow database",
+                        r.label()
+                    ));
+                }
+            }
             "blackhole" => {
                 let long = f.healed_us - f.at_us
                     >= (timing.lease_timeout + Duration::from_secs(1)).as_micros() as u64;
@@ -1102,6 +1120,17 @@ mod tests {
         h.extend(run("b", 12_100, 13_000, 6));
         let v = judge(&h, &[fault("blackhole", Some("a"), 1000, 6000)]);
         assert!(!v.ineffective.is_empty(), "{v}");
+    }
+
+    #[test]
+    fn a_lease_lost_under_a_slow_database_is_caught() {
+        let mut h = run("a", 0, 3000, 5);
+        h.extend(run("b", 3100, 9000, 6));
+        let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
+        assert!(!v.ineffective.is_empty(), "{v}");
+        let h = run("a", 0, 9000, 5);
+        let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
+        assert!(v.ineffective.is_empty(), "{v}");
     }
 
     #[test]

@@ -63,7 +63,7 @@ impl NemesisConfig {
 }
 
 /// The faults, by the names reports use.
-pub const FAULT_KINDS: [&str; 10] = [
+pub const FAULT_KINDS: [&str; 12] = [
     "sigkill",
     "sigstop_short",
     "sigstop_long",
@@ -74,6 +74,8 @@ pub const FAULT_KINDS: [&str; 10] = [
     "restart_immediate",
     "server_down",
     "sigterm",
+    "latency",
+    "failover",
 ];
 
 struct Rng(u64);
@@ -139,10 +141,13 @@ const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
 /// injected (a signal, a backend termination or a restart failed).
 pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     let cluster = Arc::new(Mutex::new(PgCluster::start_local()?));
-    let (direct_url, port) = {
+    let (mut direct_url, port) = {
         let c = cluster.lock().expect("cluster lock");
         (c.url(), c.port().expect("local cluster"))
     };
+    // A streaming standby, promoted by the `failover` fault (and a new one made of the
+    // new primary after each).
+    let mut standby = Some(cluster.lock().expect("cluster lock").start_standby()?);
     let binary = example_binary("node")?;
     let events: Shared<Vec<Event>> = Arc::default();
     let problems: Shared<Vec<String>> = Arc::default();
@@ -198,6 +203,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         } else {
             candidates[rng.below(candidates.len() as u64) as usize]
         };
+        let mut promoted_to = None;
         let node = &mut nodes[target];
         let pid = node
             .child
@@ -288,6 +294,45 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 tokio::time::sleep(Duration::from_millis(1500)).await;
                 wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
             }
+            "latency" => {
+                // A slow database, steadily below the bound the heartbeat tolerates
+                // (lease timeout - heartbeat interval, 2 s at the nodes' defaults) and
+                // below the warning (half the lease timeout): the holder keeps leading.
+                let rtt = rng.millis(200, 1200);
+                record.at_us = monotonic_us();
+                node.proxy.set(ProxyMode::Latency(rtt));
+                tokio::time::sleep(rng.millis(3000, 8000)).await;
+                node.proxy.set(ProxyMode::Pass);
+                record.healed_us = monotonic_us();
+            }
+            "failover" => {
+                // The primary stops serving and its standby is promoted; then every
+                // node's address leads to the promoted server (as a DNS name or a
+                // virtual IP would, below). No node is told: each finds its session
+                // gone and reconnects, and grants on the new server wait out its
+                // term's hold.
+                record.target = None;
+                let old = Arc::clone(&cluster);
+                let promoted = standby
+                    .take()
+                    .expect("BUG: a standby is made after every failover");
+                record.at_us = monotonic_us();
+                tokio::task::spawn_blocking(move || old.lock().expect("cluster lock").stop("fast"))
+                    .await
+                    .map_err(io::Error::other)??;
+                let admin = connect_admin(&promoted.url())
+                    .await
+                    .map_err(io::Error::other)?;
+                let done: bool = admin
+                    .query_one("SELECT pg_promote(true, 60)", &[])
+                    .await
+                    .map_err(io::Error::other)?
+                    .get(0);
+                if !done {
+                    return Err(io::Error::other("failover: pg_promote did not finish"));
+                }
+                promoted_to = Some(promoted);
+            }
             "sigterm" => {
                 record.at_us = monotonic_us();
                 signal(pid, "TERM")?;
@@ -304,6 +349,28 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 spawn(&binary, node, &singletons, &events, &problems)?;
             }
             other => unreachable!("unknown fault {other}"),
+        }
+        if let Some(promoted) = promoted_to {
+            let new_port = promoted.port().expect("local cluster");
+            for n in &nodes {
+                n.proxy.set_upstream(([127, 0, 0, 1], new_port).into());
+            }
+            record.healed_us = monotonic_us();
+            direct_url = promoted.url();
+            let old = std::mem::replace(&mut *cluster.lock().expect("cluster lock"), promoted);
+            tokio::task::spawn_blocking(move || drop(old))
+                .await
+                .map_err(io::Error::other)?;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
+            let primary = Arc::clone(&cluster);
+            standby = Some(
+                tokio::task::spawn_blocking(move || {
+                    primary.lock().expect("cluster lock").start_standby()
+                })
+                .await
+                .map_err(io::Error::other)??,
+            );
         }
         faults.push(record);
         tokio::time::sleep(rng.millis(1000, 2500)).await;

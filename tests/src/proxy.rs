@@ -44,6 +44,8 @@ pub struct FaultProxy {
 struct State {
     mode: ProxyMode,
     cuts: u64,
+    /// Where new connections go.
+    upstream: SocketAddr,
 }
 
 impl FaultProxy {
@@ -58,6 +60,7 @@ impl FaultProxy {
         let (mode, rx) = watch::channel(State {
             mode: ProxyMode::Pass,
             cuts: 0,
+            upstream,
         });
         let task = tokio::spawn(async move {
             let mut tasks = Vec::new();
@@ -66,7 +69,7 @@ impl FaultProxy {
                 let cuts = rx.borrow().cuts;
                 tasks.retain(|t: &JoinHandle<()>| !t.is_finished());
                 tasks.push(tokio::spawn(async move {
-                    let _ = serve(client, upstream, rx, cuts).await;
+                    let _ = serve(client, rx, cuts).await;
                 }));
             }
             for t in tasks {
@@ -92,6 +95,12 @@ impl FaultProxy {
         )
     }
 
+    /// Sends new connections to another server (like a DNS name or a virtual IP moved
+    /// to a promoted standby); existing connections stay where they are.
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        self.mode.send_modify(|s| s.upstream = upstream);
+    }
+
     /// Changes what the proxy does, for existing and new connections.
     pub fn set(&self, mode: ProxyMode) {
         self.mode.send_modify(|s| {
@@ -110,15 +119,12 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn serve(
-    client: TcpStream,
-    upstream: SocketAddr,
-    mut mode: watch::Receiver<State>,
-    cuts: u64,
-) -> io::Result<()> {
+async fn serve(client: TcpStream, mut mode: watch::Receiver<State>, cuts: u64) -> io::Result<()> {
     if !wait_pass(&mut mode, cuts).await {
         return Ok(());
     }
+    // Where the connection goes is decided when it may go.
+    let upstream = mode.borrow().upstream;
     let server = TcpStream::connect(upstream).await?;
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);

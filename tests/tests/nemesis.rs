@@ -50,6 +50,7 @@ async fn nemesis_never_finds_two_holders() {
         "cut",
         "terminate_backend",
         "sigterm",
+        "failover",
     ] {
         assert!(
             verdict.takeovers.contains_key(kind),
