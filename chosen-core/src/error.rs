@@ -124,8 +124,11 @@ impl Error {
         match self {
             Self::Connect { .. } | Self::ConnectTimeout { .. } | Self::NotConnected(_) => true,
             Self::Database(e) => e.is_closed(),
-            // A standby may be promoted in a moment.
-            Self::Refused(reason) => matches!(reason, DisconnectReason::ServerInRecovery),
+            // A standby may be promoted in a moment, a fenced primary opened again.
+            Self::Refused(reason) => matches!(
+                reason,
+                DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly
+            ),
             Self::InvalidConfig(_)
             | Self::InvalidUrl { .. }
             | Self::Authentication { .. }

@@ -51,6 +51,13 @@ use crate::status::DisconnectReason;
 ///   `recovery.signal`. Then tokens go backwards (downstream systems refuse the new,
 ///   legitimate holder: a stall, not two writers). Keep a shared WAL archive, or let
 ///   the failover tool rebuild standbys after a promotion.
+/// * Some operations start a cluster on timeline 1 again: `pg_upgrade` (transaction
+///   ids carry over, the timeline does not), a logical-replication or blue/green
+///   cutover and a dump and restore (transaction ids restart as well). Tokens would go
+///   backwards after them; raise
+///   [`ManagerOptions::token_epoch`](crate::ManagerOptions::token_epoch) on every node
+///   above the old cluster's last timeline (plus its epoch): the high bits are the
+///   timeline plus the epoch.
 ///
 /// Tokens of the same lock compare as plain numbers (`u64`).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
@@ -77,7 +84,8 @@ impl FencingToken {
         self.0
     }
 
-    /// The server timeline the token was issued on (its high 16 bits).
+    /// The server timeline the token was issued on, plus the
+    /// [token epoch](crate::ManagerOptions::token_epoch) (its high 16 bits).
     #[must_use]
     pub const fn timeline(self) -> u16 {
         (self.0 >> 48) as u16

@@ -219,7 +219,7 @@ impl LockManager {
     /// * [`Error::InvalidConfig`]: the options break a rule (the message says which).
     /// * [`Error::Connect`], [`Error::ConnectTimeout`], [`Error::Authentication`]: the
     ///   first connection failed. Later losses are retried in the background instead.
-    /// * [`Error::Refused`]: the server is a standby, or older than PostgreSQL 14.
+    /// * [`Error::Refused`]: the server is a standby or read-only, or older than PostgreSQL 14.
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
         options.validate()?;
         let first = session::connect(&options, 1).await?;

@@ -46,7 +46,7 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
     }
 
     /// `node` lost `lock` with its session. `reason`: `connection_lost`,
-    /// `heartbeat_overdue`, `server_in_recovery`, `backend_changed`, `pooler_detected`,
+    /// `heartbeat_overdue`, `server_in_recovery`, `server_read_only`, `backend_changed`, `pooler_detected`,
     /// `shutdown`.
     fn lock_lost(&self, node: &str, lock: &str, reason: &str) {
         let _ = (node, lock, reason);

@@ -76,6 +76,7 @@ pub struct ManagerOptions {
     pub(crate) takeover_grace: Duration,
     /// `None`: the default, `lease_timeout + stop_budget + safety_margin`.
     pub(crate) term_grant_delay: Option<Duration>,
+    pub(crate) token_epoch: u16,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -100,6 +101,7 @@ impl fmt::Debug for ManagerOptions {
             .field("max_locks", &self.max_locks)
             .field("takeover_grace", &self.takeover_grace)
             .field("term_grant_delay", &self.get_term_grant_delay())
+            .field("token_epoch", &self.token_epoch)
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -142,6 +144,7 @@ impl ManagerOptions {
             max_locks: 4096,
             takeover_grace: Duration::from_millis(100),
             term_grant_delay: None,
+            token_epoch: 0,
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -358,6 +361,30 @@ impl ManagerOptions {
         self
     }
 
+    /// Added to the server's timeline in the high bits of every fencing token (see
+    /// [`FencingToken`](crate::FencingToken)); 0 by default, at most 32767 together
+    /// with the timeline.
+    ///
+    /// Tokens order by the server's timeline first, which every promotion raises. Some
+    /// operations start a cluster on timeline 1 again: `pg_upgrade` (it resets the
+    /// timeline, keeping transaction ids), a logical-replication or blue/green cutover,
+    /// a dump and restore (both restart transaction ids too). After one of them, raise
+    /// the epoch on every node above the last timeline the old cluster used (e.g. from
+    /// `SELECT timeline_id FROM pg_control_checkpoint()` before the move, plus the old
+    /// epoch), so that new tokens stay above old ones for downstream systems.
+    ///
+    /// ```
+    /// # use chosen_core::ManagerOptions;
+    /// // The old cluster was on timeline 3 with epoch 0: after the upgrade, epoch 3.
+    /// let options = ManagerOptions::from_url("postgres://app@db/app")?.token_epoch(3);
+    /// # Ok::<(), chosen_core::Error>(())
+    /// ```
+    #[must_use]
+    pub fn token_epoch(mut self, epoch: u16) -> Self {
+        self.token_epoch = epoch;
+        self
+    }
+
     /// The term grant delay (see [`term_grant_delay`](Self::term_grant_delay)).
     #[must_use]
     pub fn get_term_grant_delay(&self) -> Duration {
@@ -535,6 +562,12 @@ impl ManagerOptions {
             return bad(format!(
                 "term_grant_delay {delay:?} must be zero (unsafe: no delay) or between lease_timeout + stop_budget + safety_margin = {:?} and {MAX_TIMING_TEXT}",
                 self.max_stop()
+            ));
+        }
+        if self.token_epoch >= 1 << 15 {
+            return bad(format!(
+                "token_epoch {} is above the maximum of 32767 (a token carries the timeline plus the epoch in 15 bits)",
+                self.token_epoch
             ));
         }
         if self.max_locks == 0 {

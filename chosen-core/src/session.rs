@@ -34,17 +34,23 @@ const MIN_SERVER_VERSION: i32 = 140_000;
 /// transaction pooler that shares backends between clients shows another one's.
 pub(crate) const MARKER_SETTING: &str = "chosen.session";
 
-const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), '')";
+const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), ''), current_setting('transaction_read_only')";
 
 /// Proves the session: the same backend, writable, still marked as ours, and how many
 /// advisory locks it holds (fewer than the manager holds means something released them
 /// behind its back: a transaction pooler sharing the backend, `DISCARD ALL`,
 /// `pg_advisory_unlock_all()`).
+///
+/// Writable means not in recovery *and* not read-only: a switchover that fences the old
+/// primary with `default_transaction_read_only = on` and a reload before promoting its
+/// standby is seen by the next heartbeat (a reload reaches every session, and the
+/// setting is read at the start of each statement's transaction).
 const HEARTBEAT_SQL: &str = "
 SELECT pg_backend_pid(), pg_is_in_recovery(),
        coalesce(current_setting('chosen.session', true), ''),
        (SELECT count(*) FROM pg_lock_status() l
-        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted)";
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted),
+       current_setting('transaction_read_only') = 'on'";
 
 /// Tries every due key in one statement, on our own marked backend only (behind a
 /// transaction pooler the guard makes it return no rows instead).
@@ -446,12 +452,16 @@ FROM pg_control_checkpoint() c,
 /// Every token-issuing statement writes a logical decoding message (see [`TOKEN_SQL`]):
 /// a role without the right would fail every win with a bare permission error, so the
 /// connect checks it.
-const EMIT_PRIVILEGE_SQL: &str = "SELECT has_function_privilege('pg_catalog.pg_logical_emit_message(boolean, text, text)', 'EXECUTE')";
+/// The function's signature depends on the version: PostgreSQL 17 added a fourth
+/// argument with a default (`flush`) and dropped the three-argument form, so the name
+/// is resolved with `to_regprocedure` (NULL for a missing one: refused as well).
+const EMIT_PRIVILEGE_SQL: &str = "SELECT has_function_privilege(coalesce(to_regprocedure('pg_catalog.pg_logical_emit_message(boolean, text, text, boolean)'), to_regprocedure('pg_catalog.pg_logical_emit_message(boolean, text, text)')), 'EXECUTE')";
 
 /// What [`TERM_SQL`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Term {
-    /// The server's timeline: the high bits of every token of this session.
+    /// The server's timeline plus the token epoch: the high bits of every token of
+    /// this session.
     pub(crate) timeline: u16,
     /// How long before `read_at` the term began; `None` when unknown.
     pub(crate) age: Option<std::time::Duration>,
@@ -462,7 +472,7 @@ pub(crate) struct Term {
 }
 
 /// Reads the server's current term (see [`TERM_SQL`]).
-async fn read_term(client: &Client) -> Result<Term> {
+async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
     // With it, in the same round trip: may this role write the token's WAL record?
     let messages = client
         .simple_query(&format!("{TERM_SQL}; {EMIT_PRIVILEGE_SQL}"))
@@ -479,23 +489,26 @@ async fn read_term(client: &Client) -> Result<Term> {
         });
     };
     let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
+    if timeline == 0 {
+        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+            message: "the server answered no timeline".to_owned(),
+        }));
+    }
     // 15 bits: a token stored in a signed 64-bit column (PostgreSQL's bigint) must stay
     // positive.
-    let Some(timeline) = u16::try_from(timeline).ok().filter(|t| *t < 1 << 15) else {
+    let Some(timeline) = u16::try_from(timeline + i64::from(epoch))
+        .ok()
+        .filter(|t| *t < 1 << 15)
+    else {
         return Err(Error::Refused(DisconnectReason::ConnectFailed {
             message: format!(
-                "the server is on timeline {timeline}: fencing tokens carry the timeline in 15 bits (so that they stay positive as a signed 64-bit number), so at most 32767 timelines are supported"
+                "the server is on timeline {timeline}, with token_epoch {epoch}: fencing tokens carry the timeline plus the epoch in 15 bits (so that they stay positive as a signed 64-bit number), so their sum must stay below 32768"
             ),
         }));
     };
     if privilege.get(0) != Some("t") {
         return Err(Error::Refused(DisconnectReason::ConnectFailed {
-            message: "this role may not execute pg_logical_emit_message(boolean, text, text), which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) TO the role (PostgreSQL grants it to PUBLIC by default)".to_owned(),
-        }));
-    }
-    if timeline == 0 {
-        return Err(Error::Refused(DisconnectReason::ConnectFailed {
-            message: "the server answered no timeline".to_owned(),
+            message: "this role may not execute pg_logical_emit_message, which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text, boolean) TO the role on PostgreSQL 17 and newer, (boolean, text, text) before 17 (PostgreSQL grants it to PUBLIC by default)".to_owned(),
         }));
     }
     let age = row
@@ -620,9 +633,10 @@ impl HeartbeatSession {
                 row.try_get::<_, Option<bool>>(1)?,
                 row.try_get::<_, Option<String>>(2)?,
                 row.try_get::<_, Option<i64>>(3)?,
+                row.try_get::<_, Option<bool>>(4)?,
             ))
         })();
-        let (Some(pid), Some(in_recovery), Some(marker), Some(locks)) =
+        let (Some(pid), Some(in_recovery), Some(marker), Some(locks), Some(read_only)) =
             parsed.map_err(|e| lost(format!("heartbeat answered an odd row: {e}")))?
         else {
             return Err(lost("heartbeat answered NULL".to_owned()));
@@ -641,6 +655,9 @@ impl HeartbeatSession {
         }
         if in_recovery {
             return Err(DisconnectReason::ServerInRecovery);
+        }
+        if read_only {
+            return Err(DisconnectReason::ServerReadOnly);
         }
         Ok(locks)
     }
@@ -1588,11 +1605,15 @@ where
     let database_oid: i64 = field(5).parse().unwrap_or(0);
     // The server's address as it sees this connection (empty over a Unix socket).
     let server = field(6).to_owned();
+    let read_only = field(7) == "on";
     if version < MIN_SERVER_VERSION {
         return Err(Error::Refused(DisconnectReason::ServerTooOld { version }));
     }
     if in_recovery {
         return Err(Error::Refused(DisconnectReason::ServerInRecovery));
+    }
+    if read_only {
+        return Err(Error::Refused(DisconnectReason::ServerReadOnly));
     }
     if !found_marker.is_empty() || advisory_locks > 0 {
         return Err(Error::Refused(DisconnectReason::PoolerDetected {
@@ -1616,7 +1637,7 @@ where
         .await
         .map_err(Error::database)?;
     // After the settings: a DBA's statement_timeout must not cancel it.
-    let term = read_term(&client).await?;
+    let term = read_term(&client, options.token_epoch).await?;
     let stmts = Statements::prepare(&client)
         .await
         .map_err(Error::database)?;
@@ -1728,7 +1749,9 @@ fn new_marker(options: &ManagerOptions, generation: u64) -> String {
 impl Error {
     pub(crate) fn database(error: tokio_postgres::Error) -> Self {
         match classify(error) {
-            Fault::Lost(reason @ DisconnectReason::ServerInRecovery) => Self::Refused(reason),
+            Fault::Lost(
+                reason @ (DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly),
+            ) => Self::Refused(reason),
             Fault::Lost(reason) => Self::NotConnected(reason),
             Fault::Query(e) => Self::Database(Arc::new(e)),
         }

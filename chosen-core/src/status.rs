@@ -62,6 +62,11 @@ pub enum DisconnectReason {
     /// The server is a hot standby (`pg_is_in_recovery()`): a standby grants advisory
     /// locks locally, unseen by the primary.
     ServerInRecovery,
+    /// The session is read-only (`transaction_read_only` is on: the server, database
+    /// or role sets `default_transaction_read_only`, e.g. an old primary fenced that
+    /// way during a switchover): chosen holds locks on a writable primary only, as
+    /// read-write targeting of a multi-host URL requires.
+    ServerReadOnly,
     /// The backend process changed under the session: a transaction-mode pooler sits in
     /// between, through which session locks are unsafe.
     BackendChanged {
@@ -92,14 +97,15 @@ pub enum DisconnectReason {
 
 impl DisconnectReason {
     /// A short, fixed label for metrics: `connection_lost`, `heartbeat_overdue`,
-    /// `server_in_recovery`, `backend_changed`, `pooler_detected`, `server_too_old`,
-    /// `connect_failed`, `shutdown`.
+    /// `server_in_recovery`, `server_read_only`, `backend_changed`, `pooler_detected`,
+    /// `server_too_old`, `connect_failed`, `shutdown`.
     #[must_use]
     pub fn label(&self) -> &'static str {
         match self {
             Self::ConnectionLost { .. } => "connection_lost",
             Self::HeartbeatOverdue { .. } => "heartbeat_overdue",
             Self::ServerInRecovery => "server_in_recovery",
+            Self::ServerReadOnly => "server_read_only",
             Self::BackendChanged { .. } => "backend_changed",
             Self::PoolerDetected { .. } => "pooler_detected",
             Self::ServerTooOld { .. } => "server_too_old",
@@ -119,6 +125,9 @@ impl fmt::Display for DisconnectReason {
             ),
             Self::ServerInRecovery => f.write_str(
                 "the server is in recovery (a hot standby); connect to the primary, e.g. with target_session_attrs=read-write",
+            ),
+            Self::ServerReadOnly => f.write_str(
+                "the session is read-only (default_transaction_read_only is on for the server, the database or the role): connect to a writable primary, or turn the setting off for this role (ALTER ROLE ... SET default_transaction_read_only = off)",
             ),
             Self::BackendChanged { expected, found } => write!(
                 f,

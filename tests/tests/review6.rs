@@ -81,7 +81,8 @@ async fn a_role_that_may_not_emit_the_token_record_is_refused_at_connect() {
         .batch_execute(&format!(
             "CREATE ROLE {role} LOGIN PASSWORD 'no-emit-secret'; \
              GRANT CONNECT ON DATABASE postgres TO {role}; \
-             REVOKE EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) FROM PUBLIC;"
+             {}",
+            emit_grant("REVOKE", "FROM")
         ))
         .await
         .unwrap();
@@ -96,9 +97,18 @@ async fn a_role_that_may_not_emit_the_token_record_is_refused_at_connect() {
         "{text}"
     );
     admin
-        .batch_execute(
-            "GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text) TO PUBLIC",
-        )
+        .batch_execute(&emit_grant("GRANT", "TO"))
         .await
         .unwrap();
+}
+
+/// `GRANT`/`REVOKE` of `pg_logical_emit_message` to or from PUBLIC, whatever the
+/// server's version: 17 gave it a fourth argument (`flush`) and dropped the
+/// three-argument form.
+fn emit_grant(verb: &str, preposition: &str) -> String {
+    format!(
+        "DO $$ BEGIN EXECUTE format('{verb} EXECUTE ON FUNCTION %s {preposition} PUBLIC', \
+         coalesce(to_regprocedure('pg_catalog.pg_logical_emit_message(boolean, text, text, boolean)'), \
+                  to_regprocedure('pg_catalog.pg_logical_emit_message(boolean, text, text)'))); END $$"
+    )
 }

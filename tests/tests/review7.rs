@@ -1,0 +1,127 @@
+//! Breaks found by the review of the session's post-review fixes, against a real
+//! server, kept as regression tests. (Its finding that PostgreSQL 17 names
+//! `pg_logical_emit_message` with four arguments, which made every connect fail there,
+//! is covered by the grant test of `review6`, which revokes whichever form the server has;
+//! this machine runs 15.)
+
+use std::time::{Duration, Instant};
+
+use chosen_core::{DisconnectReason, Error, LockManager, ManagerOptions};
+use chosen_tests::{PgCluster, connect_admin, unique_name};
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .expect("valid URL")
+        .node_id(node)
+        .poll_interval(Duration::from_millis(100))
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .term_grant_delay(Duration::ZERO)
+}
+
+/// F3a. A role whose sessions are read-only (`default_transaction_read_only = on`)
+/// connected on a single-host URL, while a multi-host URL (read-write targeting)
+/// refused the same server: one rule now, refused at connect with a clear reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_session_is_refused_at_connect() {
+    use std::str::FromStr;
+
+    let pg = PgCluster::start().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let role = unique_name("chosen_read_only").replace('-', "_");
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN PASSWORD 'read-only-secret'; \
+             ALTER ROLE {role} SET default_transaction_read_only = on;"
+        ))
+        .await
+        .unwrap();
+    let mut config = tokio_postgres::Config::from_str(&pg.url()).unwrap();
+    config.user(&role).password("read-only-secret");
+    let refused = LockManager::connect(ManagerOptions::from_pg_config(config).node_id("ro"))
+        .await
+        .expect_err("refused at connect");
+    assert!(
+        matches!(refused, Error::Refused(DisconnectReason::ServerReadOnly)),
+        "{refused:?}"
+    );
+    assert!(refused.is_transient(), "a fenced primary may open again");
+    let text = refused.to_string();
+    assert!(text.contains("default_transaction_read_only"), "{text}");
+}
+
+/// F3b. A switchover that fences the old primary by making it read-only
+/// (`ALTER SYSTEM SET default_transaction_read_only = on` and a reload) before
+/// promoting its standby: holders on the old primary kept their leases (advisory locks
+/// work in read-only transactions) while the new primary granted the same keys after
+/// its hold. The next heartbeat now revokes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_made_read_only_revokes_its_leases() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let a = LockManager::connect(options(&pg.url(), "fenced-a"))
+        .await
+        .unwrap();
+    let lease = a.acquire(unique_name("read-only").as_str()).await.unwrap();
+    let t0 = Instant::now();
+    for sql in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("the lease is revoked within a heartbeat or two");
+    assert_eq!(
+        reason,
+        DisconnectReason::ServerReadOnly,
+        "after {:?}",
+        t0.elapsed()
+    );
+    // Opened again: the manager reconnects by itself and grants again.
+    for sql in [
+        "ALTER SYSTEM RESET default_transaction_read_only",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let again = tokio::time::timeout(
+        Duration::from_secs(20),
+        a.acquire(unique_name("read-only-again").as_str()),
+    )
+    .await
+    .expect("granted again once the server is writable")
+    .unwrap();
+    assert!(again.is_valid());
+}
+
+/// F2. `pg_upgrade`, a logical cutover or a dump and restore start a cluster on
+/// timeline 1 again, so tokens would go backwards; the token epoch raises the high bits
+/// above the old cluster's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_epoch_raises_the_high_bits() {
+    let pg = PgCluster::start().unwrap();
+    let plain = LockManager::connect(options(&pg.url(), "epoch-0"))
+        .await
+        .unwrap();
+    let name = unique_name("epoch");
+    let lease = plain.acquire(name.as_str()).await.unwrap();
+    let before = lease.fencing_token();
+    lease.release().await.unwrap();
+    let raised = LockManager::connect(options(&pg.url(), "epoch-3").token_epoch(3))
+        .await
+        .unwrap();
+    let after = raised.acquire(name.as_str()).await.unwrap().fencing_token();
+    assert_eq!(after.timeline(), before.timeline() + 3);
+    assert!(after > before);
+
+    let err = LockManager::connect(options(&pg.url(), "epoch-big").token_epoch(40_000))
+        .await
+        .expect_err("refused");
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+    assert!(err.to_string().contains("token_epoch"), "{err}");
+    let err = LockManager::connect(options(&pg.url(), "epoch-edge").token_epoch(32_767))
+        .await
+        .expect_err("timeline + epoch too large");
+    assert!(err.to_string().contains("token_epoch 32767"), "{err}");
+}
