@@ -1575,7 +1575,6 @@ where
     });
     // From here on, dropping `guard` (on any error) closes the connection.
     let guard = AbortOnDrop(Some(conn_task));
-    let proven_at = Instant::now();
     // A DBA's statement_timeout could cancel even the probe: override it in the same
     // round trip, first (these settings exist on every server version). Only for this
     // transaction: a backend that turns out not to be ours alone (a pooler's) keeps
@@ -1629,18 +1628,24 @@ where
         }));
     }
     let marker = new_marker(options, generation);
-    client
-        .batch_execute(&format!(
-            "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
-            setup_sql(options)
-        ))
-        .await
-        .map_err(Error::database)?;
-    // After the settings: a DBA's statement_timeout must not cancel it.
-    let term = read_term(&client, options.token_epoch).await?;
-    let stmts = Statements::prepare(&client)
-        .await
-        .map_err(Error::database)?;
+    let setup = format!(
+        "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
+        setup_sql(options)
+    );
+    // The settings, the term and the prepared statements in one round trip: a slow
+    // database is not a dead one while connecting either. They are pipelined in this
+    // order (each request is sent on its first poll, a biased `try_join!` polls in
+    // order, and the server answers in order), so the term is read after the settings (a DBA's
+    // statement_timeout must not cancel it). The session is proven from the moment they
+    // were sent: the server answered them later, so its idle clock started later, the
+    // same rule as a heartbeat's.
+    let proven_at = Instant::now();
+    let ((), term, stmts) = tokio::try_join!(
+        biased;
+        async { client.batch_execute(&setup).await.map_err(Error::database) },
+        read_term(&client, options.token_epoch),
+        async { Statements::prepare(&client).await.map_err(Error::database) },
+    )?;
     Ok(Session {
         client: Arc::new(client),
         stmts,
