@@ -28,8 +28,10 @@ mod otel;
 mod prometheus;
 
 #[cfg(feature = "opentelemetry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
 pub use otel::OtelMetrics;
 #[cfg(feature = "prometheus")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus")))]
 pub use prometheus::PrometheusMetrics;
 
 /// Receives chosen's events. Every method has an empty default, so a sink implements
