@@ -16,7 +16,7 @@ use apalis_core::error::BoxDynError;
 use apalis_core::monitor::Monitor;
 use apalis_core::task::data::Data;
 use apalis_cron::Tick;
-use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, cron_worker};
+use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, cron_worker};
 use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
 
 /// Which node ran which tick.
@@ -74,7 +74,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         let manager =
             LockManager::connect(ManagerOptions::from_url(&url)?.node_id(format!("node-{i}")))
                 .await?;
-        let gate = LeaderOnlyLayer::elect(&manager, "every-second-report")?;
+        let gate = LeaderOnlyJobLayer::elect(&manager, "every-second-report")?;
         let stats = gate.stats();
         let leadership = gate.leadership().clone();
         let (schedule, ledger, stop) = (schedule.clone(), Arc::clone(&ledger), Arc::clone(&stop));

@@ -8,7 +8,9 @@ mod service;
 mod worker;
 
 pub use guard::LeaderGuard;
-pub use layer::{GateStats, LeaderOnlyLayer};
+#[allow(deprecated)] // the old name, kept so that existing code still compiles
+pub use layer::{GateStats, LeaderOnlyJobLayer, LeaderOnlyLayer};
 pub use policy::{AnyTask, CronTicks, TaskSchedule};
-pub use service::{GateFuture, LeaderOnly, Outcome, SkipReason};
+#[allow(deprecated)] // the old name, kept so that existing code still compiles
+pub use service::{GateFuture, LeaderOnly, LeaderOnlyJob, Outcome, SkipReason};
 pub use worker::cron_worker;

@@ -10,7 +10,7 @@ use apalis_core::error::BoxDynError;
 use apalis_core::monitor::Monitor;
 use apalis_core::task::data::Data;
 use apalis_cron::Tick;
-use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, cron_worker};
+use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, cron_worker};
 use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
@@ -119,7 +119,7 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
         )
         .await
         .unwrap();
-        let gate = LeaderOnlyLayer::elect(&manager, name.as_str()).unwrap();
+        let gate = LeaderOnlyJobLayer::elect(&manager, name.as_str()).unwrap();
         let leadership = gate.leadership().clone();
         let stats = gate.stats();
         let (schedule, witness, stop) = (schedule.clone(), witness.clone(), Arc::clone(&stop));
