@@ -14,3 +14,8 @@ pub use policy::{AnyTask, CronTicks, TaskSchedule};
 #[allow(deprecated)] // the old name, kept so that existing code still compiles
 pub use service::{GateFuture, LeaderOnly, LeaderOnlyJob, Outcome, SkipReason};
 pub use worker::cron_worker;
+
+// What a cron job's code names, at the versions this crate is built with: no need to add
+// `cron` (at the exact version apalis-cron uses) or `apalis-cron` by hand.
+pub use apalis_cron::Tick;
+pub use cron::Schedule;

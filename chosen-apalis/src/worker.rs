@@ -14,8 +14,7 @@ use crate::policy::CronTicks;
 /// ```no_run
 /// use std::str::FromStr;
 /// use apalis_core::{error::BoxDynError, task::data::Data};
-/// use apalis_cron::Tick;
-/// use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, cron_worker};
+/// use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Schedule, Tick, cron_worker};
 ///
 /// async fn every_minute(tick: Tick, guard: Data<LeaderGuard>) -> Result<(), BoxDynError> {
 ///     println!("tick {} on {}, token {}", tick.get_timestamp(), guard.node_id(), guard.fencing_token());
@@ -24,7 +23,7 @@ use crate::policy::CronTicks;
 ///
 /// # async fn demo(manager: chosen_core::LockManager) -> Result<(), BoxDynError> {
 /// let gate = LeaderOnlyJobLayer::elect(&manager, "reports-cron")?;
-/// let schedule = cron::Schedule::from_str("0 * * * * *")?; // seconds field first
+/// let schedule = Schedule::from_str("0 * * * * *")?; // seconds field first
 /// let worker = cron_worker("reports", schedule, gate).build(every_minute);
 /// worker.run().await?;
 /// # Ok(())
