@@ -15,8 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use apalis_core::error::BoxDynError;
 use apalis_core::monitor::Monitor;
 use apalis_core::task::data::Data;
-use apalis_cron::Tick;
-use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, cron_worker};
+use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Schedule, Tick, cron_worker};
 use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
 
 /// Which node ran which tick.
@@ -63,7 +62,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             (cluster.url(), Some(cluster))
         }
     };
-    let schedule = cron::Schedule::from_str("* * * * * *")?; // every second
+    let schedule = Schedule::from_str("* * * * * *")?; // every second
     let ledger: Ledger = Arc::default();
     let stop = Arc::new(tokio::sync::Notify::new());
     let mut nodes = Vec::new();
@@ -74,7 +73,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         let manager =
             LockManager::connect(ManagerOptions::from_url(&url)?.node_id(format!("node-{i}")))
                 .await?;
-        let gate = LeaderOnlyLayer::elect(&manager, "every-second-report")?;
+        let gate = LeaderOnlyJobLayer::elect(&manager, "every-second-report")?;
         let stats = gate.stats();
         let leadership = gate.leadership().clone();
         let (schedule, ledger, stop) = (schedule.clone(), Arc::clone(&ledger), Arc::clone(&stop));

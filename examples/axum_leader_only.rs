@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use axum::Router;
 use axum::routing::{get, post};
 use chosen_core::{Election, LockManager, ManagerOptions};
-use chosen_tower::{LeaderHealth, LeaderOnlyLayer};
+use chosen_tower::{LeaderHealth, LeaderOnlyHttpLayer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
@@ -47,7 +47,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .route(
             "/admin/run-report",
             post(|| async { "report started on the leader\n" })
-                .route_layer(LeaderOnlyLayer::new(leadership.clone())),
+                .route_layer(LeaderOnlyHttpLayer::new(leadership.clone())),
         )
         .route_service("/leader", LeaderHealth::new(leadership));
 

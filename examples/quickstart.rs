@@ -111,7 +111,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
     }
     let admin = connect_admin(&url).await?;
     let mut leader = next_start(&mut events, None).await?.0;
-    println!("   Each node also serves POST /admin behind LeaderOnlyLayer:");
+    println!("   Each node also serves POST /admin behind LeaderOnlyHttpLayer:");
     show_admin(&nodes).await;
     let mut results = Vec::new();
 
@@ -267,7 +267,7 @@ async fn serve_admin(leadership: chosen_core::Leadership) -> Result<SocketAddr, 
     let app = axum::Router::new().route(
         "/admin",
         axum::routing::post(|| async { "done\n" })
-            .route_layer(chosen_tower::LeaderOnlyLayer::new(leadership)),
+            .route_layer(chosen_tower::LeaderOnlyHttpLayer::new(leadership)),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

@@ -8,7 +8,7 @@ use chosen_core::{Election, Leadership, LockManager, LockRequest};
 use tower_layer::Layer;
 
 use crate::policy::{AnyTask, CronTicks};
-use crate::service::LeaderOnly;
+use crate::service::LeaderOnlyJob;
 
 /// Counts of what a gate did (shared by every clone of a layer).
 #[derive(Debug, Default)]
@@ -39,8 +39,12 @@ impl GateStats {
     }
 }
 
-/// Runs a task only while this node holds a valid lease for a name; otherwise answers
-/// `Ok(Outcome::Skipped(..))` without calling the job.
+/// Gates apalis jobs on leadership: runs a task only while this node holds a valid lease
+/// for a name; otherwise answers `Ok(Outcome::Skipped(..))` without calling the job.
+///
+/// Build it from a [`Leadership`] you already have ([`new`](Self::new)), or let it
+/// start its own election ([`elect`](Self::elect)). Its counterpart for HTTP routes is
+/// `chosen_tower::LeaderOnlyHttpLayer`, built the same two ways.
 ///
 /// * **Outermost.** Add it *first* to the `WorkerBuilder` (the first layer added is the
 ///   outermost), before `.retry(..)` and every other layer: [`cron_worker`](crate::cron_worker)
@@ -55,7 +59,7 @@ impl GateStats {
 /// Every task let through gets a [`LeaderGuard`](crate::LeaderGuard) (fencing token,
 /// loss signal) in its data.
 #[derive(Debug, Clone)]
-pub struct LeaderOnlyLayer<P = AnyTask> {
+pub struct LeaderOnlyJobLayer<P = AnyTask> {
     pub(crate) leadership: Leadership,
     pub(crate) policy: P,
     pub(crate) skew_tolerance: Duration,
@@ -64,7 +68,14 @@ pub struct LeaderOnlyLayer<P = AnyTask> {
     pub(crate) _election: Option<Arc<Election>>,
 }
 
-impl LeaderOnlyLayer {
+/// The name before the tower layer got a name of its own: both were `LeaderOnlyLayer`,
+/// so a service using both crates could not import both.
+#[deprecated(
+    note = "renamed to `LeaderOnlyJobLayer` (chosen-tower's layer is `LeaderOnlyHttpLayer`)"
+)]
+pub type LeaderOnlyLayer<P = AnyTask> = LeaderOnlyJobLayer<P>;
+
+impl LeaderOnlyJobLayer {
     /// Gates on an existing leadership (from an [`Election`] or a
     /// [`Singleton`](chosen_core::Singleton)).
     #[must_use]
@@ -81,6 +92,18 @@ impl LeaderOnlyLayer {
     /// Starts an election for `lock` on `manager` and gates on it; the election lives as
     /// long as any clone of the layer (so an apalis `Monitor` factory may capture it).
     ///
+    /// ```no_run
+    /// use chosen_apalis::LeaderOnlyJobLayer;
+    ///
+    /// # fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+    /// let gate = LeaderOnlyJobLayer::elect(&manager, "nightly-report")?;
+    /// // `cron_worker("nightly-report", schedule, gate)`, or `WorkerBuilder::layer(gate)`
+    /// // as the first layer.
+    /// # let _ = gate;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`chosen_core::Error::InvalidName`] for an empty name.
@@ -92,7 +115,7 @@ impl LeaderOnlyLayer {
     }
 }
 
-impl<P> LeaderOnlyLayer<P> {
+impl<P> LeaderOnlyJobLayer<P> {
     /// Also skip cron ticks scheduled before this node gained leadership *plus*
     /// `skew_tolerance` (default 1 s): the previous leader ran ticks up to the moment it
     /// stopped leading by its own clock, which may run ahead of ours. This is what makes
@@ -102,8 +125,8 @@ impl<P> LeaderOnlyLayer<P> {
     /// The cost: the ticks falling within the tolerance after this node gained
     /// leadership are skipped, by every node, even after a graceful hand-over.
     #[must_use]
-    pub fn for_cron_ticks(self) -> LeaderOnlyLayer<CronTicks> {
-        LeaderOnlyLayer {
+    pub fn for_cron_ticks(self) -> LeaderOnlyJobLayer<CronTicks> {
+        LeaderOnlyJobLayer {
             leadership: self.leadership,
             policy: CronTicks,
             skew_tolerance: self.skew_tolerance,
@@ -112,7 +135,7 @@ impl<P> LeaderOnlyLayer<P> {
         }
     }
 
-    /// The clock-skew tolerance for [`for_cron_ticks`](LeaderOnlyLayer::for_cron_ticks):
+    /// The clock-skew tolerance for [`for_cron_ticks`](LeaderOnlyJobLayer::for_cron_ticks):
     /// a bound on how far the nodes' wall clocks may differ. Larger is safer against
     /// skew and skips more ticks after each change of leader.
     #[must_use]
@@ -134,11 +157,11 @@ impl<P> LeaderOnlyLayer<P> {
     }
 }
 
-impl<S, P: Clone> Layer<S> for LeaderOnlyLayer<P> {
-    type Service = LeaderOnly<S, P>;
+impl<S, P: Clone> Layer<S> for LeaderOnlyJobLayer<P> {
+    type Service = LeaderOnlyJob<S, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        LeaderOnly {
+        LeaderOnlyJob {
             inner,
             leadership: self.leadership.clone(),
             policy: self.policy.clone(),

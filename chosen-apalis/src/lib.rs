@@ -1,4 +1,5 @@
 #![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod guard;
 mod layer;
@@ -7,7 +8,14 @@ mod service;
 mod worker;
 
 pub use guard::LeaderGuard;
-pub use layer::{GateStats, LeaderOnlyLayer};
+#[allow(deprecated)] // the old name, kept so that existing code still compiles
+pub use layer::{GateStats, LeaderOnlyJobLayer, LeaderOnlyLayer};
 pub use policy::{AnyTask, CronTicks, TaskSchedule};
-pub use service::{GateFuture, LeaderOnly, Outcome, SkipReason};
+#[allow(deprecated)] // the old name, kept so that existing code still compiles
+pub use service::{GateFuture, LeaderOnly, LeaderOnlyJob, Outcome, SkipReason};
 pub use worker::cron_worker;
+
+// What a cron job's code names, at the versions this crate is built with: no need to add
+// `cron` (at the exact version apalis-cron uses) or `apalis-cron` by hand.
+pub use apalis_cron::Tick;
+pub use cron::Schedule;

@@ -53,9 +53,10 @@ pub enum SkipReason {
     },
 }
 
-/// The service [`LeaderOnlyLayer`](crate::LeaderOnlyLayer) applies.
+/// The service [`LeaderOnlyJobLayer`](crate::LeaderOnlyJobLayer) applies: runs the job
+/// `inner` on the leader, answers [`Outcome::Skipped`] elsewhere.
 #[derive(Debug, Clone)]
-pub struct LeaderOnly<S, P> {
+pub struct LeaderOnlyJob<S, P> {
     pub(crate) inner: S,
     pub(crate) leadership: Leadership,
     pub(crate) policy: P,
@@ -63,7 +64,12 @@ pub struct LeaderOnly<S, P> {
     pub(crate) stats: Arc<GateStats>,
 }
 
-impl<S, P> LeaderOnly<S, P> {
+/// The name before the tower layer's service got a name of its own: both were
+/// `LeaderOnly`.
+#[deprecated(note = "renamed to `LeaderOnlyJob` (chosen-tower's service is `LeaderOnlyHttp`)")]
+pub type LeaderOnly<S, P> = LeaderOnlyJob<S, P>;
+
+impl<S, P> LeaderOnlyJob<S, P> {
     /// The state, with a subscription taken before it was read, so the guard sees any
     /// change after it. If the leadership changed in between (the state read may then
     /// be a new tenure, which the subscription would take for ended), look again; if
@@ -87,7 +93,7 @@ impl<S, P> LeaderOnly<S, P> {
     }
 }
 
-impl<S, P, Args> Service<Task<Args>> for LeaderOnly<S, P>
+impl<S, P, Args> Service<Task<Args>> for LeaderOnlyJob<S, P>
 where
     S: Service<Task<Args>>,
     P: TaskSchedule<Args>,
@@ -155,7 +161,7 @@ fn is_stale(scheduled: SystemTime, since: SystemTime, tolerance: Duration) -> bo
 }
 
 pin_project! {
-    /// The future of [`LeaderOnly`].
+    /// The future of [`LeaderOnlyJob`].
     #[derive(Debug)]
     pub struct GateFuture<F> {
         #[pin]
@@ -211,7 +217,7 @@ mod tests {
     use tower_service::Service;
 
     use super::{Outcome, SkipReason, is_stale};
-    use crate::LeaderOnlyLayer;
+    use crate::LeaderOnlyJobLayer;
 
     fn secs(t: SystemTime) -> u64 {
         t.duration_since(UNIX_EPOCH).unwrap().as_secs()
@@ -223,7 +229,7 @@ mod tests {
         let job = tower::service_fn(|task: Task<Tick>| async move {
             Ok::<_, std::convert::Infallible>(task.args.get_timestamp())
         });
-        let mut svc = LeaderOnlyLayer::new(leadership.clone())
+        let mut svc = LeaderOnlyJobLayer::new(leadership.clone())
             .for_cron_ticks()
             .skew_tolerance(Duration::from_secs(10))
             .layer(job);

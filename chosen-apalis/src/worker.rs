@@ -4,7 +4,7 @@ use apalis_core::layers::{Identity, Stack};
 use apalis_core::worker::builder::WorkerBuilder;
 use apalis_cron::{CronScheduler, Tick};
 
-use crate::layer::LeaderOnlyLayer;
+use crate::layer::LeaderOnlyJobLayer;
 use crate::policy::CronTicks;
 
 /// A cron worker builder whose ticks run only on the leader: the gate is already its
@@ -14,8 +14,7 @@ use crate::policy::CronTicks;
 /// ```no_run
 /// use std::str::FromStr;
 /// use apalis_core::{error::BoxDynError, task::data::Data};
-/// use apalis_cron::Tick;
-/// use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, cron_worker};
+/// use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Schedule, Tick, cron_worker};
 ///
 /// async fn every_minute(tick: Tick, guard: Data<LeaderGuard>) -> Result<(), BoxDynError> {
 ///     println!("tick {} on {}, token {}", tick.get_timestamp(), guard.node_id(), guard.fencing_token());
@@ -23,8 +22,8 @@ use crate::policy::CronTicks;
 /// }
 ///
 /// # async fn demo(manager: chosen_core::LockManager) -> Result<(), BoxDynError> {
-/// let gate = LeaderOnlyLayer::elect(&manager, "reports-cron")?;
-/// let schedule = cron::Schedule::from_str("0 * * * * *")?; // seconds field first
+/// let gate = LeaderOnlyJobLayer::elect(&manager, "reports-cron")?;
+/// let schedule = Schedule::from_str("0 * * * * *")?; // seconds field first
 /// let worker = cron_worker("reports", schedule, gate).build(every_minute);
 /// worker.run().await?;
 /// # Ok(())
@@ -33,9 +32,12 @@ use crate::policy::CronTicks;
 pub fn cron_worker<P>(
     worker_name: &str,
     schedule: cron::Schedule,
-    gate: LeaderOnlyLayer<P>,
-) -> WorkerBuilder<Tick, CronScheduler<cron::Schedule>, Stack<LeaderOnlyLayer<CronTicks>, Identity>>
-{
+    gate: LeaderOnlyJobLayer<P>,
+) -> WorkerBuilder<
+    Tick,
+    CronScheduler<cron::Schedule>,
+    Stack<LeaderOnlyJobLayer<CronTicks>, Identity>,
+> {
     WorkerBuilder::new(worker_name)
         .backend(CronScheduler::new(schedule))
         .layer(gate.for_cron_ticks())

@@ -9,7 +9,7 @@ use apalis_core::task::Task;
 use apalis_core::task::data::Data;
 use apalis_core::task::task_fn::task_fn;
 use apalis_cron::Tick;
-use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, Outcome, SkipReason};
+use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Outcome, SkipReason};
 use chosen_core::Leadership;
 use tower::{Layer, ServiceExt};
 
@@ -35,7 +35,7 @@ async fn followers_skip_with_ok_and_never_call_the_job() {
             }
         })
     };
-    let gate = LeaderOnlyLayer::new(leadership);
+    let gate = LeaderOnlyJobLayer::new(leadership);
     let stats = gate.stats();
     let svc = gate.for_cron_ticks().layer(job);
     let out = svc
@@ -64,7 +64,7 @@ async fn the_leader_runs_the_job_with_a_guard() {
             guard.node_id().to_owned(),
         ))
     });
-    let gate = LeaderOnlyLayer::new(leadership.clone()).for_cron_ticks();
+    let gate = LeaderOnlyJobLayer::new(leadership.clone()).for_cron_ticks();
     let stats = gate.stats();
     // Past the default 1 s skew tolerance after gaining leadership, with a margin.
     let ts = now_secs() + 5;
@@ -82,7 +82,7 @@ async fn a_tick_from_before_leadership_is_skipped() {
     let (leadership, control) = Leadership::manual("cron", "node-1");
     control.lead(7);
     let job = task_fn(|_tick: Tick| async { Ok::<(), BoxDynError>(()) });
-    let gate = LeaderOnlyLayer::new(leadership)
+    let gate = LeaderOnlyJobLayer::new(leadership)
         .for_cron_ticks()
         .skew_tolerance(Duration::from_secs(1));
     // Scheduled 5 s before this node gained leadership: the previous leader's tick.
@@ -97,7 +97,7 @@ async fn a_tick_from_before_leadership_is_skipped() {
         "{out:?}"
     );
     // Any task (not cron): no schedule check.
-    let out = LeaderOnlyLayer::new(gate.leadership().clone())
+    let out = LeaderOnlyJobLayer::new(gate.leadership().clone())
         .layer(job)
         .oneshot(Task::new(Tick::new(now_secs() - 5)))
         .await
@@ -114,7 +114,7 @@ async fn the_guard_sees_leadership_loss_during_a_job() {
         Ok::<_, BoxDynError>(guard.is_valid())
     });
     let run = tokio::spawn(
-        LeaderOnlyLayer::new(leadership)
+        LeaderOnlyJobLayer::new(leadership)
             .layer(job)
             .oneshot(Task::new(Tick::new(now_secs()))),
     );
@@ -134,7 +134,7 @@ async fn guard_of_a_run(leadership: &Leadership) -> LeaderGuard {
     let job = task_fn(|_tick: Tick, guard: Data<LeaderGuard>| async move {
         Ok::<_, BoxDynError>(LeaderGuard::clone(&guard))
     });
-    match LeaderOnlyLayer::new(leadership.clone())
+    match LeaderOnlyJobLayer::new(leadership.clone())
         .layer(job)
         .oneshot(Task::new(Tick::new(now_secs())))
         .await
@@ -207,7 +207,7 @@ async fn an_expired_lease_skips_without_calling_the_job() {
             }
         })
     };
-    let gate = LeaderOnlyLayer::new(leadership);
+    let gate = LeaderOnlyJobLayer::new(leadership);
     let stats = gate.stats();
     let svc = gate.layer(job);
 

@@ -591,8 +591,19 @@ impl Driver {
         let now = Instant::now();
         match cmd {
             Command::Acquire { request, reply } => {
+                let key = request.key;
+                let name = Arc::clone(&request.name);
+                let unknown = self.table.name_of(key).is_none();
                 self.replies.insert(request.id, reply);
                 self.table.acquire(request, now);
+                if unknown
+                    && self.table.name_of(key).is_some()
+                    && let Some(m) = self.metrics()
+                {
+                    // A lock new to the table is neither held nor waited for here: its
+                    // series start at rest, so followers export them before leading.
+                    m.lock_known(self.node(), &name);
+                }
                 self.carry_out();
             }
             Command::Withdraw { key, id } => {

@@ -84,6 +84,7 @@ impl Leadership {
 
     /// A leadership that a test sets by hand (no database), with its controller.
     #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     #[must_use]
     pub fn manual(name: &str, node_id: &str) -> (Self, ManualLeadership) {
         let leadership = Self::new(name, node_id, None);
@@ -259,6 +260,7 @@ impl Leadership {
 /// says `Leading` but the lease deadline has passed", the window before the election
 /// task notices a lost lease.
 #[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 #[derive(Debug, Clone)]
 pub struct ManualLeadership {
     leadership: Leadership,

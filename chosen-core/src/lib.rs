@@ -21,14 +21,17 @@ pub use election::Election;
 pub use error::{Error, Result};
 pub use key::{DEFAULT_NAMESPACE, LockKey};
 #[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use leadership::ManualLeadership;
 pub use leadership::{LeaderState, Leadership};
 pub use lease::{FencingToken, Lease};
 pub use manager::{ClusterLock, HolderInfo, LockInfo, LockManager, LockRequest, LockState};
 pub use metrics::MetricsSink;
 #[cfg(feature = "opentelemetry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
 pub use metrics::OtelMetrics;
 #[cfg(feature = "prometheus")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus")))]
 pub use metrics::PrometheusMetrics;
 pub use options::ManagerOptions;
 pub use singleton::{

@@ -28,8 +28,10 @@ mod otel;
 mod prometheus;
 
 #[cfg(feature = "opentelemetry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
 pub use otel::OtelMetrics;
 #[cfg(feature = "prometheus")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus")))]
 pub use prometheus::PrometheusMetrics;
 
 /// Receives chosen's events. Every method has an empty default, so a sink implements
@@ -50,6 +52,19 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
     /// `shutdown`.
     fn lock_lost(&self, node: &str, lock: &str, reason: &str) {
         let _ = (node, lock, reason);
+    }
+
+    /// `node` now knows `lock`, and neither holds it nor has a request queued for it: a
+    /// sink shows the lock's series at rest (`held` 0, no waiters, no acquisitions
+    /// yet), so that a follower exports `held = 0` before it ever leads and "nobody
+    /// leads" needs no `absent()`.
+    ///
+    /// Called when a request for `lock` (an acquire, an election's or a singleton's)
+    /// reaches a manager that has no state for it: the first time, and again after the
+    /// manager forgot the lock (nobody held or wanted it). Never while this manager
+    /// holds the lock, so a sink may set its gauges to 0.
+    fn lock_known(&self, node: &str, lock: &str) {
+        let _ = (node, lock);
     }
 
     /// `waiters` requests of `node` now wait for `lock`.
@@ -80,6 +95,14 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
     /// The child of `singleton` on `node` started or stopped.
     fn singleton_running(&self, node: &str, singleton: &str, running: bool) {
         let _ = (node, singleton, running);
+    }
+
+    /// A [`Singleton`](crate::Singleton) for `singleton` started on `node`; its child
+    /// does not run yet. A sink shows the singleton's series at rest (`running` 0, no
+    /// restarts), unless they exist already: another singleton of the same name on this
+    /// node may run its child right now.
+    fn singleton_known(&self, node: &str, singleton: &str) {
+        let _ = (node, singleton);
     }
 
     /// The child of `singleton` on `node` was restarted.

@@ -152,8 +152,26 @@ impl ManagerOptions {
     }
 
     /// Reports what the manager, its singletons and elections, and the tower and apalis
-    /// adapters do to `sink` (e.g. [`PrometheusMetrics`](crate::PrometheusMetrics) or
-    /// [`OtelMetrics`](crate::OtelMetrics)).
+    /// adapters do to `sink`: any [`MetricsSink`](crate::MetricsSink), such as the two
+    /// that ship behind features:
+    ///
+    // Linked only when built: a link to an item of a disabled feature would not resolve.
+    #[cfg_attr(
+        feature = "prometheus",
+        doc = "* [`PrometheusMetrics`](crate::PrometheusMetrics) (feature `prometheus`),"
+    )]
+    #[cfg_attr(
+        not(feature = "prometheus"),
+        doc = "* `PrometheusMetrics` (feature `prometheus`),"
+    )]
+    #[cfg_attr(
+        feature = "opentelemetry",
+        doc = "* [`OtelMetrics`](crate::OtelMetrics) (feature `opentelemetry`)."
+    )]
+    #[cfg_attr(
+        not(feature = "opentelemetry"),
+        doc = "* `OtelMetrics` (feature `opentelemetry`)."
+    )]
     #[must_use]
     pub fn metrics(mut self, sink: std::sync::Arc<dyn crate::MetricsSink>) -> Self {
         self.metrics = Some(sink);
@@ -187,6 +205,7 @@ impl ManagerOptions {
     /// # }
     /// ```
     #[cfg(feature = "rustls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
     #[must_use]
     pub fn rustls(mut self, config: rustls::ClientConfig) -> Self {
         self.tls = Some(std::sync::Arc::new(config));
@@ -212,6 +231,7 @@ impl ManagerOptions {
     /// [`Error::InvalidUrl`] when deadpool cannot turn its settings into a
     /// `tokio_postgres::Config`.
     #[cfg(feature = "deadpool")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
     pub fn from_deadpool(config: &deadpool_postgres::Config) -> Result<Self> {
         let pg = config.get_pg_config().map_err(|e| Error::InvalidUrl {
             message: e.to_string(),

@@ -488,6 +488,10 @@ impl Singleton {
         let name = request.display_name(manager)?;
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
+        if let Some(m) = leadership.metrics() {
+            // Before the supervisor exists: its child cannot run yet.
+            m.singleton_known(manager.node_id(), &name);
+        }
         let inner = Arc::new(SingletonInner {
             leadership,
             status: Mutex::new(SingletonStatus {

@@ -1,10 +1,31 @@
-//! The OpenTelemetry sink reaches a provider installed after the sink was made.
+//! The OpenTelemetry sink reaches a provider installed after the sink was made, and
+//! shows known locks and singletons at rest.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use chosen_core::{MetricsSink, OtelMetrics};
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, SdkMeterProvider};
+
+/// The last value of the u64 gauge `name` with attribute `key` = `value`.
+fn gauge(metrics: &[ResourceMetrics], name: &str, key: &str, value: &str) -> Option<u64> {
+    metrics
+        .iter()
+        .flat_map(|rm| rm.scope_metrics().flat_map(|sm| sm.metrics()))
+        .filter(|m| m.name() == name)
+        .filter_map(|m| match m.data() {
+            AggregatedMetrics::U64(MetricData::Gauge(g)) => g
+                .data_points()
+                .find(|p| {
+                    p.attributes()
+                        .any(|kv| kv.key.as_str() == key && kv.value.as_str() == value)
+                })
+                .map(|p| p.value()),
+            _ => None,
+        })
+        .last()
+}
 
 #[test]
 fn instruments_use_the_provider_installed_later() {
@@ -29,11 +50,31 @@ fn instruments_use_the_provider_installed_later() {
     sink.singleton_restart("n1", "report");
     sink.task_gated("n1", "cron", "ran");
     sink.follower_response("n1", "admin");
+    // At rest until they lead; a running singleton stays running when another of its
+    // name starts.
+    sink.lock_known("n1", "idle");
+    sink.singleton_known("n1", "idle");
+    sink.singleton_known("n1", "report");
     provider.force_flush().unwrap();
 
-    let names: BTreeSet<String> = exporter
-        .get_finished_metrics()
-        .unwrap()
+    let finished = exporter.get_finished_metrics().unwrap();
+    assert_eq!(
+        gauge(&finished, "chosen.lock.held", "lock", "idle"),
+        Some(0)
+    );
+    assert_eq!(
+        gauge(&finished, "chosen.lock.waiters", "lock", "idle"),
+        Some(0)
+    );
+    assert_eq!(
+        gauge(&finished, "chosen.singleton.running", "singleton", "idle"),
+        Some(0)
+    );
+    assert_eq!(
+        gauge(&finished, "chosen.singleton.running", "singleton", "report"),
+        Some(1)
+    );
+    let names: BTreeSet<String> = finished
         .iter()
         .flat_map(|rm| {
             rm.scope_metrics()

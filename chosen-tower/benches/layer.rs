@@ -1,4 +1,4 @@
-//! Per-request overhead of `LeaderOnly` against the bare service (`cargo bench -p chosen-tower`).
+//! Per-request overhead of `LeaderOnlyHttp` against the bare service (`cargo bench -p chosen-tower`).
 
 #![allow(missing_docs)] // criterion's macros generate undocumented items
 
@@ -9,7 +9,7 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use chosen_core::Leadership;
-use chosen_tower::LeaderOnlyLayer;
+use chosen_tower::LeaderOnlyHttpLayer;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{Request, Response};
 use tower::{Layer, Service, service_fn};
@@ -41,13 +41,13 @@ fn bench(c: &mut Criterion) {
     });
 
     control.lead(1);
-    let mut svc = LeaderOnlyLayer::new(leadership.clone()).layer(bare());
+    let mut svc = LeaderOnlyHttpLayer::new(leadership.clone()).layer(bare());
     group.bench_function("layer, leader (passes through)", |b| {
         b.iter(|| black_box(call(&mut svc, Request::new(()))));
     });
 
     control.follow(Some("node-2"));
-    let mut svc = LeaderOnlyLayer::new(leadership).layer(bare());
+    let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(bare());
     group.bench_function("layer, follower (answers 503)", |b| {
         b.iter(|| black_box(call(&mut svc, Request::new(()))));
     });

@@ -8,7 +8,7 @@ use http::Response;
 use pin_project_lite::pin_project;
 
 pin_project! {
-    /// The future of [`LeaderOnly`](crate::LeaderOnly): the inner service's, or a
+    /// The future of [`LeaderOnlyHttp`](crate::LeaderOnlyHttp): the inner service's, or a
     /// follower's ready answer.
     #[derive(Debug)]
     pub struct ResponseFuture<F, B> {

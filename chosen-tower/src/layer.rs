@@ -1,17 +1,23 @@
 //! The layer.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use chosen_core::Leadership;
+use chosen_core::{Election, Leadership, LockManager, LockRequest};
 use http::Uri;
 use tower_layer::Layer;
 
 use crate::responder::{Redirect, Reject};
-use crate::service::LeaderOnly;
+use crate::service::LeaderOnlyHttp;
 
-/// Gates a service on leadership: on the leader, requests reach the inner service; on
-/// a follower, the layer answers itself (by default `503` + `Retry-After: 1`), with a
-/// `x-chosen-leader` header naming the leader when known.
+/// Gates HTTP requests on leadership: on the leader, requests reach the inner service;
+/// on a follower, the layer answers itself (by default `503` + `Retry-After: 1`), with
+/// a `x-chosen-leader` header naming the leader when known.
+///
+/// Build it from a [`Leadership`] you already have ([`new`](Self::new), e.g. the one of
+/// an [`Election`] or a [`Singleton`](chosen_core::Singleton) that also serves other
+/// code), or let it start its own election ([`elect`](Self::elect)). Its counterpart for
+/// apalis jobs is `chosen_apalis::LeaderOnlyJobLayer`, built the same two ways.
 ///
 /// The check happens in `call`, against the lease's deadline at that moment
 /// ([`Leadership::is_leader`]); `poll_ready` only forwards, so a follower never stalls
@@ -26,7 +32,7 @@ use crate::service::LeaderOnly;
 /// ```
 /// use axum::{Router, routing::{get, post}};
 /// use chosen_core::Leadership;
-/// use chosen_tower::LeaderOnlyLayer;
+/// use chosen_tower::LeaderOnlyHttpLayer;
 ///
 /// fn app(leadership: Leadership) -> Router {
 ///     Router::new()
@@ -34,12 +40,12 @@ use crate::service::LeaderOnly;
 ///         // Only the leader runs this; wrong methods still get 405:
 ///         .route(
 ///             "/admin/reindex",
-///             post(|| async { "reindexing" }).route_layer(LeaderOnlyLayer::new(leadership.clone())),
+///             post(|| async { "reindexing" }).route_layer(LeaderOnlyHttpLayer::new(leadership.clone())),
 ///         )
 ///         // Or gate every route added so far (unknown paths stay 404, but a wrong
 ///         // method on a gated path answers 503 on followers):
 ///         .route("/admin/flush", post(|| async { "flushed" }))
-///         .route_layer(LeaderOnlyLayer::new(leadership))
+///         .route_layer(LeaderOnlyHttpLayer::new(leadership))
 /// }
 /// # let (l, _c) = Leadership::manual("x", "n");
 /// # let _ = app(l);
@@ -48,19 +54,62 @@ use crate::service::LeaderOnly;
 /// `Router::layer` would also wrap the fallback, so unknown paths would answer `503`
 /// on followers instead of `404`.
 #[derive(Debug, Clone)]
-pub struct LeaderOnlyLayer<R = Reject> {
+pub struct LeaderOnlyHttpLayer<R = Reject> {
     leadership: Leadership,
     responder: R,
+    /// An election [`elect`](Self::elect) started: it lives as long as any clone of
+    /// the layer or any service built from it (axum drops the layer once the routes
+    /// are built).
+    election: Option<Arc<Election>>,
 }
 
-impl LeaderOnlyLayer {
-    /// Followers answer `503 Service Unavailable` with `Retry-After: 1`.
+/// The name before the apalis gate got a layer of its own: both were `LeaderOnlyLayer`,
+/// so a service using both crates could not import both.
+#[deprecated(
+    note = "renamed to `LeaderOnlyHttpLayer` (chosen-apalis' gate is `LeaderOnlyJobLayer`)"
+)]
+pub type LeaderOnlyLayer<R = Reject> = LeaderOnlyHttpLayer<R>;
+
+impl LeaderOnlyHttpLayer {
+    /// Gates on an existing leadership (from an [`Election`] or a
+    /// [`Singleton`](chosen_core::Singleton)). Followers answer `503 Service
+    /// Unavailable` with `Retry-After: 1`.
     #[must_use]
     pub fn new(leadership: Leadership) -> Self {
         Self {
             leadership,
             responder: Reject::default(),
+            election: None,
         }
+    }
+
+    /// Starts an election for `lock` on `manager` and gates on it; the election lives
+    /// as long as any clone of the layer or any service built from it, and releases the
+    /// lock when the last is dropped.
+    ///
+    /// ```no_run
+    /// use axum::{Router, routing::post};
+    /// use chosen_tower::LeaderOnlyHttpLayer;
+    ///
+    /// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+    /// let app: Router = Router::new().route(
+    ///     "/admin/reindex",
+    ///     post(|| async { "reindexing" })
+    ///         .route_layer(LeaderOnlyHttpLayer::elect(&manager, "admin")?),
+    /// );
+    /// # let _ = app;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`chosen_core::Error::InvalidName`] for an empty name.
+    pub fn elect(manager: &LockManager, lock: impl Into<LockRequest>) -> chosen_core::Result<Self> {
+        let election = Election::start(manager, lock)?;
+        let mut layer = Self::new(election.leadership());
+        layer.election = Some(Arc::new(election));
+        Ok(layer)
     }
 
     /// Followers answer `503` with this `Retry-After` (whole seconds, rounded up).
@@ -74,35 +123,37 @@ impl LeaderOnlyLayer {
     /// builds, or `503` when no leader is known or the resolver gives `None`.
     ///
     /// ```
-    /// use chosen_tower::LeaderOnlyLayer;
+    /// use chosen_tower::LeaderOnlyHttpLayer;
     /// # let (leadership, _c) = chosen_core::Leadership::manual("x", "n");
-    /// let layer = LeaderOnlyLayer::new(leadership).redirect(|leader, uri| {
+    /// let layer = LeaderOnlyHttpLayer::new(leadership).redirect(|leader, uri| {
     ///     // Node ids are host names in this fleet.
     ///     format!("http://{leader}:8080{}", uri.path_and_query()?.as_str()).parse().ok()
     /// });
     /// # let _ = layer;
     /// ```
     #[must_use]
-    pub fn redirect<F>(self, resolver: F) -> LeaderOnlyLayer<Redirect<F>>
+    pub fn redirect<F>(self, resolver: F) -> LeaderOnlyHttpLayer<Redirect<F>>
     where
         F: Fn(&str, &Uri) -> Option<Uri>,
     {
-        LeaderOnlyLayer {
+        LeaderOnlyHttpLayer {
             leadership: self.leadership,
             responder: Redirect::new(resolver),
+            election: self.election,
         }
     }
 }
 
-impl<R> LeaderOnlyLayer<R> {
+impl<R> LeaderOnlyHttpLayer<R> {
     /// Followers answer whatever `responder` builds (any
     /// [`FollowerResponder`](crate::FollowerResponder), e.g. a closure
     /// `|ctx: &FollowerContext<'_>| -> Response<B>`).
     #[must_use]
-    pub fn respond_with<R2>(self, responder: R2) -> LeaderOnlyLayer<R2> {
-        LeaderOnlyLayer {
+    pub fn respond_with<R2>(self, responder: R2) -> LeaderOnlyHttpLayer<R2> {
+        LeaderOnlyHttpLayer {
             leadership: self.leadership,
             responder,
+            election: self.election,
         }
     }
 
@@ -113,10 +164,11 @@ impl<R> LeaderOnlyLayer<R> {
     }
 }
 
-impl<S, R: Clone> Layer<S> for LeaderOnlyLayer<R> {
-    type Service = LeaderOnly<S, R>;
+impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
+    type Service = LeaderOnlyHttp<S, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        LeaderOnly::new(inner, self.leadership.clone(), self.responder.clone())
+        LeaderOnlyHttp::new(inner, self.leadership.clone(), self.responder.clone())
+            .keeping(self.election.clone())
     }
 }

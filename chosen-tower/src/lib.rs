@@ -1,4 +1,5 @@
 #![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod future;
 mod health;
@@ -8,8 +9,10 @@ mod service;
 
 pub use future::ResponseFuture;
 pub use health::LeaderHealth;
-pub use layer::LeaderOnlyLayer;
+#[allow(deprecated)] // the old name, kept so that existing code still compiles
+pub use layer::{LeaderOnlyHttpLayer, LeaderOnlyLayer};
 pub use responder::{
     BoxResponder, FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject,
 };
-pub use service::LeaderOnly;
+#[allow(deprecated)] // the old name, kept so that existing code still compiles
+pub use service::{LeaderOnly, LeaderOnlyHttp};

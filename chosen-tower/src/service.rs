@@ -1,8 +1,9 @@
 //! The service.
 
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use chosen_core::Leadership;
+use chosen_core::{Election, Leadership};
 use http::header::HeaderValue;
 use http::{Request, Response};
 use tower_service::Service;
@@ -10,22 +11,36 @@ use tower_service::Service;
 use crate::future::ResponseFuture;
 use crate::responder::{FollowerContext, FollowerResponder, LEADER_HEADER};
 
-/// The middleware [`LeaderOnlyLayer`](crate::LeaderOnlyLayer) applies.
+/// The middleware [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) applies: passes
+/// HTTP requests to `inner` on the leader, answers them with `responder` elsewhere.
 #[derive(Debug, Clone)]
-pub struct LeaderOnly<S, R> {
+pub struct LeaderOnlyHttp<S, R> {
     inner: S,
     leadership: Leadership,
     responder: R,
+    /// The layer's own election, if it started one: kept alive while this service is.
+    election: Option<Arc<Election>>,
 }
 
-impl<S, R> LeaderOnly<S, R> {
+/// The name before the apalis gate got a service of its own: both were `LeaderOnly`.
+#[deprecated(note = "renamed to `LeaderOnlyHttp` (chosen-apalis' gate service is `LeaderOnlyJob`)")]
+pub type LeaderOnly<S, R> = LeaderOnlyHttp<S, R>;
+
+impl<S, R> LeaderOnlyHttp<S, R> {
     /// Wraps `inner`.
     pub fn new(inner: S, leadership: Leadership, responder: R) -> Self {
         Self {
             inner,
             leadership,
             responder,
+            election: None,
         }
+    }
+
+    /// Keeps `election` alive as long as this service.
+    pub(crate) fn keeping(mut self, election: Option<Arc<Election>>) -> Self {
+        self.election = election;
+        self
     }
 
     /// The inner service.
@@ -44,7 +59,7 @@ impl<S, R> LeaderOnly<S, R> {
     }
 }
 
-impl<S, R, ReqBody, ResBody> Service<Request<ReqBody>> for LeaderOnly<S, R>
+impl<S, R, ReqBody, ResBody> Service<Request<ReqBody>> for LeaderOnlyHttp<S, R>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     R: FollowerResponder<ResBody>,

@@ -10,7 +10,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::{get, post};
 use chosen_core::Leadership;
-use chosen_tower::{FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyLayer};
+use chosen_tower::{FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer};
 use http::{Method, Request, Response, StatusCode};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -39,7 +39,7 @@ async fn body_text(res: Response<Body>) -> String {
 #[tokio::test]
 async fn leader_passes_follower_answers_503_with_retry_after() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
-    let svc = LeaderOnlyLayer::new(leadership).layer(echo());
+    let svc = LeaderOnlyHttpLayer::new(leadership).layer(echo());
 
     control.lead(7);
     let res = svc
@@ -70,7 +70,7 @@ async fn leader_passes_follower_answers_503_with_retry_after() {
 #[tokio::test]
 async fn retry_after_rounds_up_to_whole_seconds() {
     let (leadership, _control) = Leadership::manual("admin", "node-1");
-    let svc = LeaderOnlyLayer::new(leadership)
+    let svc = LeaderOnlyHttpLayer::new(leadership)
         .retry_after(Duration::from_millis(2500))
         .layer(echo());
     let res = svc.oneshot(request(Method::GET, "/")).await.unwrap();
@@ -80,7 +80,7 @@ async fn retry_after_rounds_up_to_whole_seconds() {
 #[tokio::test]
 async fn redirect_to_the_leader_or_503_when_unknown() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
-    let svc = LeaderOnlyLayer::new(leadership)
+    let svc = LeaderOnlyHttpLayer::new(leadership)
         .redirect(|leader, uri| {
             format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
                 .parse()
@@ -111,7 +111,7 @@ async fn redirect_to_the_leader_or_503_when_unknown() {
 #[tokio::test]
 async fn custom_answers() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
-    let svc = LeaderOnlyLayer::new(leadership)
+    let svc = LeaderOnlyHttpLayer::new(leadership)
         .respond_with(|ctx: &FollowerContext<'_>| {
             let mut res = Response::new(Body::from(format!(
                 "ask {} for {}",
@@ -149,7 +149,7 @@ impl Service<Request<Body>> for NeverReady {
 async fn poll_ready_forwards_and_never_gates() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     control.follow(None);
-    let mut svc = LeaderOnlyLayer::new(leadership).layer(NeverReady);
+    let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(NeverReady);
     let waker = std::task::Waker::noop();
     let mut cx = Context::from_waker(waker);
     assert!(
@@ -165,7 +165,7 @@ async fn poll_ready_forwards_and_never_gates() {
 async fn axum_route_layer_versus_layer() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     control.follow(Some("node-2"));
-    let gated = || LeaderOnlyLayer::new(leadership.clone());
+    let gated = || LeaderOnlyHttpLayer::new(leadership.clone());
 
     // Router::route_layer: 404 kept; wrong method on the gated path -> 503.
     let app = Router::new()
@@ -252,8 +252,8 @@ async fn an_expired_lease_answers_as_a_follower() {
             async { Ok::<_, Infallible>(Response::new(Body::from("inner"))) }
         })
     };
-    let svc = LeaderOnlyLayer::new(leadership.clone()).layer(inner);
-    let redirecting = LeaderOnlyLayer::new(leadership)
+    let svc = LeaderOnlyHttpLayer::new(leadership.clone()).layer(inner);
+    let redirecting = LeaderOnlyHttpLayer::new(leadership)
         .redirect(|leader, uri| {
             format!("http://{leader}.internal{}", uri.path_and_query()?)
                 .parse()

@@ -6,6 +6,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::packages;
+
 /// The superuser of local clusters.
 pub const SUPERUSER: &str = "postgres";
 /// Its password (host connections use scram-sha-256, so a wrong one is rejected).
@@ -73,8 +75,10 @@ impl PgClusterBuilder {
     ///
     /// # Errors
     ///
-    /// When the server binaries are missing (the message says how to install them) or
-    /// the server does not start (the message has its log).
+    /// When the server binaries are missing and could not be installed (run as root
+    /// with `apt-get`, the harness installs the `postgresql` package itself, announced
+    /// on stderr, unless `CHOSEN_NO_INSTALL` is set; otherwise the message names the
+    /// command to run), or the server does not start (the message has its log).
     pub fn start(self) -> io::Result<PgCluster> {
         Local::start(self.settings, self.tls, None).map(|l| PgCluster {
             inner: Inner::Local(l),
@@ -511,10 +515,16 @@ fn sweep_stale(root: &Path) {
     }
 }
 
+/// The server binaries' directory: `PG_BIN_DIR` as given, else where they are installed,
+/// else installed now (see [`packages::find_or_install`]).
 fn find_bin_dir() -> io::Result<PathBuf> {
     if let Ok(dir) = std::env::var("PG_BIN_DIR") {
         return Ok(PathBuf::from(dir));
     }
+    packages::find_or_install(packages::POSTGRESQL, find_installed_bin_dir)
+}
+
+fn find_installed_bin_dir() -> io::Result<PathBuf> {
     if let Ok(out) = run_output(Command::new("pg_config").arg("--bindir")) {
         let dir = PathBuf::from(out.trim());
         if dir.join("initdb").exists() && dir.join("postgres").exists() {
@@ -546,7 +556,7 @@ fn find_bin_dir() -> io::Result<PathBuf> {
     }
     Err(io::Error::new(
         io::ErrorKind::NotFound,
-        "PostgreSQL server binaries (initdb, postgres) not found on PATH, via pg_config, or under /usr/lib/postgresql/<version>/bin. Install them (Debian/Ubuntu: `apt-get install postgresql`; 14 or newer), set PG_BIN_DIR to their directory, or set DATABASE_URL to an existing server",
+        "PostgreSQL server binaries (initdb, postgres) not found on PATH, via pg_config, or under /usr/lib/postgresql/<version>/bin",
     ))
 }
 
@@ -556,6 +566,8 @@ fn run_as() -> io::Result<Option<RunAs>> {
     if euid != 0 {
         return Ok(None);
     }
+    // The server and pgbouncer are started through setpriv.
+    packages::find_or_install(packages::UTIL_LINUX, || packages::find_on_path("setpriv"))?;
     for user in ["postgres", "nobody"] {
         let uid = run_output(Command::new("id").args(["-u", user]));
         let gid = run_output(Command::new("id").args(["-g", user]));
@@ -594,12 +606,14 @@ fn set_mode(path: &Path, mode: u32) -> io::Result<()> {
 /// A test CA and a server certificate it signed, for `localhost` and 127.0.0.1 (a
 /// self-signed CA certificate cannot serve as the server's own: webpki refuses it).
 fn make_certificates(dir: &Path) -> io::Result<()> {
+    let openssl =
+        packages::find_or_install(packages::OPENSSL, || packages::find_on_path("openssl"))?;
     let ext = dir.join("server.ext");
     fs::write(
         &ext,
         "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
     )?;
-    run(Command::new("openssl")
+    run(Command::new(&openssl)
         .args([
             "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
         ])
@@ -608,7 +622,7 @@ fn make_certificates(dir: &Path) -> io::Result<()> {
         .arg(dir.join("ca.key"))
         .arg("-out")
         .arg(dir.join("ca.crt")))?;
-    run(Command::new("openssl")
+    run(Command::new(&openssl)
         .args([
             "req",
             "-newkey",
@@ -621,7 +635,7 @@ fn make_certificates(dir: &Path) -> io::Result<()> {
         .arg(dir.join("server.key"))
         .arg("-out")
         .arg(dir.join("server.csr")))?;
-    run(Command::new("openssl")
+    run(Command::new(&openssl)
         .args(["x509", "-req", "-days", "2", "-CAcreateserial"])
         .arg("-in")
         .arg(dir.join("server.csr"))
@@ -695,31 +709,17 @@ impl PgBouncer {
     ///
     /// # Errors
     ///
-    /// When `pgbouncer` is not installed (`apt-get install pgbouncer`) or does not start.
+    /// `NotFound` when `pgbouncer` is missing and could not be installed (as for the
+    /// server binaries, see [`PgClusterBuilder::start`]; the message names the command
+    /// to run), or when it does not start.
     pub fn start(cluster: &PgCluster, pool_mode: &str, pool_size: u32) -> io::Result<Self> {
         let Inner::Local(local) = &cluster.inner else {
             return Err(io::Error::other("PgBouncer tests need a local cluster"));
         };
         // Where Debian installs it, then `PATH` (what `.ci/run` checks with `command -v`).
-        let on_path: Vec<PathBuf> = std::env::var_os("PATH")
-            .map(|p| {
-                std::env::split_paths(&p)
-                    .map(|d| d.join("pgbouncer"))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let binary = [
-            PathBuf::from("/usr/sbin/pgbouncer"),
-            PathBuf::from("/usr/bin/pgbouncer"),
-        ]
-        .into_iter()
-        .chain(on_path)
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                "pgbouncer is not installed (Debian/Ubuntu: apt-get install pgbouncer)",
-            )
+        let binary = packages::find_or_install(packages::PGBOUNCER, || {
+            packages::find_in([Path::new("/usr/sbin"), Path::new("/usr/bin")], "pgbouncer")
+                .or_else(|_| packages::find_on_path("pgbouncer"))
         })?;
         let dir = local.base.join(format!(
             "pgbouncer-{}",

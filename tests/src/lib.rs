@@ -5,8 +5,11 @@
 //! * [`PgCluster::start_local`] always starts a local cluster (for tests that stop,
 //!   restart or reconfigure the server).
 //!
-//! Local clusters: the binaries are found on `PATH`, via `pg_config --bindir`, or under
-//! `/usr/lib/postgresql/<version>/bin` (newest first). When running as root they run
+//! Local clusters: the binaries are found in `PG_BIN_DIR`, via `pg_config --bindir`,
+//! under `/usr/lib/postgresql/<version>/bin` (newest first), or on `PATH`. When they (or
+//! pgbouncer, openssl, setpriv) are missing, the harness installs the Debian/Ubuntu
+//! package itself if it runs as root with `apt-get` (announced in one line on stderr;
+//! `CHOSEN_NO_INSTALL=1` forbids it), else fails naming the command to run. When running as root they run
 //! as the `postgres` user (else `nobody`), because `initdb` refuses to run as root.
 //! One `initdb` per machine and version is cached as a template and copied for each
 //! cluster. Clusters listen on 127.0.0.1 only, are removed on drop, and clusters left
@@ -16,6 +19,7 @@ pub mod checker;
 mod clock;
 mod cluster;
 pub mod nemesis;
+mod packages;
 mod proxy;
 
 pub use clock::{monotonic_us, signal};

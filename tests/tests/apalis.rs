@@ -9,8 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use apalis_core::error::BoxDynError;
 use apalis_core::monitor::Monitor;
 use apalis_core::task::data::Data;
-use apalis_cron::Tick;
-use chosen_apalis::{LeaderGuard, LeaderOnlyLayer, cron_worker};
+use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Schedule, Tick, cron_worker};
 use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
@@ -107,7 +106,7 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
         client: Arc::clone(&admin),
     };
     let name = unique_name("cron");
-    let schedule = cron::Schedule::from_str("* * * * * *").unwrap();
+    let schedule = Schedule::from_str("* * * * * *").unwrap();
     let stop = Arc::new(tokio::sync::Notify::new());
     let mut nodes = Vec::new();
     for i in 0..3 {
@@ -119,7 +118,7 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
         )
         .await
         .unwrap();
-        let gate = LeaderOnlyLayer::elect(&manager, name.as_str()).unwrap();
+        let gate = LeaderOnlyJobLayer::elect(&manager, name.as_str()).unwrap();
         let leadership = gate.leadership().clone();
         let stats = gate.stats();
         let (schedule, witness, stop) = (schedule.clone(), witness.clone(), Arc::clone(&stop));

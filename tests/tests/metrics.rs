@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use chosen_core::{LockManager, ManagerOptions};
 use chosen_tests::{NodeProcess, PgCluster, connect_admin, unique_name};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -137,6 +138,16 @@ async fn scraped_metrics_follow_a_takeover() {
                 &format!("chosen_poll_queries_total{{node=\"{}\"}}", n.id),
             );
             if waiters == Some(1.0) && polls.is_some_and(|p| p >= 1.0) {
+                // A follower that never led exports its series at 0, not nothing.
+                for series in [
+                    format!("chosen_lock_held{{lock=\"{lock}\",node=\"{}\"}}", n.id),
+                    format!(
+                        "chosen_singleton_running{{node=\"{}\",singleton=\"{lock}\"}}",
+                        n.id
+                    ),
+                ] {
+                    assert_eq!(value(&m, &series), 0.0, "{series}");
+                }
                 break;
             }
             assert!(
@@ -199,4 +210,62 @@ async fn scraped_metrics_follow_a_takeover() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// "Nobody leads" is `max(chosen_lock_held) == 0`, no `absent()`: a node that has never
+/// held the lock exports its lock and singleton series at 0 from the first request on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_never_led_exports_its_series_at_zero() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("never-led");
+    // Held by the test for the whole test: the node can only wait.
+    let holder = LockManager::connect(
+        ManagerOptions::from_url(&pg.url())
+            .unwrap()
+            .node_id("m-holder")
+            .term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
+    let _lease = holder.acquire(lock.as_str()).await.unwrap();
+    let node = spawn(&pg.url(), "m-waiter", &lock);
+
+    let held = format!("chosen_lock_held{{lock=\"{lock}\",node=\"m-waiter\"}}");
+    let waiters = format!("chosen_lock_waiters{{lock=\"{lock}\",node=\"m-waiter\"}}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let m = loop {
+        let m = scrape(node.metrics).await;
+        // Waiting shows the request reached the manager; the rest must exist by then.
+        if get(&m, &waiters) == Some(1.0) {
+            break m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the node never reported its waiting request: {:?}",
+            get(&m, &waiters)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(value(&m, &held), 0.0);
+    assert_eq!(
+        value(
+            &m,
+            &format!("chosen_lock_acquisitions_total{{lock=\"{lock}\",node=\"m-waiter\"}}")
+        ),
+        0.0
+    );
+    assert_eq!(
+        value(
+            &m,
+            &format!("chosen_singleton_running{{node=\"m-waiter\",singleton=\"{lock}\"}}")
+        ),
+        0.0
+    );
+    assert_eq!(
+        value(
+            &m,
+            &format!("chosen_singleton_restarts_total{{node=\"m-waiter\",singleton=\"{lock}\"}}")
+        ),
+        0.0
+    );
 }

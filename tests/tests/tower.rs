@@ -7,8 +7,9 @@ use axum::Router;
 use axum::routing::post;
 use chosen_core::{ConnectionStatus, Election, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
-use chosen_tower::{LeaderHealth, LeaderOnlyLayer};
+use chosen_tower::{LeaderHealth, LeaderOnlyHttpLayer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tower::Layer;
 
 /// A minimal HTTP/1.1 client: (status, x-chosen-leader).
 async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, Option<String>) {
@@ -51,7 +52,7 @@ async fn exactly_one_node_serves_the_leader_only_route() {
         let app = Router::new()
             .route(
                 "/admin",
-                post(|| async { "done" }).route_layer(LeaderOnlyLayer::new(leadership.clone())),
+                post(|| async { "done" }).route_layer(LeaderOnlyHttpLayer::new(leadership.clone())),
             )
             .route_service("/leader", LeaderHealth::new(leadership));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -121,5 +122,61 @@ async fn exactly_one_node_serves_the_leader_only_route() {
             "leadership did not move: {oks:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `LeaderOnlyHttpLayer::elect`: the election the layer started lives on in the
+/// services built from it after the layer is gone, and ends (releasing the lock) when
+/// the router holding them is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_elected_layer_leads_while_its_routes_live() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("elected-route");
+    let options = |node: &str| {
+        ManagerOptions::from_url(&pg.url())
+            .unwrap()
+            .node_id(node)
+            .poll_interval(Duration::from_millis(100))
+            .term_grant_delay(Duration::ZERO)
+    };
+    let manager = LockManager::connect(options("web-elected")).await.unwrap();
+    // The layer is a temporary: only the service built from it remains. (A layer given
+    // to a handler's `route_layer` would be kept by axum until the router is finalised.)
+    let gated = LeaderOnlyHttpLayer::elect(&manager, name.as_str())
+        .unwrap()
+        .layer(post(|| async { "done" }));
+    let app = Router::new().route_service("/admin", gated);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while http(addr, "POST", "/admin").await.0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the elected layer never led: its election ended with the layer?"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let other = LockManager::connect(options("web-other")).await.unwrap();
+    assert!(
+        other.try_acquire(name.as_str()).await.unwrap().is_none(),
+        "the route leads, so the lock is held"
+    );
+
+    // The router goes, and the election with it: the lock is released.
+    server.abort();
+    let _ = server.await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(lease) = other.try_acquire(name.as_str()).await.unwrap() {
+            lease.release().await.unwrap();
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lock outlived the router that held its election"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

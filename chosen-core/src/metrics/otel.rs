@@ -1,4 +1,5 @@
-use std::sync::OnceLock;
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
@@ -21,6 +22,10 @@ use super::MetricsSink;
 #[derive(Debug, Default)]
 pub struct OtelMetrics {
     instruments: OnceLock<Instruments>,
+    /// The (node, singleton) pairs whose series were set to rest: an instrument cannot
+    /// be read back, and a second singleton of the same name must not reset the
+    /// first's `running` to 0. Bounded by the singletons a process starts.
+    singletons_known: Mutex<HashSet<(String, String)>>,
 }
 
 #[derive(Debug)]
@@ -119,6 +124,15 @@ impl OtelMetrics {
         Self::default()
     }
 
+    /// Records that the series of `singleton` on `node` exist; `true` the first time.
+    fn note_singleton(&self, node: &str, singleton: &str) -> bool {
+        let mut known = self
+            .singletons_known
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        known.insert((node.to_owned(), singleton.to_owned()))
+    }
+
     fn get(&self) -> &Instruments {
         self.instruments
             .get_or_init(|| Instruments::new(&opentelemetry::global::meter("chosen")))
@@ -151,6 +165,16 @@ impl MetricsSink for OtelMetrics {
             1,
             &[kv("node", node), kv("lock", lock), kv("reason", reason)],
         );
+    }
+
+    fn lock_known(&self, node: &str, lock: &str) {
+        // The manager calls this only for a lock it neither holds nor queues requests
+        // for, so 0 is the truth for both gauges.
+        let i = self.get();
+        let attrs = [kv("node", node), kv("lock", lock)];
+        i.lock_held.record(0, &attrs);
+        i.lock_waiters.record(0, &attrs);
+        i.acquisitions.add(0, &attrs);
     }
 
     fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
@@ -187,10 +211,20 @@ impl MetricsSink for OtelMetrics {
     }
 
     fn singleton_running(&self, node: &str, singleton: &str, running: bool) {
+        self.note_singleton(node, singleton);
         self.get().singleton_running.record(
             u64::from(running),
             &[kv("node", node), kv("singleton", singleton)],
         );
+    }
+
+    fn singleton_known(&self, node: &str, singleton: &str) {
+        if self.note_singleton(node, singleton) {
+            let i = self.get();
+            let attrs = [kv("node", node), kv("singleton", singleton)];
+            i.singleton_running.record(0, &attrs);
+            i.singleton_restarts.add(0, &attrs);
+        }
     }
 
     fn singleton_restart(&self, node: &str, singleton: &str) {

@@ -40,6 +40,12 @@ use super::MetricsSink;
 /// | `chosen_apalis_tasks_total` | counter | `node`, `lock`, `outcome` |
 /// | `chosen_tower_follower_responses_total` | counter | `node`, `lock` |
 ///
+/// The series of a lock appear, at 0, as soon as a request for it reaches the manager
+/// (an `acquire`, or the first campaign of an `Election` or `Singleton`), and those of a
+/// singleton when it starts: a follower that never led exports `chosen_lock_held 0` and
+/// `chosen_singleton_running 0`, so "nobody leads" is `max by (lock) (chosen_lock_held)
+/// == 0`, with no `absent()`.
+///
 /// Labels stay bounded: `lock` and `singleton` take at most
 /// [`DEFAULT_MAX_LOCK_LABELS`](Self::DEFAULT_MAX_LOCK_LABELS) distinct names per sink
 /// (change it with [`with_max_lock_labels`](Self::with_max_lock_labels)); the names
@@ -250,6 +256,15 @@ impl MetricsSink for PrometheusMetrics {
             .inc();
     }
 
+    fn lock_known(&self, node: &str, lock: &str) {
+        // Created at 0 when absent, left alone when present: under the label cap, many
+        // locks share `_other`, and one of them may be held.
+        let labels = [node, self.label(lock)];
+        let _ = self.lock_held.with_label_values(&labels);
+        let _ = self.lock_waiters.with_label_values(&labels);
+        let _ = self.acquisitions.with_label_values(&labels);
+    }
+
     fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
         self.lock_waiters
             .with_label_values(&[node, self.label(lock)])
@@ -292,6 +307,13 @@ impl MetricsSink for PrometheusMetrics {
             .set(i64::from(running));
     }
 
+    fn singleton_known(&self, node: &str, singleton: &str) {
+        // Created at 0 when absent, left alone when present (see `lock_known`).
+        let labels = [node, self.label(singleton)];
+        let _ = self.singleton_running.with_label_values(&labels);
+        let _ = self.singleton_restarts.with_label_values(&labels);
+    }
+
     fn singleton_restart(&self, node: &str, singleton: &str) {
         self.singleton_restarts
             .with_label_values(&[node, self.label(singleton)])
@@ -314,6 +336,80 @@ impl MetricsSink for PrometheusMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The value of the series of `family` with exactly `labels`, if it exists.
+    fn series(registry: &Registry, family: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let families = registry.gather();
+        let family = families.iter().find(|f| f.name() == family)?;
+        let gauge = family.get_field_type() == prometheus::proto::MetricType::GAUGE;
+        family.get_metric().iter().find_map(|metric| {
+            let mut have: Vec<(&str, &str)> = metric
+                .get_label()
+                .iter()
+                .map(|l| (l.name(), l.value()))
+                .collect();
+            have.sort_unstable();
+            let mut want = labels.to_vec();
+            want.sort_unstable();
+            (have == want).then(|| {
+                if gauge {
+                    metric.get_gauge().get_value()
+                } else {
+                    metric.get_counter().get_value()
+                }
+            })
+        })
+    }
+
+    #[test]
+    fn known_locks_and_singletons_show_at_rest_before_they_lead() {
+        let registry = Registry::new();
+        let m = PrometheusMetrics::register(&registry).unwrap();
+        let lock = [("node", "n"), ("lock", "report")];
+        assert_eq!(series(&registry, "chosen_lock_held", &lock), None);
+        m.lock_known("n", "report");
+        assert_eq!(series(&registry, "chosen_lock_held", &lock), Some(0.0));
+        assert_eq!(series(&registry, "chosen_lock_waiters", &lock), Some(0.0));
+        assert_eq!(
+            series(&registry, "chosen_lock_acquisitions_total", &lock),
+            Some(0.0)
+        );
+        let singleton = [("node", "n"), ("singleton", "report")];
+        m.singleton_known("n", "report");
+        assert_eq!(
+            series(&registry, "chosen_singleton_running", &singleton),
+            Some(0.0)
+        );
+        assert_eq!(
+            series(&registry, "chosen_singleton_restarts_total", &singleton),
+            Some(0.0)
+        );
+
+        // Known again while held or running here: the values stay.
+        m.lock_acquired("n", "report", Duration::ZERO);
+        m.singleton_running("n", "report", true);
+        m.lock_known("n", "report");
+        m.singleton_known("n", "report");
+        assert_eq!(series(&registry, "chosen_lock_held", &lock), Some(1.0));
+        assert_eq!(
+            series(&registry, "chosen_singleton_running", &singleton),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn a_known_lock_past_the_label_cap_leaves_other_alone() {
+        let registry = Registry::new();
+        let m = PrometheusMetrics::register(&registry)
+            .unwrap()
+            .with_max_lock_labels(1);
+        m.lock_acquired("n", "a", Duration::ZERO);
+        m.lock_acquired("n", "b", Duration::ZERO);
+        let other = [("node", "n"), ("lock", "_other")];
+        assert_eq!(series(&registry, "chosen_lock_held", &other), Some(1.0));
+        m.lock_known("n", "c");
+        assert_eq!(series(&registry, "chosen_lock_held", &other), Some(1.0));
+    }
 
     #[test]
     fn lock_labels_are_capped_and_counters_kept() {
