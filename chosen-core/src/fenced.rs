@@ -105,7 +105,8 @@
 //!
 //! # Cost
 //!
-//! One extra statement (one round trip) per fenced transaction, writing one row: a
+//! One extra statement per fenced transaction (one round trip: it is sent parsed,
+//! bound and executed at once, with no separate prepare), writing one row: a
 //! new row version of a small table (an update that changes no indexed column, so a
 //! HOT update), its WAL record, and a dead tuple that page pruning and autovacuum
 //! reclaim. It adds no commit of its own: it commits with the caller's transaction.
@@ -134,6 +135,7 @@
 //! [`FenceTable::new`]`("ops.chosen_fence")`.
 
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Transaction};
 
 use crate::error::{Error, Result};
@@ -354,11 +356,15 @@ impl FenceTable {
     pub async fn fence(&self, tx: &Transaction<'_>, name: &str, token: FencingToken) -> Result<()> {
         check_fence_name(name)?;
         let value = i64::try_from(token.get()).map_err(|_| Error::TokenOutOfRange(token))?;
+        // Typed: parse, bind and execute in one round trip (no separate prepare).
         let recorded = tx
-            .query_opt(&self.fence_sql(), &[&name, &value])
+            .query_typed(
+                &self.fence_sql(),
+                &[(&name, Type::TEXT), (&value, Type::INT8)],
+            )
             .await
             .map_err(|e| self.query_error(name, e))?;
-        if recorded.is_some() {
+        if !recorded.is_empty() {
             return Ok(());
         }
         // A greater token is recorded, and this transaction holds its row lock: read it
