@@ -53,8 +53,9 @@
 //! index entry) and **holds it until the transaction ends**. A second fenced
 //! transaction on the same name waits for that lock; when the first commits, the
 //! second checks its token against the *committed* value (an `ON CONFLICT DO UPDATE`
-//! always checks the latest row version, under any isolation level), and when the
-//! first rolls back, the second goes on as if it had never run.
+//! checks the latest row version, not its snapshot's; under `REPEATABLE READ` and
+//! `SERIALIZABLE` it refuses instead, see below), and when the first rolls back, the
+//! second goes on as if it had never run.
 //!
 //! * **A greater token recorded** (a newer holder committed, or committed while this
 //!   transaction waited): [`Error::StaleToken`], naming both tokens. Before returning

@@ -494,3 +494,53 @@ async fn a_pooled_client_in_another_table_fences_too() {
         .get(0);
     assert!(!exists);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_singleton_child_fences_with_its_context_until_it_must_stop() {
+    let (pg, client) = installed().await;
+    let manager = LockManager::connect(
+        ManagerOptions::from_url(&pg.url())
+            .unwrap()
+            .node_id("fence-singleton")
+            .term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
+    let name = unique_name("fence-singleton");
+    let (report, mut reports) = tokio::sync::mpsc::unbounded_channel();
+    let url = pg.url();
+    let singleton = chosen_core::Singleton::start(
+        &manager,
+        name.as_str(),
+        chosen_core::SingletonOptions::default(),
+        move |ctx| {
+            let (url, report) = (url.clone(), report.clone());
+            async move {
+                let mut client = connect_admin(&url).await?;
+                let tx = client.transaction().await?;
+                let fenced = ctx.fence(&tx).await;
+                tx.commit().await?;
+                let _ = report.send((ctx.fencing_token(), fenced));
+                ctx.cancelled().await;
+                // Told to stop: a fence is refused without a statement.
+                let tx = client.transaction().await?;
+                let _ = report.send((ctx.fencing_token(), ctx.fence(&tx).await));
+                Ok::<(), tokio_postgres::Error>(())
+            }
+        },
+    )
+    .unwrap();
+    let (token, fenced) = tokio::time::timeout(Duration::from_secs(20), reports.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    fenced.unwrap();
+    assert_eq!(
+        recorded(&client, &name).await,
+        Some(i64::try_from(token.get()).unwrap())
+    );
+    singleton.shutdown().await;
+    let (_, after) = reports.recv().await.unwrap();
+    assert!(matches!(after, Err(Error::LeaseLost(_))), "{after:?}");
+    manager.shutdown().await;
+}
