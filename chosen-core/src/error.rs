@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::lease::FencingToken;
 use crate::status::DisconnectReason;
 
 /// A `Result` whose error defaults to [`Error`].
@@ -98,14 +99,91 @@ pub enum Error {
     /// The manager has shut down (or its task ended); create a new one.
     #[error("the lock manager has shut down")]
     Closed,
+
+    /// A fenced write ([`fenced::fence`](crate::fenced::fence)) found a greater token
+    /// already recorded for its fence name: a newer holder of the lock has written.
+    /// The transaction has been aborted on the server and cannot commit; stop the
+    /// guarded work, this process no longer holds the lock.
+    #[error(
+        "fencing token {token} for {name:?} is stale: a newer holder recorded {}; this transaction was aborted and cannot commit: roll it back and stop the guarded work, this process no longer holds the lock",
+        recorded_text(.recorded.as_ref())
+    )]
+    StaleToken {
+        /// The fence name.
+        name: String,
+        /// The token this transaction tried to record.
+        token: FencingToken,
+        /// The greater token already recorded (`None` only if it could not be read
+        /// back, which the row lock held by the transaction rules out).
+        recorded: Option<FencingToken>,
+    },
+
+    /// A fenced write conflicted with a concurrent transaction on the same fence name:
+    /// a serialization failure (`40001`, under `REPEATABLE READ` or `SERIALIZABLE`) or a
+    /// deadlock (`40P01`). The transaction is aborted; run it again from the start.
+    #[error(
+        "fenced write for {name:?} conflicted with a concurrent transaction (serialization failure or deadlock); roll back and run the whole transaction again"
+    )]
+    FenceConflict {
+        /// The fence name.
+        name: String,
+        /// The underlying error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// A fencing token too large to record: fences store tokens as `bigint`, so they
+    /// must be below 2<sup>63</sup> (every token chosen issues is).
+    #[error(
+        "fencing token {0} is out of range: fences store tokens as bigint, so a token must be at most 9223372036854775807 (2^63 - 1); every token chosen issues is, so this one was made by hand"
+    )]
+    TokenOutOfRange(FencingToken),
+
+    /// The fence table name is not usable.
+    #[error("invalid fence table name: {0}")]
+    InvalidTableName(String),
+
+    /// The fence table does not exist.
+    #[error(
+        "the fence table {table} does not exist: create it with chosen_core::fenced::install (or FenceTable::install), or run its SQL (fenced::INSTALL_SQL, FenceTable::install_sql) in a migration"
+    )]
+    FenceNotInstalled {
+        /// The table name.
+        table: String,
+        /// The underlying error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// A statement of a fenced write, or of installing the fence table, failed.
+    #[error("fenced write statement on table {table} failed")]
+    Fence {
+        /// The table name.
+        table: String,
+        /// The underlying error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// A fenced write through a lease or leader context that is known to be lost
+    /// already; no statement was sent. Roll back: another node may hold the lock.
+    #[error(
+        "the lease is no longer valid ({0}); roll back the transaction: another node may hold the lock"
+    )]
+    LeaseLost(DisconnectReason),
+}
+
+fn recorded_text(recorded: Option<&FencingToken>) -> String {
+    recorded.map_or_else(|| "a greater token".to_owned(), ToString::to_string)
 }
 
 impl Error {
     /// `true` when the same call may succeed later without any change on your side: the
     /// server could not be reached, did not answer in time, or the session is between
-    /// connections (e.g. the database is restarting or failing over). `false` for bad
-    /// configuration or input, refused logins or servers, limits, and a shut-down
-    /// manager.
+    /// connections (e.g. the database is restarting or failing over), or a fenced
+    /// write conflicted with a concurrent transaction ([`Error::FenceConflict`]: run the
+    /// transaction again). `false` for bad configuration or input, refused logins or
+    /// servers, limits, a shut-down manager, and a stale fencing token.
     ///
     /// ```
     /// # async fn demo(options: chosen_core::ManagerOptions) -> chosen_core::Result<()> {
@@ -122,8 +200,12 @@ impl Error {
     #[must_use]
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Connect { .. } | Self::ConnectTimeout { .. } | Self::NotConnected(_) => true,
+            Self::Connect { .. }
+            | Self::ConnectTimeout { .. }
+            | Self::NotConnected(_)
+            | Self::FenceConflict { .. } => true,
             Self::Database(e) => e.is_closed(),
+            Self::Fence { source, .. } => source.is_closed(),
             // A standby may be promoted in a moment, a fenced primary opened again.
             Self::Refused(reason) => matches!(
                 reason,
@@ -135,7 +217,12 @@ impl Error {
             | Self::TooManyLocks { .. }
             | Self::InvalidName(_)
             | Self::InvalidPollInterval(_)
-            | Self::Closed => false,
+            | Self::Closed
+            | Self::StaleToken { .. }
+            | Self::TokenOutOfRange(_)
+            | Self::InvalidTableName(_)
+            | Self::FenceNotInstalled { .. }
+            | Self::LeaseLost(_) => false,
         }
     }
 }

@@ -225,6 +225,60 @@ impl Lease {
         self.ended.cancel();
     }
 
+    /// A fenced write under this lease: records its fencing token for its name (the lock
+    /// name) inside `tx`, in the default fence table, as
+    /// [`fenced::fence`](crate::fenced::fence)`(tx, lease.name(), lease.fencing_token())`;
+    /// fails if a newer holder has already recorded a greater token. Call it first in
+    /// the transaction that makes the guarded writes; see [`fenced`](crate::fenced) for
+    /// the guarantee.
+    ///
+    /// It also refuses at once, sending nothing, when this node already knows the
+    /// lease is lost ([`is_valid`](Self::is_valid) is `false`): the token check alone
+    /// would let a lost lease write until the next holder has written.
+    ///
+    /// ```no_run
+    /// # async fn demo(manager: chosen_core::LockManager, mut client: tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+    /// let lease = manager.acquire("ledger").await?;
+    /// let tx = client.transaction().await?;
+    /// lease.fence(&tx).await?;
+    /// tx.execute("UPDATE accounts SET balance = balance - 10 WHERE id = 1", &[]).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] for a lease known to be lost; otherwise as
+    /// [`fenced::fence`](crate::fenced::fence) ([`Error::StaleToken`] above all).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: roll the transaction back if the future is dropped.
+    pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
+        self.fence_in(tx, &crate::fenced::FenceTable::default())
+            .await
+    }
+
+    /// [`fence`](Self::fence) in another fence table.
+    ///
+    /// # Errors
+    ///
+    /// As [`fence`](Self::fence).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: roll the transaction back if the future is dropped.
+    pub async fn fence_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        table: &crate::fenced::FenceTable,
+    ) -> Result<()> {
+        if let Some(reason) = self.loss_reason() {
+            return Err(Error::LeaseLost(reason));
+        }
+        table.fence(tx, &self.name, self.token).await
+    }
+
     /// Releases the lock and waits until the server confirmed it (or the lock passed
     /// to a waiting request of this process).
     ///

@@ -4,6 +4,9 @@
 mod driver;
 mod election;
 mod error;
+// Public as a module: its docs (the guarantee, the SQL) are the reference for fenced
+// writes, and its free functions read best qualified (`fenced::fence`).
+pub mod fenced;
 mod heartbeat;
 mod key;
 mod leadership;

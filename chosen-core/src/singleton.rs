@@ -216,6 +216,49 @@ impl LeaderContext {
         !self.cancel.is_cancelled() && self.validity.is_valid()
     }
 
+    /// A fenced write under the child's lease: records
+    /// [`fencing_token`](Self::fencing_token) for the singleton's name inside `tx`, in
+    /// the default fence table, as [`Lease::fence`] does; refused at once, sending
+    /// nothing, once the child must stop ([`is_valid`](Self::is_valid) is `false`).
+    /// See [`fenced`](crate::fenced) for the guarantee.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`](crate::Error::LeaseLost) once the child must stop; otherwise
+    /// as [`fenced::fence`](crate::fenced::fence).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: roll the transaction back if the future is dropped.
+    pub async fn fence(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
+        self.fence_in(tx, &crate::fenced::FenceTable::default())
+            .await
+    }
+
+    /// [`fence`](Self::fence) in another fence table.
+    ///
+    /// # Errors
+    ///
+    /// As [`fence`](Self::fence).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: roll the transaction back if the future is dropped.
+    pub async fn fence_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        table: &crate::fenced::FenceTable,
+    ) -> Result<()> {
+        if !self.is_valid() {
+            let reason = self
+                .validity
+                .loss_reason()
+                .unwrap_or(DisconnectReason::Shutdown);
+            return Err(Error::LeaseLost(reason));
+        }
+        table.fence(tx, &self.name, self.token).await
+    }
+
     /// Why the lease was lost, once it was (`None` for a shutdown that kept it valid).
     #[must_use]
     pub fn loss_reason(&self) -> Option<DisconnectReason> {

@@ -3,6 +3,7 @@
 //! ```text
 //! cargo bench -p chosen-tests --bench suite            # full profile (a few minutes)
 //! cargo bench -p chosen-tests --bench suite -- --smoke # tiny profile
+//! cargo bench -p chosen-tests --bench suite -- --fenced # scenario 9 (fenced writes) alone
 //! ```
 //!
 //! Prints Markdown; `BENCHMARKS.md` holds the table of a full run.
@@ -20,7 +21,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     } else {
         suite_impl::Profile::full()
     };
-    let report = suite_impl::run(&profile, env!("CARGO_BIN_EXE_chosen-holder")).await?;
+    let report = if std::env::args().any(|a| a == "--fenced") {
+        suite_impl::run_fenced(&profile).await?
+    } else {
+        suite_impl::run(&profile, env!("CARGO_BIN_EXE_chosen-holder")).await?
+    };
     println!("{report}");
     Ok(())
 }

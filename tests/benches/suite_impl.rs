@@ -22,6 +22,7 @@ pub(crate) struct Profile {
     pub(crate) handover_rounds: usize,
     pub(crate) crash_rounds: usize,
     pub(crate) partition_rounds: usize,
+    pub(crate) fenced_rounds: usize,
 }
 
 impl Profile {
@@ -36,6 +37,7 @@ impl Profile {
             handover_rounds: 200,
             crash_rounds: 20,
             partition_rounds: 3,
+            fenced_rounds: 2000,
         }
     }
 
@@ -50,6 +52,7 @@ impl Profile {
             handover_rounds: 5,
             crash_rounds: 2,
             partition_rounds: 1,
+            fenced_rounds: 50,
         }
     }
 }
@@ -369,7 +372,101 @@ pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
 
     // 7 is the criterion benchmark of chosen-tower; 8: loss signal.
     out.push_str(&loss_signal(&url, &admin).await?);
+
+    // 9. Fenced writes.
+    out.push_str(&fenced_writes(&url, &admin, profile.fenced_rounds).await?);
     Ok(out)
+}
+
+/// Scenario 9 alone, on a cluster of its own (`--fenced`).
+pub(crate) async fn run_fenced(profile: &Profile) -> Res<String> {
+    let cluster = PgCluster::builder()
+        .setting("shared_preload_libraries", "pg_stat_statements")
+        .start()?;
+    let url = cluster.url();
+    let admin = connect_admin(&url).await?;
+    admin
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await?;
+    fenced_writes(&url, &admin, profile.fenced_rounds).await
+}
+
+/// What a fence adds to a transaction: the same small transaction (one `UPDATE` of one
+/// row, committed) with and without `fenced::fence` first, interleaved in a random
+/// order per round on one connection, warm-up discarded.
+async fn fenced_writes(url: &str, admin: &tokio_postgres::Client, rounds: usize) -> Res<String> {
+    use chosen_core::{FencingToken, fenced};
+    use tokio_postgres::types::Type;
+
+    let mut client = connect_admin(url).await?;
+    fenced::install(&client).await?;
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS bench_fenced_work (id int PRIMARY KEY, n bigint NOT NULL);
+             INSERT INTO bench_fenced_work VALUES (1, 0) ON CONFLICT DO NOTHING",
+        )
+        .await?;
+    let update = client
+        .prepare("UPDATE bench_fenced_work SET n = n + 1 WHERE id = 1")
+        .await?;
+    let token = FencingToken::new(1);
+    let warm_up = (rounds / 10).max(5);
+    // 0: plain; 1: a trivial statement first (the round trip alone); 2: the fence first.
+    let mut times: [Vec<Duration>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let mut order = [0usize, 1, 2];
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    admin
+        .execute("SELECT pg_stat_statements_reset()", &[])
+        .await?;
+    for round in 0..warm_up + rounds {
+        for i in (1..3).rev() {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            order.swap(i, (seed >> 33) as usize % (i + 1));
+        }
+        for &which in &order {
+            let t = Instant::now();
+            let tx = client.transaction().await?;
+            match which {
+                1 => {
+                    tx.query_typed("SELECT $1::text", &[(&"bench-fenced", Type::TEXT)])
+                        .await?;
+                }
+                2 => fenced::fence(&tx, "bench-fenced", token).await?,
+                _ => {}
+            }
+            tx.execute(&update, &[]).await?;
+            tx.commit().await?;
+            if round >= warm_up {
+                times[which].push(t.elapsed());
+            }
+        }
+    }
+    let server_us: f64 = admin
+        .query_one(
+            "SELECT coalesce(avg(mean_exec_time), 0) * 1000 FROM pg_stat_statements WHERE query LIKE 'INSERT INTO \"chosen_fence\"%'",
+            &[],
+        )
+        .await
+        .map_or(0.0, |r| r.get(0));
+    let [mut plain, mut trivial, mut fenced_times] = times;
+    plain.sort();
+    trivial.sort();
+    fenced_times.sort();
+    let p50 = pct(&fenced_times, 50).saturating_sub(pct(&plain, 50));
+    Ok(format!(
+        "### 9. Fenced writes (one small transaction with and without `fenced::fence` first; interleaved, random order per round, warm-up discarded)\n\n| transaction | p50 | p99 |\n|---|---|---|\n| `BEGIN`, one-row `UPDATE`, `COMMIT` | {} | {} |\n| the same with a trivial statement first (`SELECT $1::text`: the round trip alone) | {} | {} |\n| the same with `fenced::fence` first | {} | {} |\n\n{} rounds: the fence adds **{}** per transaction at p50 ({:.2}×); its statement took {server_us:.0} µs of server time on average (`pg_stat_statements`). It commits with the transaction: no commit of its own.\n\n",
+        us(pct(&plain, 50)),
+        us(pct(&plain, 99)),
+        us(pct(&trivial, 50)),
+        us(pct(&trivial, 99)),
+        us(pct(&fenced_times, 50)),
+        us(pct(&fenced_times, 99)),
+        plain.len(),
+        us(p50),
+        pct(&fenced_times, 50).as_secs_f64() / pct(&plain, 50).as_secs_f64().max(1e-9),
+    ))
 }
 
 async fn many_locks(

@@ -12,7 +12,7 @@ async fn benchmark_suite_runs() {
     .await
     .unwrap();
     assert!(
-        ["### 1.", "### 4.", "### 5.", "### 6.", "| 0 |"]
+        ["### 1.", "### 4.", "### 5.", "### 6.", "### 9.", "| 0 |"]
             .iter()
             .all(|section| report.contains(section)),
         "{report}"
