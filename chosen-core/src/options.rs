@@ -382,8 +382,8 @@ impl ManagerOptions {
     }
 
     /// Added to the server's timeline in the high bits of every fencing token (see
-    /// [`FencingToken`](crate::FencingToken)); 0 by default, at most 32767 together
-    /// with the timeline.
+    /// [`FencingToken`](crate::FencingToken)); 0 by default, at most 32766 (and at
+    /// most 32767 together with the timeline).
     ///
     /// Tokens order by the server's timeline first, which every promotion raises. Some
     /// operations start a cluster on timeline 1 again: `pg_upgrade` (it resets the
@@ -391,7 +391,11 @@ impl ManagerOptions {
     /// a dump and restore (both restart transaction ids too). After one of them, raise
     /// the epoch on every node above the last timeline the old cluster used (e.g. from
     /// `SELECT timeline_id FROM pg_control_checkpoint()` before the move, plus the old
-    /// epoch), so that new tokens stay above old ones for downstream systems.
+    /// epoch), so that new tokens stay above old ones for downstream systems. Raise it
+    /// on the whole fleet *before* the new cluster accepts connections: a node still
+    /// on the old epoch would issue tokens below the old cluster's. A running manager
+    /// refuses a server whose timeline plus epoch is below an earlier session's (it
+    /// keeps retrying, leaderless, and says why) rather than issue smaller tokens.
     ///
     /// ```
     /// # use chosen_core::ManagerOptions;
@@ -584,9 +588,9 @@ impl ManagerOptions {
                 self.max_stop()
             ));
         }
-        if self.token_epoch >= 1 << 15 {
+        if self.token_epoch >= (1 << 15) - 1 {
             return bad(format!(
-                "token_epoch {} is above the maximum of 32767 (a token carries the timeline plus the epoch in 15 bits)",
+                "token_epoch {} is above the maximum of 32766 (a token carries the timeline, at least 1, plus the epoch in 15 bits)",
                 self.token_epoch
             ));
         }

@@ -53,7 +53,9 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
        current_setting('transaction_read_only') = 'on'";
 
 /// Tries every due key in one statement, on our own marked backend only (behind a
-/// transaction pooler the guard makes it return no rows instead).
+/// transaction pooler the guard makes it return no rows instead), and only while the
+/// session is writable (a primary fenced read-only takes no lock and writes no token
+/// record; the empty answer is then told apart, see [`Session::guard_failed`]).
 ///
 /// * The locks are taken in the materialized CTE `k`, all of them before any fencing
 ///   token is assigned: the uncorrelated `done` sub-select (evaluated once, on first
@@ -100,6 +102,7 @@ WITH t AS MATERIALIZED (
                 $9::bool[], $10::int4[], $11::int4[])
          WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+      AND current_setting('transaction_read_only') = 'off'
 ),
 k AS (SELECT t.*, t.r IN (1, 3, 4) AS won FROM t),
 done AS (SELECT count(*) AS n FROM t),
@@ -150,6 +153,7 @@ WITH t AS MATERIALIZED (
                            ELSE pg_try_advisory_lock($3::int8) END) THEN 4
                 ELSE 0 END AS r
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
+      AND current_setting('transaction_read_only') = 'off'
 ),
 k AS (SELECT t.r, t.r IN (1, 3, 4) AS won FROM t),
 f AS MATERIALIZED (
@@ -406,7 +410,8 @@ ORDER BY a.application_name, l.classid, l.objid";
 /// ones. Only when a lock was won: failed tries write nothing.
 const TOKEN_SQL: &str = "
 SELECT CASE WHEN set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END
-WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2";
+WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2
+  AND current_setting('transaction_read_only') = 'off'";
 
 /// The server's current term as primary: which timeline it writes, and how long ago
 /// the term began (its start, crash restart or promotion), computed with the server's
@@ -781,9 +786,9 @@ impl Session {
             }
         };
         if rows.is_empty() {
-            return Err(pooler(
-                "a try statement ran on another backend than the session's own",
-            ));
+            return Err(self
+                .guard_failed("a try statement ran on another backend than the session's own")
+                .await);
         }
         let mut out: Vec<(LockKey, TryOutcome)> = keys
             .iter()
@@ -1095,6 +1100,26 @@ impl Session {
             .map_err(classify)
     }
 
+    /// Why a guarded statement answered nothing: the session turned read-only (a
+    /// primary fenced with `default_transaction_read_only` and a reload), or the
+    /// statement ran on another backend (a pooler), as `detail` says.
+    async fn guard_failed(&self, detail: &str) -> Fault {
+        match self
+            .client
+            .query_one(
+                "SELECT current_setting('transaction_read_only') = 'on' AND pg_backend_pid() = $1",
+                &[&self.backend_pid],
+            )
+            .await
+        {
+            Ok(row) if row.try_get::<_, bool>(0).unwrap_or(false) => {
+                Fault::Lost(DisconnectReason::ServerReadOnly)
+            }
+            Ok(_) => pooler(detail),
+            Err(e) => classify(e),
+        }
+    }
+
     /// A fresh fencing token (for local hand-offs).
     pub(crate) async fn fresh_token(&self) -> Result<FencingToken, Fault> {
         let row = self
@@ -1103,9 +1128,9 @@ impl Session {
             .await
             .map_err(classify)?;
         let Some(row) = row else {
-            return Err(pooler(
-                "a token statement ran on another backend than the session's own",
-            ));
+            return Err(self
+                .guard_failed("a token statement ran on another backend than the session's own")
+                .await);
         };
         match row.try_get::<_, Option<i64>>(0) {
             Ok(Some(t)) => Ok(FencingToken::from_parts(self.term.timeline, t as u64)),

@@ -127,7 +127,7 @@ impl fmt::Display for DisconnectReason {
                 "the server is in recovery (a hot standby); connect to the primary, e.g. with target_session_attrs=read-write",
             ),
             Self::ServerReadOnly => f.write_str(
-                "the session is read-only (default_transaction_read_only is on for the server, the database or the role): connect to a writable primary, or turn the setting off for this role (ALTER ROLE ... SET default_transaction_read_only = off)",
+                "the session is read-only (default_transaction_read_only is on for the server, the database or the role): connect to a writable primary; if the role or database sets it, remove that (ALTER ROLE ... RESET default_transaction_read_only)",
             ),
             Self::BackendChanged { expected, found } => write!(
                 f,

@@ -298,7 +298,10 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 // A slow database, steadily below the bound the heartbeat tolerates
                 // (lease timeout - heartbeat interval, 2 s at the nodes' defaults) and
                 // below the warning (half the lease timeout): the holder keeps leading.
-                let rtt = rng.millis(200, 1200);
+                // At most a third of the lease timeout (1 s at the defaults): half the
+                // bound, leaving a loaded machine room.
+                let most = (config.timing.lease_timeout.as_millis() as u64 / 3).max(201);
+                let rtt = rng.millis(200, most);
                 record.at_us = monotonic_us();
                 node.proxy.set(ProxyMode::Latency(rtt));
                 tokio::time::sleep(rng.millis(3000, 8000)).await;
@@ -316,6 +319,10 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 let promoted = standby
                     .take()
                     .expect("BUG: a standby is made after every failover");
+                // The targeted holder is cut off first (its sockets silent): it never
+                // hears of the failover and trusts its leases until its own deadline,
+                // which the promoted server's term hold must outlast.
+                node.proxy.set(ProxyMode::BlackHole);
                 record.at_us = monotonic_us();
                 tokio::task::spawn_blocking(move || old.lock().expect("cluster lock").stop("fast"))
                     .await
@@ -354,6 +361,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
             let new_port = promoted.port().expect("local cluster");
             for n in &nodes {
                 n.proxy.set_upstream(([127, 0, 0, 1], new_port).into());
+                n.proxy.set(ProxyMode::Pass);
             }
             record.healed_us = monotonic_us();
             direct_url = promoted.url();

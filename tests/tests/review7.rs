@@ -125,3 +125,57 @@ async fn the_token_epoch_raises_the_high_bits() {
         .expect_err("timeline + epoch too large");
     assert!(err.to_string().contains("token_epoch 32767"), "{err}");
 }
+
+/// Review 8, F3. The lock attempts checked the backend and the marker, not whether the
+/// session is writable: after a primary was fenced read-only, a waiter's next poll
+/// (before its next heartbeat) won the key the revoked holder's session gave up, and
+/// wrote a token record on the fenced primary. Now no try wins there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_wins_nothing_on_a_primary_made_read_only() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let name = unique_name("read-only-waiter");
+    let a = LockManager::connect(options(&pg.url(), "fenced-holder"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(options(&pg.url(), "fenced-waiter"))
+        .await
+        .unwrap();
+    let lease = a.acquire(name.as_str()).await.unwrap();
+    let waiter = {
+        let name = name.clone();
+        tokio::spawn(async move {
+            let lease = b.acquire(name.as_str()).await;
+            (Instant::now(), b, lease)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for sql in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let fenced_at = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("the holder is revoked");
+    // Read-only for 3 s: the waiter must not be granted meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter was granted on a read-only primary"
+    );
+    for sql in [
+        "ALTER SYSTEM RESET default_transaction_read_only",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let (granted_at, _b, got) = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("granted once writable again")
+        .unwrap();
+    assert!(got.is_ok(), "{got:?}");
+    assert!(granted_at - fenced_at >= Duration::from_secs(3));
+}
