@@ -82,9 +82,9 @@ pub(crate) struct Driver {
     /// A server term whose start the server could not tell, and when this process
     /// first saw it.
     term_first_seen: Option<(String, Instant)>,
-    /// The highest token high bits (timeline plus epoch) a session of this manager
-    /// had: a session below them would issue tokens below earlier ones.
-    highest_term: u16,
+    /// The highest token a session of this manager issued: a new session that could
+    /// issue one below it is refused.
+    issued: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Drop for Driver {
@@ -138,7 +138,7 @@ impl Driver {
             last_error: None,
             reported_waiting: HashMap::new(),
             term_first_seen: None,
-            highest_term: 0,
+            issued: Arc::default(),
         }
     }
 
@@ -184,7 +184,7 @@ impl Driver {
             "lock session connected"
         );
         self.table.session_started(generation.id, Instant::now());
-        self.highest_term = self.highest_term.max(s.term.timeline);
+        s.issued = Arc::clone(&self.issued);
         self.hold_grants_for_term(&s.term);
         self.shared.set_server_floor(0);
         let heartbeat = tokio::spawn(crate::heartbeat::run(
@@ -817,22 +817,29 @@ impl Driver {
                     return None;
                 }
             };
+            let result = match result {
+                // A server whose next token is not above every token this manager
+                // already issued would make tokens go backwards: a cluster started on
+                // timeline 1 again (pg_upgrade, a cutover, a restore) or a collided
+                // timeline. Refused until the epoch is raised.
+                Ok(session)
+                    if session.term.first_token.get()
+                        <= self.issued.load(std::sync::atomic::Ordering::Relaxed) =>
+                {
+                    Err(Error::Refused(DisconnectReason::ConnectFailed {
+                        message: format!(
+                            "this server would issue fencing tokens from {} on, not above {} that this manager already issued: tokens would go backwards (a cluster started again on timeline 1 by pg_upgrade, a logical cutover or a restore, or a collided timeline); set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) above the old cluster's last timeline plus its epoch",
+                            session.term.first_token.get(),
+                            self.issued.load(std::sync::atomic::Ordering::Relaxed)
+                        ),
+                    }))
+                }
+                other => other,
+            };
             if let Some(m) = self.metrics() {
                 m.reconnect_attempt(self.node(), result.is_ok());
             }
             let error = match result {
-                // A server on a lower timeline (plus epoch) than an earlier session's
-                // would hand out tokens below the ones this manager already issued:
-                // a cluster started on timeline 1 again (pg_upgrade, a cutover) or a
-                // collided timeline. Refused until the epoch is raised.
-                Ok(session) if session.term.timeline < self.highest_term => {
-                    Error::Refused(DisconnectReason::ConnectFailed {
-                        message: format!(
-                            "the server's timeline plus token_epoch is {}, below the {} of an earlier session of this manager, so its fencing tokens would go backwards; after a pg_upgrade, a logical cutover or a restore, raise token_epoch on every node (see ManagerOptions::token_epoch)",
-                            session.term.timeline, self.highest_term
-                        ),
-                    })
-                }
                 Ok(session) => return Some(session),
                 Err(e) => e,
             };

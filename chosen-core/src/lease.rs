@@ -54,10 +54,12 @@ use crate::status::DisconnectReason;
 /// * Some operations start a cluster on timeline 1 again: `pg_upgrade` (transaction
 ///   ids carry over, the timeline does not), a logical-replication or blue/green
 ///   cutover and a dump and restore (transaction ids restart as well). Tokens would go
-///   backwards after them; raise
-///   [`ManagerOptions::token_epoch`](crate::ManagerOptions::token_epoch) on every node
-///   above the old cluster's last timeline (plus its epoch): the high bits are the
-///   timeline plus the epoch.
+///   backwards after them: set `chosen.token_epoch` on the new cluster before it takes
+///   connections (`ALTER DATABASE app SET chosen.token_epoch = N`, N above the old
+///   cluster's last timeline plus its epoch), or see
+///   [`ManagerOptions::token_epoch`](crate::ManagerOptions::token_epoch): the high bits
+///   are the timeline plus the epoch. A running manager refuses a server whose next
+///   token would not be above every token it issued.
 ///
 /// Tokens of the same lock compare as plain numbers (`u64`).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]

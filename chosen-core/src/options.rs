@@ -383,23 +383,31 @@ impl ManagerOptions {
 
     /// Added to the server's timeline in the high bits of every fencing token (see
     /// [`FencingToken`](crate::FencingToken)); 0 by default, at most 32766 (and at
-    /// most 32767 together with the timeline).
+    /// most 32767 together with the timeline). The server's own `chosen.token_epoch`
+    /// setting counts too: a session uses the larger of the two.
     ///
     /// Tokens order by the server's timeline first, which every promotion raises. Some
     /// operations start a cluster on timeline 1 again: `pg_upgrade` (it resets the
     /// timeline, keeping transaction ids), a logical-replication or blue/green cutover,
-    /// a dump and restore (both restart transaction ids too). After one of them, raise
-    /// the epoch on every node above the last timeline the old cluster used (e.g. from
-    /// `SELECT timeline_id FROM pg_control_checkpoint()` before the move, plus the old
-    /// epoch), so that new tokens stay above old ones for downstream systems. Raise it
-    /// on the whole fleet *before* the new cluster accepts connections: a node still
-    /// on the old epoch would issue tokens below the old cluster's. A running manager
-    /// refuses a server whose timeline plus epoch is below an earlier session's (it
-    /// keeps retrying, leaderless, and says why) rather than issue smaller tokens.
+    /// a dump and restore (both restart transaction ids too). Tokens would go
+    /// backwards after them. The simplest remedy is on the server, set on the *new*
+    /// cluster before it takes connections, so that every node picks it up as it
+    /// reconnects and nothing changes on the old cluster meanwhile:
+    ///
+    /// ```sql
+    /// -- above the old cluster's last timeline plus its epoch
+    /// -- (SELECT timeline_id FROM pg_control_checkpoint() on the old cluster)
+    /// ALTER DATABASE app SET chosen.token_epoch = 3;
+    /// ```
+    ///
+    /// This option does the same from the client. Raised on the fleet while the old
+    /// cluster still serves, it raises the old cluster's tokens as well, so set it
+    /// only after the old cluster stopped taking connections. Either way, a running
+    /// manager refuses a server whose next token would not be above every token it
+    /// already issued (it keeps retrying, leaderless, and says why).
     ///
     /// ```
     /// # use chosen_core::ManagerOptions;
-    /// // The old cluster was on timeline 3 with epoch 0: after the upgrade, epoch 3.
     /// let options = ManagerOptions::from_url("postgres://app@db/app")?.token_epoch(3);
     /// # Ok::<(), chosen_core::Error>(())
     /// ```

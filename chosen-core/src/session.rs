@@ -288,6 +288,7 @@ u AS MATERIALIZED (
 n AS (
     SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j))
     FROM unnest($3::text[]) WITH ORDINALITY AS t(tag, j), me
+    WHERE current_setting('transaction_read_only') = 'off'
     GROUP BY (t.j - 1) / 200
 )
 SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
@@ -297,7 +298,9 @@ SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 /// The interest key is probed after the unlock, the way fences are (taken exclusively
 /// and released at once): it fails while another session holds it shared. No waiter,
 /// no `NOTIFY`: it costs a commit record, a signal to every listening backend and a
-/// message to each of their clients.
+/// message to each of their clients. Nor on a read-only session: a `NOTIFY` commits
+/// even there, and a primary fenced read-only must not write WAL (a switchover may have
+/// checked its last position); no waiter can win on it anyway.
 const UNLOCK_ONE_SQL: &str = "
 WITH u AS MATERIALIZED (
     SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4)
@@ -307,6 +310,7 @@ WITH u AS MATERIALIZED (
 SELECT u.ok,
        CASE WHEN pg_try_advisory_lock($7::int4, $8::int4)
             THEN NOT pg_advisory_unlock($7::int4, $8::int4)
+            WHEN current_setting('transaction_read_only') = 'on' THEN false
             ELSE pg_notify('chosen_release', $4)::text IS NOT NULL END
 FROM u";
 
@@ -339,7 +343,7 @@ p AS MATERIALIZED (
 n AS (
     SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j))
     FROM t JOIN p ON p.ia = t.ia AND p.ib = t.ib
-    WHERE p.interested
+    WHERE p.interested AND current_setting('transaction_read_only') = 'off'
     GROUP BY (t.j - 1) / 200
 )
 SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
@@ -436,6 +440,10 @@ WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2
 ///   server was promoted and its (spread) end-of-recovery checkpoint is not done yet:
 ///   the term's start is unknown, and the client takes its first sight of the term.
 /// * `identity`: what tells one term from another in that case.
+/// * The server's token epoch (`chosen.token_epoch`, e.g. set with `ALTER DATABASE`;
+///   NULL or empty when unset).
+/// * The next transaction id (`pg_snapshot_xmax`, which assigns none): every token this
+///   session can issue is at least the token of that id.
 const TERM_SQL: &str = "
 SELECT w.tl,
        CASE WHEN w.tl = c.timeline_id OR ww.started IS NOT NULL THEN
@@ -448,7 +456,9 @@ SELECT w.tl,
                ww.started)) * 1000)::int8
        END,
        w.tl::text || '/' || pg_postmaster_start_time()::text || '/'
-           || coalesce((SELECT stats_reset FROM pg_stat_bgwriter)::text, '')
+           || coalesce((SELECT stats_reset FROM pg_stat_bgwriter)::text, ''),
+       current_setting('chosen.token_epoch', true),
+       pg_snapshot_xmax(pg_current_snapshot())::text::int8
 FROM pg_control_checkpoint() c,
      (SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8 AS tl) w,
      (SELECT max(a.backend_start) AS started FROM pg_stat_activity a
@@ -472,6 +482,9 @@ pub(crate) struct Term {
     pub(crate) age: Option<std::time::Duration>,
     /// Tells terms apart when the age is unknown.
     pub(crate) identity: String,
+    /// The smallest token this session can issue (its high bits and the server's next
+    /// transaction id).
+    pub(crate) first_token: FencingToken,
     /// When the answer arrived (so the age is at least this old then).
     pub(crate) read_at: Instant,
 }
@@ -494,6 +507,23 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         });
     };
     let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
+    // The larger of the option and the server's own setting: a DBA sets it on the new
+    // cluster alone (`ALTER DATABASE ... SET chosen.token_epoch = N`) before it takes
+    // connections, and every node picks it up as it reconnects.
+    let server_epoch = match row.get(3).map(str::trim).filter(|e| !e.is_empty()) {
+        None => 0,
+        Some(text) => match text.parse::<u16>() {
+            Ok(e) if e < (1 << 15) - 1 => e,
+            _ => {
+                return Err(Error::Refused(DisconnectReason::ConnectFailed {
+                    message: format!(
+                        "the server's chosen.token_epoch setting {text:?} is not a whole number from 0 to 32766; fix it (ALTER DATABASE ... SET chosen.token_epoch = N)"
+                    ),
+                }));
+            }
+        },
+    };
+    let epoch = epoch.max(server_epoch);
     if timeline == 0 {
         return Err(Error::Refused(DisconnectReason::ConnectFailed {
             message: "the server answered no timeline".to_owned(),
@@ -520,10 +550,12 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         .get(1)
         .and_then(|ms| ms.parse::<u64>().ok())
         .map(std::time::Duration::from_millis);
+    let next_xid: u64 = row.get(4).and_then(|x| x.parse().ok()).unwrap_or(0);
     Ok(Term {
         timeline,
         age,
         identity: row.get(2).unwrap_or_default().to_owned(),
+        first_token: FencingToken::from_parts(timeline, next_xid),
         read_at,
     })
 }
@@ -599,6 +631,9 @@ pub(crate) struct Session {
     pub(crate) proven_at: Instant,
     /// The server's current term as primary.
     pub(crate) term: Term,
+    /// The highest token any session of this manager issued (the driver shares one
+    /// across its sessions).
+    pub(crate) issued: Arc<std::sync::atomic::AtomicU64>,
     conn_task: JoinHandle<()>,
 }
 
@@ -808,13 +843,11 @@ impl Session {
             }
             entry.1 = match (token, fence_holder) {
                 (Some(t), Some(by)) => TryOutcome::WonFenced {
-                    token: FencingToken::from_parts(self.term.timeline, t as u64),
+                    token: self.issue(t),
                     // 0: the fence was let go between the probe and the read.
                     by: (by != 0).then_some(by),
                 },
-                (Some(t), _) => {
-                    TryOutcome::Won(FencingToken::from_parts(self.term.timeline, t as u64))
-                }
+                (Some(t), _) => TryOutcome::Won(self.issue(t)),
                 (None, _) => TryOutcome::Held { by: holder },
             };
         }
@@ -1100,6 +1133,14 @@ impl Session {
             .map_err(classify)
     }
 
+    /// The token of transaction id `xid` on this session, remembered as issued.
+    fn issue(&self, xid: i64) -> FencingToken {
+        let token = FencingToken::from_parts(self.term.timeline, xid as u64);
+        self.issued
+            .fetch_max(token.get(), std::sync::atomic::Ordering::Relaxed);
+        token
+    }
+
     /// Why a guarded statement answered nothing: the session turned read-only (a
     /// primary fenced with `default_transaction_read_only` and a reload), or the
     /// statement ran on another backend (a pooler), as `detail` says.
@@ -1116,7 +1157,12 @@ impl Session {
                 Fault::Lost(DisconnectReason::ServerReadOnly)
             }
             Ok(_) => pooler(detail),
-            Err(e) => classify(e),
+            // The session already failed its guard: whatever the diagnosis ran into,
+            // it is not trusted any more.
+            Err(e) => match classify(e) {
+                Fault::Lost(reason) => Fault::Lost(reason),
+                Fault::Query(_) => pooler(detail),
+            },
         }
     }
 
@@ -1133,7 +1179,7 @@ impl Session {
                 .await);
         };
         match row.try_get::<_, Option<i64>>(0) {
-            Ok(Some(t)) => Ok(FencingToken::from_parts(self.term.timeline, t as u64)),
+            Ok(Some(t)) => Ok(self.issue(t)),
             Ok(None) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
                 message: "the server answered a NULL transaction id".to_owned(),
             })),
@@ -1682,6 +1728,7 @@ where
         events,
         proven_at,
         term,
+        issued: Arc::default(),
         conn_task: guard.disarm(),
     })
 }

@@ -138,9 +138,16 @@ async fn a_waiter_wins_nothing_on_a_primary_made_read_only() {
     let a = LockManager::connect(options(&pg.url(), "fenced-holder"))
         .await
         .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "fenced-waiter"))
-        .await
-        .unwrap();
+    // The waiter's heartbeat is rare: its polls (every 100 ms), not its heartbeat,
+    // are what meet the fence first.
+    let b = LockManager::connect(
+        options(&pg.url(), "fenced-waiter")
+            .heartbeat_interval(Duration::from_secs(5))
+            .lease_timeout(Duration::from_secs(12))
+            .server_release_after(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let lease = a.acquire(name.as_str()).await.unwrap();
     let waiter = {
         let name = name.clone();
