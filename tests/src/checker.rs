@@ -269,6 +269,9 @@ const SIGNAL_SLACK_US: u64 = 50_000;
 /// it counts as forbidden (the status report and the revocation are separate steps).
 const LATE_TICK_GRACE: Duration = Duration::from_secs(1);
 
+/// How long after a slow database is fast again a holder must still hold what it held.
+const LATENCY_AFTERMATH_US: u64 = 3_000_000;
+
 /// How long after a fault was healed its effect (a disconnect, a lost lease) may show.
 const EFFECT_BOUND_US: u64 = 10_000_000;
 
@@ -708,9 +711,18 @@ fn check_fault_effects(
                         "{what}: {node}#{instance} lost its session under a slow database"
                     ));
                 }
-                for r in holding.iter().filter(|r| r.end_us <= f.healed_us) {
+                // Nor just after it: the answers delayed under it still arrive in time.
+                // (Until the next fault, which may take them away.)
+                let next = faults
+                    .iter()
+                    .map(|n| n.at_us)
+                    .filter(|at| *at > f.at_us)
+                    .min()
+                    .unwrap_or(u64::MAX);
+                let aftermath = (f.healed_us + LATENCY_AFTERMATH_US).min(next);
+                for r in holding.iter().filter(|r| r.end_us < aftermath) {
                     v.ineffective.push(format!(
-                        "{what}: {} gave up its lease under a slow database",
+                        "{what}: {} gave up its lease under a slow database or just after it",
                         r.label()
                     ));
                 }
@@ -1128,9 +1140,14 @@ mod tests {
         h.extend(run("b", 3100, 9000, 6));
         let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
         assert!(!v.ineffective.is_empty(), "{v}");
-        let h = run("a", 0, 9000, 5);
+        let h = run("a", 0, 9500, 5);
         let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
         assert!(v.ineffective.is_empty(), "{v}");
+        // Lost just after the latency was healed: caught as well.
+        let mut h = run("a", 0, 7000, 5);
+        h.extend(run("b", 7100, 9500, 6));
+        let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
+        assert!(!v.ineffective.is_empty(), "{v}");
     }
 
     #[test]

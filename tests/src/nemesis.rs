@@ -4,7 +4,8 @@
 //!
 //! Knobs (environment): `CHOSEN_NEMESIS_SECS` (default 60), `CHOSEN_NEMESIS_SEED`
 //! (default: from the clock; always printed), `CHOSEN_NEMESIS_NODES` (5),
-//! `CHOSEN_NEMESIS_SINGLETONS` (10).
+//! `CHOSEN_NEMESIS_SINGLETONS` (10), `CHOSEN_NEMESIS_HISTORY` (a file to write the
+//! history to, for reading after a surprising run).
 //!
 //! A run cannot pass by doing nothing: faults are drawn from a shuffled deck, so every
 //! kind is injected at least once (the run goes on past its duration until the first
@@ -413,11 +414,35 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let events = events.lock().expect("events lock").clone();
     let problems = problems.lock().expect("problems lock").clone();
+    if let Ok(path) = std::env::var("CHOSEN_NEMESIS_HISTORY") {
+        write_history(&path, &events, &faults)?;
+    }
     Ok(Report {
         verdict: check(&events, &faults, config.timing),
         faults,
         problems,
     })
+}
+
+/// Writes the history (events and faults, in time order, one per line) for a person to
+/// read: `CHOSEN_NEMESIS_HISTORY=path`.
+fn write_history(path: &str, events: &[Event], faults: &[FaultRecord]) -> io::Result<()> {
+    let mut lines: Vec<(u64, String)> = events
+        .iter()
+        .map(|e| (e.mono_us, format!("{e:?}")))
+        .chain(faults.iter().flat_map(|f| {
+            [
+                (f.at_us, format!("FAULT {} on {:?}", f.kind, f.target)),
+                (f.healed_us, format!("HEALED {} on {:?}", f.kind, f.target)),
+            ]
+        }))
+        .collect();
+    lines.sort_by_key(|(t, _)| *t);
+    let text: String = lines
+        .into_iter()
+        .map(|(t, l)| format!("{t} {l}\n"))
+        .collect();
+    std::fs::write(path, text)
 }
 
 /// Waits until every singleton has a running child (bounded); `false` on timeout.
