@@ -85,6 +85,8 @@ pub(crate) struct Driver {
     /// The highest token a session of this manager issued: a new session that could
     /// issue one below it is refused.
     issued: Arc<std::sync::atomic::AtomicU64>,
+    /// The system identifier of the cluster this manager's last session was on.
+    last_system: Option<String>,
 }
 
 impl Drop for Driver {
@@ -139,6 +141,7 @@ impl Driver {
             reported_waiting: HashMap::new(),
             term_first_seen: None,
             issued: Arc::default(),
+            last_system: None,
         }
     }
 
@@ -185,6 +188,7 @@ impl Driver {
         );
         self.table.session_started(generation.id, Instant::now());
         s.issued = Arc::clone(&self.issued);
+        self.last_system = Some(s.term.system_id.clone());
         self.hold_grants_for_term(&s.term);
         self.shared.set_server_floor(0);
         let heartbeat = tokio::spawn(crate::heartbeat::run(
@@ -831,6 +835,31 @@ impl Driver {
                             "this server would issue fencing tokens from {} on, not above {} that this manager already issued: tokens would go backwards (a cluster started again on timeline 1 by pg_upgrade, a logical cutover or a restore, or a collided timeline); set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) above the old cluster's last timeline plus its epoch",
                             session.term.first_token.get(),
                             self.issued.load(std::sync::atomic::Ordering::Relaxed)
+                        ),
+                    }))
+                }
+                // Another cluster altogether (pg_upgrade, a restore, a logical copy: a
+                // new system identifier): its transaction ids tell nothing about the old
+                // cluster's, and other nodes may have issued tokens there above this
+                // one's, so only higher high bits (timeline plus epoch) order its tokens
+                // after the old cluster's.
+                Ok(session)
+                    if self.issued.load(std::sync::atomic::Ordering::Relaxed) > 0
+                        && self
+                            .last_system
+                            .as_ref()
+                            .is_some_and(|id| *id != session.term.system_id)
+                        && u64::from(session.term.timeline)
+                            <= self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48 =>
+                {
+                    Err(Error::Refused(DisconnectReason::ConnectFailed {
+                        message: format!(
+                            "the server is another cluster (system identifier {}, was {}) whose timeline plus token epoch, {}, is not above the {} of the tokens issued before: tokens would not order after the old cluster's; set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) so that its timeline plus N is above {}",
+                            session.term.system_id,
+                            self.last_system.as_deref().unwrap_or_default(),
+                            session.term.timeline,
+                            self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48,
+                            self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48,
                         ),
                     }))
                 }

@@ -55,11 +55,10 @@ use crate::status::DisconnectReason;
 ///   ids carry over, the timeline does not), a logical-replication or blue/green
 ///   cutover and a dump and restore (transaction ids restart as well). Tokens would go
 ///   backwards after them: set `chosen.token_epoch` on the new cluster before it takes
-///   connections (`ALTER DATABASE app SET chosen.token_epoch = N`, N above the old
-///   cluster's last timeline plus its epoch), or see
-///   [`ManagerOptions::token_epoch`](crate::ManagerOptions::token_epoch): the high bits
-///   are the timeline plus the epoch. A running manager refuses a server whose next
-///   token would not be above every token it issued.
+///   connections (the crate documentation, "Moving to another cluster", has the
+///   procedure; [`ManagerOptions::token_epoch`](crate::ManagerOptions::token_epoch) is
+///   the client-side form): the high bits are the timeline plus the epoch. A running
+///   manager refuses a server whose tokens would not order after the ones it issued.
 ///
 /// Tokens of the same lock compare as plain numbers (`u64`).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]

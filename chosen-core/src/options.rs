@@ -386,25 +386,13 @@ impl ManagerOptions {
     /// most 32767 together with the timeline). The server's own `chosen.token_epoch`
     /// setting counts too: a session uses the larger of the two.
     ///
-    /// Tokens order by the server's timeline first, which every promotion raises. Some
-    /// operations start a cluster on timeline 1 again: `pg_upgrade` (it resets the
-    /// timeline, keeping transaction ids), a logical-replication or blue/green cutover,
-    /// a dump and restore (both restart transaction ids too). Tokens would go
-    /// backwards after them. The simplest remedy is on the server, set on the *new*
-    /// cluster before it takes connections, so that every node picks it up as it
-    /// reconnects and nothing changes on the old cluster meanwhile:
-    ///
-    /// ```sql
-    /// -- above the old cluster's last timeline plus its epoch
-    /// -- (SELECT timeline_id FROM pg_control_checkpoint() on the old cluster)
-    /// ALTER DATABASE app SET chosen.token_epoch = 3;
-    /// ```
-    ///
-    /// This option does the same from the client. Raised on the fleet while the old
-    /// cluster still serves, it raises the old cluster's tokens as well, so set it
-    /// only after the old cluster stopped taking connections. Either way, a running
-    /// manager refuses a server whose next token would not be above every token it
-    /// already issued (it keeps retrying, leaderless, and says why).
+    /// Tokens order by the server's timeline first, which every promotion raises.
+    /// `pg_upgrade`, a logical or blue/green cutover and a dump and restore start a
+    /// cluster on timeline 1 again; the crate documentation ("Moving to another
+    /// cluster") has the procedure that keeps tokens in order, which sets
+    /// `chosen.token_epoch` on the new cluster. This option is the client-side form:
+    /// raise it only after the old cluster stopped taking connections, or the old
+    /// cluster's tokens rise with it.
     ///
     /// ```
     /// # use chosen_core::ManagerOptions;

@@ -444,6 +444,8 @@ WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2
 ///   NULL or empty when unset).
 /// * The next transaction id (`pg_snapshot_xmax`, which assigns none): every token this
 ///   session can issue is at least the token of that id.
+/// * The cluster's system identifier: a physical standby keeps it; `pg_upgrade`, a
+///   restore into a new `initdb` and a logical copy get a new one.
 const TERM_SQL: &str = "
 SELECT w.tl,
        CASE WHEN w.tl = c.timeline_id OR ww.started IS NOT NULL THEN
@@ -458,7 +460,8 @@ SELECT w.tl,
        w.tl::text || '/' || pg_postmaster_start_time()::text || '/'
            || coalesce((SELECT stats_reset FROM pg_stat_bgwriter)::text, ''),
        current_setting('chosen.token_epoch', true),
-       pg_snapshot_xmax(pg_current_snapshot())::text::int8
+       pg_snapshot_xmax(pg_current_snapshot())::text::int8,
+       (SELECT system_identifier FROM pg_control_system())::text
 FROM pg_control_checkpoint() c,
      (SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8 AS tl) w,
      (SELECT max(a.backend_start) AS started FROM pg_stat_activity a
@@ -485,6 +488,8 @@ pub(crate) struct Term {
     /// The smallest token this session can issue (its high bits and the server's next
     /// transaction id).
     pub(crate) first_token: FencingToken,
+    /// The cluster's system identifier (`pg_control_system()`).
+    pub(crate) system_id: String,
     /// When the answer arrived (so the age is at least this old then).
     pub(crate) read_at: Instant,
 }
@@ -550,12 +555,17 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         .get(1)
         .and_then(|ms| ms.parse::<u64>().ok())
         .map(std::time::Duration::from_millis);
-    let next_xid: u64 = row.get(4).and_then(|x| x.parse().ok()).unwrap_or(0);
+    let Some(next_xid) = row.get(4).and_then(|x| x.parse::<u64>().ok()) else {
+        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+            message: "the server answered no next transaction id".to_owned(),
+        }));
+    };
     Ok(Term {
         timeline,
         age,
         identity: row.get(2).unwrap_or_default().to_owned(),
         first_token: FencingToken::from_parts(timeline, next_xid),
+        system_id: row.get(5).unwrap_or_default().to_owned(),
         read_at,
     })
 }
@@ -1161,7 +1171,12 @@ impl Session {
             // it is not trusted any more.
             Err(e) => match classify(e) {
                 Fault::Lost(reason) => Fault::Lost(reason),
-                Fault::Query(_) => pooler(detail),
+                Fault::Query(e) => Fault::Lost(DisconnectReason::ConnectionLost {
+                    message: format!(
+                        "{detail}, or the session is read-only; asking which failed: {}",
+                        error_text(&e)
+                    ),
+                }),
             },
         }
     }

@@ -53,6 +53,7 @@ struct RunAs {
 pub struct PgClusterBuilder {
     settings: Vec<(String, String)>,
     tls: bool,
+    own_initdb: bool,
 }
 
 impl PgClusterBuilder {
@@ -71,6 +72,15 @@ impl PgClusterBuilder {
         self
     }
 
+    /// Runs `initdb` for this cluster instead of copying the shared template, so that
+    /// it gets its own system identifier (like a cluster made by `pg_upgrade` or a
+    /// restore into a new `initdb`). Slower: a second or two.
+    #[must_use]
+    pub fn own_initdb(mut self) -> Self {
+        self.own_initdb = true;
+        self
+    }
+
     /// Starts the cluster.
     ///
     /// # Errors
@@ -80,7 +90,7 @@ impl PgClusterBuilder {
     /// on stderr, unless `CHOSEN_NO_INSTALL` is set; otherwise the message names the
     /// command to run), or the server does not start (the message has its log).
     pub fn start(self) -> io::Result<PgCluster> {
-        Local::start(self.settings, self.tls, None).map(|l| PgCluster {
+        Local::start(self.settings, self.tls, None, self.own_initdb).map(|l| PgCluster {
             inner: Inner::Local(l),
         })
     }
@@ -174,7 +184,7 @@ impl PgCluster {
                 "a standby needs a local primary, not DATABASE_URL",
             ));
         };
-        Local::start(primary.settings.clone(), false, Some(primary)).map(|l| Self {
+        Local::start(primary.settings.clone(), false, Some(primary), false).map(|l| Self {
             inner: Inner::Local(l),
         })
     }
@@ -238,6 +248,7 @@ impl Local {
         mut settings: Vec<(String, String)>,
         tls: bool,
         standby_of: Option<&Local>,
+        own_initdb: bool,
     ) -> io::Result<Self> {
         let bin_dir = find_bin_dir()?;
         let run_as = run_as()?;
@@ -256,6 +267,12 @@ impl Local {
         fs::create_dir_all(&base)?;
         let data = base.join("data");
         match standby_of {
+            None if own_initdb => {
+                if let Some(r) = &run_as {
+                    chown(&base, r)?;
+                }
+                initdb(&bin_dir, &data, &base, run_as.as_ref())?;
+            }
             None => run(Command::new("cp").arg("-a").arg(&template).arg(&data))?,
             Some(primary) => {
                 if let Some(r) = &run_as {
@@ -448,24 +465,11 @@ fn ensure_template(root: &Path, bin_dir: &Path, run_as: Option<&RunAs>) -> io::R
     ));
     let _ = fs::remove_dir_all(&scratch);
     fs::create_dir_all(&scratch)?;
-    let pwfile = scratch.join("pw");
-    fs::File::create(&pwfile)?.write_all(SUPERUSER_PASSWORD.as_bytes())?;
     let data = scratch.join("data");
     if let Some(r) = run_as {
         chown(&scratch, r)?;
     }
-    let result = run(command_as(bin_dir, "initdb", run_as)
-        .arg("-D")
-        .arg(&data)
-        .args([
-            "-U",
-            SUPERUSER,
-            "--auth-local=trust",
-            "--auth-host=scram-sha-256",
-        ])
-        .args(["--encoding=UTF8", "--locale=C", "--no-sync"])
-        .arg(format!("--pwfile={}", pwfile.display())));
-    if let Err(e) = result {
+    if let Err(e) = initdb(bin_dir, &data, &scratch, run_as) {
         let _ = fs::remove_dir_all(&scratch);
         return Err(e);
     }
@@ -483,6 +487,27 @@ fn ensure_template(root: &Path, bin_dir: &Path, run_as: Option<&RunAs>) -> io::R
     }
     let _ = fs::remove_dir_all(&scratch);
     Ok(template)
+}
+
+/// `initdb` into `data` (its parent `dir`, owned by the user it runs as, holds the
+/// password file).
+fn initdb(bin_dir: &Path, data: &Path, dir: &Path, run_as: Option<&RunAs>) -> io::Result<()> {
+    let pwfile = dir.join("pw");
+    fs::File::create(&pwfile)?.write_all(SUPERUSER_PASSWORD.as_bytes())?;
+    if let Some(r) = run_as {
+        chown(&pwfile, r)?;
+    }
+    run(command_as(bin_dir, "initdb", run_as)
+        .arg("-D")
+        .arg(data)
+        .args([
+            "-U",
+            SUPERUSER,
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+        ])
+        .args(["--encoding=UTF8", "--locale=C", "--no-sync"])
+        .arg(format!("--pwfile={}", pwfile.display())))
 }
 
 /// Removes clusters whose owning process is gone (a test that was killed).

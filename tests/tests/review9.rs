@@ -167,3 +167,65 @@ async fn a_release_on_a_read_only_primary_writes_nothing() {
         "a transaction id was assigned (a commit written) on the read-only primary"
     );
 }
+
+/// Review 10, F1. The refusal of a cluster with smaller transaction ids lifted itself
+/// once the new cluster's ids passed this process's last token, though other nodes may
+/// have issued greater ones on the old cluster. Another cluster altogether (a new
+/// system identifier: `pg_upgrade`, a restore into a new `initdb`, a logical copy) is
+/// now accepted only when its timeline plus epoch is above the old tokens' high bits,
+/// whatever its transaction ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_cluster_needs_higher_high_bits_whatever_its_ids() {
+    let old = PgCluster::start_local().unwrap();
+    let new = PgCluster::builder().own_initdb().start().unwrap();
+    let (old_port, new_port) = (old.port().unwrap(), new.port().unwrap());
+    let proxy = FaultProxy::start(([127, 0, 0, 1], old_port).into())
+        .await
+        .unwrap();
+    let m = LockManager::connect(options(&proxy.url(&old.url(), old_port), "other-cluster"))
+        .await
+        .unwrap();
+    let name = unique_name("other-cluster");
+    let lease = m.acquire(name.as_str()).await.unwrap();
+    let old_token = lease.fencing_token();
+    lease.release().await.unwrap();
+    // The new cluster has handed out far more ids than this process's last token.
+    let admin_new = connect_admin(&new.url()).await.unwrap();
+    for _ in 0..(old_token.xact_id() + 50) {
+        admin_new
+            .batch_execute("SELECT pg_current_xact_id()")
+            .await
+            .unwrap();
+    }
+    proxy.set_upstream(([127, 0, 0, 1], new_port).into());
+    proxy.set(ProxyMode::Cut);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.set(ProxyMode::Pass);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let ConnectionStatus::Disconnected {
+            reason: DisconnectReason::ConnectFailed { message },
+            ..
+        } = m.connection_status()
+            && message.contains("another cluster")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not refused: {:?}",
+            m.connection_status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    admin_new
+        .batch_execute("ALTER DATABASE postgres SET chosen.token_epoch = 1")
+        .await
+        .unwrap();
+    let lease = tokio::time::timeout(Duration::from_secs(20), m.acquire(name.as_str()))
+        .await
+        .expect("granted once the new cluster's epoch is raised")
+        .unwrap();
+    assert!(lease.fencing_token() > old_token);
+    assert_eq!(lease.fencing_token().timeline(), 2);
+}
