@@ -4,6 +4,7 @@
 mod driver;
 mod election;
 mod error;
+mod group;
 // Public as a module: its docs (the guarantee, the SQL) are the reference for fenced
 // writes, and its free functions read best qualified (`fenced::fence`).
 pub mod fenced;
@@ -22,6 +23,7 @@ mod table;
 
 pub use election::Election;
 pub use error::{Error, Result};
+pub use group::{GroupOptions, GroupStatus, SingletonGroup};
 pub use key::{DEFAULT_NAMESPACE, LockKey};
 #[cfg(any(test, feature = "test-util"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]

@@ -116,7 +116,7 @@ impl SingletonOptions {
         self
     }
 
-    fn validate(&self, manager: &LockManager) -> Result<()> {
+    pub(crate) fn validate(&self, manager: &LockManager) -> Result<()> {
         self.validate_against(manager.options().get_stop_budget())
     }
 

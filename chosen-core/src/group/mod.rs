@@ -1,0 +1,497 @@
+//! Many singletons spread over the live nodes of a fleet.
+
+mod placement;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::lease::Lease;
+use crate::manager::LockManager;
+use crate::singleton::{ChildError, LeaderContext, Singleton, SingletonOptions};
+use crate::status::ConnectionStatus;
+
+/// How a [`SingletonGroup`] places and moves its members.
+#[derive(Clone, Debug)]
+pub struct GroupOptions {
+    singleton: SingletonOptions,
+    interval: Duration,
+    orphan_grace: Duration,
+    flap_window: Duration,
+    flap_changes: usize,
+    max_nodes: u16,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        Self {
+            singleton: SingletonOptions::default(),
+            interval: Duration::from_secs(1),
+            orphan_grace: Duration::from_secs(5),
+            flap_window: Duration::from_secs(30),
+            flap_changes: 4,
+            max_nodes: 64,
+        }
+    }
+}
+
+impl GroupOptions {
+    /// How each member's child is supervised (see [`SingletonOptions`]).
+    #[must_use]
+    pub fn singleton(mut self, options: SingletonOptions) -> Self {
+        self.singleton = options;
+        self
+    }
+
+    /// How often a node reads the placement and acts on it (default 1 s): one query of
+    /// the lock table per node per interval, however many members.
+    #[must_use]
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// How long a member may stay unheld before every node contends for it, whatever
+    /// the placement says (default 5 s): the safety net for nodes that disagree.
+    #[must_use]
+    pub fn orphan_grace(mut self, grace: Duration) -> Self {
+        self.orphan_grace = grace;
+        self
+    }
+
+    /// Membership flapping: when the set of live nodes changed `changes` times within
+    /// `window` (default 4 in 30 s), held members stop moving until it has been
+    /// stable for `window`; members nobody holds are still placed.
+    #[must_use]
+    pub fn flapping(mut self, changes: usize, window: Duration) -> Self {
+        self.flap_changes = changes;
+        self.flap_window = window;
+        self
+    }
+
+    /// The most nodes a group counts (default 64; each live node holds one of this many
+    /// membership locks).
+    #[must_use]
+    pub fn max_nodes(mut self, max: u16) -> Self {
+        self.max_nodes = max;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.interval < Duration::from_millis(10) || self.interval > Duration::from_secs(3600) {
+            return Err(Error::InvalidConfig(format!(
+                "group interval {:?} is out of range: use between 10 ms and 1 h",
+                self.interval
+            )));
+        }
+        if self.max_nodes == 0 || self.max_nodes > 4096 {
+            return Err(Error::InvalidConfig(format!(
+                "group max_nodes {} is out of range: use between 1 and 4096",
+                self.max_nodes
+            )));
+        }
+        if self.flap_changes == 0 {
+            return Err(Error::InvalidConfig(
+                "group flapping threshold must be at least one change".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot of a group on this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupStatus {
+    /// Live nodes of the group, as last seen (including this one once it joined).
+    pub live_nodes: usize,
+    /// Members whose singleton leads on this node.
+    pub leading: Vec<String>,
+    /// This node's target number of members (`None` before it joined).
+    pub target: Option<usize>,
+    /// Whether moves are frozen because the membership flaps.
+    pub frozen: bool,
+    /// Members this node handed over to rebalance, since it started.
+    pub handed_over: u64,
+}
+
+/// Many singletons (the *members*) spread over the live nodes of a fleet: each member
+/// runs on exactly one node, as a [`Singleton`] does, and no node runs more than
+/// `ceil(M / N)` of `M` members with `N` live nodes once the placement settled.
+///
+/// Every node starts the group with the same name and members. Membership is learned
+/// from the database alone: each node holds one of the group's membership locks, and
+/// once per [`interval`](GroupOptions::interval) every node reads the lock table (one
+/// query, however many members) and computes, from that one snapshot, the same plan as
+/// every other node: each node's target (`M / N` or one more), which held members move
+/// (an over-loaded node's surplus, handed over gracefully: the child stops, then the
+/// lock is released and announced), and which node takes each member nobody holds. A
+/// node acts on its own part only.
+///
+/// * A node joining takes at most `ceil(M / N)` members from the others; a node
+///   leaving (crash or shutdown) has its members spread over the nodes below their new
+///   targets.
+/// * While the membership flaps, held members do not move (see
+///   [`GroupOptions::flapping`]).
+/// * A member nobody holds for [`orphan_grace`](GroupOptions::orphan_grace) is
+///   contended for by every node: placement is a preference; the locks keep it one
+///   child per member in every case.
+///
+/// ```no_run
+/// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+/// use chosen_core::{GroupOptions, SingletonGroup};
+///
+/// let partitions: Vec<String> = (0..30).map(|i| format!("orders-partition-{i}")).collect();
+/// let group = SingletonGroup::start(&manager, "orders", partitions, GroupOptions::default(),
+///     |member, ctx| async move {
+///         // Consume one partition until told to stop.
+///         ctx.cancelled().await;
+///         let _ = member;
+///         Ok::<(), std::io::Error>(())
+///     })?;
+/// // ...
+/// group.shutdown().await;
+/// # Ok(()) }
+/// ```
+pub struct SingletonGroup {
+    status: Arc<Mutex<GroupStatus>>,
+    stop: CancellationToken,
+    task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for SingletonGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SingletonGroup")
+            .field("status", &self.status())
+            .finish_non_exhaustive()
+    }
+}
+
+type Factory = dyn Fn(
+        String,
+        LeaderContext,
+    ) -> std::pin::Pin<Box<dyn Future<Output = std::result::Result<(), ChildError>> + Send>>
+    + Send
+    + Sync;
+
+impl SingletonGroup {
+    /// Starts the group `name` with `members` on `manager`; `factory` makes the child
+    /// of a member (its name and its [`LeaderContext`]) on the node that leads it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`] for an empty group or member name, or a member named
+    /// twice; [`Error::InvalidConfig`] for inconsistent options.
+    pub fn start<F, Fut, E>(
+        manager: &LockManager,
+        name: impl Into<String>,
+        members: impl IntoIterator<Item = impl Into<String>>,
+        options: GroupOptions,
+        factory: F,
+    ) -> Result<Self>
+    where
+        F: Fn(String, LeaderContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), E>> + Send + 'static,
+        E: Into<ChildError>,
+    {
+        let name = name.into();
+        if name.is_empty() {
+            return Err(Error::InvalidName(
+                "the group name is empty; use a descriptive name such as \"orders\"".to_owned(),
+            ));
+        }
+        options.validate()?;
+        let members: Vec<String> = members.into_iter().map(Into::into).collect();
+        let mut seen = BTreeSet::new();
+        for m in &members {
+            if m.is_empty() {
+                return Err(Error::InvalidName(format!(
+                    "group {name:?} has a member with an empty name"
+                )));
+            }
+            if !seen.insert(m.as_str()) {
+                return Err(Error::InvalidName(format!(
+                    "group {name:?} names member {m:?} twice"
+                )));
+            }
+        }
+        // Checked once here, so that starting a member later cannot fail on them.
+        options.singleton.validate(manager)?;
+        let factory: Arc<Factory> = Arc::new(move |member, ctx| {
+            let fut = factory(member, ctx);
+            Box::pin(async move { fut.await.map_err(Into::into) })
+        });
+        let status = Arc::new(Mutex::new(GroupStatus::default()));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(
+            Runner {
+                manager: manager.clone(),
+                slot_keys: (0..options.max_nodes)
+                    .map(|i| manager.key_for(&slot_name(&name, i)))
+                    .collect(),
+                member_keys: members.iter().map(|m| manager.key_for(m)).collect(),
+                name,
+                members,
+                options,
+                factory,
+                status: Arc::clone(&status),
+                stop: stop.clone(),
+                slot: None,
+                running: HashMap::new(),
+                stopping: Vec::new(),
+                orphan_since: HashMap::new(),
+                last_live: BTreeSet::new(),
+                changes: VecDeque::new(),
+            }
+            .run(),
+        );
+        Ok(Self {
+            status,
+            stop,
+            task: tokio::sync::Mutex::new(Some(task)),
+        })
+    }
+
+    /// What this node runs and sees of the group right now.
+    #[must_use]
+    pub fn status(&self) -> GroupStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Leaves the group: gives up its membership first (so the others plan without
+    /// this node), then stops every member's child and releases its lock, announced,
+    /// so the other nodes take over at once. Idempotent; waits until done.
+    pub async fn shutdown(&self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.lock().await.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for SingletonGroup {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn slot_name(group: &str, i: u16) -> String {
+    format!("chosen.group/{group}/node-slot/{i}")
+}
+
+struct Runner {
+    manager: LockManager,
+    name: String,
+    members: Vec<String>,
+    member_keys: Vec<LockKey>,
+    slot_keys: Vec<LockKey>,
+    options: GroupOptions,
+    factory: Arc<Factory>,
+    status: Arc<Mutex<GroupStatus>>,
+    stop: CancellationToken,
+    /// The membership lock this node holds.
+    slot: Option<Lease>,
+    /// Members with a singleton on this node (leading or waiting), by index.
+    running: HashMap<usize, Singleton>,
+    /// Singletons being shut down (handed over, or no longer wanted).
+    stopping: Vec<JoinHandle<()>>,
+    /// Since when each member was seen unheld.
+    orphan_since: HashMap<usize, Instant>,
+    last_live: BTreeSet<i32>,
+    /// When the live set changed, within the flap window.
+    changes: VecDeque<Instant>,
+}
+
+impl Runner {
+    async fn run(mut self) {
+        let mut tick = tokio::time::interval(self.options.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = self.stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = self.step().await {
+                debug!(group = %self.name, error = %e, "group step skipped");
+            }
+        }
+        // Leave: the membership first, so the others plan without this node, then
+        // every member (children stop, locks are released and announced).
+        if let Some(slot) = self.slot.take() {
+            let _ = slot.release().await;
+        }
+        let running: Vec<Singleton> = self.running.drain().map(|(_, s)| s).collect();
+        futures_util::future::join_all(running.iter().map(Singleton::shutdown)).await;
+        for t in self.stopping.drain(..) {
+            let _ = t.await;
+        }
+        self.set_status(|s| {
+            s.leading.clear();
+            s.target = None;
+        });
+    }
+
+    async fn step(&mut self) -> Result<()> {
+        self.stopping.retain(|t| !t.is_finished());
+        // Join: hold a membership lock (the lowest free one).
+        if self.slot.as_ref().is_none_or(|l| !l.is_valid()) {
+            self.slot = None;
+            for key in self.slot_keys.clone() {
+                if let Some(lease) = self.manager.try_acquire(key).await? {
+                    self.slot = Some(lease);
+                    break;
+                }
+            }
+            if self.slot.is_none() {
+                warn!(group = %self.name, max_nodes = self.options.max_nodes, "every membership lock of the group is held: this node does not join (raise GroupOptions::max_nodes)");
+            }
+        }
+        let me = match self.manager.connection_status() {
+            ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+            _ => return Ok(()),
+        };
+        let snapshot = self.manager.cluster_locks(&[]).await?;
+        let holder: HashMap<LockKey, i32> = snapshot
+            .iter()
+            .map(|l| (l.key, l.holder.backend_pid))
+            .collect();
+        let slot_set: BTreeSet<LockKey> = self.slot_keys.iter().copied().collect();
+        let live: BTreeSet<i32> = snapshot
+            .iter()
+            .filter(|l| slot_set.contains(&l.key))
+            .map(|l| l.holder.backend_pid)
+            .collect();
+        let now = Instant::now();
+        if live != self.last_live {
+            if !self.last_live.is_empty() {
+                self.changes.push_back(now);
+            }
+            info!(group = %self.name, live_nodes = live.len(), "group membership changed");
+            self.last_live = live.clone();
+        }
+        while self
+            .changes
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > self.options.flap_window)
+        {
+            self.changes.pop_front();
+        }
+        let frozen = self.changes.len() >= self.options.flap_changes;
+        // Who holds each member: a member this node leads counts as ours even before
+        // the lock table shows it.
+        let holders: Vec<Option<i32>> = self
+            .member_keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                if self
+                    .running
+                    .get(&i)
+                    .is_some_and(|s| s.leadership().is_leader())
+                {
+                    Some(me)
+                } else {
+                    holder.get(key).copied()
+                }
+            })
+            .collect();
+        for (i, h) in holders.iter().enumerate() {
+            match h {
+                Some(_) => {
+                    self.orphan_since.remove(&i);
+                }
+                None => {
+                    self.orphan_since.entry(i).or_insert(now);
+                }
+            }
+        }
+        let live: Vec<i32> = live.into_iter().collect();
+        let plan = placement::plan(me, &live, &holders, frozen);
+        let mut wanted: BTreeSet<usize> = plan.contend.iter().copied().collect();
+        // Members this node holds stay wanted unless the plan hands them over.
+        for (i, h) in holders.iter().enumerate() {
+            if *h == Some(me) && !plan.release.contains(&i) {
+                wanted.insert(i);
+            }
+        }
+        // The safety net: long-unheld members are everyone's.
+        for (i, since) in &self.orphan_since {
+            if now.duration_since(*since) >= self.options.orphan_grace {
+                wanted.insert(*i);
+            }
+        }
+        // Hand over and drop what is not wanted (a waiting singleton stops at once).
+        let unwanted: Vec<usize> = self
+            .running
+            .keys()
+            .copied()
+            .filter(|i| !wanted.contains(i))
+            .collect();
+        let mut handed = 0;
+        for i in unwanted {
+            if let Some(s) = self.running.remove(&i) {
+                if s.leadership().is_leader() {
+                    handed += 1;
+                    info!(group = %self.name, member = %self.members[i], "handing the member over to rebalance");
+                }
+                self.stopping
+                    .push(tokio::spawn(async move { s.shutdown().await }));
+            }
+        }
+        for i in wanted {
+            if self.running.contains_key(&i) {
+                continue;
+            }
+            let factory = Arc::clone(&self.factory);
+            let member = self.members[i].clone();
+            let started = Singleton::start(
+                &self.manager,
+                member.clone(),
+                self.options.singleton.clone(),
+                move |ctx| factory(member.clone(), ctx),
+            );
+            match started {
+                Ok(s) => {
+                    self.running.insert(i, s);
+                }
+                Err(e) => {
+                    warn!(group = %self.name, member = %self.members[i], error = %e, "could not start the member's singleton");
+                }
+            }
+        }
+        let leading: Vec<String> = {
+            let mut v: Vec<(usize, String)> = self
+                .running
+                .iter()
+                .filter(|(_, s)| s.leadership().is_leader())
+                .map(|(i, _)| (*i, self.members[*i].clone()))
+                .collect();
+            v.sort();
+            v.into_iter().map(|(_, m)| m).collect()
+        };
+        let live_nodes = live.len();
+        self.set_status(|s| {
+            s.live_nodes = live_nodes;
+            s.leading = leading;
+            s.target = plan.target;
+            s.frozen = frozen;
+            s.handed_over += handed;
+        });
+        Ok(())
+    }
+
+    fn set_status(&self, f: impl FnOnce(&mut GroupStatus)) {
+        f(&mut self.status.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+}

@@ -1,0 +1,291 @@
+//! Where the members of a [`SingletonGroup`](crate::SingletonGroup) should run: a pure
+//! function of one snapshot of the database (who holds which member, which nodes are
+//! live), so that every node computes the same plan from the same snapshot and acts on
+//! its own part of it, with no messages between nodes.
+//!
+//! The rules:
+//!
+//! * Every live node's target is `M / N` or `M / N + 1` members (`M` members, `N` live
+//!   nodes); the `M % N` larger targets go to the nodes that hold the most already (ties:
+//!   the smaller backend pid), so that as few members as possible move.
+//! * A node above its target releases the surplus, its highest-numbered members first;
+//!   a member held by no live node (an orphan) or released that way goes to a node below
+//!   its target (the least loaded first, ties by pid), until each reaches its target.
+//!   After a node joins, only the new node's target moves (at most `ceil(M / N)`); after
+//!   a node leaves, its members spread over the nodes that are below their new targets.
+//! * While the membership flaps, nothing held moves (`frozen`): orphans are still placed.
+//! * Members held by a session that is not a live node (one that has not joined yet, or
+//!   is leaving) are in transit: they are neither moved nor counted as orphans.
+
+use std::collections::BTreeMap;
+
+/// A node: the backend pid of its lock session (visible to every role in `pg_locks`).
+pub(crate) type Node = i32;
+
+/// What one node should do, from [`plan`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Members this node holds and should hand over (stop the child, release).
+    pub(crate) release: Vec<usize>,
+    /// Members this node should contend for (free now, or about to be released).
+    pub(crate) contend: Vec<usize>,
+    /// This node's target number of members (`None` when it is not a live node).
+    pub(crate) target: Option<usize>,
+}
+
+/// The plan for `me`, given who holds each member (`holders[i]`: the pid holding member
+/// `i`, if any) and the live nodes.
+pub(crate) fn plan(me: Node, live: &[Node], holders: &[Option<Node>], frozen: bool) -> Plan {
+    let mut nodes: Vec<Node> = live.to_vec();
+    nodes.sort_unstable();
+    nodes.dedup();
+    if nodes.is_empty() {
+        return Plan::default();
+    }
+    let members = holders.len();
+    // What each live node holds, in member order.
+    let mut held: BTreeMap<Node, Vec<usize>> = nodes.iter().map(|n| (*n, Vec::new())).collect();
+    let mut orphans = Vec::new();
+    for (i, holder) in holders.iter().enumerate() {
+        match holder {
+            Some(h) => {
+                if let Some(list) = held.get_mut(h) {
+                    list.push(i);
+                }
+                // Held by a session that is not a live node: in transit.
+            }
+            None => orphans.push(i),
+        }
+    }
+    // Targets: the larger ones to the nodes that hold the most.
+    let base = members / nodes.len();
+    let extra = members % nodes.len();
+    let mut by_load = nodes.clone();
+    by_load.sort_by_key(|n| (std::cmp::Reverse(held[n].len()), *n));
+    let target: BTreeMap<Node, usize> = by_load
+        .iter()
+        .enumerate()
+        .map(|(rank, n)| (*n, base + usize::from(rank < extra)))
+        .collect();
+
+    // The pool to place: orphans first (lowest member first), then each surplus.
+    let mut pool = orphans;
+    let mut release_of: BTreeMap<Node, Vec<usize>> = BTreeMap::new();
+    if !frozen {
+        for n in &nodes {
+            let list = &held[n];
+            let surplus = list.len().saturating_sub(target[n]);
+            if surplus > 0 {
+                let moved: Vec<usize> = list.iter().rev().take(surplus).copied().collect();
+                pool.extend(moved.iter().copied());
+                release_of.insert(*n, moved);
+            }
+        }
+    }
+    // Deficits: the least loaded first.
+    let mut deficit: Vec<(usize, Node, usize)> = nodes
+        .iter()
+        .filter_map(|n| {
+            let have = held[n].len();
+            (have < target[n]).then(|| (have, *n, target[n] - have))
+        })
+        .collect();
+    deficit.sort_unstable();
+    let mut contend_of: BTreeMap<Node, Vec<usize>> = BTreeMap::new();
+    // Round-robin, one member per deficit node per round, so that a node that left
+    // spreads over every node below its target rather than onto one.
+    let mut pool = pool.into_iter();
+    'rounds: loop {
+        let mut placed = false;
+        for (_, n, need) in &mut deficit {
+            if *need == 0 {
+                continue;
+            }
+            let Some(m) = pool.next() else {
+                break 'rounds;
+            };
+            contend_of.entry(*n).or_default().push(m);
+            *need -= 1;
+            placed = true;
+        }
+        if !placed {
+            break;
+        }
+    }
+    Plan {
+        release: release_of.remove(&me).unwrap_or_default(),
+        contend: contend_of.remove(&me).unwrap_or_default(),
+        target: target.get(&me).copied(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Runs every live node's plan on one shared state until nothing changes: releases
+    /// free members, then each contended free member goes to the first contender (in
+    /// node order, as the server would grant one of them). Returns the final holders
+    /// and how many members changed holder.
+    fn settle(
+        live: &[Node],
+        mut holders: Vec<Option<Node>>,
+        frozen: bool,
+    ) -> (Vec<Option<Node>>, usize) {
+        let start = holders.clone();
+        for _ in 0..100 {
+            let plans: Vec<(Node, Plan)> = live
+                .iter()
+                .map(|n| (*n, plan(*n, live, &holders, frozen)))
+                .collect();
+            let mut next = holders.clone();
+            for (_, p) in &plans {
+                for m in &p.release {
+                    next[*m] = None;
+                }
+            }
+            let mut changed = next != holders;
+            for (n, p) in &plans {
+                for m in &p.contend {
+                    if next[*m].is_none() {
+                        next[*m] = Some(*n);
+                        changed = true;
+                    }
+                }
+            }
+            holders = next;
+            if !changed {
+                break;
+            }
+        }
+        let moves = start
+            .iter()
+            .zip(&holders)
+            .filter(|(a, b)| a.is_some() && a != b)
+            .count();
+        (holders, moves)
+    }
+
+    fn loads(live: &[Node], holders: &[Option<Node>]) -> Vec<usize> {
+        live.iter()
+            .map(|n| holders.iter().filter(|h| **h == Some(*n)).count())
+            .collect()
+    }
+
+    #[test]
+    fn thirty_members_on_three_nodes_spread_ten_each() {
+        let live = [11, 22, 33];
+        let (holders, _) = settle(&live, vec![None; 30], false);
+        assert!(holders.iter().all(Option::is_some));
+        assert_eq!(loads(&live, &holders), vec![10, 10, 10]);
+    }
+
+    #[test]
+    fn all_on_one_node_rebalances_with_the_fewest_moves() {
+        // The situation of the issue: three nodes started together, one took all 30.
+        let live = [11, 22, 33];
+        let (holders, moves) = settle(&live, vec![Some(11); 30], false);
+        assert_eq!(loads(&live, &holders), vec![10, 10, 10]);
+        assert_eq!(moves, 20);
+    }
+
+    #[test]
+    fn a_fourth_node_takes_at_most_a_quarter() {
+        let live = [11, 22, 33];
+        let (holders, _) = settle(&live, vec![None; 30], false);
+        let live4 = [11, 22, 33, 44];
+        let (after, moves) = settle(&live4, holders, false);
+        let l = loads(&live4, &after);
+        assert!(l.iter().all(|n| (7..=8).contains(n)), "{l:?}");
+        assert!(moves <= 8, "{moves} moves");
+    }
+
+    #[test]
+    fn a_node_that_leaves_spreads_over_the_others() {
+        let live = [11, 22, 33, 44];
+        let (holders, _) = settle(&live, vec![None; 30], false);
+        // 44 crashes: its members are orphans.
+        let orphaned: Vec<Option<Node>> = holders
+            .iter()
+            .map(|h| if *h == Some(44) { None } else { *h })
+            .collect();
+        let live3 = [11, 22, 33];
+        let before = loads(&live3, &orphaned);
+        let (after, moves) = settle(&live3, orphaned, false);
+        let l = loads(&live3, &after);
+        assert_eq!(l, vec![10, 10, 10], "from {before:?}");
+        assert_eq!(moves, 0, "nothing held moved: only orphans were placed");
+        // Spread: every survivor took some.
+        assert!(
+            l.iter().zip(&before).all(|(a, b)| a > b),
+            "{before:?} -> {l:?}"
+        );
+    }
+
+    #[test]
+    fn frozen_places_orphans_but_moves_nothing_held() {
+        let live = [11, 22, 33];
+        let mut holders = vec![Some(11); 20];
+        holders.extend(vec![None; 10]);
+        let (after, moves) = settle(&live, holders, true);
+        assert_eq!(moves, 0);
+        assert!(after.iter().all(Option::is_some));
+        assert_eq!(loads(&live, &after)[0], 20);
+    }
+
+    #[test]
+    fn members_in_transit_are_left_alone() {
+        // Member 0 is held by pid 99, not a live node (joining, or leaving).
+        let live = [11, 22];
+        let mut holders = vec![None; 4];
+        holders[0] = Some(99);
+        let p = plan(11, &live, &holders, false);
+        assert!(!p.contend.contains(&0));
+        assert!(!plan(22, &live, &holders, false).contend.contains(&0));
+    }
+
+    #[test]
+    fn a_node_that_is_not_live_does_nothing() {
+        let p = plan(55, &[11, 22], &[None, Some(55)], false);
+        assert!(p.release.is_empty() && p.contend.is_empty() && p.target.is_none());
+        assert_eq!(plan(11, &[], &[None], false), Plan::default());
+    }
+
+    proptest! {
+        /// From any placement, after settling: every member is held, no node holds more
+        /// than ceil(M/N), and no member moved that did not have to (moves never exceed
+        /// what the surplus over the targets forces).
+        #[test]
+        fn settles_balanced(
+            n in 1usize..8,
+            m in 0usize..80,
+            seed in proptest::collection::vec(0usize..10, 0..80),
+        ) {
+            let live: Vec<Node> = (1..=n as i32).map(|i| i * 7).collect();
+            let holders: Vec<Option<Node>> = (0..m)
+                .map(|i| seed.get(i).and_then(|s| (*s < n).then(|| live[*s])))
+                .collect();
+            let (after, _) = settle(&live, holders, false);
+            prop_assert!(after.iter().all(Option::is_some));
+            let max = m.div_ceil(n);
+            for l in loads(&live, &after) {
+                prop_assert!(l <= max && l + 1 >= m / n, "load {l}, M {m}, N {n}");
+            }
+        }
+
+        /// A join from a balanced placement moves at most ceil(M / (N + 1)) members.
+        #[test]
+        fn a_join_moves_few(n in 1usize..8, m in 0usize..80) {
+            let live: Vec<Node> = (1..=n as i32).map(|i| i * 7).collect();
+            let (balanced, _) = settle(&live, vec![None; m], false);
+            let mut joined = live.clone();
+            joined.push(1000);
+            let (after, moves) = settle(&joined, balanced, false);
+            prop_assert!(moves <= m.div_ceil(n + 1), "{moves} moves, M {m}, N {n}");
+            for l in loads(&joined, &after) {
+                prop_assert!(l <= m.div_ceil(n + 1));
+            }
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Singleton groups against a real server: members spread over the live nodes, a
+//! joining node takes a fair share with few moves, a leaving node's members spread over
+//! the others, and no member ever has two children at once (checked in this process,
+//! where every node's children run).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chosen_core::{GroupOptions, LockManager, ManagerOptions, SingletonGroup};
+use chosen_tests::{PgCluster, connect_admin, unique_name};
+
+const MEMBERS: usize = 30;
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .expect("valid URL")
+        .node_id(node)
+        .poll_interval(Duration::from_millis(200))
+        .term_grant_delay(Duration::ZERO)
+}
+
+/// Children running per member, across every node of this process, and the worst
+/// count ever seen.
+#[derive(Clone, Default)]
+struct Children {
+    running: Arc<Mutex<HashMap<String, usize>>>,
+    worst: Arc<Mutex<usize>>,
+}
+
+impl Children {
+    fn start(&self, member: &str) {
+        let mut running = self.running.lock().unwrap();
+        let n = running.entry(member.to_owned()).or_default();
+        *n += 1;
+        let mut worst = self.worst.lock().unwrap();
+        *worst = (*worst).max(*n);
+    }
+
+    fn stop(&self, member: &str) {
+        *self.running.lock().unwrap().get_mut(member).unwrap() -= 1;
+    }
+
+    fn held(&self) -> usize {
+        self.running
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|n| **n > 0)
+            .count()
+    }
+
+    fn worst(&self) -> usize {
+        *self.worst.lock().unwrap()
+    }
+}
+
+struct Node {
+    manager: LockManager,
+    group: SingletonGroup,
+}
+
+async fn node(url: &str, id: &str, group: &str, members: &[String], children: &Children) -> Node {
+    let manager = LockManager::connect(options(url, id)).await.unwrap();
+    let children = children.clone();
+    let group = SingletonGroup::start(
+        &manager,
+        group,
+        members.to_vec(),
+        GroupOptions::default()
+            .interval(Duration::from_millis(250))
+            .orphan_grace(Duration::from_secs(3)),
+        move |member, ctx| {
+            let children = children.clone();
+            async move {
+                children.start(&member);
+                ctx.cancelled().await;
+                children.stop(&member);
+                Ok::<(), std::io::Error>(())
+            }
+        },
+    )
+    .unwrap();
+    Node { manager, group }
+}
+
+fn loads(nodes: &[&Node]) -> Vec<usize> {
+    nodes
+        .iter()
+        .map(|n| n.group.status().leading.len())
+        .collect()
+}
+
+async fn wait_for(what: &str, limit: Duration, mut pred: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !pred() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_spread_rebalance_on_join_and_spread_on_leave() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let group = unique_name("group");
+    let members: Vec<String> = (0..MEMBERS).map(|i| format!("{group}-m{i}")).collect();
+    let children = Children::default();
+
+    // Three nodes started together.
+    let (a, b, c) = tokio::join!(
+        node(&url, "g-a", &group, &members, &children),
+        node(&url, "g-b", &group, &members, &children),
+        node(&url, "g-c", &group, &members, &children),
+    );
+    wait_for(
+        "three nodes to settle at 9-11 each",
+        Duration::from_secs(60),
+        || children.held() == MEMBERS && loads(&[&a, &b, &c]).iter().all(|l| (9..=11).contains(l)),
+    )
+    .await;
+    eprintln!("GROUP three nodes: {:?}", loads(&[&a, &b, &c]));
+
+    // A fourth joins: 7-9 each, at most 8 moves.
+    let moved_before: u64 = [&a, &b, &c]
+        .iter()
+        .map(|n| n.group.status().handed_over)
+        .sum();
+    let d = node(&url, "g-d", &group, &members, &children).await;
+    wait_for(
+        "four nodes to settle at 7-9 each",
+        Duration::from_secs(60),
+        || {
+            children.held() == MEMBERS
+                && loads(&[&a, &b, &c, &d]).iter().all(|l| (7..=9).contains(l))
+        },
+    )
+    .await;
+    let moves: u64 = [&a, &b, &c, &d]
+        .iter()
+        .map(|n| n.group.status().handed_over)
+        .sum::<u64>()
+        - moved_before;
+    eprintln!(
+        "GROUP a fourth joined: {:?}, {moves} moves",
+        loads(&[&a, &b, &c, &d])
+    );
+    assert!(moves <= 8, "{moves} moves for one join");
+
+    // One leaves (gracefully): its members spread over the other three.
+    let before = loads(&[&a, &b, &c]);
+    d.group.shutdown().await;
+    d.manager.shutdown().await;
+    wait_for(
+        "three nodes to settle again",
+        Duration::from_secs(60),
+        || children.held() == MEMBERS && loads(&[&a, &b, &c]).iter().all(|l| (9..=11).contains(l)),
+    )
+    .await;
+    let after = loads(&[&a, &b, &c]);
+    eprintln!("GROUP the fourth left: {before:?} -> {after:?}");
+    assert!(
+        after.iter().zip(&before).filter(|(x, y)| x > y).count() >= 2,
+        "its members went to one node: {before:?} -> {after:?}"
+    );
+
+    // A crash: the server ends one node's session (its members are freed at once).
+    let admin = connect_admin(&url).await.unwrap();
+    let before = loads(&[&a, &b]);
+    let _ = admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'g-c'",
+            &[],
+        )
+        .await;
+    // Its process "dies" with the session: the group does not rejoin.
+    c.group.shutdown().await;
+    wait_for(
+        "two nodes to take every member",
+        Duration::from_secs(60),
+        || children.held() == MEMBERS && loads(&[&a, &b]).iter().all(|l| *l == 15),
+    )
+    .await;
+    eprintln!("GROUP the third left: {before:?} -> {:?}", loads(&[&a, &b]));
+
+    assert_eq!(
+        children.worst(),
+        1,
+        "a member had two children at once in this process"
+    );
+    for n in [&a, &b] {
+        n.group.shutdown().await;
+        n.manager.shutdown().await;
+    }
+    assert_eq!(children.held(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_clearly() {
+    let pg = PgCluster::start().unwrap();
+    let manager = LockManager::connect(options(&pg.url(), "g-bad"))
+        .await
+        .unwrap();
+    let child = |_m: String, _ctx| async { Ok::<(), std::io::Error>(()) };
+    let err = SingletonGroup::start(&manager, "", ["x"], GroupOptions::default(), child)
+        .expect_err("empty group name");
+    assert!(err.to_string().contains("group name"), "{err}");
+    let err = SingletonGroup::start(&manager, "g", ["x", "x"], GroupOptions::default(), child)
+        .expect_err("a member twice");
+    assert!(err.to_string().contains("twice"), "{err}");
+    let err = SingletonGroup::start(
+        &manager,
+        "g",
+        ["x"],
+        GroupOptions::default().interval(Duration::ZERO),
+        child,
+    )
+    .expect_err("zero interval");
+    assert!(err.to_string().contains("interval"), "{err}");
+}
