@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --release --example node -- \
-//!     --node-id ID --singleton NAME [--singleton NAME ...] \
+//!     --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
 //!     [--metrics ADDR]
 //! ```
@@ -19,9 +19,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::future::Future;
+
 use chosen_core::{
-    ConnectionStatus, LeaderContext, LeaderState, LockManager, ManagerOptions, PrometheusMetrics,
-    Singleton, SingletonOptions,
+    ConnectionStatus, GroupOptions, LeaderContext, LeaderState, LockManager, ManagerOptions,
+    PrometheusMetrics, Singleton, SingletonGroup, SingletonOptions,
 };
 
 #[path = "common/mod.rs"]
@@ -30,6 +32,8 @@ mod common;
 struct Args {
     node_id: String,
     singletons: Vec<String>,
+    /// A singleton group: its name and how many members (`NAME-0` ... `NAME-(M-1)`).
+    group: Option<(String, usize)>,
     heartbeat: Option<Duration>,
     lease_timeout: Option<Duration>,
     server_release: Option<Duration>,
@@ -42,6 +46,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         node_id: String::new(),
         singletons: Vec::new(),
+        group: None,
         heartbeat: None,
         lease_timeout: None,
         server_release: None,
@@ -62,6 +67,23 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--node-id" => args.node_id = value()?,
             "--singleton" => args.singletons.push(value()?),
+            "--group" => {
+                let name = value()?;
+                let members = args.group.as_ref().map_or(0, |g| g.1);
+                args.group = Some((name, members));
+            }
+            "--members" => {
+                let v = value()?;
+                let m = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|m| (1..=10_000).contains(m))
+                    .ok_or_else(|| {
+                        format!("--members takes a number from 1 to 10000, got {v:?}")
+                    })?;
+                let name = args.group.take().map(|g| g.0).unwrap_or_default();
+                args.group = Some((name, m));
+            }
             "--heartbeat-ms" => args.heartbeat = Some(ms(value()?, &flag)?),
             "--lease-timeout-ms" => args.lease_timeout = Some(ms(value()?, &flag)?),
             "--server-release-ms" => args.server_release = Some(ms(value()?, &flag)?),
@@ -74,7 +96,7 @@ fn parse_args() -> Result<Args, String> {
                 })?);
             }
             "-h" | "--help" => {
-                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] (DATABASE_URL must be set)".to_owned());
+                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] (DATABASE_URL must be set)".to_owned());
             }
             other => return Err(format!("unknown flag {other:?}; see --help")),
         }
@@ -82,8 +104,15 @@ fn parse_args() -> Result<Args, String> {
     if args.node_id.is_empty() {
         return Err("--node-id is required".to_owned());
     }
-    if args.singletons.is_empty() {
-        return Err("at least one --singleton NAME is required".to_owned());
+    if let Some((name, members)) = &args.group
+        && (name.is_empty() || *members == 0)
+    {
+        return Err("a group needs both --group NAME and --members M".to_owned());
+    }
+    if args.singletons.is_empty() && args.group.is_none() {
+        return Err(
+            "at least one --singleton NAME (or a --group NAME --members M) is required".to_owned(),
+        );
     }
     Ok(args)
 }
@@ -306,71 +335,143 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
     };
     spawn_status_events(&manager, events.clone());
 
+    let child = child_factory(events.clone(), args.tick);
     let mut singletons = Vec::new();
     for name in &args.singletons {
-        let tick = args.tick;
-        let child_events = events.clone();
         let singleton = Singleton::start(
             &manager,
             name.as_str(),
             SingletonOptions::default(),
-            move |ctx| {
-                let events = child_events.clone();
-                async move {
-                    let token = ctx.fencing_token().get();
-                    let fields = ChildFields {
-                        singleton: ctx.name().to_owned(),
-                        token,
-                    };
-                    events.emit("child_started", &fields.fields());
-                    // Reports the moment the lease is lost, from its own task, so the
-                    // report does not wait for the child to notice.
-                    let reported = Arc::new(AtomicBool::new(false));
-                    let watcher = tokio::spawn(watch_loss(
-                        ctx.clone(),
-                        events.clone(),
-                        fields.clone(),
-                        Arc::clone(&reported),
-                    ));
-                    // `child_stopped` when this future returns *or is dropped* (aborted).
-                    let _stopped = StoppedGuard {
-                        ctx: ctx.clone(),
-                        events: events.clone(),
-                        fields: fields.clone(),
-                        watcher,
-                        reported,
-                    };
-                    let mut ticks = tokio::time::interval(tick);
-                    loop {
-                        tokio::select! {
-                            () = ctx.cancelled() => break,
-                            _ = ticks.tick() => {
-                                // The guarded step: only while the lease may be trusted.
-                                // The stamp is taken *before* the check, so a tick can
-                                // never be stamped after the loss it missed.
-                                let at = chosen_tests::monotonic_us();
-                                if ctx.is_valid() {
-                                    events.emit_at(at, "child_tick", &fields.fields());
-                                }
-                            }
-                        }
-                    }
-                    Ok::<(), std::io::Error>(())
-                }
-            },
+            child.clone(),
         )?;
         spawn_leadership_events(&singleton, events.clone());
         singletons.push(singleton);
     }
+    let group = match &args.group {
+        Some((name, members)) => {
+            let child = child.clone();
+            let group = SingletonGroup::start(
+                &manager,
+                name.as_str(),
+                (0..*members).map(|i| format!("{name}-{i}")),
+                GroupOptions::default(),
+                move |_member, ctx| child(ctx),
+            )?;
+            Some(Arc::new(group))
+        }
+        None => None,
+    };
+    if let Some(group) = &group {
+        spawn_placement_events(Arc::clone(group), events.clone());
+    }
 
     wait_for_signal().await;
     events.emit("shutdown", &[("phase", Field::Str("begin".to_owned()))]);
+    if let Some(group) = &group {
+        group.shutdown().await;
+    }
     for singleton in &singletons {
         singleton.shutdown().await;
     }
     manager.shutdown().await;
     events.emit("shutdown", &[("phase", Field::Str("done".to_owned()))]);
     Ok(())
+}
+
+/// The child every singleton and group member runs: it reports `child_started`, a
+/// `child_tick` every `tick` while its lease may be trusted, `lease_lost` the moment
+/// the lease is lost, and `child_stopped` when it ends or is aborted.
+fn child_factory(
+    events: Events,
+    tick: Duration,
+) -> impl Fn(LeaderContext) -> std::pin::Pin<Box<dyn Future<Output = Result<(), std::io::Error>> + Send>>
++ Clone
++ Send
++ Sync
++ 'static {
+    move |ctx: LeaderContext| {
+        let events = events.clone();
+        Box::pin(async move {
+            let token = ctx.fencing_token().get();
+            let fields = ChildFields {
+                singleton: ctx.name().to_owned(),
+                token,
+            };
+            events.emit("child_started", &fields.fields());
+            // Reports the moment the lease is lost, from its own task, so the report
+            // does not wait for the child to notice.
+            let reported = Arc::new(AtomicBool::new(false));
+            let watcher = tokio::spawn(watch_loss(
+                ctx.clone(),
+                events.clone(),
+                fields.clone(),
+                Arc::clone(&reported),
+            ));
+            // `child_stopped` when this future returns *or is dropped* (aborted).
+            let _stopped = StoppedGuard {
+                ctx: ctx.clone(),
+                events: events.clone(),
+                fields: fields.clone(),
+                watcher,
+                reported,
+            };
+            let mut ticks = tokio::time::interval(tick);
+            loop {
+                tokio::select! {
+                    () = ctx.cancelled() => break,
+                    _ = ticks.tick() => {
+                        // The guarded step: only while the lease may be trusted. The
+                        // stamp is taken *before* the check, so a tick can never be
+                        // stamped after the loss it missed.
+                        let at = chosen_tests::monotonic_us();
+                        if ctx.is_valid() {
+                            events.emit_at(at, "child_tick", &fields.fields());
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Emits a `placement` event whenever this node's view of its group changes: how many
+/// members it leads, its target, the live nodes, whether moves are frozen, and how
+/// many members it handed over so far.
+fn spawn_placement_events(group: Arc<SingletonGroup>, events: Events) {
+    tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let s = group.status();
+            let now = (
+                s.leading.len(),
+                s.target,
+                s.live_nodes,
+                s.frozen,
+                s.handed_over,
+            );
+            if last != Some(now) {
+                events.emit(
+                    "placement",
+                    &[
+                        ("leading", Field::Num(s.leading.len() as u64)),
+                        (
+                            "target",
+                            s.target.map_or(Field::Null, |t| Field::Num(t as u64)),
+                        ),
+                        ("live_nodes", Field::Num(s.live_nodes as u64)),
+                        ("frozen", Field::Str(s.frozen.to_string())),
+                        ("handed_over", Field::Num(s.handed_over)),
+                    ],
+                );
+                last = Some(now);
+            }
+            if Arc::strong_count(&group) == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
 }
 
 fn spawn_status_events(manager: &LockManager, events: Events) {

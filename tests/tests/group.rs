@@ -20,25 +20,28 @@ fn options(url: &str, node: &str) -> ManagerOptions {
         .term_grant_delay(Duration::ZERO)
 }
 
-/// Children running per member, across every node of this process, and the worst
-/// count ever seen.
+/// Which nodes run each member's child right now, across every node of this process,
+/// and the most children one member ever had at once.
 #[derive(Clone, Default)]
 struct Children {
-    running: Arc<Mutex<HashMap<String, usize>>>,
+    running: Arc<Mutex<HashMap<String, Vec<String>>>>,
     worst: Arc<Mutex<usize>>,
 }
 
 impl Children {
-    fn start(&self, member: &str) {
+    fn start(&self, member: &str, node: &str) {
         let mut running = self.running.lock().unwrap();
-        let n = running.entry(member.to_owned()).or_default();
-        *n += 1;
+        let on = running.entry(member.to_owned()).or_default();
+        on.push(node.to_owned());
         let mut worst = self.worst.lock().unwrap();
-        *worst = (*worst).max(*n);
+        *worst = (*worst).max(on.len());
     }
 
-    fn stop(&self, member: &str) {
-        *self.running.lock().unwrap().get_mut(member).unwrap() -= 1;
+    fn stop(&self, member: &str, node: &str) {
+        let mut running = self.running.lock().unwrap();
+        let on = running.get_mut(member).unwrap();
+        let at = on.iter().position(|n| n == node).unwrap();
+        on.remove(at);
     }
 
     fn held(&self) -> usize {
@@ -46,8 +49,22 @@ impl Children {
             .lock()
             .unwrap()
             .values()
-            .filter(|n| **n > 0)
+            .filter(|n| !n.is_empty())
             .count()
+    }
+
+    /// Children per node, for `nodes`.
+    fn loads(&self, nodes: &[&str]) -> Vec<usize> {
+        let running = self.running.lock().unwrap();
+        nodes
+            .iter()
+            .map(|n| {
+                running
+                    .values()
+                    .filter(|on| on.iter().any(|x| x == n))
+                    .count()
+            })
+            .collect()
     }
 
     fn worst(&self) -> usize {
@@ -56,13 +73,21 @@ impl Children {
 }
 
 struct Node {
+    id: &'static str,
     manager: LockManager,
     group: SingletonGroup,
 }
 
-async fn node(url: &str, id: &str, group: &str, members: &[String], children: &Children) -> Node {
+async fn node(
+    url: &str,
+    id: &'static str,
+    group: &str,
+    members: &[String],
+    children: &Children,
+) -> Node {
     let manager = LockManager::connect(options(url, id)).await.unwrap();
     let children = children.clone();
+    let me = id.to_owned();
     let group = SingletonGroup::start(
         &manager,
         group,
@@ -72,23 +97,21 @@ async fn node(url: &str, id: &str, group: &str, members: &[String], children: &C
             .orphan_grace(Duration::from_secs(3)),
         move |member, ctx| {
             let children = children.clone();
+            let me = me.clone();
             async move {
-                children.start(&member);
+                children.start(&member, &me);
                 ctx.cancelled().await;
-                children.stop(&member);
+                children.stop(&member, &me);
                 Ok::<(), std::io::Error>(())
             }
         },
     )
     .unwrap();
-    Node { manager, group }
+    Node { id, manager, group }
 }
 
-fn loads(nodes: &[&Node]) -> Vec<usize> {
-    nodes
-        .iter()
-        .map(|n| n.group.status().leading.len())
-        .collect()
+fn ids<'a>(nodes: &[&'a Node]) -> Vec<&'a str> {
+    nodes.iter().map(|n| n.id).collect()
 }
 
 async fn wait_for(what: &str, limit: Duration, mut pred: impl FnMut() -> bool) {
@@ -107,6 +130,21 @@ async fn members_spread_rebalance_on_join_and_spread_on_leave() {
     let members: Vec<String> = (0..MEMBERS).map(|i| format!("{group}-m{i}")).collect();
     let children = Children::default();
 
+    // Sampled all along the start: no node ever runs more than 11.
+    let sampler = {
+        let children = children.clone();
+        tokio::spawn(async move {
+            let mut most = 0;
+            for _ in 0..240 {
+                most = children
+                    .loads(&["g-a", "g-b", "g-c"])
+                    .into_iter()
+                    .fold(most, usize::max);
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            most
+        })
+    };
     // Three nodes started together.
     let (a, b, c) = tokio::join!(
         node(&url, "g-a", &group, &members, &children),
@@ -116,10 +154,32 @@ async fn members_spread_rebalance_on_join_and_spread_on_leave() {
     wait_for(
         "three nodes to settle at 9-11 each",
         Duration::from_secs(60),
-        || children.held() == MEMBERS && loads(&[&a, &b, &c]).iter().all(|l| (9..=11).contains(l)),
+        || {
+            children.held() == MEMBERS
+                && children
+                    .loads(&ids(&[&a, &b, &c]))
+                    .iter()
+                    .all(|l| (9..=11).contains(l))
+        },
     )
     .await;
-    eprintln!("GROUP three nodes: {:?}", loads(&[&a, &b, &c]));
+    eprintln!(
+        "GROUP three nodes: {:?}",
+        children.loads(&ids(&[&a, &b, &c]))
+    );
+    let most = sampler.await.unwrap();
+    assert!(
+        most <= 11,
+        "a node ran {most} members while the group started"
+    );
+    let handed: u64 = [&a, &b, &c]
+        .iter()
+        .map(|n| n.group.status().handed_over)
+        .sum();
+    assert_eq!(
+        handed, 0,
+        "members were handed over while the group started"
+    );
 
     // A fourth joins: 7-9 each, at most 8 moves.
     let moved_before: u64 = [&a, &b, &c]
@@ -132,7 +192,10 @@ async fn members_spread_rebalance_on_join_and_spread_on_leave() {
         Duration::from_secs(60),
         || {
             children.held() == MEMBERS
-                && loads(&[&a, &b, &c, &d]).iter().all(|l| (7..=9).contains(l))
+                && children
+                    .loads(&ids(&[&a, &b, &c, &d]))
+                    .iter()
+                    .all(|l| (7..=9).contains(l))
         },
     )
     .await;
@@ -143,21 +206,27 @@ async fn members_spread_rebalance_on_join_and_spread_on_leave() {
         - moved_before;
     eprintln!(
         "GROUP a fourth joined: {:?}, {moves} moves",
-        loads(&[&a, &b, &c, &d])
+        children.loads(&ids(&[&a, &b, &c, &d]))
     );
     assert!(moves <= 8, "{moves} moves for one join");
 
     // One leaves (gracefully): its members spread over the other three.
-    let before = loads(&[&a, &b, &c]);
+    let before = children.loads(&ids(&[&a, &b, &c]));
     d.group.shutdown().await;
     d.manager.shutdown().await;
     wait_for(
         "three nodes to settle again",
         Duration::from_secs(60),
-        || children.held() == MEMBERS && loads(&[&a, &b, &c]).iter().all(|l| (9..=11).contains(l)),
+        || {
+            children.held() == MEMBERS
+                && children
+                    .loads(&ids(&[&a, &b, &c]))
+                    .iter()
+                    .all(|l| (9..=11).contains(l))
+        },
     )
     .await;
-    let after = loads(&[&a, &b, &c]);
+    let after = children.loads(&ids(&[&a, &b, &c]));
     eprintln!("GROUP the fourth left: {before:?} -> {after:?}");
     assert!(
         after.iter().zip(&before).filter(|(x, y)| x > y).count() >= 2,
@@ -166,22 +235,26 @@ async fn members_spread_rebalance_on_join_and_spread_on_leave() {
 
     // A crash: the server ends one node's session (its members are freed at once).
     let admin = connect_admin(&url).await.unwrap();
-    let before = loads(&[&a, &b]);
+    let before = children.loads(&ids(&[&a, &b]));
     let _ = admin
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'g-c'",
             &[],
         )
         .await;
-    // Its process "dies" with the session: the group does not rejoin.
+    // Its process "dies" with the session: neither the group nor the manager come back.
     c.group.shutdown().await;
+    c.manager.shutdown().await;
     wait_for(
         "two nodes to take every member",
         Duration::from_secs(60),
-        || children.held() == MEMBERS && loads(&[&a, &b]).iter().all(|l| *l == 15),
+        || children.held() == MEMBERS && children.loads(&ids(&[&a, &b])).iter().all(|l| *l == 15),
     )
     .await;
-    eprintln!("GROUP the third left: {before:?} -> {:?}", loads(&[&a, &b]));
+    eprintln!(
+        "GROUP the third left: {before:?} -> {:?}",
+        children.loads(&ids(&[&a, &b]))
+    );
 
     assert_eq!(
         children.worst(),
@@ -217,4 +290,41 @@ async fn bad_input_is_refused_clearly() {
     )
     .expect_err("zero interval");
     assert!(err.to_string().contains("interval"), "{err}");
+}
+
+/// Review F3: a member's lock is scoped to its group, so two groups with a member of
+/// the same name (or a plain singleton of that name) each run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_of_two_groups_with_one_name_both_run() {
+    let pg = PgCluster::start().unwrap();
+    let manager = LockManager::connect(options(&pg.url(), "g-scope"))
+        .await
+        .unwrap();
+    let children = Children::default();
+    let start = |group: &'static str| {
+        let children = children.clone();
+        SingletonGroup::start(
+            &manager,
+            group,
+            ["shared-name"],
+            GroupOptions::default().interval(Duration::from_millis(100)),
+            move |member, ctx| {
+                let children = children.clone();
+                async move {
+                    children.start(&format!("{group}/{member}"), "g-scope");
+                    ctx.cancelled().await;
+                    children.stop(&format!("{group}/{member}"), "g-scope");
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )
+        .unwrap()
+    };
+    let (one, two) = (start("scope-one"), start("scope-two"));
+    wait_for("both members to run", Duration::from_secs(20), || {
+        children.held() == 2
+    })
+    .await;
+    one.shutdown().await;
+    two.shutdown().await;
 }

@@ -2,7 +2,7 @@
 
 mod placement;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -36,8 +36,8 @@ impl Default for GroupOptions {
             singleton: SingletonOptions::default(),
             interval: Duration::from_secs(1),
             orphan_grace: Duration::from_secs(5),
-            flap_window: Duration::from_secs(30),
-            flap_changes: 4,
+            flap_window: Duration::from_secs(60),
+            flap_changes: 2,
             max_nodes: 64,
         }
     }
@@ -60,19 +60,22 @@ impl GroupOptions {
     }
 
     /// How long a member may stay unheld before every node contends for it, whatever
-    /// the placement says (default 5 s): the safety net for nodes that disagree.
+    /// the placement says (default 5 s, and never less than the manager's
+    /// `term_grant_delay` plus one interval, so that a new server term's hold does not
+    /// set every node on every member): the safety net for nodes that disagree.
     #[must_use]
     pub fn orphan_grace(mut self, grace: Duration) -> Self {
         self.orphan_grace = grace;
         self
     }
 
-    /// Membership flapping: when the set of live nodes changed `changes` times within
-    /// `window` (default 4 in 30 s), held members stop moving until it has been
-    /// stable for `window`; members nobody holds are still placed.
+    /// Membership flapping: when one node (by node id) left `leaves` times within
+    /// `window` (default twice in 60 s: it joined and left repeatedly), held members
+    /// stop moving until no node did for `window`; members nobody holds are still
+    /// placed. A scale-out or a rolling deploy (each node leaves once) does not count.
     #[must_use]
-    pub fn flapping(mut self, changes: usize, window: Duration) -> Self {
-        self.flap_changes = changes;
+    pub fn flapping(mut self, leaves: usize, window: Duration) -> Self {
+        self.flap_changes = leaves;
         self.flap_window = window;
         self
     }
@@ -237,7 +240,10 @@ impl SingletonGroup {
                 slot_keys: (0..options.max_nodes)
                     .map(|i| manager.key_for(&slot_name(&name, i)))
                     .collect(),
-                member_keys: members.iter().map(|m| manager.key_for(m)).collect(),
+                member_keys: members
+                    .iter()
+                    .map(|m| manager.key_for(&member_lock(&name, m)))
+                    .collect(),
                 name,
                 members,
                 options,
@@ -248,8 +254,8 @@ impl SingletonGroup {
                 running: HashMap::new(),
                 stopping: Vec::new(),
                 orphan_since: HashMap::new(),
-                last_live: BTreeSet::new(),
-                changes: VecDeque::new(),
+                last_live: BTreeMap::new(),
+                leaves: VecDeque::new(),
             }
             .run(),
         );
@@ -290,6 +296,12 @@ fn slot_name(group: &str, i: u16) -> String {
     format!("chosen.group/{group}/node-slot/{i}")
 }
 
+/// The lock of a member: scoped to its group, so that another group's member or a
+/// plain singleton of the same name is another lock.
+fn member_lock(group: &str, member: &str) -> String {
+    format!("chosen.group/{group}/member/{member}")
+}
+
 struct Runner {
     manager: LockManager,
     name: String,
@@ -304,13 +316,14 @@ struct Runner {
     slot: Option<Lease>,
     /// Members with a singleton on this node (leading or waiting), by index.
     running: HashMap<usize, Singleton>,
-    /// Singletons being shut down (handed over, or no longer wanted).
-    stopping: Vec<JoinHandle<()>>,
+    /// Singletons being shut down (handed over, or no longer wanted), by member.
+    stopping: Vec<(usize, JoinHandle<()>)>,
     /// Since when each member was seen unheld.
     orphan_since: HashMap<usize, Instant>,
-    last_live: BTreeSet<i32>,
-    /// When the live set changed, within the flap window.
-    changes: VecDeque<Instant>,
+    /// The live nodes (pid, node id) of the last snapshot.
+    last_live: BTreeMap<i32, String>,
+    /// When a node (by node id) left, within the flap window.
+    leaves: VecDeque<(Instant, String)>,
 }
 
 impl Runner {
@@ -333,7 +346,7 @@ impl Runner {
         }
         let running: Vec<Singleton> = self.running.drain().map(|(_, s)| s).collect();
         futures_util::future::join_all(running.iter().map(Singleton::shutdown)).await;
-        for t in self.stopping.drain(..) {
+        for (_, t) in self.stopping.drain(..) {
             let _ = t.await;
         }
         self.set_status(|s| {
@@ -343,58 +356,77 @@ impl Runner {
     }
 
     async fn step(&mut self) -> Result<()> {
-        self.stopping.retain(|t| !t.is_finished());
-        // Join: hold a membership lock (the lowest free one).
-        if self.slot.as_ref().is_none_or(|l| !l.is_valid()) {
-            self.slot = None;
-            for key in self.slot_keys.clone() {
-                if let Some(lease) = self.manager.try_acquire(key).await? {
-                    self.slot = Some(lease);
-                    break;
-                }
-            }
-            if self.slot.is_none() {
-                warn!(group = %self.name, max_nodes = self.options.max_nodes, "every membership lock of the group is held: this node does not join (raise GroupOptions::max_nodes)");
-            }
-        }
+        self.stopping.retain(|(_, t)| !t.is_finished());
         let me = match self.manager.connection_status() {
             ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
             _ => return Ok(()),
         };
-        let snapshot = self.manager.cluster_locks(&[]).await?;
-        let holder: HashMap<LockKey, i32> = snapshot
+        // One snapshot of the group's keys (the membership locks and the members'),
+        // asked together so that the manager batches them into one statement.
+        let asks = self
+            .slot_keys
             .iter()
-            .map(|l| (l.key, l.holder.backend_pid))
-            .collect();
-        let slot_set: BTreeSet<LockKey> = self.slot_keys.iter().copied().collect();
-        let live: BTreeSet<i32> = snapshot
-            .iter()
-            .filter(|l| slot_set.contains(&l.key))
-            .map(|l| l.holder.backend_pid)
-            .collect();
+            .chain(&self.member_keys)
+            .map(|k| self.manager.holder(*k));
+        let answers = futures_util::future::join_all(asks).await;
+        let mut holders_all = Vec::with_capacity(answers.len());
+        for a in answers {
+            holders_all.push(a?);
+        }
+        let (slots, members) = holders_all.split_at(self.slot_keys.len());
         let now = Instant::now();
-        if live != self.last_live {
-            if !self.last_live.is_empty() {
-                self.changes.push_back(now);
+        // Join: hold a membership lock (the first one the snapshot shows free).
+        if self.slot.as_ref().is_none_or(|l| !l.is_valid()) {
+            self.slot = None;
+            match slots.iter().position(Option::is_none) {
+                Some(free) => {
+                    self.slot = self.manager.try_acquire(self.slot_keys[free]).await?;
+                }
+                None => {
+                    warn!(group = %self.name, max_nodes = self.options.max_nodes, "every membership lock of the group is held: this node does not join (raise GroupOptions::max_nodes)");
+                }
             }
-            info!(group = %self.name, live_nodes = live.len(), "group membership changed");
-            self.last_live = live.clone();
+            // Acts from the next snapshot on, which shows it.
+            return Ok(());
+        }
+        let live: BTreeMap<i32, String> = slots
+            .iter()
+            .flatten()
+            .map(|h| (h.backend_pid, h.node_id.clone()))
+            .collect();
+        if !live.contains_key(&me) {
+            return Ok(());
+        }
+        // Membership flapping: a node (by node id) that left twice within the window.
+        let live_ids: BTreeSet<&String> = live.values().collect();
+        for gone in self.last_live.values().filter(|id| !live_ids.contains(id)) {
+            self.leaves.push_back((now, gone.clone()));
         }
         while self
-            .changes
+            .leaves
             .front()
-            .is_some_and(|t| now.duration_since(*t) > self.options.flap_window)
+            .is_some_and(|(t, _)| now.duration_since(*t) > self.options.flap_window)
         {
-            self.changes.pop_front();
+            self.leaves.pop_front();
         }
-        let frozen = self.changes.len() >= self.options.flap_changes;
+        let mut per_node: HashMap<&str, usize> = HashMap::new();
+        for (_, id) in &self.leaves {
+            *per_node.entry(id.as_str()).or_default() += 1;
+        }
+        let frozen = per_node.values().any(|n| *n >= self.options.flap_changes);
+        // Act only on a view seen twice in a row: nodes that start together would
+        // otherwise each see itself alone and take everything.
+        let stable = live.keys().eq(self.last_live.keys());
+        if !stable {
+            info!(group = %self.name, live_nodes = live.len(), "group membership changed");
+        }
+        self.last_live = live.clone();
         // Who holds each member: a member this node leads counts as ours even before
         // the lock table shows it.
-        let holders: Vec<Option<i32>> = self
-            .member_keys
+        let holders: Vec<Option<i32>> = members
             .iter()
             .enumerate()
-            .map(|(i, key)| {
+            .map(|(i, h)| {
                 if self
                     .running
                     .get(&i)
@@ -402,7 +434,7 @@ impl Runner {
                 {
                     Some(me)
                 } else {
-                    holder.get(key).copied()
+                    h.as_ref().map(|h| h.backend_pid)
                 }
             })
             .collect();
@@ -416,20 +448,31 @@ impl Runner {
                 }
             }
         }
-        let live: Vec<i32> = live.into_iter().collect();
-        let plan = placement::plan(me, &live, &holders, frozen);
-        let mut wanted: BTreeSet<usize> = plan.contend.iter().copied().collect();
+        let live_pids: Vec<i32> = live.keys().copied().collect();
+        let plan = placement::plan(me, &live_pids, &holders, frozen);
+        let mut wanted: BTreeSet<usize> = BTreeSet::new();
         // Members this node holds stay wanted unless the plan hands them over.
         for (i, h) in holders.iter().enumerate() {
-            if *h == Some(me) && !plan.release.contains(&i) {
+            if *h == Some(me) && (!stable || !plan.release.contains(&i)) {
                 wanted.insert(i);
             }
         }
-        // The safety net: long-unheld members are everyone's.
-        for (i, since) in &self.orphan_since {
-            if now.duration_since(*since) >= self.options.orphan_grace {
-                wanted.insert(*i);
+        if stable {
+            wanted.extend(plan.contend.iter().copied());
+            // The safety net: long-unheld members are everyone's (not before a new
+            // server term's hold could have ended).
+            let grace = self
+                .options
+                .orphan_grace
+                .max(self.manager.options().get_term_grant_delay() + self.options.interval);
+            for (i, since) in &self.orphan_since {
+                if now.duration_since(*since) >= grace {
+                    wanted.insert(*i);
+                }
             }
+        } else {
+            // Keep waiting where this node already waits.
+            wanted.extend(self.running.keys().copied());
         }
         // Hand over and drop what is not wanted (a waiting singleton stops at once).
         let unwanted: Vec<usize> = self
@@ -446,18 +489,21 @@ impl Runner {
                     info!(group = %self.name, member = %self.members[i], "handing the member over to rebalance");
                 }
                 self.stopping
-                    .push(tokio::spawn(async move { s.shutdown().await }));
+                    .push((i, tokio::spawn(async move { s.shutdown().await })));
             }
         }
         for i in wanted {
-            if self.running.contains_key(&i) {
+            // Not while its previous singleton on this node still stops: the new one
+            // would be handed the lock locally, and the node that should take it over
+            // would never see it released.
+            if self.running.contains_key(&i) || self.stopping.iter().any(|(m, _)| *m == i) {
                 continue;
             }
             let factory = Arc::clone(&self.factory);
             let member = self.members[i].clone();
             let started = Singleton::start(
                 &self.manager,
-                member.clone(),
+                member_lock(&self.name, &member),
                 self.options.singleton.clone(),
                 move |ctx| factory(member.clone(), ctx),
             );

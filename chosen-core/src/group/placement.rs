@@ -6,16 +6,18 @@
 //! The rules:
 //!
 //! * Every live node's target is `M / N` or `M / N + 1` members (`M` members, `N` live
-//!   nodes); the `M % N` larger targets go to the nodes that hold the most already (ties:
-//!   the smaller backend pid), so that as few members as possible move.
+//!   nodes); the `M % N` larger targets go to the nodes with the smallest backend pids.
+//!   A stable rule on purpose: ranked by what nodes hold, targets would flip while
+//!   hand-overs are under way, and members would move twice.
 //! * A node above its target releases the surplus, its highest-numbered members first;
 //!   a member held by no live node (an orphan) or released that way goes to a node below
 //!   its target (the least loaded first, ties by pid), until each reaches its target.
 //!   After a node joins, only the new node's target moves (at most `ceil(M / N)`); after
 //!   a node leaves, its members spread over the nodes that are below their new targets.
 //! * While the membership flaps, nothing held moves (`frozen`): orphans are still placed.
-//! * Members held by a session that is not a live node (one that has not joined yet, or
-//!   is leaving) are in transit: they are neither moved nor counted as orphans.
+//! * Members held by a session that is not a live node (one that is leaving: it gives up
+//!   its membership first) are in transit: placed like orphans, after them, so that the
+//!   nodes that will take them already wait when they are released (and announced).
 
 use std::collections::BTreeMap;
 
@@ -46,30 +48,30 @@ pub(crate) fn plan(me: Node, live: &[Node], holders: &[Option<Node>], frozen: bo
     // What each live node holds, in member order.
     let mut held: BTreeMap<Node, Vec<usize>> = nodes.iter().map(|n| (*n, Vec::new())).collect();
     let mut orphans = Vec::new();
+    let mut in_transit = Vec::new();
     for (i, holder) in holders.iter().enumerate() {
         match holder {
-            Some(h) => {
-                if let Some(list) = held.get_mut(h) {
-                    list.push(i);
-                }
+            Some(h) => match held.get_mut(h) {
+                Some(list) => list.push(i),
                 // Held by a session that is not a live node: in transit.
-            }
+                None => in_transit.push(i),
+            },
             None => orphans.push(i),
         }
     }
-    // Targets: the larger ones to the nodes that hold the most.
+    // Targets: the larger ones to the smallest pids (a stable rule).
     let base = members / nodes.len();
     let extra = members % nodes.len();
-    let mut by_load = nodes.clone();
-    by_load.sort_by_key(|n| (std::cmp::Reverse(held[n].len()), *n));
-    let target: BTreeMap<Node, usize> = by_load
+    let target: BTreeMap<Node, usize> = nodes
         .iter()
         .enumerate()
         .map(|(rank, n)| (*n, base + usize::from(rank < extra)))
         .collect();
 
-    // The pool to place: orphans first (lowest member first), then each surplus.
+    // The pool to place: orphans first (lowest member first), then members in transit,
+    // then each surplus.
     let mut pool = orphans;
+    pool.extend(in_transit);
     let mut release_of: BTreeMap<Node, Vec<usize>> = BTreeMap::new();
     if !frozen {
         for n in &nodes {
@@ -235,14 +237,57 @@ mod tests {
     }
 
     #[test]
-    fn members_in_transit_are_left_alone() {
-        // Member 0 is held by pid 99, not a live node (joining, or leaving).
+    fn members_in_transit_are_awaited_by_one_node() {
+        // Member 0 is held by pid 99, not a live node (it is leaving): one node waits
+        // for it, so that the release's announcement finds it.
         let live = [11, 22];
         let mut holders = vec![None; 4];
         holders[0] = Some(99);
-        let p = plan(11, &live, &holders, false);
-        assert!(!p.contend.contains(&0));
-        assert!(!plan(22, &live, &holders, false).contend.contains(&0));
+        let waiting: usize = live
+            .iter()
+            .filter(|n| plan(**n, &live, &holders, false).contend.contains(&0))
+            .count();
+        assert_eq!(waiting, 1);
+    }
+
+    #[test]
+    fn targets_do_not_flip_while_hand_overs_are_under_way() {
+        // Five nodes with 8 each, a sixth joins; as releases complete one by one, no
+        // node's target changes and no node's release set grows.
+        let live: Vec<Node> = (1..=6).collect();
+        let mut holders: Vec<Option<Node>> = (0..40).map(|i| Some(i / 8 + 1)).collect();
+        let first: Vec<Plan> = live
+            .iter()
+            .map(|n| plan(*n, &live, &holders, false))
+            .collect();
+        for step in 0..40 {
+            let plans: Vec<Plan> = live
+                .iter()
+                .map(|n| plan(*n, &live, &holders, false))
+                .collect();
+            for (p, f) in plans.iter().zip(&first) {
+                assert_eq!(p.target, f.target, "step {step}");
+                assert!(
+                    p.release.iter().all(|m| f.release.contains(m)),
+                    "step {step}"
+                );
+            }
+            // One release completes (and its member is taken by its planned node).
+            let Some((n, m)) = plans
+                .iter()
+                .zip(&live)
+                .find_map(|(p, n)| p.release.first().map(|m| (*n, *m)))
+            else {
+                break;
+            };
+            let _ = n;
+            holders[m] = None;
+            let taker = live
+                .iter()
+                .find(|t| plan(**t, &live, &holders, false).contend.contains(&m))
+                .copied();
+            holders[m] = taker;
+        }
     }
 
     #[test]
