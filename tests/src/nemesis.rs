@@ -4,7 +4,8 @@
 //!
 //! Knobs (environment): `CHOSEN_NEMESIS_SECS` (default 60), `CHOSEN_NEMESIS_SEED`
 //! (default: from the clock; always printed), `CHOSEN_NEMESIS_NODES` (5),
-//! `CHOSEN_NEMESIS_SINGLETONS` (10), `CHOSEN_NEMESIS_HISTORY` (a file to write the
+//! `CHOSEN_NEMESIS_SINGLETONS` (10), `CHOSEN_NEMESIS_GROUP_MEMBERS` (20: a singleton
+//! group every node runs, whose placement is judged at the end), `CHOSEN_NEMESIS_HISTORY` (a file to write the
 //! history to, for reading after a surprising run).
 //!
 //! A run cannot pass by doing nothing: faults are drawn from a shuffled deck, so every
@@ -32,6 +33,8 @@ pub struct NemesisConfig {
     pub nodes: usize,
     /// Singletons every node runs.
     pub singletons: usize,
+    /// Members of the singleton group every node runs (`nem-0` ..), 0 for none.
+    pub group_members: usize,
     /// How long faults are injected.
     pub duration: Duration,
     /// The random seed (print it; a failing run replays with the same seed).
@@ -56,6 +59,7 @@ impl NemesisConfig {
         Self {
             nodes: num("CHOSEN_NEMESIS_NODES", 5) as usize,
             singletons: num("CHOSEN_NEMESIS_SINGLETONS", 10) as usize,
+            group_members: num("CHOSEN_NEMESIS_GROUP_MEMBERS", 20) as usize,
             duration: Duration::from_secs(num("CHOSEN_NEMESIS_SECS", 60)),
             seed: num("CHOSEN_NEMESIS_SEED", clock_seed),
             timing: Timing::default(),
@@ -131,6 +135,15 @@ struct Node {
     instance: u32,
 }
 
+/// What every node runs: singletons by name, and a group of members.
+struct Spec {
+    names: Vec<String>,
+    group_members: usize,
+}
+
+/// The name of the group every node runs (its members are `nem-0` ..).
+const GROUP: &str = "nem";
+
 /// How long a node gets to shut down gracefully (its stop budget is a few seconds).
 const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
 
@@ -152,7 +165,12 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     let binary = example_binary("node")?;
     let events: Shared<Vec<Event>> = Arc::default();
     let problems: Shared<Vec<String>> = Arc::default();
-    let singletons: Vec<String> = (0..config.singletons).map(|i| format!("s{i}")).collect();
+    let singletons = Spec {
+        names: (0..config.singletons).map(|i| format!("s{i}")).collect(),
+        group_members: config.group_members,
+    };
+    // Every name that must be held: the singletons and the group's members.
+    let all_held = config.singletons + config.group_members;
     let mut nodes = Vec::new();
     for i in 0..config.nodes {
         let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await?;
@@ -167,7 +185,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         spawn(&binary, &mut node, &singletons, &events, &problems)?;
         nodes.push(node);
     }
-    wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
+    wait_all_held(&events, all_held, Duration::from_secs(30)).await;
 
     let mut rng = Rng(config.seed | 1);
     let mut faults = Vec::new();
@@ -293,7 +311,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 // nodes' defaults): let the fleet lead again before the next fault, so
                 // that it too takes a lease away (after the nodes reported the loss).
                 tokio::time::sleep(Duration::from_millis(1500)).await;
-                wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
+                wait_all_held(&events, all_held, Duration::from_secs(30)).await;
             }
             "latency" => {
                 // A slow database, steadily below the bound the heartbeat tolerates
@@ -371,7 +389,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 .await
                 .map_err(io::Error::other)?;
             tokio::time::sleep(Duration::from_millis(1500)).await;
-            wait_all_held(&events, config.singletons, Duration::from_secs(30)).await;
+            wait_all_held(&events, all_held, Duration::from_secs(30)).await;
             let primary = Arc::clone(&cluster);
             standby = Some(
                 tokio::task::spawn_blocking(move || {
@@ -391,10 +409,31 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         node.proxy.set(ProxyMode::Pass);
     }
     let settle = config.timing.release + Duration::from_secs(10);
-    if !wait_all_held(&events, config.singletons, settle).await {
+    if !wait_all_held(&events, all_held, settle).await {
         problems.lock().expect("problems lock").push(format!(
             "not every singleton was held again within {settle:?} after the last fault"
         ));
+    }
+    // Placement: once the fleet is whole and quiet, the group's members are spread,
+    // no node above ceil(M / N) + 1.
+    if config.group_members > 0 {
+        let bound = config.group_members.div_ceil(config.nodes) + 1;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let loads = group_loads(&events.lock().expect("events lock"));
+            let worst = loads.values().copied().max().unwrap_or(0);
+            if worst <= bound {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                problems.lock().expect("problems lock").push(format!(
+                    "placement: a node runs {worst} of the group's {} members with {} nodes (bound {bound}): {loads:?}",
+                    config.group_members, config.nodes
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
     for node in &mut nodes {
         if let Some(child) = node.child.as_ref() {
@@ -484,6 +523,18 @@ fn running(events: &[Event]) -> HashMap<(&str, &str), bool> {
     running
 }
 
+/// Members of the group running per node (latest instances), right now.
+fn group_loads(events: &[Event]) -> HashMap<String, usize> {
+    let prefix = format!("chosen.group/{GROUP}/member/");
+    let mut loads = HashMap::new();
+    for ((node, singleton), on) in running(events) {
+        if on && singleton.starts_with(&prefix) {
+            *loads.entry(node.to_owned()).or_default() += 1;
+        }
+    }
+    loads
+}
+
 /// Nodes whose latest process instance runs at least one child right now.
 fn holders(events: &[Event]) -> HashSet<String> {
     running(events)
@@ -506,7 +557,7 @@ fn held(events: &[Event]) -> usize {
 fn spawn(
     binary: &PathBuf,
     node: &mut Node,
-    singletons: &[String],
+    singletons: &Spec,
     events: &Shared<Vec<Event>>,
     problems: &Shared<Vec<String>>,
 ) -> io::Result<()> {
@@ -519,8 +570,16 @@ fn spawn(
     node.instance += 1;
     let mut cmd = Command::new(binary);
     cmd.args(["--node-id", &node.id, "--poll-ms", "200", "--tick-ms", "50"]);
-    for s in singletons {
+    for s in &singletons.names {
         cmd.args(["--singleton", s]);
+    }
+    if singletons.group_members > 0 {
+        cmd.args([
+            "--group",
+            GROUP,
+            "--members",
+            &singletons.group_members.to_string(),
+        ]);
     }
     let mut child = cmd
         .env("DATABASE_URL", &node.url)

@@ -414,9 +414,10 @@ impl Runner {
             *per_node.entry(id.as_str()).or_default() += 1;
         }
         let frozen = per_node.values().any(|n| *n >= self.options.flap_changes);
-        // Act only on a view seen twice in a row: nodes that start together would
-        // otherwise each see itself alone and take everything.
-        let stable = live.keys().eq(self.last_live.keys());
+        // Act only on a view seen twice in a row when nodes joined: nodes that start
+        // together would otherwise each see itself alone and take everything. A view
+        // where nodes only left is acted on at once, so that their members do not wait.
+        let stable = live.keys().all(|pid| self.last_live.contains_key(pid));
         if !stable {
             info!(group = %self.name, live_nodes = live.len(), "group membership changed");
         }
