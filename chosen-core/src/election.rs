@@ -1,7 +1,9 @@
 //! Keep contending for a name in the background.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -44,6 +46,7 @@ const LEADER_REFRESH: Duration = Duration::from_secs(2);
 pub struct Election {
     leadership: Leadership,
     stop: CancellationToken,
+    step_down: Arc<Notify>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -59,10 +62,12 @@ impl Election {
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         let stop = CancellationToken::new();
+        let step_down = Arc::new(Notify::new());
         let task = tokio::spawn({
             let manager = manager.clone();
             let leadership = leadership.clone();
             let stop = stop.clone();
+            let step_down = Arc::clone(&step_down);
             async move {
                 let _stopped = MarkStopped(leadership.clone());
                 while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
@@ -82,6 +87,14 @@ impl Election {
                             let _ = lease.release().await;
                             break;
                         }
+                        () = step_down.notified() => {
+                            leadership.set_following(None);
+                            let _ = lease.release().await;
+                            info!(lock = %leadership.name(), "stepped down");
+                            if !wait_for_successor(&manager, &request, &stop).await {
+                                break;
+                            }
+                        }
                     }
                 }
             }
@@ -89,8 +102,20 @@ impl Election {
         Ok(Self {
             leadership,
             stop,
+            step_down,
             task: Some(task),
         })
+    }
+
+    /// Gives the leadership up, if this node holds it: the lock is released (and
+    /// announced, so a node waiting for it takes it within about a round trip), and
+    /// this node contends again only once another node holds it, or after a second
+    /// when none took it. No effect while following. For a rolling deploy: step down,
+    /// then stop.
+    pub fn step_down(&self) {
+        if self.leadership.is_leader() {
+            self.step_down.notify_one();
+        }
     }
 
     /// The leadership handle (cheap to clone).
@@ -127,6 +152,37 @@ struct MarkStopped(Leadership);
 impl Drop for MarkStopped {
     fn drop(&mut self) {
         self.0.set_stopped();
+    }
+}
+
+/// The longest a node that stepped down waits for another to take the lock before it
+/// contends again. Waiting nodes hear of the release at once (they registered for its
+/// announcement on their first try), so this is only for when nobody waits.
+pub(crate) const STEP_DOWN_WAIT: Duration = Duration::from_secs(1);
+
+/// After stepping down: wait until another session holds the lock (or
+/// [`STEP_DOWN_WAIT`] passes). `false` if stopped meanwhile.
+pub(crate) async fn wait_for_successor(
+    manager: &LockManager,
+    request: &LockRequest,
+    stop: &CancellationToken,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + STEP_DOWN_WAIT;
+    loop {
+        let me = match manager.connection_status() {
+            crate::status::ConnectionStatus::Connected { backend_pid, .. } => Some(backend_pid),
+            _ => None,
+        };
+        if let Ok(Some(holder)) = manager.holder(request.clone()).await
+            && Some(holder.backend_pid) != me
+        {
+            return true;
+        }
+        tokio::select! {
+            () = stop.cancelled() => return false,
+            () = tokio::time::sleep_until(deadline) => return true,
+            () = tokio::time::sleep(Duration::from_millis(25)) => {}
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tracing::{error, info, warn};
 
-use crate::election::{campaign, gained, rejoin_pause};
+use crate::election::{campaign, gained, rejoin_pause, wait_for_successor};
 use crate::error::{Error, Result};
 use crate::leadership::Leadership;
 use crate::lease::{FencingToken, Lease, Validity};
@@ -390,6 +390,8 @@ pub struct Singleton {
 struct SingletonInner {
     leadership: Leadership,
     status: Mutex<SingletonStatus>,
+    /// Cancelled to step down from the current tenure (a new one per tenure).
+    tenure: Mutex<CancellationToken>,
 }
 
 impl SingletonInner {
@@ -545,6 +547,7 @@ impl Singleton {
                 give_ups: 0,
                 last_failure: None,
             }),
+            tenure: Mutex::new(CancellationToken::new()),
         });
         let stop = CancellationToken::new();
         let factory = move |ctx| {
@@ -587,6 +590,21 @@ impl Singleton {
             *leader = Some(known);
         }
         status
+    }
+
+    /// Gives the leadership up, if this node holds it: the child is stopped (cancel,
+    /// the shutdown timeout, abort), the lock released and announced, so a node waiting
+    /// for it takes over within about a round trip; this node contends again only once
+    /// another node holds it, or after a second when none took it. No effect while
+    /// following.
+    pub fn step_down(&self) {
+        if self.inner.leadership.is_leader() {
+            self.inner
+                .tenure
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .cancel();
+        }
     }
 
     /// Stops the child (cancel, wait the shutdown timeout, abort), then releases the
@@ -636,8 +654,28 @@ async fn run<F, Fut>(
     let name: Arc<str> = leadership.name().into();
     while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
         let mut tenure = Tenure::new(lease);
-        let outcome = lead(&options, &inner, &stop, &mut tenure, &node_id, &factory).await;
+        // Stops this tenure: a shutdown (a child of `stop`) or a step-down.
+        let tenure_stop = stop.child_token();
+        *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = tenure_stop.clone();
+        let outcome = lead(
+            &options,
+            &inner,
+            &tenure_stop,
+            &mut tenure,
+            &node_id,
+            &factory,
+        )
+        .await;
         match outcome {
+            Outcome::Stop if !stop.is_cancelled() => {
+                // Stepped down: the child stopped; release (announced), then let
+                // another node take it before contending again.
+                tenure.release().await;
+                info!(singleton = %name, "stepped down");
+                if !wait_for_successor(&manager, &request, &stop).await {
+                    break;
+                }
+            }
             Outcome::Lost(reason) => {
                 drop(tenure);
                 warn!(singleton = %name, %reason, "lost leadership; child stopped");
@@ -917,6 +955,7 @@ mod tests {
                     give_ups: 0,
                     last_failure: None,
                 }),
+                tenure: Mutex::new(CancellationToken::new()),
             },
             stop: CancellationToken::new(),
             validity,
