@@ -22,8 +22,9 @@ const LEADER_REFRESH: Duration = Duration::from_secs(2);
 /// supervised child (the tower and apalis adapters, a health endpoint).
 ///
 /// On lease loss it contends again after two poll intervals (a node that just lost its
-/// session is the suspect one, so healthy nodes get a head start). Dropping the election (or
-/// [`shutdown`](Self::shutdown)) releases the lock.
+/// session is the suspect one, so healthy nodes get a head start). Dropping the election,
+/// [`shutdown`](Self::shutdown), or the manager's
+/// [`shutdown`](crate::LockManager::shutdown) releases the lock.
 ///
 /// The leadership never outlives the lease: if the election's task ends in any other
 /// way (it panics, or is dropped with its runtime), the lease is dropped with it, which
@@ -47,11 +48,12 @@ pub struct Election {
     leadership: Leadership,
     stop: CancellationToken,
     step_down: Arc<Notify>,
-    task: Option<JoinHandle<()>>,
+    task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Election {
-    /// Starts contending for `lock` on `manager`.
+    /// Starts contending for `lock` on `manager`. On a manager that has been shut down,
+    /// the election stops at once ([`Stopped`](crate::LeaderState::Stopped)).
     ///
     /// # Errors
     ///
@@ -61,9 +63,10 @@ impl Election {
         let name = request.display_name(manager)?;
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
-        let stop = CancellationToken::new();
+        // A child of the manager's: its shutdown stops this election too.
+        let stop = manager.stop_token();
         let step_down = Arc::new(Notify::new());
-        let task = tokio::spawn({
+        let task = manager.spawn_supervisor({
             let manager = manager.clone();
             let leadership = leadership.clone();
             let stop = stop.clone();
@@ -103,7 +106,7 @@ impl Election {
             leadership,
             stop,
             step_down,
-            task: Some(task),
+            task: tokio::sync::Mutex::new(Some(task)),
         })
     }
 
@@ -124,10 +127,28 @@ impl Election {
         self.leadership.clone()
     }
 
-    /// Stops contending and releases the lock if held; waits until done.
-    pub async fn shutdown(mut self) {
+    /// Stops contending, then releases the lock if held, announced so a waiting node
+    /// takes over at once. Idempotent; waits until done.
+    /// [`LockManager::shutdown`] does the same for every election started from the
+    /// manager.
+    ///
+    /// ```no_run
+    /// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+    /// let election = chosen_core::Election::start(&manager, "scheduler")?;
+    /// // ... on SIGTERM:
+    /// election.shutdown().await;
+    /// election.shutdown().await; // nothing more to do
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// The stop is requested before the first await; dropping the future only stops
+    /// waiting for it.
+    pub async fn shutdown(&self) {
         self.stop.cancel();
-        if let Some(task) = self.task.take()
+        if let Some(task) = self.task.lock().await.take()
             && let Err(e) = task.await
             && e.is_panic()
         {

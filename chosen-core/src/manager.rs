@@ -3,7 +3,12 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use std::future::Future;
+
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 use crate::driver::{Command, Driver};
 use crate::error::{Error, Result};
@@ -42,7 +47,8 @@ use crate::table::{Mode, Request};
 /// * Every acquisition carries a [`FencingToken`].
 ///
 /// The handle is cheap to clone. The task (and the session) ends when
-/// [`shutdown`](Self::shutdown) is called or when every handle and every lease is dropped.
+/// [`shutdown`](Self::shutdown) is called (which first stops every singleton and election
+/// started from the manager) or when every handle and every lease is dropped.
 ///
 /// ```no_run
 /// use chosen_core::{LockManager, ManagerOptions};
@@ -277,6 +283,9 @@ impl LockManager {
     }
 
     async fn request(&self, request: LockRequest, mode: Mode) -> Result<Option<Lease>> {
+        if self.shared.closing.is_cancelled() {
+            return Err(Error::Closed);
+        }
         let (name, key) = match request.target {
             Target::Name(name) => {
                 if name.is_empty() {
@@ -431,19 +440,84 @@ impl LockManager {
         &self.shared.options
     }
 
-    /// Releases every held lock at the server (announcing each release so waiting
-    /// nodes take over at once), revokes every lease, fails waiting requests with
-    /// [`Error::Closed`], and closes the session. Idempotent.
+    /// Shuts down everything started from this manager, in order, and waits until done:
+    ///
+    /// 1. every [`Singleton`](crate::Singleton) stops its child (cancel, its shutdown
+    ///    timeout, abort) and every [`Election`](crate::Election) stops contending, as
+    ///    their own `shutdown` does: each releases its lock and announces it, so a
+    ///    waiting node takes over within about a round trip, and only after the child
+    ///    stopped. This waits at most `stop_budget + lease_timeout` (a `warn` event
+    ///    names how many were still stopping; the next step still keeps the order);
+    /// 2. every other lock is released at the server (announced), every lease revoked,
+    ///    and waiting requests fail with [`Error::Closed`];
+    /// 3. the session closes.
+    ///
+    /// One call is enough on SIGTERM; calling the singletons' and elections' own
+    /// `shutdown` first is fine too. Idempotent. Afterwards, requests fail with
+    /// [`Error::Closed`], and a singleton or election started on this manager stops at
+    /// once.
+    ///
+    /// ```no_run
+    /// use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOptions};
+    ///
+    /// # async fn demo() -> chosen_core::Result<()> {
+    /// let manager = LockManager::connect(ManagerOptions::from_url("postgres://app@db/app")?).await?;
+    /// let _election = Election::start(&manager, "web-leader")?;
+    /// let _singleton = Singleton::start(&manager, "billing-sync", SingletonOptions::default(), |ctx| async move {
+    ///     ctx.cancelled().await;
+    ///     Ok::<(), std::io::Error>(())
+    /// })?;
+    /// // ... on SIGTERM: the child stops, then both locks are released and announced.
+    /// manager.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
     ///
     /// # Cancel safety
     ///
-    /// The shutdown is requested before the first await; dropping the future only
-    /// stops waiting for it to finish.
+    /// The shutdown is started before the first await and goes on in its own task;
+    /// dropping the future only stops waiting for it to finish.
     pub async fn shutdown(&self) {
+        // Refuse new requests and tell every supervisor to stop, synchronously.
+        self.shared.closing.cancel();
+        self.shared.tasks.close();
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::Shutdown(reply)).is_ok() {
-            let _ = rx.await;
-        }
+        let shared = Arc::clone(&self.shared);
+        let tx = self.tx.clone();
+        // In a task of its own, so that dropping this future (or calling `shutdown` from
+        // a singleton's child, which the singleton then aborts) does not stop it half-way.
+        tokio::spawn(async move {
+            let options = &shared.options;
+            let bound = options.stop_budget.saturating_add(options.lease_timeout);
+            if tokio::time::timeout(bound, shared.tasks.wait())
+                .await
+                .is_err()
+            {
+                warn!(
+                    node_id = %options.node_id,
+                    still_stopping = shared.tasks.len(),
+                    bound = ?bound,
+                    "singletons or elections still stopping at shutdown; closing the session anyway"
+                );
+            }
+            let _ = tx.send(Command::Shutdown(reply));
+        });
+        let _ = rx.await;
+    }
+
+    /// A stop token for a supervisor started from this manager: cancelled by
+    /// [`shutdown`](Self::shutdown) (already, if it began).
+    pub(crate) fn stop_token(&self) -> CancellationToken {
+        self.shared.closing.child_token()
+    }
+
+    /// Spawns a supervisor task that [`shutdown`](Self::shutdown) waits for.
+    pub(crate) fn spawn_supervisor<F>(&self, task: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.shared.tasks.spawn(task)
     }
 }
 

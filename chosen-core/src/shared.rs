@@ -5,6 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::options::ManagerOptions;
 use crate::status::ConnectionStatus;
@@ -21,6 +23,12 @@ pub(crate) struct Shared {
     /// whenever that number falls (before the statement that lowers it is sent), for the
     /// heartbeat's check that nothing released them behind the manager's back.
     server_floor: std::sync::Mutex<(u64, usize)>,
+    /// Cancelled when [`LockManager::shutdown`](crate::LockManager::shutdown) begins;
+    /// every singleton's and election's stop token is a child of it.
+    pub(crate) closing: CancellationToken,
+    /// The supervisor tasks of the singletons and elections started from this manager,
+    /// which the shutdown waits for before it closes the session.
+    pub(crate) tasks: TaskTracker,
 }
 
 impl Shared {
@@ -32,6 +40,8 @@ impl Shared {
             next_id: AtomicU64::new(1),
             status: watch::Sender::new(status),
             server_floor: std::sync::Mutex::new((0, 0)),
+            closing: CancellationToken::new(),
+            tasks: TaskTracker::new(),
         }
     }
 

@@ -345,9 +345,10 @@ pub struct SingletonStatus {
 ///    return, then it is aborted (at its next `.await`; a child that never yields
 ///    cannot be aborted, so keep CPU-bound steps short). Then the node contends again,
 ///    after two poll intervals that give the other nodes a head start.
-/// 2. **Shutdown** ([`shutdown`](Self::shutdown), or dropping the `Singleton`): the same
-///    stop, *then* the lock is released and announced, so a waiting node starts its
-///    child within about a round trip.
+/// 2. **Shutdown** ([`shutdown`](Self::shutdown), the manager's
+///    [`shutdown`](LockManager::shutdown), or dropping the `Singleton`): the same stop,
+///    *then* the lock is released and announced, so a waiting node starts its child
+///    within about a round trip.
 /// 3. **Too many restarts** (more than the intensity allows): the child is not started
 ///    again, the lock is released so another node may do better, and this node sits out
 ///    a cooldown; reported in [`status`](Self::status) and as an `error` event.
@@ -506,7 +507,9 @@ fn wall_clock_after(after: Duration) -> SystemTime {
 }
 
 impl Singleton {
-    /// Starts the singleton `name` on `manager`, with children made by `factory`.
+    /// Starts the singleton `name` on `manager`, with children made by `factory`. On a
+    /// manager that has been shut down, the singleton stops at once
+    /// ([`Stopped`](SingletonState::Stopped)) without running its child.
     ///
     /// # Errors
     ///
@@ -549,12 +552,13 @@ impl Singleton {
             }),
             tenure: Mutex::new(CancellationToken::new()),
         });
-        let stop = CancellationToken::new();
+        // A child of the manager's: its shutdown stops this singleton too.
+        let stop = manager.stop_token();
         let factory = move |ctx| {
             let fut = factory(ctx);
             async move { fut.await.map_err(Into::into) }
         };
-        let task = tokio::spawn(run(
+        let task = manager.spawn_supervisor(run(
             manager.clone(),
             request,
             options,
@@ -608,7 +612,24 @@ impl Singleton {
     }
 
     /// Stops the child (cancel, wait the shutdown timeout, abort), then releases the
-    /// lock so a waiting node takes over at once. Idempotent; waits until done.
+    /// lock, announced so a waiting node takes over at once. Idempotent; waits until
+    /// done. [`LockManager::shutdown`] does the same for every singleton started from
+    /// the manager.
+    ///
+    /// ```no_run
+    /// use chosen_core::{LockManager, Singleton, SingletonOptions};
+    ///
+    /// # async fn demo(manager: LockManager) -> chosen_core::Result<()> {
+    /// let singleton = Singleton::start(&manager, "billing-sync", SingletonOptions::default(), |ctx| async move {
+    ///     ctx.cancelled().await;
+    ///     Ok::<(), std::io::Error>(())
+    /// })?;
+    /// // ... on SIGTERM:
+    /// singleton.shutdown().await;
+    /// singleton.shutdown().await; // nothing more to do
+    /// # Ok(())
+    /// # }
+    /// ```
     ///
     /// # Cancel safety
     ///

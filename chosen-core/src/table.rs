@@ -1135,40 +1135,37 @@ impl LockTable {
         }
         self.slots
             .values()
-            .filter_map(|slot| match slot.server {
-                _ if matches!(
-                    slot.stopping,
-                    Some(Stopping {
-                        fence: Fence::Releasing { sent: false },
-                        ..
-                    })
-                ) =>
-                {
-                    Some(now)
+            .filter_map(|slot| {
+                // A stop in progress first (no `if let` guard: newer than our rust-version).
+                if let Some(st) = slot.stopping {
+                    match st.fence {
+                        Fence::Releasing { sent: false } => return Some(now),
+                        Fence::Absent | Fence::Held => {
+                            let give_up = st.since + self.rules.max_fence_wait;
+                            return Some(if st.fence == Fence::Absent {
+                                st.retry_at.min(give_up)
+                            } else {
+                                give_up
+                            });
+                        }
+                        _ => {}
+                    }
                 }
-                _ if let Some(st) = slot.stopping
-                    && matches!(st.fence, Fence::Absent | Fence::Held) =>
-                {
-                    let give_up = st.since + self.rules.max_fence_wait;
-                    Some(if st.fence == Fence::Absent {
-                        st.retry_at.min(give_up)
-                    } else {
-                        give_up
-                    })
+                match slot.server {
+                    Server::NeedsToken { asked: false } | Server::Unlocking { sent: false, .. } => {
+                        Some(now)
+                    }
+                    Server::Granting { at, .. } => Some(at),
+                    Server::Fenced { next, until, .. } => Some(next.min(until)),
+                    Server::Free
+                        if slot.holder.is_none()
+                            && slot.stopping.is_none()
+                            && !slot.waiters.is_empty() =>
+                    {
+                        Some(slot.next_try)
+                    }
+                    _ => None,
                 }
-                Server::NeedsToken { asked: false } | Server::Unlocking { sent: false, .. } => {
-                    Some(now)
-                }
-                Server::Granting { at, .. } => Some(at),
-                Server::Fenced { next, until, .. } => Some(next.min(until)),
-                Server::Free
-                    if slot.holder.is_none()
-                        && slot.stopping.is_none()
-                        && !slot.waiters.is_empty() =>
-                {
-                    Some(slot.next_try)
-                }
-                _ => None,
             })
             .min()
     }

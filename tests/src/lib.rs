@@ -145,7 +145,17 @@ impl NodeProcess {
     ///
     /// When the binary is missing or stale, or does not start.
     pub fn spawn(url: &str, args: &[&str]) -> std::io::Result<Self> {
-        let mut child = std::process::Command::new(example_binary("node")?)
+        Self::spawn_example("node", url, args)
+    }
+
+    /// Starts another example that prints JSON event lines on stdout (`service`), with
+    /// `args` against `url` (as `DATABASE_URL`).
+    ///
+    /// # Errors
+    ///
+    /// When the binary is missing or stale, or does not start.
+    pub fn spawn_example(example: &str, url: &str, args: &[&str]) -> std::io::Result<Self> {
+        let mut child = std::process::Command::new(example_binary(example)?)
             .args(args)
             .env("DATABASE_URL", url)
             .stdin(std::process::Stdio::null())
@@ -181,6 +191,27 @@ impl NodeProcess {
                 Err(_) => return None,
             }
         }
+    }
+
+    /// Every line received so far that no [`wait`](Self::wait) consumed, without waiting.
+    #[must_use]
+    pub fn drain(&self) -> Vec<String> {
+        self.lines.try_iter().collect()
+    }
+
+    /// Every line not consumed yet, up to the end of the output (the process closed its
+    /// stdout, e.g. it exited), waiting at most `limit` for that end.
+    #[must_use]
+    pub fn rest(&self, limit: std::time::Duration) -> Vec<String> {
+        let deadline = std::time::Instant::now() + limit;
+        let mut lines = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) => lines.push(line),
+                Err(_) => break,
+            }
+        }
+        lines
     }
 }
 

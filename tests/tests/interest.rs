@@ -22,10 +22,10 @@ async fn listener(url: &str) -> (tokio_postgres::Client, mpsc::UnboundedReceiver
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Some(Ok(message)) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
-            if let AsyncMessage::Notification(n) = message {
-                if tx.send(n.payload().to_owned()).is_err() {
-                    break;
-                }
+            if let AsyncMessage::Notification(n) = message
+                && tx.send(n.payload().to_owned()).is_err()
+            {
+                break;
             }
         }
     });

@@ -233,8 +233,9 @@ impl SingletonGroup {
             Box::pin(async move { fut.await.map_err(Into::into) })
         });
         let status = Arc::new(Mutex::new(GroupStatus::default()));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(
+        // A child of the manager's: its shutdown stops this group too (and waits for it).
+        let stop = manager.stop_token();
+        let task = manager.spawn_supervisor(
             Runner {
                 manager: manager.clone(),
                 slot_keys: (0..options.max_nodes)

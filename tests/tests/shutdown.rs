@@ -1,0 +1,226 @@
+//! `LockManager::shutdown` alone stops what was started from it, in order: every
+//! singleton's child first, every election's contest, then the announced releases,
+//! then the session. Real clusters.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chosen_core::{
+    Election, Error, LeaderState, LockManager, ManagerOptions, Singleton, SingletonOptions,
+    SingletonState,
+};
+use chosen_tests::{PgCluster, unique_name};
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .unwrap()
+        .node_id(node)
+        .poll_interval(Duration::from_millis(100))
+}
+
+/// One moment of a child's life: (node, what, when).
+type Moment = (String, &'static str, Instant);
+
+/// Instants of a child's life, per node: started, cancelled, and when its future was
+/// dropped.
+#[derive(Clone, Default)]
+struct Lives(Arc<Mutex<Vec<Moment>>>);
+
+struct Gone(Lives, String);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        self.0.record(&self.1, "gone");
+    }
+}
+
+impl Lives {
+    fn record(&self, node: &str, what: &'static str) {
+        self.0
+            .lock()
+            .unwrap()
+            .push((node.to_owned(), what, Instant::now()));
+    }
+
+    fn at(&self, node: &str, what: &str) -> Option<Instant> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(n, w, _)| n == node && *w == what)
+            .map(|(_, _, t)| *t)
+    }
+
+    async fn wait(&self, node: &str, what: &str) -> Instant {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(t) = self.at(node, what) {
+                return t;
+            }
+            assert!(Instant::now() < deadline, "{node}: never {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// A singleton whose child takes 300 ms to stop once cancelled (well within its
+    /// 1 s shutdown timeout), so a release that does not wait for it is caught.
+    fn start(&self, manager: &LockManager, name: &str, opts: SingletonOptions) -> Singleton {
+        let lives = self.clone();
+        Singleton::start(manager, name, opts, move |ctx| {
+            let lives = lives.clone();
+            async move {
+                let node = ctx.node_id().to_owned();
+                lives.record(&node, "started");
+                let _gone = Gone(lives.clone(), node.clone());
+                ctx.cancelled().await;
+                lives.record(&node, "cancelled");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<(), std::io::Error>(())
+            }
+        })
+        .unwrap()
+    }
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manager_shutdown_alone_stops_children_then_releases_announced() {
+    let pg = PgCluster::start().unwrap();
+    let single = unique_name("down-single");
+    let elect = unique_name("down-elect");
+    let lives = Lives::default();
+    let a = LockManager::connect(options(&pg.url(), "down-a"))
+        .await
+        .unwrap();
+    let a_singleton = lives.start(&a, &single, SingletonOptions::default());
+    let a_election = Election::start(&a, elect.as_str()).unwrap();
+    lives.wait("down-a", "started").await;
+    let a_leads = a_election.leadership();
+    until("A leads the election", || a_leads.is_leader()).await;
+
+    // B polls every 30 s: a take-over within 2 s can only come from the announcement.
+    let b =
+        LockManager::connect(options(&pg.url(), "down-b").poll_interval(Duration::from_secs(30)))
+            .await
+            .unwrap();
+    let b_singleton = lives.start(&b, &single, SingletonOptions::default());
+    let b_election = Election::start(&b, elect.as_str()).unwrap();
+    let (bs, be) = (b_singleton.leadership(), b_election.leadership());
+    // B has tried once and follows, knowing A leads: now it sleeps for 30 s.
+    until("B follows A on both", || {
+        bs.leader().as_deref() == Some("down-a") && be.leader().as_deref() == Some("down-a")
+    })
+    .await;
+
+    let t0 = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), a.shutdown())
+        .await
+        .expect("the shutdown ends within its bound");
+    let a_done = Instant::now();
+
+    // The child was told to stop, and its future was gone before B's child started.
+    let cancelled = lives
+        .at("down-a", "cancelled")
+        .expect("A's child was cancelled");
+    let gone = lives.at("down-a", "gone").expect("A's child stopped");
+    assert!(cancelled >= t0 && gone >= cancelled + Duration::from_millis(290));
+    assert!(
+        gone <= a_done,
+        "the shutdown returned before the child stopped"
+    );
+    let b_started = lives.wait("down-b", "started").await;
+    assert!(
+        b_started > gone,
+        "B's child started {:?} before A's child stopped",
+        gone - b_started
+    );
+    let took = b_started - t0;
+    assert!(
+        took < Duration::from_secs(2),
+        "singleton taken over after {took:?}: a poll"
+    );
+    until("B leads the election", || be.is_leader()).await;
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "election taken over after {took:?}: a poll"
+    );
+
+    // What was started from A has stopped, and A refuses more.
+    assert_eq!(a_singleton.status().state, SingletonState::Stopped);
+    assert_eq!(a_leads.state(), LeaderState::Stopped);
+    assert!(matches!(a.acquire("more").await, Err(Error::Closed)));
+    assert!(matches!(a.try_acquire("more").await, Err(Error::Closed)));
+    // Twice is fine, and so are the handles' own shutdowns afterwards.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        a.shutdown().await;
+        a_singleton.shutdown().await;
+        a_election.shutdown().await;
+        a_election.shutdown().await;
+    })
+    .await
+    .expect("shutting down again is quick");
+
+    // Started after the shutdown: they end at once, nothing runs.
+    let late = lives.start(&a, &unique_name("late"), SingletonOptions::default());
+    let late_election = Election::start(&a, "late-election").unwrap();
+    let (ls, le) = (late.leadership(), late_election.leadership());
+    until("late ones stop", || {
+        ls.state() == LeaderState::Stopped && le.state() == LeaderState::Stopped
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(5), async {
+        late.shutdown().await;
+        late_election.shutdown().await;
+    })
+    .await
+    .expect("late ones shut down at once");
+    assert_eq!(late.status().state, SingletonState::Stopped);
+    assert_eq!(
+        lives
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(n, w, _)| n == "down-a" && *w == "started")
+            .count(),
+        1,
+        "a late singleton ran its child"
+    );
+
+    b.shutdown().await;
+    assert_eq!(bs.state(), LeaderState::Stopped);
+    assert_eq!(be.state(), LeaderState::Stopped);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_singleton_shut_down_first_then_the_manager() {
+    let pg = PgCluster::start().unwrap();
+    let lives = Lives::default();
+    let a = LockManager::connect(options(&pg.url(), "first-a"))
+        .await
+        .unwrap();
+    let singleton = lives.start(&a, &unique_name("first"), SingletonOptions::default());
+    let election = Election::start(&a, unique_name("first-e").as_str()).unwrap();
+    lives.wait("first-a", "started").await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        singleton.shutdown().await;
+        assert!(lives.at("first-a", "gone").is_some());
+        election.shutdown().await;
+        a.shutdown().await;
+        a.shutdown().await;
+        singleton.shutdown().await;
+    })
+    .await
+    .expect("every shutdown ends");
+    assert_eq!(singleton.status().state, SingletonState::Stopped);
+    assert_eq!(election.leadership().state(), LeaderState::Stopped);
+    assert!(matches!(a.acquire("more").await, Err(Error::Closed)));
+}
