@@ -4,6 +4,7 @@
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --release --example node -- \
 //!     --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] \
+//!     [--group-flap-leaves N] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
 //!     [--metrics ADDR]
 //! ```
@@ -34,6 +35,8 @@ struct Args {
     singletons: Vec<String>,
     /// A singleton group: its name and how many members (`NAME-0` ... `NAME-(M-1)`).
     group: Option<(String, usize)>,
+    /// Leaves within a minute that freeze the group's moves (`GroupOptions::flapping`).
+    group_flap_leaves: Option<usize>,
     heartbeat: Option<Duration>,
     lease_timeout: Option<Duration>,
     server_release: Option<Duration>,
@@ -47,6 +50,7 @@ fn parse_args() -> Result<Args, String> {
         node_id: String::new(),
         singletons: Vec::new(),
         group: None,
+        group_flap_leaves: None,
         heartbeat: None,
         lease_timeout: None,
         server_release: None,
@@ -72,6 +76,13 @@ fn parse_args() -> Result<Args, String> {
                 let members = args.group.as_ref().map_or(0, |g| g.1);
                 args.group = Some((name, members));
             }
+            "--group-flap-leaves" => {
+                let v = value()?;
+                args.group_flap_leaves =
+                    Some(v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                        format!("--group-flap-leaves takes a positive number, got {v:?}")
+                    })?);
+            }
             "--members" => {
                 let v = value()?;
                 let m = v
@@ -96,7 +107,7 @@ fn parse_args() -> Result<Args, String> {
                 })?);
             }
             "-h" | "--help" => {
-                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] (DATABASE_URL must be set)".to_owned());
+                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M [--group-flap-leaves N]] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] (DATABASE_URL must be set)".to_owned());
             }
             other => return Err(format!("unknown flag {other:?}; see --help")),
         }
@@ -354,7 +365,10 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
                 &manager,
                 name.as_str(),
                 (0..*members).map(|i| format!("{name}-{i}")),
-                GroupOptions::default(),
+                match args.group_flap_leaves {
+                    Some(n) => GroupOptions::default().flapping(n, Duration::from_secs(60)),
+                    None => GroupOptions::default(),
+                },
                 move |_member, ctx| child(ctx),
             )?;
             Some(Arc::new(group))

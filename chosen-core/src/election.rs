@@ -1,9 +1,8 @@
 //! Keep contending for a name in the background.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -47,7 +46,8 @@ const LEADER_REFRESH: Duration = Duration::from_secs(2);
 pub struct Election {
     leadership: Leadership,
     stop: CancellationToken,
-    step_down: Arc<Notify>,
+    /// The current term's step-down token (`None` between terms).
+    step_down: Arc<Mutex<Option<CancellationToken>>>,
     task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -65,7 +65,7 @@ impl Election {
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         // A child of the manager's: its shutdown stops this election too.
         let stop = manager.stop_token();
-        let step_down = Arc::new(Notify::new());
+        let step_down: Arc<Mutex<Option<CancellationToken>>> = Arc::default();
         let task = manager.spawn_supervisor({
             let manager = manager.clone();
             let leadership = leadership.clone();
@@ -74,9 +74,21 @@ impl Election {
             async move {
                 let _stopped = MarkStopped(leadership.clone());
                 while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
+                    // One token per term: a step-down asked for in another term (or twice)
+                    // cannot end this one.
+                    let term = CancellationToken::new();
+                    *step_down.lock().unwrap_or_else(PoisonError::into_inner) = Some(term.clone());
                     gained(&leadership, &lease);
                     tokio::select! {
+                        biased;
+                        () = stop.cancelled() => {
+                            step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
+                            leadership.set_following(None);
+                            let _ = lease.release().await;
+                            break;
+                        }
                         reason = lease.lost() => {
+                            step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
                             // Lost for good, even if the deadline is extended later.
                             lease.end();
                             leadership.set_following(None);
@@ -85,12 +97,8 @@ impl Election {
                                 break;
                             }
                         }
-                        () = stop.cancelled() => {
-                            leadership.set_following(None);
-                            let _ = lease.release().await;
-                            break;
-                        }
-                        () = step_down.notified() => {
+                        () = term.cancelled() => {
+                            step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
                             leadership.set_following(None);
                             let _ = lease.release().await;
                             info!(lock = %leadership.name(), "stepped down");
@@ -112,12 +120,17 @@ impl Election {
 
     /// Gives the leadership up, if this node holds it: the lock is released (and
     /// announced, so a node waiting for it takes it within about a round trip), and
-    /// this node contends again only once another node holds it, or after a second
+    /// this node contends again only once another node holds it, or after two seconds
     /// when none took it. No effect while following. For a rolling deploy: step down,
     /// then stop.
     pub fn step_down(&self) {
-        if self.leadership.is_leader() {
-            self.step_down.notify_one();
+        if let Some(term) = self
+            .step_down
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            term.cancel();
         }
     }
 
@@ -179,7 +192,9 @@ impl Drop for MarkStopped {
 /// The longest a node that stepped down waits for another to take the lock before it
 /// contends again. Waiting nodes hear of the release at once (they registered for its
 /// announcement on their first try), so this is only for when nobody waits.
-pub(crate) const STEP_DOWN_WAIT: Duration = Duration::from_secs(1);
+/// Two seconds: above a waiter's retry after an announcement it could not verify (a
+/// second, jittered) plus the takeover grace, so that such a waiter gets it first.
+pub(crate) const STEP_DOWN_WAIT: Duration = Duration::from_secs(2);
 
 /// After stepping down: wait until another session holds the lock (or
 /// [`STEP_DOWN_WAIT`] passes). `false` if stopped meanwhile.

@@ -391,8 +391,9 @@ pub struct Singleton {
 struct SingletonInner {
     leadership: Leadership,
     status: Mutex<SingletonStatus>,
-    /// Cancelled to step down from the current tenure (a new one per tenure).
-    tenure: Mutex<CancellationToken>,
+    /// Cancelled to step down from the current tenure (a new one per tenure; `None`
+    /// between tenures).
+    tenure: Mutex<Option<CancellationToken>>,
 }
 
 impl SingletonInner {
@@ -550,7 +551,7 @@ impl Singleton {
                 give_ups: 0,
                 last_failure: None,
             }),
-            tenure: Mutex::new(CancellationToken::new()),
+            tenure: Mutex::new(None),
         });
         // A child of the manager's: its shutdown stops this singleton too.
         let stop = manager.stop_token();
@@ -599,15 +600,17 @@ impl Singleton {
     /// Gives the leadership up, if this node holds it: the child is stopped (cancel,
     /// the shutdown timeout, abort), the lock released and announced, so a node waiting
     /// for it takes over within about a round trip; this node contends again only once
-    /// another node holds it, or after a second when none took it. No effect while
+    /// another node holds it, or after two seconds when none took it. No effect while
     /// following.
     pub fn step_down(&self) {
-        if self.inner.leadership.is_leader() {
-            self.inner
-                .tenure
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .cancel();
+        if let Some(tenure) = self
+            .inner
+            .tenure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            tenure.cancel();
         }
     }
 
@@ -677,7 +680,7 @@ async fn run<F, Fut>(
         let mut tenure = Tenure::new(lease);
         // Stops this tenure: a shutdown (a child of `stop`) or a step-down.
         let tenure_stop = stop.child_token();
-        *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = tenure_stop.clone();
+        *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
         let outcome = lead(
             &options,
             &inner,
@@ -687,6 +690,11 @@ async fn run<F, Fut>(
             &factory,
         )
         .await;
+        inner
+            .tenure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         match outcome {
             Outcome::Stop if !stop.is_cancelled() => {
                 // Stepped down: the child stopped; release (announced), then let
@@ -976,7 +984,7 @@ mod tests {
                     give_ups: 0,
                     last_failure: None,
                 }),
-                tenure: Mutex::new(CancellationToken::new()),
+                tenure: Mutex::new(None),
             },
             stop: CancellationToken::new(),
             validity,

@@ -574,11 +574,16 @@ fn spawn(
         cmd.args(["--singleton", s]);
     }
     if singletons.group_members > 0 {
+        // Faults make nodes leave all the time: freezing moves for that would make the
+        // final placement depend on the last minute's faults (freezing has tests of its
+        // own).
         cmd.args([
             "--group",
             GROUP,
             "--members",
             &singletons.group_members.to_string(),
+            "--group-flap-leaves",
+            "1000000",
         ]);
     }
     let mut child = cmd

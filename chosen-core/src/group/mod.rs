@@ -59,10 +59,10 @@ impl GroupOptions {
         self
     }
 
-    /// How long a member may stay unheld before every node contends for it, whatever
-    /// the placement says (default 5 s, and never less than the manager's
-    /// `term_grant_delay` plus one interval, so that a new server term's hold does not
-    /// set every node on every member): the safety net for nodes that disagree.
+    /// How long a member may stay unheld, seen by a node that joined, before every
+    /// node contends for it, whatever the placement says (default 5 s): the safety net
+    /// for nodes that disagree. (During a new server term's hold no node can join, so
+    /// none counts.)
     #[must_use]
     pub fn orphan_grace(mut self, grace: Duration) -> Self {
         self.orphan_grace = grace;
@@ -70,9 +70,11 @@ impl GroupOptions {
     }
 
     /// Membership flapping: when one node (by node id) left `leaves` times within
-    /// `window` (default twice in 60 s: it joined and left repeatedly), held members
-    /// stop moving until no node did for `window`; members nobody holds are still
-    /// placed. A scale-out or a rolling deploy (each node leaves once) does not count.
+    /// `window`, or that many nodes left within `window` of joining (default twice in
+    /// 60 s: nodes joined and left repeatedly, e.g. a crash loop, whose default node
+    /// ids differ each time), held members stop moving until no node did for
+    /// `window`; members nobody holds are still placed. A scale-out or a rolling
+    /// deploy of long-running nodes does not count.
     #[must_use]
     pub fn flapping(mut self, leaves: usize, window: Duration) -> Self {
         self.flap_changes = leaves;
@@ -255,6 +257,8 @@ impl SingletonGroup {
                 running: HashMap::new(),
                 stopping: Vec::new(),
                 orphan_since: HashMap::new(),
+                me: None,
+                first_seen: HashMap::new(),
                 last_live: BTreeMap::new(),
                 leaves: VecDeque::new(),
             }
@@ -293,6 +297,9 @@ impl Drop for SingletonGroup {
     }
 }
 
+/// The flap count of nodes that left soon after they joined, whatever their ids.
+const SHORT_LIVED: &str = "\0short-lived";
+
 fn slot_name(group: &str, i: u16) -> String {
     format!("chosen.group/{group}/node-slot/{i}")
 }
@@ -321,6 +328,10 @@ struct Runner {
     stopping: Vec<(usize, JoinHandle<()>)>,
     /// Since when each member was seen unheld.
     orphan_since: HashMap<usize, Instant>,
+    /// This node's session (backend pid) at the last step.
+    me: Option<i32>,
+    /// When each live pid was first seen (to tell a short-lived node).
+    first_seen: HashMap<i32, Instant>,
     /// The live nodes (pid, node id) of the last snapshot.
     last_live: BTreeMap<i32, String>,
     /// When a node (by node id) left, within the flap window.
@@ -362,6 +373,11 @@ impl Runner {
             ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
             _ => return Ok(()),
         };
+        if self.me != Some(me) {
+            // A new session: what was seen unheld before it does not count.
+            self.me = Some(me);
+            self.orphan_since.clear();
+        }
         // One snapshot of the group's keys (the membership locks and the members'),
         // asked together so that the manager batches them into one statement.
         let asks = self
@@ -403,6 +419,27 @@ impl Runner {
         for gone in self.last_live.values().filter(|id| !live_ids.contains(id)) {
             self.leaves.push_back((now, gone.clone()));
         }
+        // A node that was live for less than the window and left counts too, whatever
+        // its id (a crash-looping process gets a new default id each time).
+        for pid in live.keys() {
+            self.first_seen.entry(*pid).or_insert(now);
+        }
+        let window = self.options.flap_window;
+        let short_lived: Vec<i32> = self
+            .last_live
+            .keys()
+            .filter(|pid| !live.contains_key(pid))
+            .filter(|pid| {
+                self.first_seen
+                    .get(pid)
+                    .is_some_and(|t| now.duration_since(*t) < window)
+            })
+            .copied()
+            .collect();
+        for _ in short_lived {
+            self.leaves.push_back((now, SHORT_LIVED.to_owned()));
+        }
+        self.first_seen.retain(|pid, _| live.contains_key(pid));
         while self
             .leaves
             .front()
@@ -461,14 +498,9 @@ impl Runner {
         }
         if stable {
             wanted.extend(plan.contend.iter().copied());
-            // The safety net: long-unheld members are everyone's (not before a new
-            // server term's hold could have ended).
-            let grace = self
-                .options
-                .orphan_grace
-                .max(self.manager.options().get_term_grant_delay() + self.options.interval);
+            // The safety net: long-unheld members are everyone's.
             for (i, since) in &self.orphan_since {
-                if now.duration_since(*since) >= grace {
+                if now.duration_since(*since) >= self.options.orphan_grace {
                     wanted.insert(*i);
                 }
             }

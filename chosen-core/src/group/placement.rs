@@ -10,8 +10,9 @@
 //!   A stable rule on purpose: ranked by what nodes hold, targets would flip while
 //!   hand-overs are under way, and members would move twice.
 //! * A node above its target releases the surplus, its highest-numbered members first;
-//!   a member held by no live node (an orphan) or released that way goes to a node below
-//!   its target (the least loaded first, ties by pid), until each reaches its target.
+//!   a member held by no live node (an orphan) or released that way goes to the node
+//!   below its target that ranks it highest (rendezvous hashing, so the choice holds
+//!   still as other members land), until each reaches its target.
 //!   After a node joins, only the new node's target moves (at most `ceil(M / N)`); after
 //!   a node leaves, its members spread over the nodes that are below their new targets.
 //! * While the membership flaps, nothing held moves (`frozen`): orphans are still placed.
@@ -84,34 +85,29 @@ pub(crate) fn plan(me: Node, live: &[Node], holders: &[Option<Node>], frozen: bo
             }
         }
     }
-    // Deficits: the least loaded first.
-    let mut deficit: Vec<(usize, Node, usize)> = nodes
+    // Deficits, and each member of the pool to the node below its target that ranks
+    // it highest (rendezvous hashing): stable as other members land, so that a node
+    // waiting for a member keeps waiting for it.
+    let mut need: BTreeMap<Node, usize> = nodes
         .iter()
         .filter_map(|n| {
             let have = held[n].len();
-            (have < target[n]).then(|| (have, *n, target[n] - have))
+            (have < target[n]).then(|| (*n, target[n] - have))
         })
         .collect();
-    deficit.sort_unstable();
     let mut contend_of: BTreeMap<Node, Vec<usize>> = BTreeMap::new();
-    // Round-robin, one member per deficit node per round, so that a node that left
-    // spreads over every node below its target rather than onto one.
-    let mut pool = pool.into_iter();
-    'rounds: loop {
-        let mut placed = false;
-        for (_, n, need) in &mut deficit {
-            if *need == 0 {
-                continue;
-            }
-            let Some(m) = pool.next() else {
-                break 'rounds;
-            };
-            contend_of.entry(*n).or_default().push(m);
-            *need -= 1;
-            placed = true;
-        }
-        if !placed {
+    for m in pool {
+        let Some(n) = need
+            .iter()
+            .filter(|(_, k)| **k > 0)
+            .max_by_key(|(n, _)| rank(m, **n))
+            .map(|(n, _)| *n)
+        else {
             break;
+        };
+        contend_of.entry(n).or_default().push(m);
+        if let Some(k) = need.get_mut(&n) {
+            *k -= 1;
         }
     }
     Plan {
@@ -119,6 +115,15 @@ pub(crate) fn plan(me: Node, live: &[Node], holders: &[Option<Node>], frozen: bo
         contend: contend_of.remove(&me).unwrap_or_default(),
         target: target.get(&me).copied(),
     }
+}
+
+/// How much node `n` wants member `m` (a fixed pseudo-random ranking).
+fn rank(m: usize, n: Node) -> u64 {
+    // splitmix64 of the pair.
+    let mut x = (m as u64) ^ (u64::from(n.unsigned_abs()) << 32) ^ 0x9e37_79b9_7f4a_7c15;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 #[cfg(test)]
@@ -287,6 +292,36 @@ mod tests {
                 .find(|t| plan(**t, &live, &holders, false).contend.contains(&m))
                 .copied();
             holders[m] = taker;
+        }
+    }
+
+    #[test]
+    fn a_waiting_node_keeps_waiting_for_the_same_members() {
+        // Node 99 leaves with members 8..12; A (0..4) and C (4..8) wait for them.
+        let live = [1, 3];
+        let mut holders: Vec<Option<Node>> = (0..4).map(|_| Some(1)).collect();
+        holders.extend((4..8).map(|_| Some(3)));
+        holders.extend((8..12).map(|_| Some(99)));
+        let first: Vec<Vec<usize>> = live
+            .iter()
+            .map(|n| plan(*n, &live, &holders, false).contend)
+            .collect();
+        // One lands where it was awaited; the others stay awaited by the same node.
+        let (n, m) = if first[0].is_empty() {
+            (3, first[1][0])
+        } else {
+            (1, first[0][0])
+        };
+        holders[m] = Some(n);
+        for (i, node) in live.iter().enumerate() {
+            let now = plan(*node, &live, &holders, false).contend;
+            for x in &now {
+                assert!(
+                    first[i].contains(x),
+                    "{node} now waits for {x}, not in {:?}",
+                    first[i]
+                );
+            }
         }
     }
 
