@@ -1,0 +1,489 @@
+//! The ledgered cron gate: the leader gate, plus every tick claimed in the ledger and
+//! missed ticks handled by the misfire policy.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use apalis_core::task::Task;
+use apalis_cron::Tick;
+use chosen_core::{LeaderState, Leadership};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing::{debug, info, warn};
+
+use super::context::{Slot, TickContext};
+use super::plan::{Plan, missed_ticks, plan};
+use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
+use crate::guard::LeaderGuard;
+use crate::layer::{GateStats, LeaderOnlyJobLayer};
+use crate::policy::CronTicks;
+use crate::service::{Outcome, SkipReason, observe};
+
+impl<P> LeaderOnlyJobLayer<P> {
+    /// Records every tick of this cron job in `ledger` and claims it there before it
+    /// runs, so that each scheduled tick runs at most once (exactly once for the
+    /// writes of [`Claim::InJobTransaction`]) whatever the nodes' clocks say; missed
+    /// ticks are handled by a [`Misfire`] policy (default [`Misfire::Skip`]).
+    ///
+    /// The clock-skew rule of [`for_cron_ticks`](Self::for_cron_ticks) is not applied:
+    /// the ledger's primary key, not a clock, keeps two leaders from running one tick,
+    /// so no tick is skipped after a hand-over.
+    ///
+    /// ```no_run
+    /// use std::str::FromStr;
+    /// use std::time::Duration;
+    /// use chosen_apalis::{LeaderOnlyJobLayer, Misfire, Schedule, TickLedger, cron_worker};
+    ///
+    /// # async fn job(_: chosen_apalis::Tick) -> Result<(), apalis_core::error::BoxDynError> { Ok(()) }
+    /// # async fn demo(manager: chosen_core::LockManager, pool: deadpool_postgres::Pool) -> Result<(), apalis_core::error::BoxDynError> {
+    /// let ledger = TickLedger::new(pool);
+    /// ledger.install().await?;
+    /// let gate = LeaderOnlyJobLayer::elect(&manager, "hourly-sync")?
+    ///     .ledger(ledger)
+    ///     .misfire(Misfire::CatchUp { max: 3, within: Duration::from_secs(3 * 3600) });
+    /// cron_worker("hourly-sync", Schedule::from_str("0 0 * * * *")?, gate).build(job).run().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn ledger(self, ledger: TickLedger) -> LedgeredCronLayer {
+        LedgeredCronLayer {
+            gate: self.for_cron_ticks(),
+            ledger,
+            misfire: Misfire::default(),
+            claim: Claim::default(),
+            schedule: None,
+            serial: Arc::default(),
+        }
+    }
+}
+
+/// The gate of a cron job whose ticks are recorded in a [`TickLedger`]: from
+/// [`LeaderOnlyJobLayer::ledger`]. Give it to [`cron_worker`](crate::cron_worker),
+/// which also gives it the schedule (needed to know which ticks were missed).
+///
+/// What happens to a tick that reaches it, on each node:
+///
+/// 1. Not the leader (no valid lease at this moment): `Ok(Outcome::Skipped(NotLeader))`,
+///    nothing else, as [`LeaderOnlyJobLayer`].
+/// 2. The leader waits for the previous run of this job on this node to end (runs of
+///    one job are serialised on a node; a newer tick waits its turn).
+/// 3. It reads the latest tick recorded for the job before this one. The ticks of the
+///    schedule between the two were missed (nobody ran or skipped them): the
+///    [`Misfire`] policy runs some, oldest first, each claimed like any tick, and the
+///    others are recorded as `skipped` with their reason, in one fenced transaction.
+/// 4. It runs the tick: with [`Claim::BeforeRun`] the gate claims it first (fenced
+///    `INSERT … ON CONFLICT DO NOTHING`), runs the job if the claim succeeded, and
+///    records `ran` or `failed`; with [`Claim::InJobTransaction`] the job claims it
+///    in [`TickContext::begin`].
+/// 5. A tick already recorded is `Ok(Outcome::Skipped(AlreadyRecorded))`; a ledger
+///    that cannot be reached (or a stale token) is `Ok(Outcome::Skipped(Ledger))`, and
+///    the tick does not run here (the next leader's misfire policy decides about it).
+///
+/// Every run gets a [`LeaderGuard`] and a [`TickContext`] in its data. Skips are `Ok`,
+/// nothing happens in `poll_ready`, and the layer must be outermost, as for
+/// [`LeaderOnlyJobLayer`].
+#[derive(Debug, Clone)]
+pub struct LedgeredCronLayer {
+    gate: LeaderOnlyJobLayer<CronTicks>,
+    ledger: TickLedger,
+    misfire: Misfire,
+    claim: Claim,
+    schedule: Option<cron::Schedule>,
+    /// One run of the job at a time on this node, across every service of this layer.
+    serial: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl LedgeredCronLayer {
+    /// What to do with missed ticks (default [`Misfire::Skip`]).
+    #[must_use]
+    pub fn misfire(mut self, misfire: Misfire) -> Self {
+        self.misfire = misfire;
+        self
+    }
+
+    /// Who claims each tick (default [`Claim::BeforeRun`]: at most once; use
+    /// [`Claim::InJobTransaction`] for exactly once of the job's transaction).
+    #[must_use]
+    pub fn claim(mut self, claim: Claim) -> Self {
+        self.claim = claim;
+        self
+    }
+
+    /// The cron schedule, to know which ticks were missed; [`cron_worker`](crate::cron_worker)
+    /// sets it. Without it no tick counts as missed.
+    #[must_use]
+    pub fn schedule(mut self, schedule: cron::Schedule) -> Self {
+        self.schedule = Some(schedule);
+        self
+    }
+
+    /// The leadership the gate reads.
+    #[must_use]
+    pub fn leadership(&self) -> &Leadership {
+        self.gate.leadership()
+    }
+
+    /// What the gate did so far.
+    #[must_use]
+    pub fn stats(&self) -> Arc<GateStats> {
+        self.gate.stats()
+    }
+
+    /// The ledger.
+    #[must_use]
+    pub fn tick_ledger(&self) -> &TickLedger {
+        &self.ledger
+    }
+}
+
+impl<S> Layer<S> for LedgeredCronLayer {
+    type Service = LedgeredCron<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let leadership = self.gate.leadership.clone();
+        LedgeredCron {
+            inner,
+            shared: Arc::new(Shared {
+                job: leadership.name().into(),
+                node: leadership.node_id().into(),
+                leadership,
+                stats: Arc::clone(&self.gate.stats),
+                ledger: self.ledger.clone(),
+                misfire: self.misfire,
+                claim: self.claim,
+                schedule: self.schedule.clone(),
+                serial: Arc::clone(&self.serial),
+            }),
+        }
+    }
+}
+
+/// The service [`LedgeredCronLayer`] applies.
+#[derive(Debug, Clone)]
+pub struct LedgeredCron<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    job: Arc<str>,
+    node: Arc<str>,
+    leadership: Leadership,
+    stats: Arc<GateStats>,
+    ledger: TickLedger,
+    misfire: Misfire,
+    claim: Claim,
+    schedule: Option<cron::Schedule>,
+    serial: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// The future of [`LedgeredCron`].
+pub type LedgerFuture<R, E> = Pin<Box<dyn Future<Output = Result<Outcome<R>, E>> + Send>>;
+
+impl<S> Service<Task<Tick>> for LedgeredCron<S>
+where
+    S: Service<Task<Tick>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+{
+    type Response = Outcome<S::Response>;
+    type Error = S::Error;
+    type Future = LedgerFuture<S::Response, S::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        // Never gate here: a Pending would stall the cron backend.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, task: Task<Tick>) -> Self::Future {
+        let shared = Arc::clone(&self.shared);
+        let (tenure, state) = observe(&shared.leadership);
+        let token = match state {
+            LeaderState::Leading { token, .. } if !tenure.ended() => token,
+            _ => return Box::pin(std::future::ready(Ok(shared.not_leader()))),
+        };
+        // The service polled ready goes with the call; a clone stays for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
+        Box::pin(async move { shared.run(inner, task, guard).await })
+    }
+}
+
+impl Shared {
+    fn report(&self, outcome: &str) {
+        if let Some(m) = self.leadership.metrics() {
+            m.task_gated(&self.node, &self.job, outcome);
+        }
+    }
+
+    fn not_leader<R>(&self) -> Outcome<R> {
+        let leader = self.leadership.leader();
+        self.stats
+            .skipped_not_leader
+            .fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_not_leader");
+        debug!(lock = %self.job, leader = ?leader, "tick skipped: not the leader");
+        Outcome::Skipped(SkipReason::NotLeader { leader })
+    }
+
+    fn ledger_failed<R>(&self, tick: u64, e: &LedgerError) -> Outcome<R> {
+        self.stats
+            .skipped_ledger_error
+            .fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_ledger_error");
+        let error = chain(e);
+        if e.is_stale() {
+            info!(lock = %self.job, tick, %error, "tick skipped: a newer leader has written to the ledger");
+        } else {
+            warn!(lock = %self.job, tick, %error, "tick skipped: the tick ledger failed");
+        }
+        Outcome::Skipped(SkipReason::Ledger {
+            tick: at(tick),
+            error,
+        })
+    }
+
+    fn already_recorded<R>(&self, tick: u64) -> Outcome<R> {
+        self.stats
+            .skipped_already_recorded
+            .fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_already_recorded");
+        debug!(lock = %self.job, tick, "tick skipped: already recorded in the ledger");
+        Outcome::Skipped(SkipReason::AlreadyRecorded { tick: at(tick) })
+    }
+
+    async fn run<S>(
+        &self,
+        mut inner: S,
+        task: Task<Tick>,
+        guard: LeaderGuard,
+    ) -> Result<Outcome<S::Response>, S::Error>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let current = task.args.get_timestamp();
+        let _serial = self.serial.lock().await;
+        if !guard.is_valid() {
+            return Ok(self.not_leader());
+        }
+        let last = match self.ledger.last_before(&self.job, current).await {
+            Ok(last) => last,
+            Err(e) => return Ok(self.ledger_failed(current, &e)),
+        };
+        let plan = match (last, &self.schedule) {
+            (Some(last), Some(schedule)) => {
+                plan(self.misfire, current, missed_ticks(schedule, last, current))
+            }
+            _ => Plan::default(),
+        };
+        if plan.truncated {
+            warn!(lock = %self.job, tick = current, last = ?last, "more ticks were missed than are looked at (1000): the older ones are neither run nor recorded");
+        }
+        if !plan.skip.is_empty() {
+            let rows: Vec<(u64, &str)> = plan.skip.iter().map(|(t, r)| (*t, r.as_str())).collect();
+            let token = guard.fencing_token();
+            if let Err(e) = self
+                .ledger
+                .record(&self.job, token, &self.node, "skipped", &rows)
+                .await
+            {
+                return Ok(self.ledger_failed(current, &e));
+            }
+            self.stats
+                .skipped_missed
+                .fetch_add(rows.len() as u64, Ordering::Relaxed);
+            for _ in &rows {
+                self.report("skipped_missed");
+            }
+            info!(lock = %self.job, tick = current, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
+        }
+        for tick in plan.run {
+            if !guard.is_valid() {
+                return Ok(self.not_leader());
+            }
+            self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
+            self.report("caught_up");
+            info!(lock = %self.job, tick, "running a missed tick");
+            if let Err(e) = self.run_one(&mut inner, &task, &guard, tick, true).await {
+                warn!(lock = %self.job, tick, error = %e, "a missed tick's run failed");
+            }
+        }
+        if !guard.is_valid() {
+            return Ok(self.not_leader());
+        }
+        self.run_one(&mut inner, &task, &guard, current, false)
+            .await
+    }
+
+    /// Runs one tick (the one due, or a missed one) and records it.
+    async fn run_one<S>(
+        &self,
+        inner: &mut S,
+        base: &Task<Tick>,
+        guard: &LeaderGuard,
+        tick: u64,
+        catch_up: bool,
+    ) -> Result<Outcome<S::Response>, S::Error>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let token = guard.fencing_token();
+        let ctx = TickContext::new(
+            Arc::clone(&self.job),
+            Arc::clone(&self.node),
+            tick,
+            token,
+            catch_up,
+            self.claim,
+            self.ledger.clone(),
+        );
+        let mut task = base.clone();
+        task.args = Tick::new(tick);
+        task.inject_data(guard.clone());
+        task.inject_data(ctx.clone());
+        if self.claim == Claim::BeforeRun {
+            match self
+                .ledger
+                .claim_before_run(&self.job, tick, token, &self.node)
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => return Ok(self.already_recorded(tick)),
+                Err(e) => return Ok(self.ledger_failed(tick, &e)),
+            }
+        }
+        self.stats.ran.fetch_add(1, Ordering::Relaxed);
+        self.report("ran");
+        let result = call(inner, task).await;
+        let failure = result.as_ref().err().map(ToString::to_string);
+        match self.claim {
+            Claim::BeforeRun => {
+                let outcome = if failure.is_some() { "failed" } else { "ran" };
+                if let Err(e) = self
+                    .ledger
+                    .finish(&self.job, tick, token, outcome, failure.as_deref())
+                    .await
+                {
+                    warn!(lock = %self.job, tick, error = %chain(&e), "could not record the outcome of a run: its row stays 'running'");
+                }
+            }
+            Claim::InJobTransaction => match (ctx.slot(), &failure) {
+                (Slot::Committed, _) => {}
+                (Slot::AlreadyRecorded, None) => return Ok(self.already_recorded(tick)),
+                (_, failure) => {
+                    // Failed, or succeeded without committing a ledger transaction: record
+                    // it, so that no later leader runs it again.
+                    let (outcome, reason) = match failure {
+                        Some(f) => ("failed", f.as_str()),
+                        None => (
+                            "ran",
+                            "recorded after the run: the job committed no ledger transaction",
+                        ),
+                    };
+                    // (Already recorded: the insert does nothing.)
+                    if let Err(e) = self
+                        .ledger
+                        .record(&self.job, token, &self.node, outcome, &[(tick, reason)])
+                        .await
+                    {
+                        warn!(lock = %self.job, tick, error = %chain(&e), "could not record the outcome of a run");
+                    }
+                }
+            },
+        }
+        result.map(Outcome::Ran)
+    }
+}
+
+/// Waits for `inner` to be ready, then calls it.
+async fn call<S: Service<Task<Tick>>>(
+    inner: &mut S,
+    task: Task<Tick>,
+) -> Result<S::Response, S::Error> {
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(task).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use apalis_core::task::Task;
+    use apalis_cron::Tick;
+    use chosen_core::Leadership;
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    use crate::{LeaderOnlyJobLayer, Misfire, Outcome, SkipReason, TickLedger};
+
+    /// A pool to a port nobody listens on: every `get` fails at once.
+    fn dead_pool() -> deadpool_postgres::Pool {
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host("127.0.0.1")
+            .port(1)
+            .user("nobody")
+            .dbname("none");
+        deadpool_postgres::Pool::builder(deadpool_postgres::Manager::new(
+            config,
+            tokio_postgres::NoTls,
+        ))
+        .build()
+        .expect("a pool without a runtime-dependent timeout builds")
+    }
+
+    // No database: a follower never touches the ledger, and a leader whose ledger is
+    // unreachable skips the tick as `Ok` (never `Err`: a hot loop under a retry layer)
+    // without calling the job. Paused time: nothing here waits on a clock.
+    #[tokio::test(start_paused = true)]
+    async fn followers_skip_and_an_unreachable_ledger_skips_as_ok() {
+        let (leadership, control) = Leadership::manual("ledger-unit", "node-1");
+        let calls = Arc::new(AtomicU32::new(0));
+        let job = {
+            let calls = Arc::clone(&calls);
+            tower::service_fn(move |_: Task<Tick>| {
+                calls.fetch_add(1, Ordering::Relaxed);
+                async { Ok::<_, std::convert::Infallible>(()) }
+            })
+        };
+        let layer = LeaderOnlyJobLayer::new(leadership)
+            .ledger(TickLedger::new(dead_pool()))
+            .misfire(Misfire::RunOnce);
+        let mut svc = layer.layer(job);
+
+        control.follow(Some("node-2"));
+        let out = svc.call(Task::new(Tick::new(1_900_000_000))).await.unwrap();
+        assert_eq!(
+            out,
+            Outcome::Skipped(SkipReason::NotLeader {
+                leader: Some("node-2".to_owned())
+            })
+        );
+
+        control.lead(3);
+        let out = svc.call(Task::new(Tick::new(1_900_000_001))).await.unwrap();
+        assert!(
+            matches!(&out, Outcome::Skipped(SkipReason::Ledger { error, .. }) if error.contains("no connection from the pool")),
+            "{out:?}"
+        );
+        assert_eq!(calls.load(Ordering::Relaxed), 0);
+        let stats = layer.stats();
+        assert_eq!(
+            (stats.skipped_not_leader(), stats.skipped_ledger_error()),
+            (1, 1)
+        );
+    }
+}
