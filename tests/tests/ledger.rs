@@ -132,13 +132,25 @@ fn node(
     claim: Claim,
     witness: bool,
 ) -> Node {
+    let every_second = "* * * * * *".parse::<Schedule>().unwrap();
+    node_on(db, job, id, token, (misfire, claim, every_second), witness)
+}
+
+fn node_on(
+    db: &Db,
+    job: &str,
+    id: &str,
+    token: u64,
+    (misfire, claim, schedule): (Misfire, Claim, Schedule),
+    witness: bool,
+) -> Node {
     let (leadership, control): (Leadership, _) = Leadership::manual(job, id);
     control.lead(token);
     let layer = LeaderOnlyJobLayer::new(leadership)
         .ledger(db.ledger.clone())
         .misfire(misfire)
         .claim(claim)
-        .schedule("* * * * * *".parse::<Schedule>().unwrap());
+        .schedule(schedule);
     let runs = Runs::default();
     let svc = layer.layer(Job {
         runs: Arc::clone(&runs),
@@ -413,4 +425,74 @@ async fn a_stale_leader_cannot_claim_or_commit() {
             "{claim:?}: {rows:?}"
         );
     }
+}
+
+// An hourly job whose ticks fell in a gap: the new leader decides as soon as it leads,
+// not at the next tick (half an hour away here; a day for a daily job).
+#[tokio::test]
+async fn a_new_leader_catches_up_at_once_when_the_next_tick_is_far() {
+    let db = db().await;
+    let job = unique_name("ledger-gain");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Minute `m` of every hour, with `m` half an hour from now: the next tick is ~30 min
+    // away, the last one ~30 min ago.
+    let m = (now / 60 + 30) % 60;
+    let hourly = || format!("0 {m} * * * *").parse::<Schedule>().unwrap();
+    let last = {
+        let mut t = now - now % 60;
+        while (t / 60) % 60 != m {
+            t -= 60;
+        }
+        t
+    };
+    // Node A ran the tick three hours before the last one, then went away.
+    let (t3, t2, t1, t0) = (last - 3 * 3600, last - 2 * 3600, last - 3600, last);
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now())",
+            &[&job, &(t3 as f64)],
+        )
+        .await
+        .unwrap();
+    // Node B leads: its gate runs the most recent missed tick, with no tick arriving.
+    let b = node_on(
+        &db,
+        &job,
+        "node-b",
+        7,
+        (Misfire::RunOnce, Claim::BeforeRun, hourly()),
+        false,
+    );
+    for _ in 0..100 {
+        if !b.runs.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(*b.runs.lock().unwrap(), vec![(t0, true)]);
+    let sup = Some("superseded by a later missed tick".to_owned());
+    let got: Vec<(u64, String, Option<String>)> = db
+        .admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint, outcome, reason FROM chosen_ticks WHERE job = $1 ORDER BY tick",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) as u64, r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (t3, "ran".to_owned(), None),
+            (t2, "skipped".to_owned(), sup.clone()),
+            (t1, "skipped".to_owned(), sup),
+            (t0, "ran".to_owned(), None),
+        ]
+    );
+    assert_eq!(b.layer.stats().caught_up(), 1);
 }

@@ -97,6 +97,12 @@ impl TickContext {
         &self.job
     }
 
+    /// This node's id.
+    #[must_use]
+    pub fn node_id(&self) -> &str {
+        &self.node
+    }
+
     /// The fencing token of the lease this run was let through under.
     #[must_use]
     pub fn fencing_token(&self) -> FencingToken {

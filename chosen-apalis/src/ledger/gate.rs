@@ -6,6 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use apalis_core::task::Task;
 use apalis_cron::Tick;
@@ -15,7 +16,7 @@ use tower_service::Service;
 use tracing::{debug, info, warn};
 
 use super::context::{Slot, TickContext};
-use super::plan::{Plan, missed_ticks, plan};
+use super::plan::{Plan, missed_ticks, next_after, plan};
 use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
 use crate::guard::LeaderGuard;
 use crate::layer::{GateStats, LeaderOnlyJobLayer};
@@ -140,24 +141,42 @@ impl LedgeredCronLayer {
     }
 }
 
-impl<S> Layer<S> for LedgeredCronLayer {
+impl<S> Layer<S> for LedgeredCronLayer
+where
+    S: Service<Task<Tick>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+{
     type Service = LedgeredCron<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
         let leadership = self.gate.leadership.clone();
+        let shared = Arc::new(Shared {
+            job: leadership.name().into(),
+            node: leadership.node_id().into(),
+            leadership,
+            stats: Arc::clone(&self.gate.stats),
+            ledger: self.ledger.clone(),
+            misfire: self.misfire,
+            claim: self.claim,
+            schedule: self.schedule.clone(),
+            serial: Arc::clone(&self.serial),
+            template: std::sync::Mutex::new(None),
+        });
+        // Catch up on gaining leadership, not only at the next tick; needs a runtime
+        // (apalis builds workers on one), and without one the next tick still does.
+        let on_gain = match (&self.schedule, tokio::runtime::Handle::try_current()) {
+            (Some(_), Ok(runtime)) => {
+                let task = runtime.spawn(on_every_gain(Arc::clone(&shared), inner.clone()));
+                Some(Arc::new(AbortOnDrop(task.abort_handle())))
+            }
+            _ => None,
+        };
         LedgeredCron {
             inner,
-            shared: Arc::new(Shared {
-                job: leadership.name().into(),
-                node: leadership.node_id().into(),
-                leadership,
-                stats: Arc::clone(&self.gate.stats),
-                ledger: self.ledger.clone(),
-                misfire: self.misfire,
-                claim: self.claim,
-                schedule: self.schedule.clone(),
-                serial: Arc::clone(&self.serial),
-            }),
+            shared,
+            _on_gain: on_gain,
         }
     }
 }
@@ -167,6 +186,7 @@ impl<S> Layer<S> for LedgeredCronLayer {
 pub struct LedgeredCron<S> {
     inner: S,
     shared: Arc<Shared>,
+    _on_gain: Option<Arc<AbortOnDrop>>,
 }
 
 #[derive(Debug)]
@@ -180,6 +200,51 @@ struct Shared {
     claim: Claim,
     schedule: Option<cron::Schedule>,
     serial: Arc<tokio::sync::Mutex<()>>,
+    /// The latest task that reached the gate: what a catch-up run on gaining
+    /// leadership is built from (so it carries the worker's data).
+    template: std::sync::Mutex<Option<Task<Tick>>>,
+}
+
+/// On gaining leadership, missed ticks are decided at once only if the schedule's next
+/// tick is further away than this; a tick this close to the gain may still reach the
+/// gate from this node's scheduler, and the next tick decides about the gap anyway.
+const GAIN_MARGIN: Duration = Duration::from_secs(5);
+
+/// Stops the task that catches up on gaining leadership when the last clone of the
+/// service is dropped (the worker stopped).
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs [`Shared::catch_up_on_gain`] at the start of every tenure of this node.
+async fn on_every_gain<S>(shared: Arc<Shared>, mut inner: S)
+where
+    S: Service<Task<Tick>>,
+    S::Error: fmt::Display,
+{
+    loop {
+        shared.leadership.wait_leading().await;
+        let (tenure, state) = observe(&shared.leadership);
+        let LeaderState::Leading { token, .. } = state else {
+            continue;
+        };
+        if tenure.ended() {
+            // Changing as we look: look again once it settles.
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        shared.catch_up_on_gain(&mut inner, &guard, now).await;
+        guard.lost().await;
+    }
 }
 
 /// The future of [`LedgeredCron`].
@@ -206,6 +271,10 @@ where
 
     fn call(&mut self, task: Task<Tick>) -> Self::Future {
         let shared = Arc::clone(&self.shared);
+        *shared
+            .template
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.clone());
         let (tenure, state) = observe(&shared.leadership);
         let token = match state {
             LeaderState::Leading { token, .. } if !tenure.ended() => token,
@@ -277,18 +346,47 @@ impl Shared {
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
-        let last = match self.ledger.last_before(&self.job, current).await {
+        if let Err(skipped) = self
+            .fill_gap(&mut inner, &task, &guard, current, current)
+            .await
+        {
+            return Ok(skipped);
+        }
+        if !guard.is_valid() {
+            return Ok(self.not_leader());
+        }
+        self.run_one(&mut inner, &task, &guard, current, false)
+            .await
+    }
+
+    /// Decides about the ticks missed before `upto` (after the last recorded one) by
+    /// the misfire policy, `reference` being the time the catch-up window ends at:
+    /// records the skips, runs the others oldest first. `Err` with the outcome to
+    /// answer when the tick at hand must not run (ledger failed, leadership lost).
+    async fn fill_gap<S>(
+        &self,
+        inner: &mut S,
+        base: &Task<Tick>,
+        guard: &LeaderGuard,
+        upto: u64,
+        reference: u64,
+    ) -> Result<(), Outcome<S::Response>>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let last = match self.ledger.last_before(&self.job, upto).await {
             Ok(last) => last,
-            Err(e) => return Ok(self.ledger_failed(current, &e)),
+            Err(e) => return Err(self.ledger_failed(upto, &e)),
         };
         let plan = match (last, &self.schedule) {
             (Some(last), Some(schedule)) => {
-                plan(self.misfire, current, missed_ticks(schedule, last, current))
+                plan(self.misfire, reference, missed_ticks(schedule, last, upto))
             }
             _ => Plan::default(),
         };
         if plan.truncated {
-            warn!(lock = %self.job, tick = current, last = ?last, "more ticks were missed than are looked at (1000): the older ones are neither run nor recorded");
+            warn!(lock = %self.job, upto, last = ?last, "more ticks were missed than are looked at (1000): the older ones are neither run nor recorded");
         }
         if !plan.skip.is_empty() {
             let rows: Vec<(u64, &str)> = plan.skip.iter().map(|(t, r)| (*t, r.as_str())).collect();
@@ -298,7 +396,7 @@ impl Shared {
                 .record(&self.job, token, &self.node, "skipped", &rows)
                 .await
             {
-                return Ok(self.ledger_failed(current, &e));
+                return Err(self.ledger_failed(upto, &e));
             }
             self.stats
                 .skipped_missed
@@ -306,24 +404,53 @@ impl Shared {
             for _ in &rows {
                 self.report("skipped_missed");
             }
-            info!(lock = %self.job, tick = current, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
+            info!(lock = %self.job, upto, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
         }
         for tick in plan.run {
             if !guard.is_valid() {
-                return Ok(self.not_leader());
+                return Err(self.not_leader());
             }
             self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
             self.report("caught_up");
             info!(lock = %self.job, tick, "running a missed tick");
-            if let Err(e) = self.run_one(&mut inner, &task, &guard, tick, true).await {
+            if let Err(e) = self.run_one(inner, base, guard, tick, true).await {
                 warn!(lock = %self.job, tick, error = %e, "a missed tick's run failed");
             }
         }
-        if !guard.is_valid() {
-            return Ok(self.not_leader());
+        Ok(())
+    }
+
+    /// On gaining leadership at `now`: if the schedule's next tick is more than
+    /// [`GAIN_MARGIN`] away, decides about the missed ticks now rather than at that
+    /// tick (a daily job's missed run would otherwise wait a day). Every tick before
+    /// the next one is then at least the margin in the past, so none of them can still
+    /// reach the gate from this node's scheduler.
+    async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard, now: u64)
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let Some(schedule) = &self.schedule else {
+            return;
+        };
+        let margin = GAIN_MARGIN.as_secs();
+        let Some(next) = next_after(schedule, now.saturating_sub(margin)) else {
+            return;
+        };
+        if next <= now + margin {
+            return; // that tick comes soon, and decides about the gap itself
         }
-        self.run_one(&mut inner, &task, &guard, current, false)
-            .await
+        let _serial = self.serial.lock().await;
+        if !guard.is_valid() {
+            return;
+        }
+        let base = self
+            .template
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .unwrap_or_else(|| Task::new(Tick::new(now)));
+        let _ = self.fill_gap(inner, &base, guard, next, now).await;
     }
 
     /// Runs one tick (the one due, or a missed one) and records it.

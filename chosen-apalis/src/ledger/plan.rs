@@ -124,6 +124,13 @@ pub(crate) fn missed_ticks(
         .take_while(move |&t| t > last)
 }
 
+/// The first tick of `schedule` strictly after `t` (Unix seconds, UTC).
+pub(crate) fn next_after(schedule: &cron::Schedule, t: u64) -> Option<u64> {
+    let start = DateTime::<Utc>::from_timestamp(i64::try_from(t).ok()?, 0)?;
+    let next = schedule.after(&start).next()?;
+    u64::try_from(next.timestamp()).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use std::str::FromStr;
@@ -228,5 +235,7 @@ mod tests {
         // A last tick at or after the current one: nothing missed.
         assert_eq!(missed_ticks(&every_10s, current, current).count(), 0);
         assert_eq!(missed_ticks(&every_10s, current + 10, current).count(), 0);
+        assert_eq!(next_after(&every_10s, current), Some(current + 10));
+        assert_eq!(next_after(&every_10s, current - 1), Some(current));
     }
 }
