@@ -84,6 +84,14 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    that cannot be reached (or a stale token) is `Ok(Outcome::Skipped(Ledger))`, and
 ///    the tick does not run here (the next leader's misfire policy decides about it).
 ///
+/// Step 3 also runs when this node gains leadership, if the schedule's next tick is
+/// more than 5 s away (a daily job's missed run does not wait a day): the missed
+/// ticks are then those before that next tick, and the catch-up window ends at this
+/// node's clock at the gain instead of at a tick's scheduled time. A tick due within
+/// 5 s decides about the gap itself. (A catch-up run built at the gain, before this
+/// node's scheduler delivered any tick, carries no apalis worker data such as
+/// `WorkerContext`; data added with `.data(..)` is added inside the gate and is there.)
+///
 /// Every run gets a [`LeaderGuard`] and a [`TickContext`] in its data. Skips are `Ok`,
 /// nothing happens in `poll_ready`, and the layer must be outermost, as for
 /// [`LeaderOnlyJobLayer`].
