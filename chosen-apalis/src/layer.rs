@@ -20,6 +20,8 @@ pub struct GateStats {
     pub(crate) skipped_missed: AtomicU64,
     pub(crate) skipped_already_recorded: AtomicU64,
     pub(crate) skipped_ledger_error: AtomicU64,
+    pub(crate) skipped_overlap: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
 }
 
 impl GateStats {
@@ -66,6 +68,20 @@ impl GateStats {
     #[must_use]
     pub fn skipped_ledger_error(&self) -> u64 {
         self.skipped_ledger_error.load(Ordering::Relaxed)
+    }
+
+    /// Ticks not run because the previous run still ran (overlap policy; tick ledger
+    /// only).
+    #[must_use]
+    pub fn skipped_overlap(&self) -> u64 {
+        self.skipped_overlap.load(Ordering::Relaxed)
+    }
+
+    /// Runs stopped before they ended: `max_runtime`, `Overlap::CancelPrevious`, or
+    /// leadership lost (tick ledger only).
+    #[must_use]
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(Ordering::Relaxed)
     }
 }
 

@@ -16,7 +16,7 @@ pub use layer::{GateStats, LeaderOnlyJobLayer, LeaderOnlyLayer};
 #[cfg_attr(docsrs, doc(cfg(feature = "ledger")))]
 pub use ledger::{
     Claim, DEFAULT_LEDGER_TABLE, LEDGER_INSTALL_SQL, LedgerError, LedgerFuture, LedgerTable,
-    LedgerTx, LedgeredCron, LedgeredCronLayer, Misfire, TickContext, TickLedger,
+    LedgerTx, LedgeredCron, LedgeredCronLayer, Misfire, Overlap, TickContext, TickLedger,
 };
 pub use policy::{AnyTask, CronTicks, TaskSchedule};
 #[allow(deprecated)] // the old name, kept so that existing code still compiles

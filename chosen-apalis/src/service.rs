@@ -66,6 +66,22 @@ pub enum SkipReason {
         /// What failed, with its causes.
         error: String,
     },
+    /// The previous run of the job was still running on this node, and the overlap
+    /// policy skipped this tick (recorded `skipped` in the ledger).
+    Overlap {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// The reason recorded.
+        reason: String,
+    },
+    /// The run was stopped before it ended (its future dropped): `max_runtime`, a
+    /// newer tick under `Overlap::CancelPrevious`, or leadership lost.
+    Cancelled {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// The service [`LeaderOnlyJobLayer`](crate::LeaderOnlyJobLayer) applies: runs the job

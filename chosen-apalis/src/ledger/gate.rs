@@ -16,6 +16,7 @@ use tower_service::Service;
 use tracing::{debug, info, warn};
 
 use super::context::{Slot, TickContext};
+use super::overlap::{Held, Overlap, Turn};
 use super::plan::{Plan, missed_ticks, next_after, plan};
 use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
 use crate::guard::LeaderGuard;
@@ -57,7 +58,9 @@ impl<P> LeaderOnlyJobLayer<P> {
             misfire: Misfire::default(),
             claim: Claim::default(),
             schedule: None,
-            serial: Arc::default(),
+            overlap: Overlap::default(),
+            max_runtime: None,
+            turn: Arc::default(),
         }
     }
 }
@@ -70,8 +73,13 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///
 /// 1. Not the leader (no valid lease at this moment): `Ok(Outcome::Skipped(NotLeader))`,
 ///    nothing else, as [`LeaderOnlyJobLayer`].
-/// 2. The leader waits for the previous run of this job on this node to end (runs of
-///    one job are serialised on a node; a newer tick waits its turn).
+/// 2. Runs of one job on one node never overlap: a tick due while the previous run
+///    still runs follows the [`Overlap`] policy (default [`Overlap::Buffer`]: it waits,
+///    one at most). A run is stopped (its future dropped, the tick recorded
+///    `cancelled`) past [`max_runtime`](Self::max_runtime), for a newer tick under
+///    [`Overlap::CancelPrevious`], and when the lease it was let through under is lost
+///    (with [`Claim::InJobTransaction`] that tick is then left unrecorded: its writes
+///    rolled back, and the next leader's misfire policy decides about it).
 /// 3. It reads the latest tick recorded for the job before this one. The ticks of the
 ///    schedule between the two were missed (nobody ran or skipped them): the
 ///    [`Misfire`] policy runs some, oldest first, each claimed like any tick, and the
@@ -102,8 +110,10 @@ pub struct LedgeredCronLayer {
     misfire: Misfire,
     claim: Claim,
     schedule: Option<cron::Schedule>,
+    overlap: Overlap,
+    max_runtime: Option<Duration>,
     /// One run of the job at a time on this node, across every service of this layer.
-    serial: Arc<tokio::sync::Mutex<()>>,
+    turn: Arc<Turn>,
 }
 
 impl LedgeredCronLayer {
@@ -119,6 +129,22 @@ impl LedgeredCronLayer {
     #[must_use]
     pub fn claim(mut self, claim: Claim) -> Self {
         self.claim = claim;
+        self
+    }
+
+    /// What a tick due while the previous run still runs on this node does (default
+    /// [`Overlap::Buffer`]).
+    #[must_use]
+    pub fn overlap(mut self, overlap: Overlap) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    /// Cancels a run (drops its future) that runs longer than `limit`, and records it
+    /// `cancelled`, reason `ran longer than max_runtime (..)`. Default: no limit.
+    #[must_use]
+    pub fn max_runtime(mut self, limit: Duration) -> Self {
+        self.max_runtime = Some(limit);
         self
     }
 
@@ -169,7 +195,9 @@ where
             misfire: self.misfire,
             claim: self.claim,
             schedule: self.schedule.clone(),
-            serial: Arc::clone(&self.serial),
+            overlap: self.overlap,
+            max_runtime: self.max_runtime,
+            turn: Arc::clone(&self.turn),
             template: std::sync::Mutex::new(None),
         });
         // Catch up on gaining leadership, not only at the next tick; needs a runtime
@@ -207,7 +235,9 @@ struct Shared {
     misfire: Misfire,
     claim: Claim,
     schedule: Option<cron::Schedule>,
-    serial: Arc<tokio::sync::Mutex<()>>,
+    overlap: Overlap,
+    max_runtime: Option<Duration>,
+    turn: Arc<Turn>,
     /// The latest task that reached the gate: what a catch-up run on gaining
     /// leadership is built from (so it carries the worker's data).
     template: std::sync::Mutex<Option<Task<Tick>>>,
@@ -350,20 +380,45 @@ impl Shared {
         S::Error: fmt::Display,
     {
         let current = task.args.get_timestamp();
-        let _serial = self.serial.lock().await;
+        let mut held = match self.turn.take(self.overlap).await {
+            Ok(held) => held,
+            Err(reason) => return Ok(self.overlap_skipped(&guard, current, reason).await),
+        };
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
         if let Err(skipped) = self
-            .fill_gap(&mut inner, &task, &guard, current, current)
+            .fill_gap(&mut inner, &mut held, &task, &guard, current, current)
             .await
         {
+            if let Outcome::Skipped(SkipReason::Cancelled { reason, .. }) = &skipped {
+                // A newer tick stopped the catch-up: the tick at hand is cancelled too,
+                // before it started.
+                let (token, reason) = (guard.fencing_token(), reason.as_str());
+                if let Err(e) = self
+                    .ledger
+                    .record(
+                        &self.job,
+                        token,
+                        &self.node,
+                        "cancelled",
+                        &[(current, reason)],
+                    )
+                    .await
+                {
+                    warn!(lock = %self.job, tick = current, error = %chain(&e), "could not record a cancelled tick");
+                }
+                return Ok(Outcome::Skipped(SkipReason::Cancelled {
+                    tick: at(current),
+                    reason: reason.to_owned(),
+                }));
+            }
             return Ok(skipped);
         }
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
-        self.run_one(&mut inner, &task, &guard, current, false)
+        self.run_one(&mut inner, &mut held, &task, &guard, current, false)
             .await
     }
 
@@ -374,6 +429,7 @@ impl Shared {
     async fn fill_gap<S>(
         &self,
         inner: &mut S,
+        held: &mut Held<'_>,
         base: &Task<Tick>,
         guard: &LeaderGuard,
         upto: u64,
@@ -421,8 +477,18 @@ impl Shared {
             self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
             self.report("caught_up");
             info!(lock = %self.job, tick, "running a missed tick");
-            if let Err(e) = self.run_one(inner, base, guard, tick, true).await {
-                warn!(lock = %self.job, tick, error = %e, "a missed tick's run failed");
+            match self.run_one(inner, held, base, guard, tick, true).await {
+                // A newer tick took over: it decides about the rest of the gap.
+                Ok(Outcome::Skipped(SkipReason::Cancelled { reason, tick: at_ }))
+                    if reason == Stop::NewerTick.reason() =>
+                {
+                    return Err(Outcome::Skipped(SkipReason::Cancelled {
+                        tick: at_,
+                        reason,
+                    }));
+                }
+                Ok(_) => {}
+                Err(e) => warn!(lock = %self.job, tick, error = %e, "a missed tick's run failed"),
             }
         }
         Ok(())
@@ -448,7 +514,7 @@ impl Shared {
         if next <= now + margin {
             return; // that tick comes soon, and decides about the gap itself
         }
-        let _serial = self.serial.lock().await;
+        let mut held = self.turn.wait().await;
         if !guard.is_valid() {
             return;
         }
@@ -458,13 +524,16 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
             .unwrap_or_else(|| Task::new(Tick::new(now)));
-        let _ = self.fill_gap(inner, &base, guard, next, now).await;
+        let _ = self
+            .fill_gap(inner, &mut held, &base, guard, next, now)
+            .await;
     }
 
     /// Runs one tick (the one due, or a missed one) and records it.
     async fn run_one<S>(
         &self,
         inner: &mut S,
+        held: &mut Held<'_>,
         base: &Task<Tick>,
         guard: &LeaderGuard,
         tick: u64,
@@ -501,7 +570,10 @@ impl Shared {
         }
         self.stats.ran.fetch_add(1, Ordering::Relaxed);
         self.report("ran");
-        let result = call(inner, task).await;
+        let result = match self.run_until_stopped(inner, task, held, guard).await {
+            Ok(result) => result,
+            Err(stop) => return Ok(self.cancelled(&ctx, stop).await),
+        };
         let failure = result.as_ref().err().map(ToString::to_string);
         match self.claim {
             Claim::BeforeRun => {
@@ -539,6 +611,121 @@ impl Shared {
             },
         }
         result.map(Outcome::Ran)
+    }
+}
+
+/// Why a run was stopped before it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// A newer tick is due, under [`Overlap::CancelPrevious`].
+    NewerTick,
+    /// The run exceeded `max_runtime`.
+    MaxRuntime(Duration),
+    /// The lease the run was let through under was lost.
+    LeadershipLost,
+}
+
+impl Stop {
+    fn reason(self) -> String {
+        match self {
+            Self::NewerTick => "a newer tick is due".to_owned(),
+            Self::MaxRuntime(limit) => format!("ran longer than max_runtime ({limit:?})"),
+            Self::LeadershipLost => "leadership lost".to_owned(),
+        }
+    }
+}
+
+impl Shared {
+    /// Runs the job until it ends, or is stopped: a newer tick under
+    /// [`Overlap::CancelPrevious`], `max_runtime`, or the loss of the lease it was let
+    /// through under (so that no other node's run of the job can start while this one
+    /// still runs here, except in a process frozen past its lease, whose writes the
+    /// fence refuses). Stopping drops the job's future.
+    async fn run_until_stopped<S>(
+        &self,
+        inner: &mut S,
+        task: Task<Tick>,
+        held: &mut Held<'_>,
+        guard: &LeaderGuard,
+    ) -> Result<Result<S::Response, S::Error>, Stop>
+    where
+        S: Service<Task<Tick>>,
+    {
+        let limit = async {
+            match self.max_runtime {
+                Some(limit) => tokio::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            result = call(inner, task) => Ok(result),
+            () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => Err(Stop::NewerTick),
+            () = limit => Err(Stop::MaxRuntime(self.max_runtime.unwrap_or_default())),
+            () = guard.lost() => Err(Stop::LeadershipLost),
+        }
+    }
+
+    /// Records a stopped run and answers its outcome.
+    async fn cancelled<R>(&self, ctx: &TickContext, stop: Stop) -> Outcome<R> {
+        let (tick, token) = (ctx.timestamp(), ctx.fencing_token());
+        let reason = stop.reason();
+        self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        self.report("cancelled");
+        warn!(lock = %self.job, tick, reason = %reason, "run cancelled");
+        let recorded = match (self.claim, ctx.slot(), stop) {
+            (Claim::BeforeRun, ..) => self
+                .ledger
+                .finish(&self.job, tick, token, "cancelled", Some(&reason))
+                .await
+                .map(drop),
+            // Its writes committed before the stop: it ran.
+            (Claim::InJobTransaction, Slot::Committed, _) => Ok(()),
+            // Its writes rolled back with the dropped transaction; left unrecorded, the
+            // tick is a missed tick for the next leader, which may run it (exactly once).
+            (Claim::InJobTransaction, _, Stop::LeadershipLost) => Ok(()),
+            (Claim::InJobTransaction, ..) => {
+                self.ledger
+                    .record(
+                        &self.job,
+                        token,
+                        &self.node,
+                        "cancelled",
+                        &[(tick, &reason)],
+                    )
+                    .await
+            }
+        };
+        if let Err(e) = recorded {
+            warn!(lock = %self.job, tick, error = %chain(&e), "could not record a cancelled run");
+        }
+        Outcome::Skipped(SkipReason::Cancelled {
+            tick: at(tick),
+            reason,
+        })
+    }
+
+    /// Records a tick an overlap policy did not run, and answers its outcome.
+    async fn overlap_skipped<R>(&self, guard: &LeaderGuard, tick: u64, reason: &str) -> Outcome<R> {
+        if let Err(e) = self
+            .ledger
+            .record(
+                &self.job,
+                guard.fencing_token(),
+                &self.node,
+                "skipped",
+                &[(tick, reason)],
+            )
+            .await
+        {
+            return self.ledger_failed(tick, &e);
+        }
+        self.stats.skipped_overlap.fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_overlap");
+        info!(lock = %self.job, tick, reason, "tick skipped: the previous run is still running");
+        Outcome::Skipped(SkipReason::Overlap {
+            tick: at(tick),
+            reason: reason.to_owned(),
+        })
     }
 }
 

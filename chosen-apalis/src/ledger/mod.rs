@@ -3,6 +3,7 @@
 mod context;
 mod error;
 mod gate;
+mod overlap;
 mod plan;
 
 use std::fmt;
@@ -17,6 +18,7 @@ use tokio_postgres::types::Type;
 pub use context::{LedgerTx, TickContext};
 pub use error::LedgerError;
 pub use gate::{LedgerFuture, LedgeredCron, LedgeredCronLayer};
+pub use overlap::Overlap;
 pub use plan::Misfire;
 
 pub(crate) use error::chain;
