@@ -13,8 +13,8 @@ use std::time::Duration;
 use apalis_core::error::BoxDynError;
 use apalis_core::task::Task;
 use chosen_apalis::{
-    Claim, LeaderOnlyJobLayer, LedgeredCron, LedgeredCronLayer, Misfire, Outcome, Schedule,
-    SkipReason, Tick, TickContext, TickLedger,
+    Claim, LeaderOnlyJobLayer, LedgeredCron, LedgeredCronLayer, Misfire, Outcome, Overlap,
+    Schedule, SkipReason, Tick, TickContext, TickLedger,
 };
 use chosen_core::{Leadership, ManualLeadership};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
@@ -68,7 +68,11 @@ type Runs = Arc<Mutex<Vec<(u64, bool)>>>;
 struct Job {
     runs: Runs,
     pool: Option<Pool>,
+    /// How long the run of a tick takes, for the ticks listed (others: no time).
+    delays: Delays,
 }
+
+type Delays = Arc<Mutex<Vec<(u64, Duration)>>>;
 
 impl Service<Task<Tick>> for Job {
     type Response = ();
@@ -84,6 +88,13 @@ impl Service<Task<Tick>> for Job {
 
     fn call(&mut self, task: Task<Tick>) -> Self::Future {
         let (runs, pool) = (Arc::clone(&self.runs), self.pool.clone());
+        let delay = self
+            .delays
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(t, _)| *t == task.args.get_timestamp())
+            .map(|(_, d)| *d);
         Box::pin(async move {
             let ctx = task
                 .ctx()
@@ -100,6 +111,9 @@ impl Service<Task<Tick>> for Job {
                 let Some(tx) = ctx.begin(&mut client).await? else {
                     return Ok(());
                 };
+                if let Some(delay) = delay {
+                    tokio::time::sleep(delay).await;
+                }
                 tx.execute(
                     "INSERT INTO witness (job, tick, token) VALUES ($1, $2, $3)",
                     &[
@@ -110,6 +124,8 @@ impl Service<Task<Tick>> for Job {
                 )
                 .await?;
                 tx.commit().await?;
+            } else if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
             }
             Ok(())
         })
@@ -121,6 +137,7 @@ struct Node {
     control: ManualLeadership,
     layer: LedgeredCronLayer,
     runs: Runs,
+    delays: Delays,
 }
 
 fn node(
@@ -144,23 +161,35 @@ fn node_on(
     (misfire, claim, schedule): (Misfire, Claim, Schedule),
     witness: bool,
 ) -> Node {
+    node_with(db, job, id, token, witness, |layer| {
+        layer.misfire(misfire).claim(claim).schedule(schedule)
+    })
+}
+
+fn node_with(
+    db: &Db,
+    job: &str,
+    id: &str,
+    token: u64,
+    witness: bool,
+    configure: impl FnOnce(LedgeredCronLayer) -> LedgeredCronLayer,
+) -> Node {
     let (leadership, control): (Leadership, _) = Leadership::manual(job, id);
     control.lead(token);
-    let layer = LeaderOnlyJobLayer::new(leadership)
-        .ledger(db.ledger.clone())
-        .misfire(misfire)
-        .claim(claim)
-        .schedule(schedule);
+    let layer = configure(LeaderOnlyJobLayer::new(leadership).ledger(db.ledger.clone()));
     let runs = Runs::default();
+    let delays = Delays::default();
     let svc = layer.layer(Job {
         runs: Arc::clone(&runs),
         pool: witness.then(|| db.pool.clone()),
+        delays: Arc::clone(&delays),
     });
     Node {
         svc,
         control,
         layer,
         runs,
+        delays,
     }
 }
 
@@ -495,4 +524,147 @@ async fn a_new_leader_catches_up_at_once_when_the_next_tick_is_far() {
         ]
     );
     assert_eq!(b.layer.stats().caught_up(), 1);
+}
+
+fn every_second() -> Schedule {
+    "* * * * * *".parse().unwrap()
+}
+
+/// Waits until the job's run of `tick` has started.
+async fn started(node: &Node, tick: u64) {
+    for _ in 0..200 {
+        if node.runs.lock().unwrap().iter().any(|(t, _)| *t == tick) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the run of {tick} did not start");
+}
+
+/// Ticks `at` on a clone of the node's service, in a task of its own.
+fn tick_in_background(node: &Node, at: u64) -> tokio::task::JoinHandle<Outcome<()>> {
+    let mut svc = node.svc.clone();
+    tokio::spawn(async move {
+        svc.ready()
+            .await
+            .unwrap()
+            .call(Task::new(Tick::new(at)))
+            .await
+            .unwrap()
+    })
+}
+
+// A tick due while the previous run still runs on this node, under each overlap
+// policy; and a run past max_runtime. Every tick ends with one row saying what
+// happened to it.
+#[tokio::test]
+async fn overlap_policies_and_max_runtime_record_what_they_did() {
+    let db = db().await;
+    let slow = Duration::from_secs(3);
+    let settle = Duration::from_millis(200);
+
+    // Skip: the tick due during the run is recorded skipped.
+    let job = unique_name("ledger-overlap-skip");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second()).overlap(Overlap::Skip)
+    });
+    a.delays.lock().unwrap().push((T0, slow));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    let out = tick(&mut a, T0 + 1).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
+        "{out:?}"
+    );
+    assert!(first.await.unwrap().ran());
+    let running = Some("previous run still running");
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(0, "ran", None, 5), row(1, "skipped", running, 5)]
+    );
+
+    // Buffer: one tick waits and runs after; a second one is skipped.
+    let job = unique_name("ledger-overlap-buffer");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second()).overlap(Overlap::Buffer)
+    });
+    a.delays.lock().unwrap().push((T0, slow));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    let second = tick_in_background(&a, T0 + 1);
+    tokio::time::sleep(settle).await;
+    let out = tick(&mut a, T0 + 2).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
+        "{out:?}"
+    );
+    assert!(first.await.unwrap().ran());
+    assert!(second.await.unwrap().ran());
+    assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 1, false)]);
+    let full = Some("previous run still running, one tick already waiting");
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "ran", None, 5),
+            row(1, "ran", None, 5),
+            row(2, "skipped", full, 5)
+        ]
+    );
+
+    // CancelPrevious, with the claim in the job's transaction: the slow run is
+    // stopped, its write rolled back, and the tick recorded cancelled.
+    let job = unique_name("ledger-overlap-cancel");
+    let mut a = node_with(&db, &job, "node-a", 5, true, |l| {
+        l.schedule(every_second())
+            .overlap(Overlap::CancelPrevious)
+            .claim(Claim::InJobTransaction)
+    });
+    a.delays.lock().unwrap().push((T0, Duration::from_secs(60)));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    assert!(tick(&mut a, T0 + 1).await.ran());
+    let out = first.await.unwrap();
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Cancelled { .. })),
+        "{out:?}"
+    );
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "cancelled", Some("a newer tick is due"), 5),
+            row(1, "ran", None, 5)
+        ]
+    );
+    let witness: Vec<i64> = db
+        .admin
+        .query("SELECT tick FROM witness WHERE job = $1", &[&job])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .collect();
+    assert_eq!(witness, vec![1], "the cancelled run's write rolled back");
+
+    // max_runtime: a run past it is stopped and recorded.
+    let job = unique_name("ledger-max-runtime");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second())
+            .max_runtime(Duration::from_millis(300))
+    });
+    a.delays.lock().unwrap().push((T0, Duration::from_secs(60)));
+    let out = tick(&mut a, T0).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Cancelled { .. })),
+        "{out:?}"
+    );
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(
+            0,
+            "cancelled",
+            Some("ran longer than max_runtime (300ms)"),
+            5
+        )]
+    );
+    assert_eq!(a.layer.stats().cancelled(), 1);
 }
