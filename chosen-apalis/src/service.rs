@@ -67,7 +67,8 @@ pub enum SkipReason {
         error: String,
     },
     /// The previous run of the job was still running on this node, and the overlap
-    /// policy skipped this tick (recorded `skipped` in the ledger).
+    /// policy did not run this tick now (`Overlap::Skip`: recorded `skipped`;
+    /// `Overlap::Buffer` with a tick already waiting: left to the misfire policy).
     Overlap {
         /// The tick's scheduled time.
         tick: SystemTime,

@@ -241,7 +241,7 @@ async fn skip_records_every_missed_tick_and_runs_none() {
     // Four ticks nobody handled, then T0+5.
     assert!(tick(&mut a, T0 + 5).await.ran());
     assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 5, false)]);
-    let missed = Some("missed during failover");
+    let missed = Some("missed: not run when due");
     assert_eq!(
         rows(&db.admin, &job).await,
         vec![
@@ -601,13 +601,19 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
     assert!(first.await.unwrap().ran());
     assert!(second.await.unwrap().ran());
     assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 1, false)]);
-    let full = Some("previous run still running, one tick already waiting");
+    // The third was left to the misfire policy (Skip here): the next tick records it.
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(0, "ran", None, 5), row(1, "ran", None, 5)]
+    );
+    assert!(tick(&mut a, T0 + 3).await.ran());
     assert_eq!(
         rows(&db.admin, &job).await,
         vec![
             row(0, "ran", None, 5),
             row(1, "ran", None, 5),
-            row(2, "skipped", full, 5)
+            row(2, "skipped", Some("missed: not run when due"), 5),
+            row(3, "ran", None, 5)
         ]
     );
 

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use apalis_core::task::Task;
+use apalis_core::worker::context::WorkerContext;
 use apalis_cron::Tick;
 use chosen_core::{LeaderState, Leadership};
 use tower_layer::Layer;
@@ -16,7 +17,7 @@ use tower_service::Service;
 use tracing::{debug, info, warn};
 
 use super::context::{Slot, TickContext};
-use super::overlap::{Held, Overlap, Turn};
+use super::overlap::{Held, Overlap, Refused, Turn};
 use super::plan::{Plan, missed_ticks, next_after, plan};
 use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
 use crate::guard::LeaderGuard;
@@ -75,7 +76,7 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    nothing else, as [`LeaderOnlyJobLayer`].
 /// 2. Runs of one job on one node never overlap: a tick due while the previous run
 ///    still runs follows the [`Overlap`] policy (default [`Overlap::Buffer`]: it waits,
-///    one at most). A run is stopped (its future dropped, the tick recorded
+///    one at most; further ones are left to the misfire policy of the next run). A run is stopped (its future dropped, the tick recorded
 ///    `cancelled`) past [`max_runtime`](Self::max_runtime), for a newer tick under
 ///    [`Overlap::CancelPrevious`], and when the lease it was let through under is lost
 ///    (with [`Claim::InJobTransaction`] that tick is then left unrecorded: its writes
@@ -382,7 +383,7 @@ impl Shared {
         let current = task.args.get_timestamp();
         let mut held = match self.turn.take(self.overlap).await {
             Ok(held) => held,
-            Err(reason) => return Ok(self.overlap_skipped(&guard, current, reason).await),
+            Err(refused) => return Ok(self.overlap_skipped(&guard, current, refused).await),
         };
         if !guard.is_valid() {
             return Ok(self.not_leader());
@@ -553,6 +554,13 @@ impl Shared {
             self.claim,
             self.ledger.clone(),
         );
+        if worker_stopping(base) {
+            // Not claimed, not run: the next run, here or on the next leader, decides.
+            return Ok(Outcome::Skipped(SkipReason::Cancelled {
+                tick: at(tick),
+                reason: Stop::ShuttingDown.reason(),
+            }));
+        }
         let mut task = base.clone();
         task.args = Tick::new(tick);
         task.inject_data(guard.clone());
@@ -623,6 +631,8 @@ enum Stop {
     MaxRuntime(Duration),
     /// The lease the run was let through under was lost.
     LeadershipLost,
+    /// The apalis worker is shutting down (the job was not called).
+    ShuttingDown,
 }
 
 impl Stop {
@@ -631,6 +641,7 @@ impl Stop {
             Self::NewerTick => "a newer tick is due".to_owned(),
             Self::MaxRuntime(limit) => format!("ran longer than max_runtime ({limit:?})"),
             Self::LeadershipLost => "leadership lost".to_owned(),
+            Self::ShuttingDown => "the worker is shutting down".to_owned(),
         }
     }
 }
@@ -658,7 +669,7 @@ impl Shared {
             }
         };
         tokio::select! {
-            result = call(inner, task) => Ok(result),
+            result = call(inner, task) => result.ok_or(Stop::ShuttingDown),
             () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => Err(Stop::NewerTick),
             () = limit => Err(Stop::MaxRuntime(self.max_runtime.unwrap_or_default())),
             () = guard.lost() => Err(Stop::LeadershipLost),
@@ -680,9 +691,10 @@ impl Shared {
                 .map(drop),
             // Its writes committed before the stop: it ran.
             (Claim::InJobTransaction, Slot::Committed, _) => Ok(()),
-            // Its writes rolled back with the dropped transaction; left unrecorded, the
-            // tick is a missed tick for the next leader, which may run it (exactly once).
-            (Claim::InJobTransaction, _, Stop::LeadershipLost) => Ok(()),
+            // Its writes rolled back with the dropped transaction (or it never started);
+            // left unrecorded, the tick is a missed tick for the next leader, which may
+            // run it (exactly once).
+            (Claim::InJobTransaction, _, Stop::LeadershipLost | Stop::ShuttingDown) => Ok(()),
             (Claim::InJobTransaction, ..) => {
                 self.ledger
                     .record(
@@ -704,24 +716,36 @@ impl Shared {
         })
     }
 
-    /// Records a tick an overlap policy did not run, and answers its outcome.
-    async fn overlap_skipped<R>(&self, guard: &LeaderGuard, tick: u64, reason: &str) -> Outcome<R> {
-        if let Err(e) = self
-            .ledger
-            .record(
-                &self.job,
-                guard.fencing_token(),
-                &self.node,
-                "skipped",
-                &[(tick, reason)],
-            )
-            .await
-        {
-            return self.ledger_failed(tick, &e);
-        }
+    /// Records (or leaves to the misfire policy) a tick an overlap policy did not run,
+    /// and answers its outcome.
+    async fn overlap_skipped<R>(
+        &self,
+        guard: &LeaderGuard,
+        tick: u64,
+        refused: Refused,
+    ) -> Outcome<R> {
+        let reason = match refused {
+            Refused::Record(reason) => {
+                if let Err(e) = self
+                    .ledger
+                    .record(
+                        &self.job,
+                        guard.fencing_token(),
+                        &self.node,
+                        "skipped",
+                        &[(tick, reason)],
+                    )
+                    .await
+                {
+                    return self.ledger_failed(tick, &e);
+                }
+                reason
+            }
+            Refused::Defer(reason) => reason,
+        };
         self.stats.skipped_overlap.fetch_add(1, Ordering::Relaxed);
         self.report("skipped_overlap");
-        info!(lock = %self.job, tick, reason, "tick skipped: the previous run is still running");
+        info!(lock = %self.job, tick, reason, "tick not run now: the previous run is still running");
         Outcome::Skipped(SkipReason::Overlap {
             tick: at(tick),
             reason: reason.to_owned(),
@@ -729,13 +753,39 @@ impl Shared {
     }
 }
 
-/// Waits for `inner` to be ready, then calls it.
+/// How often a wait for the job's readiness looks whether the worker is stopping.
+const SHUTDOWN_POLL: Duration = Duration::from_millis(100);
+
+/// Waits for `inner` to be ready, then calls it; `None` (without calling it) once the
+/// apalis worker of `base` is shutting down. apalis' lifecycle service, inside the
+/// gate, is never ready again once its worker shuts down, and the worker waits for
+/// every call in flight: waiting on regardless would hang the shutdown.
 async fn call<S: Service<Task<Tick>>>(
     inner: &mut S,
     task: Task<Tick>,
-) -> Result<S::Response, S::Error> {
-    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-    inner.call(task).await
+) -> Option<Result<S::Response, S::Error>> {
+    let worker = task.data().get::<WorkerContext>().cloned();
+    let stopping = || worker.as_ref().is_some_and(WorkerContext::is_shutting_down);
+    loop {
+        if stopping() {
+            return None;
+        }
+        tokio::select! {
+            ready = std::future::poll_fn(|cx| inner.poll_ready(cx)) => match ready {
+                Ok(()) => break,
+                Err(e) => return Some(Err(e)),
+            },
+            () = tokio::time::sleep(SHUTDOWN_POLL), if worker.is_some() => {}
+        }
+    }
+    Some(inner.call(task).await)
+}
+
+/// `true` once the apalis worker that delivered `task` is shutting down.
+fn worker_stopping(task: &Task<Tick>) -> bool {
+    task.data()
+        .get::<WorkerContext>()
+        .is_some_and(WorkerContext::is_shutting_down)
 }
 
 #[cfg(test)]

@@ -13,9 +13,10 @@ use tokio::sync::{MutexGuard, watch};
 pub enum Overlap {
     /// The tick is not run: recorded `skipped`, reason `previous run still running`.
     Skip,
-    /// The tick waits for the previous run, then runs; one tick at most waits: a
-    /// further one is recorded `skipped`, reason `previous run still running, one tick
-    /// already waiting`.
+    /// The tick waits for the previous run, then runs. One tick at most waits: a
+    /// further one is not run now and not recorded, so the next run finds it missing
+    /// and the [`Misfire`](crate::Misfire) policy decides about it (`CatchUp` runs it
+    /// late, `Skip` records it `skipped`); nothing queues up in memory.
     #[default]
     Buffer,
     /// The previous run is cancelled (its future dropped; recorded `cancelled`, reason
@@ -26,7 +27,17 @@ pub enum Overlap {
 /// The reasons recorded for ticks an overlap skipped. Do not change: operators query
 /// them.
 pub(crate) const SKIP_RUNNING: &str = "previous run still running";
-pub(crate) const SKIP_BUFFER_FULL: &str = "previous run still running, one tick already waiting";
+pub(crate) const SKIP_BUFFER_FULL: &str =
+    "previous run still running, one tick already waiting: left to the misfire policy";
+
+/// Why a tick does not get the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Record the tick `skipped` with this reason.
+    Record(&'static str),
+    /// Leave the tick unrecorded, to the misfire policy of the next run.
+    Defer(&'static str),
+}
 
 /// How often a tick waiting under [`Overlap::CancelPrevious`] repeats its request, so
 /// that a run that took the turn just as the request was sent is cancelled too.
@@ -68,22 +79,22 @@ impl Held<'_> {
 }
 
 impl Turn {
-    /// Takes the turn for a tick, as `overlap` says; `Err(reason)` when the tick is
-    /// to be skipped instead.
+    /// Takes the turn for a tick, as `overlap` says; `Err` when the tick does not run
+    /// now.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe (a dropped wait leaves the turn as it was, and a dropped buffered
     /// wait frees the buffer slot).
-    pub(crate) async fn take(&self, overlap: Overlap) -> Result<Held<'_>, &'static str> {
+    pub(crate) async fn take(&self, overlap: Overlap) -> Result<Held<'_>, Refused> {
         if let Ok(serial) = self.serial.try_lock() {
             return Ok(self.held(serial));
         }
         match overlap {
-            Overlap::Skip => Err(SKIP_RUNNING),
+            Overlap::Skip => Err(Refused::Record(SKIP_RUNNING)),
             Overlap::Buffer => {
                 if self.waiting.swap(true, Ordering::AcqRel) {
-                    return Err(SKIP_BUFFER_FULL);
+                    return Err(Refused::Defer(SKIP_BUFFER_FULL));
                 }
                 let slot = WaitingSlot(&self.waiting);
                 let serial = self.serial.lock().await;
@@ -140,7 +151,10 @@ mod tests {
     async fn skip_refuses_while_a_run_holds_the_turn() {
         let turn = Turn::default();
         let held = turn.take(Overlap::Skip).await.unwrap();
-        assert_eq!(turn.take(Overlap::Skip).await.unwrap_err(), SKIP_RUNNING);
+        assert_eq!(
+            turn.take(Overlap::Skip).await.unwrap_err(),
+            Refused::Record(SKIP_RUNNING)
+        );
         drop(held);
         assert!(turn.take(Overlap::Skip).await.is_ok());
     }
@@ -158,7 +172,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(
             turn.take(Overlap::Buffer).await.unwrap_err(),
-            SKIP_BUFFER_FULL
+            Refused::Defer(SKIP_BUFFER_FULL)
         );
         drop(held);
         waiter.await.unwrap();

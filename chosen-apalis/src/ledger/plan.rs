@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 ///
 /// | policy | missed ticks run | missed ticks recorded as `skipped` |
 /// |---|---|---|
-/// | [`Skip`](Self::Skip) (default) | none | all, reason `missed during failover` |
+/// | [`Skip`](Self::Skip) (default) | none | all, reason `missed: not run when due` |
 /// | [`RunOnce`](Self::RunOnce) | the most recent | the others, reason `superseded by a later missed tick` |
 /// | [`CatchUp`](Self::CatchUp) | every one scheduled at most `within` before the tick at hand, the most recent `max` of them, oldest first | older ones `beyond catch-up window`, the rest `beyond catch-up max` |
 ///
@@ -49,7 +49,7 @@ pub(crate) const MAX_MISSED: usize = 1000;
 /// change the texts: operators query them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum MissReason {
-    MissedDuringFailover,
+    Missed,
     Superseded,
     BeyondWindow,
     BeyondMax,
@@ -58,7 +58,7 @@ pub(crate) enum MissReason {
 impl MissReason {
     pub(crate) fn as_str(self) -> &'static str {
         match self {
-            Self::MissedDuringFailover => "missed during failover",
+            Self::Missed => "missed: not run when due",
             Self::Superseded => "superseded by a later missed tick",
             Self::BeyondWindow => "beyond catch-up window",
             Self::BeyondMax => "beyond catch-up max",
@@ -84,7 +84,7 @@ pub(crate) fn plan(policy: Misfire, current: u64, missed: impl IntoIterator<Item
     let mut missed = missed.into_iter();
     for (i, tick) in missed.by_ref().take(MAX_MISSED).enumerate() {
         let reason = match policy {
-            Misfire::Skip => Some(MissReason::MissedDuringFailover),
+            Misfire::Skip => Some(MissReason::Missed),
             Misfire::RunOnce => (i > 0).then_some(MissReason::Superseded),
             Misfire::CatchUp { max, within } => {
                 let age = Duration::from_secs(current.saturating_sub(tick));
@@ -151,9 +151,9 @@ mod tests {
         assert_eq!(
             p.skip,
             vec![
-                (NOW - 1, MissReason::MissedDuringFailover),
-                (NOW - 2, MissReason::MissedDuringFailover),
-                (NOW - 3, MissReason::MissedDuringFailover)
+                (NOW - 1, MissReason::Missed),
+                (NOW - 2, MissReason::Missed),
+                (NOW - 3, MissReason::Missed)
             ]
         );
         assert!(!p.truncated);
