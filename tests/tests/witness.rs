@@ -1,14 +1,18 @@
 //! The tick ledger's witness: three `cron_node` *processes* run an every-second apalis
 //! cron job with the ledger (claim in the job's transaction), under SIGKILL, SIGSTOP
-//! (longer than the server's release time, so a new leader takes over while the old
-//! one is frozen) and SIGTERM, each timed within 150 ms of a tick boundary. The job
+//! and a black-holed connection (both longer than the server's release time, so a new
+//! leader takes over while the old one is cut off) and SIGTERM, each timed within
+//! 150 ms of a tick boundary. Each node reaches the server through its own proxy; the
+//! server ends sessions idle in a transaction for 3 s
+//! (`idle_in_transaction_session_timeout`), so a leader frozen or cut off inside its
+//! ledger transaction does not hold up the next one. The job
 //! writes a witness row in its ledger transaction. Afterwards, over every tick of the
 //! run:
 //!
 //! * `CatchUp`: every tick has exactly one ledger row, `ran`, and exactly one witness
 //!   row with the same token: 0 duplicates, 0 missing;
 //! * `Skip`: 0 duplicates, and every tick without a witness row has a `skipped` row
-//!   (`missed during failover`);
+//!   (`missed: not run when due`);
 //! * both: the ledger's tokens never decrease in tick order, and every run a woken
 //!   leader tried after a newer one wrote was refused by the fence (no witness row of
 //!   a smaller token after a greater one).
@@ -28,7 +32,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use chosen_tests::{PgCluster, connect_admin, example_binary, signal, unique_name};
+use chosen_tests::{
+    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, signal, unique_name,
+};
 use tokio_postgres::Client;
 
 const DEFAULT_TICKS: u64 = 40;
@@ -139,13 +145,29 @@ async fn witness_run(misfire: &str) -> Figures {
         .unwrap_or_else(|| now_us() | 1);
     println!("witness {misfire}: seed {seed}, {ticks} ticks");
     let mut rng = Rng(seed);
-    let pg = PgCluster::start().unwrap();
+    let pg = PgCluster::builder()
+        .setting("idle_in_transaction_session_timeout", "3s")
+        .start()
+        .unwrap();
     let url = pg.url();
+    let port = pg.port().expect("a local cluster has a port");
     let admin = connect_admin(&url).await.unwrap();
     let job = unique_name("witness");
     let lines = Arc::new(Mutex::new(Vec::new()));
+    // One proxy per node id, kept across restarts.
+    let mut proxies = BTreeMap::new();
+    for i in 1..=3 {
+        let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
+            .await
+            .unwrap();
+        proxies.insert(format!("node-{i}"), proxy);
+    }
+    let url_of = |id: &str| proxies[id].url(&url, port);
     let mut nodes: Vec<Node> = (1..=3)
-        .map(|i| spawn(&url, &format!("node-{i}"), &job, misfire, &lines))
+        .map(|i| {
+            let id = format!("node-{i}");
+            spawn(&url_of(&id), &id, &job, misfire, &lines)
+        })
         .collect();
 
     // The first run (the first lock is granted some seconds after the server started).
@@ -178,7 +200,7 @@ async fn witness_run(misfire: &str) -> Figures {
             continue;
         };
         let offset = rng.below(301) as i64 - 150;
-        let fault = ["KILL", "STOP", "TERM"][rng.below(3) as usize];
+        let fault = ["KILL", "STOP", "TERM", "BLACKHOLE"][rng.below(4) as usize];
         near_next_boundary(offset).await;
         let pid = nodes[i].child.id();
         *figures.faults.entry(fault).or_default() += 1;
@@ -187,6 +209,12 @@ async fn witness_run(misfire: &str) -> Figures {
             nodes[i].id
         );
         match fault {
+            "BLACKHOLE" => {
+                let proxy = &proxies[&nodes[i].id];
+                proxy.set(ProxyMode::BlackHole);
+                tokio::time::sleep(Duration::from_millis(8000 + rng.below(3000))).await;
+                proxy.set(ProxyMode::Pass);
+            }
             "STOP" => {
                 signal(pid, "STOP").unwrap();
                 // Past the server's release time (7 s by default): a new leader takes over
@@ -197,18 +225,20 @@ async fn witness_run(misfire: &str) -> Figures {
             _ => {
                 signal(pid, fault).unwrap();
                 let id = nodes[i].id.clone();
-                let waited = tokio::task::spawn_blocking({
-                    let mut node = nodes.remove(i);
-                    move || {
-                        let _ = node.child.wait();
-                        node
+                let mut node = nodes.remove(i);
+                // A graceful stop waits for the run in progress: give it 10 s.
+                for _ in 0..100 {
+                    if node.child.try_wait().ok().flatten().is_some() {
+                        break;
                     }
-                })
-                .await
-                .unwrap();
-                drop(waited);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                if node.child.try_wait().ok().flatten().is_none() {
+                    println!("   {id} did not exit within 10 s of SIGTERM: killed");
+                }
+                drop(node);
                 tokio::time::sleep(Duration::from_millis(500 + rng.below(1000))).await;
-                nodes.push(spawn(&url, &id, &job, misfire, &lines));
+                nodes.push(spawn(&url_of(&id), &id, &job, misfire, &lines));
             }
         }
     }
@@ -266,7 +296,7 @@ async fn witness_run(misfire: &str) -> Figures {
                 last_token = last_token.max(*token);
                 match (outcome.as_str(), rows) {
                     ("ran", [w]) if w == token => figures.ran += 1,
-                    ("skipped", []) if reason.as_deref() == Some("missed during failover") => {
+                    ("skipped", []) if reason.as_deref() == Some("missed: not run when due") => {
                         figures.skipped += 1;
                     }
                     other => panic!(
