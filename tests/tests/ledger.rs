@@ -674,3 +674,56 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
     );
     assert_eq!(a.layer.stats().cancelled(), 1);
 }
+
+// A graceful stop while a tick waits behind a slow run (Overlap::Buffer), in a real
+// apalis worker: the worker stops. (apalis' lifecycle service, inside the gate, is
+// never ready again once its worker shuts down; a gate that kept waiting for it
+// hung the stop: found by the witness run.)
+#[tokio::test]
+async fn a_graceful_stop_does_not_hang_behind_a_waiting_tick() {
+    use apalis_core::monitor::Monitor;
+    use chosen_apalis::cron_worker;
+
+    async fn slow(_tick: Tick) -> Result<(), BoxDynError> {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        Ok(())
+    }
+
+    let db = db().await;
+    let job = unique_name("ledger-stop");
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let gate = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .overlap(Overlap::Buffer);
+    let stats = gate.stats();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let monitor = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(
+            Monitor::new()
+                .register(move |_| cron_worker("stop", every_second(), gate.clone()).build(slow))
+                .run_with_signal(async move {
+                    stop.notified().await;
+                    Ok(())
+                }),
+        )
+    };
+    // A run is under way and the next tick waits for it.
+    for _ in 0..100 {
+        if stats.ran() >= 1 && stats.skipped_overlap() >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        stats.ran() >= 1 && stats.skipped_overlap() >= 1,
+        "{stats:?}"
+    );
+    stop.notify_one();
+    tokio::time::timeout(Duration::from_secs(15), monitor)
+        .await
+        .expect("the worker stops within 15 s")
+        .unwrap()
+        .unwrap();
+}
