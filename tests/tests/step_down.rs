@@ -164,5 +164,8 @@ async fn stepping_down_alone_takes_the_lock_back() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     wait_leader(&e, Duration::from_secs(10)).await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert!(e.leadership().is_leader(), "a stale step-down ended a later term");
+    assert!(
+        e.leadership().is_leader(),
+        "a stale step-down ended a later term"
+    );
 }
