@@ -640,8 +640,15 @@ impl Singleton {
     /// waiting for it.
     pub async fn shutdown(&self) {
         self.stop.cancel();
-        if let Some(task) = self.task.lock().await.take()
-            && let Err(e) = task.await
+        // The handle stays in place until the task is done: a caller that stops
+        // waiting (its future dropped) leaves it for the next call to wait on.
+        let mut task = self.task.lock().await;
+        let Some(handle) = task.as_mut() else {
+            return;
+        };
+        let result = handle.await;
+        *task = None;
+        if let Err(e) = result
             && e.is_panic()
         {
             error!(

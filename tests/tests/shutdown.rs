@@ -224,3 +224,51 @@ async fn a_singleton_shut_down_first_then_the_manager() {
     assert_eq!(election.leadership().state(), LeaderState::Stopped);
     assert!(matches!(a.acquire("more").await, Err(Error::Closed)));
 }
+
+/// Review F2: a `shutdown()` whose caller stopped waiting (a timeout) left the next
+/// call nothing to wait on, so it returned while the child still ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_that_was_given_up_on_is_still_waited_for() {
+    let pg = PgCluster::start().unwrap();
+    let m = LockManager::connect(options(&pg.url(), "given-up").term_grant_delay(Duration::ZERO))
+        .await
+        .unwrap();
+    let done = Arc::new(Mutex::new(false));
+    let s = {
+        let done = Arc::clone(&done);
+        Singleton::start(
+            &m,
+            unique_name("given-up").as_str(),
+            SingletonOptions::default(),
+            move |ctx| {
+                let done = Arc::clone(&done);
+                async move {
+                    ctx.cancelled().await;
+                    // Takes a while to stop (within the 1 s shutdown timeout).
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                    *done.lock().unwrap() = true;
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )
+        .unwrap()
+    };
+    let t0 = Instant::now();
+    while !s.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), s.shutdown())
+            .await
+            .is_err(),
+        "the child takes 600 ms to stop"
+    );
+    s.shutdown().await;
+    assert!(
+        *done.lock().unwrap(),
+        "shutdown returned while the child still ran"
+    );
+    m.shutdown().await;
+}

@@ -285,8 +285,12 @@ impl SingletonGroup {
     /// so the other nodes take over at once. Idempotent; waits until done.
     pub async fn shutdown(&self) {
         self.stop.cancel();
-        if let Some(task) = self.task.lock().await.take() {
-            let _ = task.await;
+        // The handle stays in place until the task is done: a caller that stops
+        // waiting (its future dropped) leaves it for the next call to wait on.
+        let mut task = self.task.lock().await;
+        if let Some(handle) = task.as_mut() {
+            let _ = handle.await;
+            *task = None;
         }
     }
 }
