@@ -156,6 +156,8 @@ struct Run {
     /// First `lease_lost` or `child_stopped`, or the kill of its process; `u64::MAX`
     /// when it never ended.
     end_us: u64,
+    /// Whether it ended with a `lease_lost` (not a graceful stop or hand-over).
+    lost: bool,
     ticks: Vec<u64>,
     /// A freeze longer than the release time inside the run: the process was silent
     /// from `.0` to `.1`; it acted on old checks ("stale") from `.1` to `end_us`.
@@ -340,6 +342,7 @@ pub fn check(events: &[Event], faults: &[FaultRecord], timing: Timing) -> Verdic
                         token,
                         start_us: e.mono_us,
                         end_us: u64::MAX,
+                        lost: false,
                         ticks: Vec::new(),
                         freeze: None,
                     },
@@ -378,6 +381,7 @@ pub fn check(events: &[Event], faults: &[FaultRecord], timing: Timing) -> Verdic
             "lease_lost" | "child_stopped" => {
                 if let Some(run) = open.get_mut(&key) {
                     run.end_us = run.end_us.min(e.mono_us);
+                    run.lost |= e.event == "lease_lost";
                     if e.event == "child_stopped" {
                         let run = open.remove(&key).expect("BUG: checked");
                         runs.entry(s.clone()).or_default().push(run);
@@ -720,9 +724,10 @@ fn check_fault_effects(
                     .min()
                     .unwrap_or(u64::MAX);
                 let aftermath = (f.healed_us + LATENCY_AFTERMATH_US).min(next);
-                for r in holding.iter().filter(|r| r.end_us < aftermath) {
+                // (A graceful stop, a group's hand-over, is not a loss.)
+                for r in holding.iter().filter(|r| r.lost && r.end_us < aftermath) {
                     v.ineffective.push(format!(
-                        "{what}: {} gave up its lease under a slow database or just after it",
+                        "{what}: {} lost its lease under a slow database or just after it",
                         r.label()
                     ));
                 }
@@ -1136,7 +1141,13 @@ mod tests {
 
     #[test]
     fn a_lease_lost_under_a_slow_database_is_caught() {
-        let mut h = run("a", 0, 3000, 5);
+        // A run of `a` that ends with a lost lease at `to`.
+        let lost = |to: u64| {
+            let mut h = run("a", 0, to, 5);
+            h.insert(h.len() - 1, ev(to, "a", "lease_lost", 5));
+            h
+        };
+        let mut h = lost(3000);
         h.extend(run("b", 3100, 9000, 6));
         let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
         assert!(!v.ineffective.is_empty(), "{v}");
@@ -1144,10 +1155,15 @@ mod tests {
         let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
         assert!(v.ineffective.is_empty(), "{v}");
         // Lost just after the latency was healed: caught as well.
-        let mut h = run("a", 0, 7000, 5);
+        let mut h = lost(7000);
         h.extend(run("b", 7100, 9500, 6));
         let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
         assert!(!v.ineffective.is_empty(), "{v}");
+        // A graceful stop meanwhile (a group handing a member over) is no loss.
+        let mut h = run("a", 0, 3000, 5);
+        h.extend(run("b", 3100, 9000, 6));
+        let v = judge(&h, &[fault("latency", Some("a"), 1000, 6000)]);
+        assert!(v.ineffective.is_empty(), "{v}");
     }
 
     #[test]
