@@ -1,55 +1,59 @@
-//! Three nodes in one process run the same every-second apalis cron job; each tick runs
-//! once, on the leader. Halfway through, the leader's database session is killed and
-//! another node carries on.
+//! Three nodes in one process run the same every-second apalis cron job, with the tick
+//! ledger and `Misfire::CatchUp`: each tick runs once, on the leader, and its write
+//! commits together with the tick's ledger row. Halfway through, the leader's database
+//! session is killed; the next leader runs the ticks that fell in the gap, oldest
+//! first, each once.
 //!
 //! ```text
 //! cargo run --example apalis_cron
 //! ```
 
-use std::collections::BTreeMap;
 use std::error::Error;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use apalis_core::error::BoxDynError;
 use apalis_core::monitor::Monitor;
 use apalis_core::task::data::Data;
-use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Schedule, Tick, cron_worker};
+use chosen_apalis::{
+    Claim, LeaderOnlyJobLayer, Misfire, Schedule, Tick, TickContext, TickLedger, cron_worker,
+};
 use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
+use deadpool_postgres::Pool;
 
-/// Which node ran which tick.
-type Ledger = Arc<Mutex<BTreeMap<u64, Vec<String>>>>;
-
-async fn report(
-    tick: Tick,
-    guard: Data<LeaderGuard>,
-    ledger: Data<Ledger>,
-) -> Result<(), BoxDynError> {
-    let ts = tick.get_timestamp();
+/// The job: one row per tick in `reports`, written in the ledger transaction, so the
+/// row and the tick's ledger row commit together, once.
+async fn report(tick: Tick, ctx: Data<TickContext>, pool: Data<Pool>) -> Result<(), BoxDynError> {
+    let mut client = pool.get().await?;
+    // Fenced with this leader's token, and the tick claimed: `None` if it is already
+    // recorded (another leader ran it): nothing to do.
+    let Some(tx) = ctx.begin(&mut client).await? else {
+        return Ok(());
+    };
+    tx.execute(
+        "INSERT INTO reports (tick, token) VALUES ($1, $2)",
+        &[
+            &i64::try_from(tick.get_timestamp())?,
+            &i64::try_from(ctx.fencing_token().get())?,
+        ],
+    )
+    .await?;
+    tx.commit().await?;
     println!(
-        "   tick {} ran on {} (fencing token {})",
-        clock(ts),
-        guard.node_id(),
-        guard.fencing_token()
+        "   tick {} ran on {}{}",
+        clock(tick.get_timestamp()),
+        ctx.node_id(),
+        if ctx.is_catch_up() {
+            " (missed during the failover: caught up)"
+        } else {
+            ""
+        }
     );
-    ledger
-        .lock()
-        .map_err(|_| "ledger poisoned")?
-        .entry(ts)
-        .or_default()
-        .push(guard.node_id().to_owned());
     Ok(())
 }
 
 fn clock(ts: u64) -> String {
     format!("{:02}:{:02}:{:02}", ts / 3600 % 24, ts / 60 % 60, ts % 60)
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[tokio::main]
@@ -62,26 +66,45 @@ async fn main() -> Result<(), Box<dyn Error>> {
             (cluster.url(), Some(cluster))
         }
     };
+    let pool = Pool::builder(deadpool_postgres::Manager::new(
+        url.parse::<tokio_postgres::Config>()?,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(8)
+    .build()?;
+    let ledger = TickLedger::new(pool.clone());
+    ledger.install().await?; // CREATE TABLE IF NOT EXISTS chosen_ticks, chosen_fence
+    pool.get()
+        .await?
+        .batch_execute("CREATE TABLE IF NOT EXISTS reports (tick bigint, token bigint)")
+        .await?;
+
     let schedule = Schedule::from_str("* * * * * *")?; // every second
-    let ledger: Ledger = Arc::default();
-    let stop = Arc::new(tokio::sync::Notify::new());
+    let stop = std::sync::Arc::new(tokio::sync::Notify::new());
     let mut nodes = Vec::new();
     println!(
-        "Three nodes run the cron job \"* * * * * *\"; every replica's scheduler fires every tick."
+        "Three nodes run the cron job \"* * * * * *\" with the tick ledger and CatchUp; every replica's scheduler fires every tick."
     );
     for i in 1..=3 {
         let manager =
             LockManager::connect(ManagerOptions::from_url(&url)?.node_id(format!("node-{i}")))
                 .await?;
-        let gate = LeaderOnlyJobLayer::elect(&manager, "every-second-report")?;
+        // Today's gate, plus the ledger and a misfire policy.
+        let gate = LeaderOnlyJobLayer::elect(&manager, "every-second-report")?
+            .ledger(ledger.clone())
+            .claim(Claim::InJobTransaction)
+            .misfire(Misfire::CatchUp {
+                max: 30,
+                within: Duration::from_secs(60),
+            });
         let stats = gate.stats();
         let leadership = gate.leadership().clone();
-        let (schedule, ledger, stop) = (schedule.clone(), Arc::clone(&ledger), Arc::clone(&stop));
+        let (schedule, pool, stop) = (schedule.clone(), pool.clone(), stop.clone());
         let monitor = tokio::spawn(async move {
             Monitor::new()
                 .register(move |_| {
                     cron_worker(&format!("report-{i}"), schedule.clone(), gate.clone())
-                        .data(Arc::clone(&ledger))
+                        .data(pool.clone())
                         .build(report)
                 })
                 .run_with_signal(async move {
@@ -93,7 +116,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         nodes.push((manager, leadership, stats, monitor));
     }
 
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
     if let Some((manager, ..)) = nodes.iter().find(|n| n.1.is_leader())
         && let ConnectionStatus::Connected { backend_pid, .. } = manager.connection_status()
     {
@@ -103,31 +126,40 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .execute("SELECT pg_terminate_backend($1)", &[&backend_pid])
             .await?;
     }
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let end = now_secs();
+    tokio::time::sleep(Duration::from_secs(8)).await;
     stop.notify_waiters();
-    for (manager, _, _, monitor) in nodes.iter_mut() {
+    for (manager, _, _, monitor) in &mut nodes {
         let _ = tokio::time::timeout(Duration::from_secs(5), monitor).await;
         manager.shutdown().await;
     }
 
-    let ledger = ledger.lock().map_err(|_| "ledger poisoned")?;
-    let (Some(first), Some(last)) = (ledger.keys().next(), ledger.keys().last()) else {
+    let client = pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT min(tick)::bigint, max(tick)::bigint, count(*), count(DISTINCT tick) FROM reports",
+            &[],
+        )
+        .await?;
+    let (first, last, rows, distinct): (Option<i64>, Option<i64>, i64, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let (Some(first), Some(last)) = (first, last) else {
         return Err("no tick ran".into());
     };
-    let scheduled = last - first + 1;
-    let executed: usize = ledger.values().map(Vec::len).sum();
-    let duplicates = ledger.values().filter(|v| v.len() > 1).count();
-    let skipped: u64 = nodes
-        .iter()
-        .map(|n| n.2.skipped_not_leader() + n.2.skipped_stale_tick())
-        .sum();
+    let skipped: i64 = client
+        .query_one(
+            "SELECT count(*) FROM chosen_ticks WHERE job = 'every-second-report' AND outcome = 'skipped'",
+            &[],
+        )
+        .await?
+        .get(0);
+    let caught_up: u64 = nodes.iter().map(|n| n.2.caught_up()).sum();
     println!(
-        "\nTicks {}..{}: {scheduled} scheduled, {executed} executed, {} missed in the failover, {duplicates} ran twice; the gates skipped {skipped} (the followers' copies). Stopped at {}.",
-        clock(*first),
-        clock(*last),
-        scheduled.saturating_sub(executed as u64),
-        clock(end)
+        "\nTicks {}..{}: {} scheduled, {distinct} ran ({caught_up} of them caught up after the failover), {} ran twice, {} missing, {skipped} recorded as skipped.",
+        clock(u64::try_from(first)?),
+        clock(u64::try_from(last)?),
+        last - first + 1,
+        rows - distinct,
+        last - first + 1 - distinct,
     );
     Ok(())
 }

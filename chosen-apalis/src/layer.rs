@@ -16,6 +16,12 @@ pub struct GateStats {
     pub(crate) ran: AtomicU64,
     pub(crate) skipped_not_leader: AtomicU64,
     pub(crate) skipped_stale_tick: AtomicU64,
+    pub(crate) caught_up: AtomicU64,
+    pub(crate) skipped_missed: AtomicU64,
+    pub(crate) skipped_already_recorded: AtomicU64,
+    pub(crate) skipped_ledger_error: AtomicU64,
+    pub(crate) skipped_overlap: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
 }
 
 impl GateStats {
@@ -36,6 +42,46 @@ impl GateStats {
     #[must_use]
     pub fn skipped_stale_tick(&self) -> u64 {
         self.skipped_stale_tick.load(Ordering::Relaxed)
+    }
+
+    /// Missed ticks the misfire policy ran late (tick ledger only; also counted in
+    /// [`ran`](Self::ran) when their claim succeeded).
+    #[must_use]
+    pub fn caught_up(&self) -> u64 {
+        self.caught_up.load(Ordering::Relaxed)
+    }
+
+    /// Missed ticks the misfire policy recorded as skipped (tick ledger only).
+    #[must_use]
+    pub fn skipped_missed(&self) -> u64 {
+        self.skipped_missed.load(Ordering::Relaxed)
+    }
+
+    /// Ticks not run because the ledger already had them (tick ledger only).
+    #[must_use]
+    pub fn skipped_already_recorded(&self) -> u64 {
+        self.skipped_already_recorded.load(Ordering::Relaxed)
+    }
+
+    /// Ticks not run because the ledger failed or refused this node's token (tick
+    /// ledger only).
+    #[must_use]
+    pub fn skipped_ledger_error(&self) -> u64 {
+        self.skipped_ledger_error.load(Ordering::Relaxed)
+    }
+
+    /// Ticks not run because the previous run still ran (overlap policy; tick ledger
+    /// only).
+    #[must_use]
+    pub fn skipped_overlap(&self) -> u64 {
+        self.skipped_overlap.load(Ordering::Relaxed)
+    }
+
+    /// Runs stopped before they ended: `max_runtime`, `Overlap::CancelPrevious`, or
+    /// leadership lost (tick ledger only).
+    #[must_use]
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(Ordering::Relaxed)
     }
 }
 

@@ -3,6 +3,8 @@
 
 mod guard;
 mod layer;
+#[cfg(feature = "ledger")]
+mod ledger;
 mod policy;
 mod service;
 mod worker;
@@ -10,10 +12,16 @@ mod worker;
 pub use guard::LeaderGuard;
 #[allow(deprecated)] // the old name, kept so that existing code still compiles
 pub use layer::{GateStats, LeaderOnlyJobLayer, LeaderOnlyLayer};
+#[cfg(feature = "ledger")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ledger")))]
+pub use ledger::{
+    Claim, DEFAULT_LEDGER_TABLE, LEDGER_INSTALL_SQL, LedgerError, LedgerFuture, LedgerTable,
+    LedgerTx, LedgeredCron, LedgeredCronLayer, Misfire, Overlap, TickContext, TickLedger,
+};
 pub use policy::{AnyTask, CronTicks, TaskSchedule};
 #[allow(deprecated)] // the old name, kept so that existing code still compiles
 pub use service::{GateFuture, LeaderOnly, LeaderOnlyJob, Outcome, SkipReason};
-pub use worker::cron_worker;
+pub use worker::{CronGate, cron_worker};
 
 // What a cron job's code names, at the versions this crate is built with: no need to add
 // `cron` (at the exact version apalis-cron uses) or `apalis-cron` by hand.

@@ -51,6 +51,38 @@ pub enum SkipReason {
         /// When this node gained leadership.
         leading_since: SystemTime,
     },
+    /// The tick is already recorded in the tick ledger: another leader (or an earlier
+    /// attempt here) ran or skipped it.
+    AlreadyRecorded {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+    },
+    /// The tick ledger could not be read or written (database unreachable, table not
+    /// installed, or a newer leader's token recorded): the tick did not run here; the
+    /// next leader's misfire policy decides about it.
+    Ledger {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// What failed, with its causes.
+        error: String,
+    },
+    /// The previous run of the job was still running on this node, and the overlap
+    /// policy did not run this tick now (`Overlap::Skip`: recorded `skipped`;
+    /// `Overlap::Buffer` with a tick already waiting: left to the misfire policy).
+    Overlap {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// The reason recorded.
+        reason: String,
+    },
+    /// The run was stopped before it ended (its future dropped): `max_runtime`, a
+    /// newer tick under `Overlap::CancelPrevious`, or leadership lost.
+    Cancelled {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// The service [`LeaderOnlyJobLayer`](crate::LeaderOnlyJobLayer) applies: runs the job
@@ -70,22 +102,6 @@ pub struct LeaderOnlyJob<S, P> {
 pub type LeaderOnly<S, P> = LeaderOnlyJob<S, P>;
 
 impl<S, P> LeaderOnlyJob<S, P> {
-    /// The state, with a subscription taken before it was read, so the guard sees any
-    /// change after it. If the leadership changed in between (the state read may then
-    /// be a new tenure, which the subscription would take for ended), look again; if
-    /// it keeps changing, the caller sees an ended tenure and skips the task.
-    fn observe(&self) -> (Tenure, LeaderState) {
-        let mut attempts = 0;
-        loop {
-            let tenure = Tenure::watch(&self.leadership);
-            let state = self.leadership.state();
-            attempts += 1;
-            if !tenure.ended() || attempts == 3 {
-                return (tenure, state);
-            }
-        }
-    }
-
     fn report(&self, outcome: &str) {
         if let Some(m) = self.leadership.metrics() {
             m.task_gated(self.leadership.node_id(), self.leadership.name(), outcome);
@@ -109,7 +125,7 @@ where
 
     fn call(&mut self, mut task: Task<Args>) -> Self::Future {
         let name = self.leadership.name();
-        let (tenure, state) = self.observe();
+        let (tenure, state) = observe(&self.leadership);
         let (token, since) = match state {
             LeaderState::Leading { token, since } if !tenure.ended() => (token, since),
             _ => {
@@ -142,6 +158,22 @@ where
             kind: Kind::Inner {
                 future: self.inner.call(task),
             },
+        }
+    }
+}
+
+/// The state, with a subscription taken before it was read, so the guard sees any
+/// change after it. If the leadership changed in between (the state read may then
+/// be a new tenure, which the subscription would take for ended), look again; if
+/// it keeps changing, the caller sees an ended tenure and skips the task.
+pub(crate) fn observe(leadership: &Leadership) -> (Tenure, LeaderState) {
+    let mut attempts = 0;
+    loop {
+        let tenure = Tenure::watch(leadership);
+        let state = leadership.state();
+        attempts += 1;
+        if !tenure.ended() || attempts == 3 {
+            return (tenure, state);
         }
     }
 }

@@ -29,16 +29,41 @@ use crate::policy::CronTicks;
 /// # Ok(())
 /// # }
 /// ```
-pub fn cron_worker<P>(
+pub fn cron_worker<G: CronGate>(
     worker_name: &str,
     schedule: cron::Schedule,
-    gate: LeaderOnlyJobLayer<P>,
-) -> WorkerBuilder<
-    Tick,
-    CronScheduler<cron::Schedule>,
-    Stack<LeaderOnlyJobLayer<CronTicks>, Identity>,
-> {
+    gate: G,
+) -> WorkerBuilder<Tick, CronScheduler<cron::Schedule>, Stack<G::Layer, Identity>> {
+    let layer = gate.into_cron_layer(&schedule);
     WorkerBuilder::new(worker_name)
         .backend(CronScheduler::new(schedule))
-        .layer(gate.for_cron_ticks())
+        .layer(layer)
+}
+
+/// A gate [`cron_worker`] accepts: [`LeaderOnlyJobLayer`] (which it turns into a cron
+/// gate with [`for_cron_ticks`](LeaderOnlyJobLayer::for_cron_ticks)), or, with the
+/// `ledger` feature, `LedgeredCronLayer` (which it gives the schedule).
+pub trait CronGate {
+    /// The layer the worker gets, outermost.
+    type Layer;
+
+    /// The layer for a cron worker on `schedule`.
+    fn into_cron_layer(self, schedule: &cron::Schedule) -> Self::Layer;
+}
+
+impl<P> CronGate for LeaderOnlyJobLayer<P> {
+    type Layer = LeaderOnlyJobLayer<CronTicks>;
+
+    fn into_cron_layer(self, _schedule: &cron::Schedule) -> Self::Layer {
+        self.for_cron_ticks()
+    }
+}
+
+#[cfg(feature = "ledger")]
+impl CronGate for crate::ledger::LedgeredCronLayer {
+    type Layer = Self;
+
+    fn into_cron_layer(self, schedule: &cron::Schedule) -> Self {
+        self.schedule(schedule.clone())
+    }
 }

@@ -111,7 +111,10 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
     }
 
     /// An apalis task reached the gate for `lock`. `outcome`: `ran`,
-    /// `skipped_not_leader`, `skipped_stale_tick`.
+    /// `skipped_not_leader`, `skipped_stale_tick`; with chosen-apalis' tick ledger also
+    /// `caught_up` (a missed tick run late; its run counts as `ran` too),
+    /// `skipped_missed` (once per missed tick recorded as skipped),
+    /// `skipped_already_recorded`, `skipped_ledger_error`, `skipped_overlap`, `cancelled`.
     fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
         let _ = (node, lock, outcome);
     }

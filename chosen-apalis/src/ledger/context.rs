@@ -1,0 +1,280 @@
+//! What a ledgered job gets: its tick, its token, and the ledger-guarded transaction.
+
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::SystemTime;
+
+use chosen_core::FencingToken;
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, Transaction};
+
+use super::{Claim, LedgerError, TickLedger, at, token_value};
+
+/// What became of a tick's claim in the job's own transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Slot {
+    /// No ledger transaction committed (yet).
+    #[default]
+    Open,
+    /// A ledger transaction claimed the tick and committed.
+    Committed,
+    /// The tick was already recorded when the job tried to claim it.
+    AlreadyRecorded,
+}
+
+/// Injected into every run of a ledgered cron job; take it as `Data<TickContext>`
+/// (`apalis_core::task::data::Data`).
+///
+/// It names the tick being run (its *scheduled* time, the ledger's key; for a missed
+/// tick run by [`Misfire::RunOnce`](crate::Misfire::RunOnce) or
+/// [`Misfire::CatchUp`](crate::Misfire::CatchUp), that older time, also in the job's
+/// `Tick`), the leader's fencing token, and opens the transaction that records the
+/// tick ([`begin`](Self::begin)).
+///
+/// ```no_run
+/// use apalis_core::{error::BoxDynError, task::data::Data};
+/// use chosen_apalis::{Tick, TickContext};
+///
+/// async fn bill(_tick: Tick, ctx: Data<TickContext>, pool: Data<deadpool_postgres::Pool>) -> Result<(), BoxDynError> {
+///     let mut client = pool.get().await?;
+///     // Fenced, and (with Claim::InJobTransaction) the tick claimed: None if it is
+///     // already recorded (another leader ran it): nothing to do.
+///     let Some(tx) = ctx.begin(&mut client).await? else { return Ok(()) };
+///     tx.execute("INSERT INTO invoices_sent (at) VALUES ($1)", &[&ctx.tick()]).await?;
+///     tx.commit().await?; // the writes and the tick's row, together, once
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct TickContext {
+    job: Arc<str>,
+    node: Arc<str>,
+    tick: u64,
+    token: FencingToken,
+    catch_up: bool,
+    claim: Claim,
+    ledger: TickLedger,
+    slot: Arc<Mutex<Slot>>,
+}
+
+impl TickContext {
+    pub(crate) fn new(
+        job: Arc<str>,
+        node: Arc<str>,
+        tick: u64,
+        token: FencingToken,
+        catch_up: bool,
+        claim: Claim,
+        ledger: TickLedger,
+    ) -> Self {
+        Self {
+            job,
+            node,
+            tick,
+            token,
+            catch_up,
+            claim,
+            ledger,
+            slot: Arc::default(),
+        }
+    }
+
+    /// The tick's scheduled time: its identity in the ledger.
+    #[must_use]
+    pub fn tick(&self) -> SystemTime {
+        at(self.tick)
+    }
+
+    /// The tick's scheduled time in Unix seconds (what `Tick::get_timestamp` gives).
+    #[must_use]
+    pub fn timestamp(&self) -> u64 {
+        self.tick
+    }
+
+    /// The job's name in the ledger (the gate's lock name), which is also its fence name.
+    #[must_use]
+    pub fn job(&self) -> &str {
+        &self.job
+    }
+
+    /// This node's id.
+    #[must_use]
+    pub fn node_id(&self) -> &str {
+        &self.node
+    }
+
+    /// The fencing token of the lease this run was let through under.
+    #[must_use]
+    pub fn fencing_token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// `true` for a missed tick run late by the misfire policy, `false` for the tick
+    /// that just fell due.
+    #[must_use]
+    pub fn is_catch_up(&self) -> bool {
+        self.catch_up
+    }
+
+    /// Who claims the tick: see [`Claim`].
+    #[must_use]
+    pub fn claim(&self) -> Claim {
+        self.claim
+    }
+
+    pub(crate) fn slot(&self) -> Slot {
+        *self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn settle(&self, slot: Slot) {
+        let mut s = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        // A committed claim stays committed, whatever a later attempt finds.
+        if *s != Slot::Committed {
+            *s = slot;
+        }
+    }
+
+    /// Opens a transaction on `client` (any tokio-postgres client; a
+    /// `deadpool_postgres::Client` dereferences to one: `ctx.begin(&mut client)`),
+    /// fences it with the job's name and this run's token
+    /// ([`chosen_core::fenced::fence`]), and with [`Claim::InJobTransaction`] claims
+    /// the tick in the ledger, in that transaction.
+    ///
+    /// * `Ok(Some(tx))`: write in `tx`, then [`LedgerTx::commit`]. With
+    ///   [`Claim::InJobTransaction`], the tick's row (outcome `ran`) commits with your
+    ///   writes, or neither does.
+    /// * `Ok(None)` (only with [`Claim::InJobTransaction`]): the tick is already
+    ///   recorded (another leader ran or skipped it, or an earlier attempt of this run
+    ///   committed): do nothing, return `Ok`.
+    ///
+    /// With [`Claim::BeforeRun`] the gate has claimed the tick already: this is a
+    /// fenced transaction (a stale leader's writes cannot commit after a newer
+    /// leader's), nothing more.
+    ///
+    /// # Errors
+    ///
+    /// * [`LedgerError::Fence`] with [`chosen_core::Error::StaleToken`] (see
+    ///   [`LedgerError::is_stale`]): a newer leader has written; this node no longer
+    ///   leads. The transaction is aborted on the server: return the error.
+    /// * [`LedgerError::NotInstalled`], [`LedgerError::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future rolls the transaction back (if it was opened): nothing is
+    /// claimed.
+    pub async fn begin<'c>(
+        &self,
+        client: &'c mut Client,
+    ) -> Result<Option<LedgerTx<'c>>, LedgerError> {
+        let tx = client
+            .transaction()
+            .await
+            .map_err(self.ledger.db("beginning a transaction"))?;
+        self.ledger
+            .fence()
+            .fence(&tx, &self.job, self.token)
+            .await?;
+        let claimed = match self.claim {
+            Claim::BeforeRun => false,
+            Claim::InJobTransaction => {
+                let claimed = self
+                    .ledger
+                    .claim_in(&tx, &self.job, self.tick, self.token, &self.node, "ran")
+                    .await?;
+                if !claimed {
+                    self.settle(Slot::AlreadyRecorded);
+                    // Dropping `tx` rolls it back.
+                    return Ok(None);
+                }
+                true
+            }
+        };
+        Ok(Some(LedgerTx {
+            tx,
+            ctx: self.clone(),
+            claimed,
+        }))
+    }
+}
+
+/// A fenced transaction that (with [`Claim::InJobTransaction`]) has claimed its tick:
+/// from [`TickContext::begin`]. Use it as a `tokio_postgres::Transaction` (it
+/// dereferences to one), then [`commit`](Self::commit). Dropping it rolls back: the
+/// tick stays unclaimed.
+pub struct LedgerTx<'c> {
+    tx: Transaction<'c>,
+    ctx: TickContext,
+    claimed: bool,
+}
+
+impl std::fmt::Debug for LedgerTx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LedgerTx")
+            .field("job", &self.ctx.job)
+            .field("tick", &self.ctx.tick)
+            .field("token", &self.ctx.token)
+            .field("claimed", &self.claimed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> Deref for LedgerTx<'c> {
+    type Target = Transaction<'c>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl LedgerTx<'_> {
+    /// Records the run's end time on the tick's row and commits: the writes made in
+    /// this transaction and the tick's row (outcome `ran`) commit together.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`] when a statement or the commit fails (a transaction
+    /// the fence aborted fails here too): then nothing committed, unless the commit
+    /// itself was lost on the way back (the next leader then finds the row).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the commit may or may not have happened.
+    pub async fn commit(self) -> Result<(), LedgerError> {
+        let ledger = &self.ctx.ledger;
+        if self.claimed {
+            // The row was inserted by this transaction, so it is there to update.
+            self.tx
+                .execute_typed(
+                    &ledger.finish_sql(),
+                    &[
+                        (&&*self.ctx.job, Type::TEXT),
+                        (&at(self.ctx.tick), Type::TIMESTAMPTZ),
+                        (&token_value(self.ctx.token)?, Type::INT8),
+                        (&None::<&str>, Type::TEXT),
+                        (&None::<&str>, Type::TEXT),
+                    ],
+                )
+                .await
+                .map_err(ledger.db("recording the end of the run"))?;
+        }
+        self.tx
+            .commit()
+            .await
+            .map_err(ledger.db("committing the ledger transaction"))?;
+        if self.claimed {
+            self.ctx.settle(Slot::Committed);
+        }
+        Ok(())
+    }
+
+    /// Rolls back: nothing written in it commits, and the tick stays unclaimed.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Database`] when the rollback fails (the server rolls back anyway
+    /// when the connection ends).
+    pub async fn rollback(self) -> Result<(), LedgerError> {
+        let ledger = self.ctx.ledger.clone();
+        self.tx.rollback().await.map_err(ledger.db("rolling back"))
+    }
+}

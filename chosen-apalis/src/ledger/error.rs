@@ -1,0 +1,61 @@
+//! What can go wrong with the tick ledger.
+
+/// An error from the tick ledger.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LedgerError {
+    /// The fence refused this transaction or failed: chosen-core's error, e.g.
+    /// [`chosen_core::Error::StaleToken`] when a newer leader has written (this node no
+    /// longer leads: stop), or [`chosen_core::Error::FenceNotInstalled`] (run
+    /// [`TickLedger::install`](crate::TickLedger::install)).
+    #[error(transparent)]
+    Fence(#[from] chosen_core::Error),
+    /// The ledger table does not exist.
+    #[error(
+        "the tick ledger table {table:?} does not exist: run TickLedger::install at start-up, or its install_sql() in your migrations"
+    )]
+    NotInstalled {
+        /// The table name.
+        table: String,
+        /// The server's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A ledger statement failed (lost connection, missing privilege, ...).
+    #[error("tick ledger: {action} failed")]
+    Database {
+        /// What was being done.
+        action: &'static str,
+        /// The server's or the connection's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The pool gave no connection.
+    #[error("tick ledger: no connection from the pool")]
+    Pool(#[source] deadpool_postgres::PoolError),
+    /// A ledger table name that is not `table` or `schema.table` in lowercase SQL
+    /// identifiers.
+    #[error("invalid tick ledger table name: {0}")]
+    InvalidTableName(String),
+}
+
+impl LedgerError {
+    /// `true` when this node must stop: a newer leader has written under the job's
+    /// fence, so nothing this node does for the job may commit.
+    #[must_use]
+    pub fn is_stale(&self) -> bool {
+        matches!(self, Self::Fence(chosen_core::Error::StaleToken { .. }))
+    }
+}
+
+/// The error and its sources on one line, for logs and skip reasons.
+pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

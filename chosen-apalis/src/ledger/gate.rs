@@ -1,0 +1,861 @@
+//! The ledgered cron gate: the leader gate, plus every tick claimed in the ledger and
+//! missed ticks handled by the misfire policy.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use apalis_core::task::Task;
+use apalis_core::worker::context::WorkerContext;
+use apalis_cron::Tick;
+use chosen_core::{LeaderState, Leadership};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing::{debug, info, warn};
+
+use super::context::{Slot, TickContext};
+use super::overlap::{Held, Overlap, Refused, Turn};
+use super::plan::{Plan, missed_ticks, next_after, plan};
+use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
+use crate::guard::LeaderGuard;
+use crate::layer::{GateStats, LeaderOnlyJobLayer};
+use crate::policy::CronTicks;
+use crate::service::{Outcome, SkipReason, observe};
+
+impl<P> LeaderOnlyJobLayer<P> {
+    /// Records every tick of this cron job in `ledger` and claims it there before it
+    /// runs, so that each scheduled tick runs at most once (exactly once for the
+    /// writes of [`Claim::InJobTransaction`]) whatever the nodes' clocks say; missed
+    /// ticks are handled by a [`Misfire`] policy (default [`Misfire::Skip`]).
+    ///
+    /// The clock-skew rule of [`for_cron_ticks`](Self::for_cron_ticks) is not applied:
+    /// the ledger's primary key, not a clock, keeps two leaders from running one tick,
+    /// so no tick is skipped after a hand-over.
+    ///
+    /// ```no_run
+    /// use std::str::FromStr;
+    /// use std::time::Duration;
+    /// use chosen_apalis::{LeaderOnlyJobLayer, Misfire, Schedule, TickLedger, cron_worker};
+    ///
+    /// # async fn job(_: chosen_apalis::Tick) -> Result<(), apalis_core::error::BoxDynError> { Ok(()) }
+    /// # async fn demo(manager: chosen_core::LockManager, pool: deadpool_postgres::Pool) -> Result<(), apalis_core::error::BoxDynError> {
+    /// let ledger = TickLedger::new(pool);
+    /// ledger.install().await?;
+    /// let gate = LeaderOnlyJobLayer::elect(&manager, "hourly-sync")?
+    ///     .ledger(ledger)
+    ///     .misfire(Misfire::CatchUp { max: 3, within: Duration::from_secs(3 * 3600) });
+    /// cron_worker("hourly-sync", Schedule::from_str("0 0 * * * *")?, gate).build(job).run().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn ledger(self, ledger: TickLedger) -> LedgeredCronLayer {
+        LedgeredCronLayer {
+            gate: self.for_cron_ticks(),
+            ledger,
+            misfire: Misfire::default(),
+            claim: Claim::default(),
+            schedule: None,
+            overlap: Overlap::default(),
+            max_runtime: None,
+            turn: Arc::default(),
+        }
+    }
+}
+
+/// The gate of a cron job whose ticks are recorded in a [`TickLedger`]: from
+/// [`LeaderOnlyJobLayer::ledger`]. Give it to [`cron_worker`](crate::cron_worker),
+/// which also gives it the schedule (needed to know which ticks were missed).
+///
+/// What happens to a tick that reaches it, on each node:
+///
+/// 1. Not the leader (no valid lease at this moment): `Ok(Outcome::Skipped(NotLeader))`,
+///    nothing else, as [`LeaderOnlyJobLayer`].
+/// 2. Runs of one job on one node never overlap: a tick due while the previous run
+///    still runs follows the [`Overlap`] policy (default [`Overlap::Buffer`]: it waits,
+///    one at most; further ones are left to the misfire policy of the next run). A run is stopped (its future dropped, the tick recorded
+///    `cancelled`) past [`max_runtime`](Self::max_runtime), for a newer tick under
+///    [`Overlap::CancelPrevious`], and when the lease it was let through under is lost
+///    (with [`Claim::InJobTransaction`] that tick is then left unrecorded: its writes
+///    rolled back, and the next leader's misfire policy decides about it).
+/// 3. It reads the latest tick recorded for the job before this one. The ticks of the
+///    schedule between the two were missed (nobody ran or skipped them): the
+///    [`Misfire`] policy runs some, oldest first, each claimed like any tick, and the
+///    others are recorded as `skipped` with their reason, in one fenced transaction.
+/// 4. It runs the tick: with [`Claim::BeforeRun`] the gate claims it first (fenced
+///    `INSERT … ON CONFLICT DO NOTHING`), runs the job if the claim succeeded, and
+///    records `ran` or `failed`; with [`Claim::InJobTransaction`] the job claims it
+///    in [`TickContext::begin`].
+/// 5. A tick already recorded is `Ok(Outcome::Skipped(AlreadyRecorded))`; a ledger
+///    that cannot be reached (or a stale token) is `Ok(Outcome::Skipped(Ledger))`, and
+///    the tick does not run here (the next leader's misfire policy decides about it).
+///
+/// Step 3 also runs when this node gains leadership, if the schedule's next tick is
+/// more than 5 s away (a daily job's missed run does not wait a day): the missed
+/// ticks are then those before that next tick, and the catch-up window ends at this
+/// node's clock at the gain instead of at a tick's scheduled time. A tick due within
+/// 5 s decides about the gap itself. (A catch-up run built at the gain, before this
+/// node's scheduler delivered any tick, carries no apalis worker data such as
+/// `WorkerContext`; data added with `.data(..)` is added inside the gate and is there.)
+///
+/// Every run gets a [`LeaderGuard`] and a [`TickContext`] in its data. Skips are `Ok`,
+/// nothing happens in `poll_ready`, and the layer must be outermost, as for
+/// [`LeaderOnlyJobLayer`].
+#[derive(Debug, Clone)]
+pub struct LedgeredCronLayer {
+    gate: LeaderOnlyJobLayer<CronTicks>,
+    ledger: TickLedger,
+    misfire: Misfire,
+    claim: Claim,
+    schedule: Option<cron::Schedule>,
+    overlap: Overlap,
+    max_runtime: Option<Duration>,
+    /// One run of the job at a time on this node, across every service of this layer.
+    turn: Arc<Turn>,
+}
+
+impl LedgeredCronLayer {
+    /// What to do with missed ticks (default [`Misfire::Skip`]).
+    #[must_use]
+    pub fn misfire(mut self, misfire: Misfire) -> Self {
+        self.misfire = misfire;
+        self
+    }
+
+    /// Who claims each tick (default [`Claim::BeforeRun`]: at most once; use
+    /// [`Claim::InJobTransaction`] for exactly once of the job's transaction).
+    #[must_use]
+    pub fn claim(mut self, claim: Claim) -> Self {
+        self.claim = claim;
+        self
+    }
+
+    /// What a tick due while the previous run still runs on this node does (default
+    /// [`Overlap::Buffer`]).
+    #[must_use]
+    pub fn overlap(mut self, overlap: Overlap) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    /// Cancels a run (drops its future) that runs longer than `limit`, and records it
+    /// `cancelled`, reason `ran longer than max_runtime (..)`. Default: no limit.
+    #[must_use]
+    pub fn max_runtime(mut self, limit: Duration) -> Self {
+        self.max_runtime = Some(limit);
+        self
+    }
+
+    /// The cron schedule, to know which ticks were missed; [`cron_worker`](crate::cron_worker)
+    /// sets it. Without it no tick counts as missed.
+    #[must_use]
+    pub fn schedule(mut self, schedule: cron::Schedule) -> Self {
+        self.schedule = Some(schedule);
+        self
+    }
+
+    /// The leadership the gate reads.
+    #[must_use]
+    pub fn leadership(&self) -> &Leadership {
+        self.gate.leadership()
+    }
+
+    /// What the gate did so far.
+    #[must_use]
+    pub fn stats(&self) -> Arc<GateStats> {
+        self.gate.stats()
+    }
+
+    /// The ledger.
+    #[must_use]
+    pub fn tick_ledger(&self) -> &TickLedger {
+        &self.ledger
+    }
+}
+
+impl<S> Layer<S> for LedgeredCronLayer
+where
+    S: Service<Task<Tick>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+{
+    type Service = LedgeredCron<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let leadership = self.gate.leadership.clone();
+        let shared = Arc::new(Shared {
+            job: leadership.name().into(),
+            node: leadership.node_id().into(),
+            leadership,
+            stats: Arc::clone(&self.gate.stats),
+            ledger: self.ledger.clone(),
+            misfire: self.misfire,
+            claim: self.claim,
+            schedule: self.schedule.clone(),
+            overlap: self.overlap,
+            max_runtime: self.max_runtime,
+            turn: Arc::clone(&self.turn),
+            template: std::sync::Mutex::new(None),
+        });
+        // Catch up on gaining leadership, not only at the next tick; needs a runtime
+        // (apalis builds workers on one), and without one the next tick still does.
+        let on_gain = match (&self.schedule, tokio::runtime::Handle::try_current()) {
+            (Some(_), Ok(runtime)) => {
+                let task = runtime.spawn(on_every_gain(Arc::clone(&shared), inner.clone()));
+                Some(Arc::new(AbortOnDrop(task.abort_handle())))
+            }
+            _ => None,
+        };
+        LedgeredCron {
+            inner,
+            shared,
+            _on_gain: on_gain,
+        }
+    }
+}
+
+/// The service [`LedgeredCronLayer`] applies.
+#[derive(Debug, Clone)]
+pub struct LedgeredCron<S> {
+    inner: S,
+    shared: Arc<Shared>,
+    _on_gain: Option<Arc<AbortOnDrop>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    job: Arc<str>,
+    node: Arc<str>,
+    leadership: Leadership,
+    stats: Arc<GateStats>,
+    ledger: TickLedger,
+    misfire: Misfire,
+    claim: Claim,
+    schedule: Option<cron::Schedule>,
+    overlap: Overlap,
+    max_runtime: Option<Duration>,
+    turn: Arc<Turn>,
+    /// The latest task that reached the gate: what a catch-up run on gaining
+    /// leadership is built from (so it carries the worker's data).
+    template: std::sync::Mutex<Option<Task<Tick>>>,
+}
+
+/// On gaining leadership, missed ticks are decided at once only if the schedule's next
+/// tick is further away than this; a tick this close to the gain may still reach the
+/// gate from this node's scheduler, and the next tick decides about the gap anyway.
+const GAIN_MARGIN: Duration = Duration::from_secs(5);
+
+/// Stops the task that catches up on gaining leadership when the last clone of the
+/// service is dropped (the worker stopped).
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs [`Shared::catch_up_on_gain`] at the start of every tenure of this node.
+async fn on_every_gain<S>(shared: Arc<Shared>, mut inner: S)
+where
+    S: Service<Task<Tick>>,
+    S::Error: fmt::Display,
+{
+    loop {
+        shared.leadership.wait_leading().await;
+        let (tenure, state) = observe(&shared.leadership);
+        let LeaderState::Leading { token, .. } = state else {
+            continue;
+        };
+        if tenure.ended() {
+            // Changing as we look: look again once it settles.
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        shared.catch_up_on_gain(&mut inner, &guard, now).await;
+        guard.lost().await;
+    }
+}
+
+/// The future of [`LedgeredCron`].
+pub type LedgerFuture<R, E> = Pin<Box<dyn Future<Output = Result<Outcome<R>, E>> + Send>>;
+
+impl<S> Service<Task<Tick>> for LedgeredCron<S>
+where
+    S: Service<Task<Tick>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+{
+    type Response = Outcome<S::Response>;
+    type Error = S::Error;
+    type Future = LedgerFuture<S::Response, S::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        // Never gate here: a Pending would stall the cron backend.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, task: Task<Tick>) -> Self::Future {
+        let shared = Arc::clone(&self.shared);
+        *shared
+            .template
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.clone());
+        let (tenure, state) = observe(&shared.leadership);
+        let token = match state {
+            LeaderState::Leading { token, .. } if !tenure.ended() => token,
+            _ => return Box::pin(std::future::ready(Ok(shared.not_leader()))),
+        };
+        // The service polled ready goes with the call; a clone stays for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
+        Box::pin(async move { shared.run(inner, task, guard).await })
+    }
+}
+
+impl Shared {
+    fn report(&self, outcome: &str) {
+        if let Some(m) = self.leadership.metrics() {
+            m.task_gated(&self.node, &self.job, outcome);
+        }
+    }
+
+    fn not_leader<R>(&self) -> Outcome<R> {
+        let leader = self.leadership.leader();
+        self.stats
+            .skipped_not_leader
+            .fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_not_leader");
+        debug!(lock = %self.job, leader = ?leader, "tick skipped: not the leader");
+        Outcome::Skipped(SkipReason::NotLeader { leader })
+    }
+
+    fn ledger_failed<R>(&self, tick: u64, e: &LedgerError) -> Outcome<R> {
+        self.stats
+            .skipped_ledger_error
+            .fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_ledger_error");
+        let error = chain(e);
+        if e.is_stale() {
+            info!(lock = %self.job, tick, %error, "tick skipped: a newer leader has written to the ledger");
+        } else {
+            warn!(lock = %self.job, tick, %error, "tick skipped: the tick ledger failed");
+        }
+        Outcome::Skipped(SkipReason::Ledger {
+            tick: at(tick),
+            error,
+        })
+    }
+
+    fn already_recorded<R>(&self, tick: u64) -> Outcome<R> {
+        self.stats
+            .skipped_already_recorded
+            .fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_already_recorded");
+        debug!(lock = %self.job, tick, "tick skipped: already recorded in the ledger");
+        Outcome::Skipped(SkipReason::AlreadyRecorded { tick: at(tick) })
+    }
+
+    async fn run<S>(
+        &self,
+        mut inner: S,
+        task: Task<Tick>,
+        guard: LeaderGuard,
+    ) -> Result<Outcome<S::Response>, S::Error>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let current = task.args.get_timestamp();
+        let mut held = match self.turn.take(self.overlap).await {
+            Ok(held) => held,
+            Err(refused) => return Ok(self.overlap_skipped(&guard, current, refused).await),
+        };
+        if !guard.is_valid() {
+            return Ok(self.not_leader());
+        }
+        if let Err(skipped) = self
+            .fill_gap(&mut inner, &mut held, &task, &guard, current, current)
+            .await
+        {
+            if let Outcome::Skipped(SkipReason::Cancelled { reason, .. }) = &skipped {
+                // A newer tick stopped the catch-up: the tick at hand is cancelled too,
+                // before it started.
+                let (token, reason) = (guard.fencing_token(), reason.as_str());
+                if let Err(e) = self
+                    .ledger
+                    .record(
+                        &self.job,
+                        token,
+                        &self.node,
+                        "cancelled",
+                        &[(current, reason)],
+                    )
+                    .await
+                {
+                    warn!(lock = %self.job, tick = current, error = %chain(&e), "could not record a cancelled tick");
+                }
+                return Ok(Outcome::Skipped(SkipReason::Cancelled {
+                    tick: at(current),
+                    reason: reason.to_owned(),
+                }));
+            }
+            return Ok(skipped);
+        }
+        if !guard.is_valid() {
+            return Ok(self.not_leader());
+        }
+        self.run_one(&mut inner, &mut held, &task, &guard, current, false)
+            .await
+    }
+
+    /// Decides about the ticks missed before `upto` (after the last recorded one) by
+    /// the misfire policy, `reference` being the time the catch-up window ends at:
+    /// records the skips, runs the others oldest first. `Err` with the outcome to
+    /// answer when the tick at hand must not run (ledger failed, leadership lost).
+    async fn fill_gap<S>(
+        &self,
+        inner: &mut S,
+        held: &mut Held<'_>,
+        base: &Task<Tick>,
+        guard: &LeaderGuard,
+        upto: u64,
+        reference: u64,
+    ) -> Result<(), Outcome<S::Response>>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let last = match self.ledger.last_before(&self.job, upto).await {
+            Ok(last) => last,
+            Err(e) => return Err(self.ledger_failed(upto, &e)),
+        };
+        let plan = match (last, &self.schedule) {
+            (Some(last), Some(schedule)) => {
+                plan(self.misfire, reference, missed_ticks(schedule, last, upto))
+            }
+            _ => Plan::default(),
+        };
+        if plan.truncated {
+            warn!(lock = %self.job, upto, last = ?last, "more ticks were missed than are looked at (1000): the older ones are neither run nor recorded");
+        }
+        if !plan.skip.is_empty() {
+            let rows: Vec<(u64, &str)> = plan.skip.iter().map(|(t, r)| (*t, r.as_str())).collect();
+            let token = guard.fencing_token();
+            if let Err(e) = self
+                .ledger
+                .record(&self.job, token, &self.node, "skipped", &rows)
+                .await
+            {
+                return Err(self.ledger_failed(upto, &e));
+            }
+            self.stats
+                .skipped_missed
+                .fetch_add(rows.len() as u64, Ordering::Relaxed);
+            for _ in &rows {
+                self.report("skipped_missed");
+            }
+            info!(lock = %self.job, upto, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
+        }
+        for tick in plan.run {
+            if !guard.is_valid() {
+                return Err(self.not_leader());
+            }
+            self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
+            self.report("caught_up");
+            info!(lock = %self.job, tick, "running a missed tick");
+            match self.run_one(inner, held, base, guard, tick, true).await {
+                // A newer tick took over: it decides about the rest of the gap.
+                Ok(Outcome::Skipped(SkipReason::Cancelled { reason, tick: at_ }))
+                    if reason == Stop::NewerTick.reason() =>
+                {
+                    return Err(Outcome::Skipped(SkipReason::Cancelled {
+                        tick: at_,
+                        reason,
+                    }));
+                }
+                Ok(_) => {}
+                Err(e) => warn!(lock = %self.job, tick, error = %e, "a missed tick's run failed"),
+            }
+        }
+        Ok(())
+    }
+
+    /// On gaining leadership at `now`: if the schedule's next tick is more than
+    /// [`GAIN_MARGIN`] away, decides about the missed ticks now rather than at that
+    /// tick (a daily job's missed run would otherwise wait a day). Every tick before
+    /// the next one is then at least the margin in the past, so none of them can still
+    /// reach the gate from this node's scheduler.
+    async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard, now: u64)
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let Some(schedule) = &self.schedule else {
+            return;
+        };
+        let margin = GAIN_MARGIN.as_secs();
+        let Some(next) = next_after(schedule, now.saturating_sub(margin)) else {
+            return;
+        };
+        if next <= now + margin {
+            return; // that tick comes soon, and decides about the gap itself
+        }
+        let mut held = self.turn.wait().await;
+        if !guard.is_valid() {
+            return;
+        }
+        let base = self
+            .template
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .unwrap_or_else(|| Task::new(Tick::new(now)));
+        let _ = self
+            .fill_gap(inner, &mut held, &base, guard, next, now)
+            .await;
+    }
+
+    /// Runs one tick (the one due, or a missed one) and records it.
+    async fn run_one<S>(
+        &self,
+        inner: &mut S,
+        held: &mut Held<'_>,
+        base: &Task<Tick>,
+        guard: &LeaderGuard,
+        tick: u64,
+        catch_up: bool,
+    ) -> Result<Outcome<S::Response>, S::Error>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display,
+    {
+        let token = guard.fencing_token();
+        let ctx = TickContext::new(
+            Arc::clone(&self.job),
+            Arc::clone(&self.node),
+            tick,
+            token,
+            catch_up,
+            self.claim,
+            self.ledger.clone(),
+        );
+        if worker_stopping(base) {
+            // Not claimed, not run: the next run, here or on the next leader, decides.
+            return Ok(Outcome::Skipped(SkipReason::Cancelled {
+                tick: at(tick),
+                reason: Stop::ShuttingDown.reason(),
+            }));
+        }
+        let mut task = base.clone();
+        task.args = Tick::new(tick);
+        task.inject_data(guard.clone());
+        task.inject_data(ctx.clone());
+        if self.claim == Claim::BeforeRun {
+            match self
+                .ledger
+                .claim_before_run(&self.job, tick, token, &self.node)
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => return Ok(self.already_recorded(tick)),
+                Err(e) => return Ok(self.ledger_failed(tick, &e)),
+            }
+        }
+        self.stats.ran.fetch_add(1, Ordering::Relaxed);
+        self.report("ran");
+        let result = match self.run_until_stopped(inner, task, held, guard).await {
+            Ok(result) => result,
+            Err(stop) => return Ok(self.cancelled(&ctx, stop).await),
+        };
+        let failure = result.as_ref().err().map(ToString::to_string);
+        match self.claim {
+            Claim::BeforeRun => {
+                let outcome = if failure.is_some() { "failed" } else { "ran" };
+                if let Err(e) = self
+                    .ledger
+                    .finish(&self.job, tick, token, outcome, failure.as_deref())
+                    .await
+                {
+                    warn!(lock = %self.job, tick, error = %chain(&e), "could not record the outcome of a run: its row stays 'running'");
+                }
+            }
+            Claim::InJobTransaction => match (ctx.slot(), &failure) {
+                (Slot::Committed, _) => {}
+                (Slot::AlreadyRecorded, None) => return Ok(self.already_recorded(tick)),
+                (_, failure) => {
+                    // Failed, or succeeded without committing a ledger transaction: record
+                    // it, so that no later leader runs it again.
+                    let (outcome, reason) = match failure {
+                        Some(f) => ("failed", f.as_str()),
+                        None => (
+                            "ran",
+                            "recorded after the run: the job committed no ledger transaction",
+                        ),
+                    };
+                    // (Already recorded: the insert does nothing.)
+                    if let Err(e) = self
+                        .ledger
+                        .record(&self.job, token, &self.node, outcome, &[(tick, reason)])
+                        .await
+                    {
+                        warn!(lock = %self.job, tick, error = %chain(&e), "could not record the outcome of a run");
+                    }
+                }
+            },
+        }
+        result.map(Outcome::Ran)
+    }
+}
+
+/// Why a run was stopped before it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// A newer tick is due, under [`Overlap::CancelPrevious`].
+    NewerTick,
+    /// The run exceeded `max_runtime`.
+    MaxRuntime(Duration),
+    /// The lease the run was let through under was lost.
+    LeadershipLost,
+    /// The apalis worker is shutting down (the job was not called).
+    ShuttingDown,
+}
+
+impl Stop {
+    fn reason(self) -> String {
+        match self {
+            Self::NewerTick => "a newer tick is due".to_owned(),
+            Self::MaxRuntime(limit) => format!("ran longer than max_runtime ({limit:?})"),
+            Self::LeadershipLost => "leadership lost".to_owned(),
+            Self::ShuttingDown => "the worker is shutting down".to_owned(),
+        }
+    }
+}
+
+impl Shared {
+    /// Runs the job until it ends, or is stopped: a newer tick under
+    /// [`Overlap::CancelPrevious`], `max_runtime`, or the loss of the lease it was let
+    /// through under (so that no other node's run of the job can start while this one
+    /// still runs here, except in a process frozen past its lease, whose writes the
+    /// fence refuses). Stopping drops the job's future.
+    async fn run_until_stopped<S>(
+        &self,
+        inner: &mut S,
+        task: Task<Tick>,
+        held: &mut Held<'_>,
+        guard: &LeaderGuard,
+    ) -> Result<Result<S::Response, S::Error>, Stop>
+    where
+        S: Service<Task<Tick>>,
+    {
+        let limit = async {
+            match self.max_runtime {
+                Some(limit) => tokio::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            result = call(inner, task) => result.ok_or(Stop::ShuttingDown),
+            () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => Err(Stop::NewerTick),
+            () = limit => Err(Stop::MaxRuntime(self.max_runtime.unwrap_or_default())),
+            () = guard.lost() => Err(Stop::LeadershipLost),
+        }
+    }
+
+    /// Records a stopped run and answers its outcome.
+    async fn cancelled<R>(&self, ctx: &TickContext, stop: Stop) -> Outcome<R> {
+        let (tick, token) = (ctx.timestamp(), ctx.fencing_token());
+        let reason = stop.reason();
+        self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        self.report("cancelled");
+        warn!(lock = %self.job, tick, reason = %reason, "run cancelled");
+        let recorded = match (self.claim, ctx.slot(), stop) {
+            (Claim::BeforeRun, ..) => self
+                .ledger
+                .finish(&self.job, tick, token, "cancelled", Some(&reason))
+                .await
+                .map(drop),
+            // Its writes committed before the stop: it ran.
+            (Claim::InJobTransaction, Slot::Committed, _) => Ok(()),
+            // Its writes rolled back with the dropped transaction (or it never started);
+            // left unrecorded, the tick is a missed tick for the next leader, which may
+            // run it (exactly once).
+            (Claim::InJobTransaction, _, Stop::LeadershipLost | Stop::ShuttingDown) => Ok(()),
+            (Claim::InJobTransaction, ..) => {
+                self.ledger
+                    .record(
+                        &self.job,
+                        token,
+                        &self.node,
+                        "cancelled",
+                        &[(tick, &reason)],
+                    )
+                    .await
+            }
+        };
+        if let Err(e) = recorded {
+            warn!(lock = %self.job, tick, error = %chain(&e), "could not record a cancelled run");
+        }
+        Outcome::Skipped(SkipReason::Cancelled {
+            tick: at(tick),
+            reason,
+        })
+    }
+
+    /// Records (or leaves to the misfire policy) a tick an overlap policy did not run,
+    /// and answers its outcome.
+    async fn overlap_skipped<R>(
+        &self,
+        guard: &LeaderGuard,
+        tick: u64,
+        refused: Refused,
+    ) -> Outcome<R> {
+        let reason = match refused {
+            Refused::Record(reason) => {
+                if let Err(e) = self
+                    .ledger
+                    .record(
+                        &self.job,
+                        guard.fencing_token(),
+                        &self.node,
+                        "skipped",
+                        &[(tick, reason)],
+                    )
+                    .await
+                {
+                    return self.ledger_failed(tick, &e);
+                }
+                reason
+            }
+            Refused::Defer(reason) => reason,
+        };
+        self.stats.skipped_overlap.fetch_add(1, Ordering::Relaxed);
+        self.report("skipped_overlap");
+        info!(lock = %self.job, tick, reason, "tick not run now: the previous run is still running");
+        Outcome::Skipped(SkipReason::Overlap {
+            tick: at(tick),
+            reason: reason.to_owned(),
+        })
+    }
+}
+
+/// How often a wait for the job's readiness looks whether the worker is stopping.
+const SHUTDOWN_POLL: Duration = Duration::from_millis(100);
+
+/// Waits for `inner` to be ready, then calls it; `None` (without calling it) once the
+/// apalis worker of `base` is shutting down. apalis' lifecycle service, inside the
+/// gate, is never ready again once its worker shuts down, and the worker waits for
+/// every call in flight: waiting on regardless would hang the shutdown.
+async fn call<S: Service<Task<Tick>>>(
+    inner: &mut S,
+    task: Task<Tick>,
+) -> Option<Result<S::Response, S::Error>> {
+    let worker = task.data().get::<WorkerContext>().cloned();
+    let stopping = || worker.as_ref().is_some_and(WorkerContext::is_shutting_down);
+    loop {
+        if stopping() {
+            return None;
+        }
+        tokio::select! {
+            ready = std::future::poll_fn(|cx| inner.poll_ready(cx)) => match ready {
+                Ok(()) => break,
+                Err(e) => return Some(Err(e)),
+            },
+            () = tokio::time::sleep(SHUTDOWN_POLL), if worker.is_some() => {}
+        }
+    }
+    Some(inner.call(task).await)
+}
+
+/// `true` once the apalis worker that delivered `task` is shutting down.
+fn worker_stopping(task: &Task<Tick>) -> bool {
+    task.data()
+        .get::<WorkerContext>()
+        .is_some_and(WorkerContext::is_shutting_down)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use apalis_core::task::Task;
+    use apalis_cron::Tick;
+    use chosen_core::Leadership;
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    use crate::{LeaderOnlyJobLayer, Misfire, Outcome, SkipReason, TickLedger};
+
+    /// A pool to a port nobody listens on: every `get` fails at once.
+    fn dead_pool() -> deadpool_postgres::Pool {
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host("127.0.0.1")
+            .port(1)
+            .user("nobody")
+            .dbname("none");
+        deadpool_postgres::Pool::builder(deadpool_postgres::Manager::new(
+            config,
+            tokio_postgres::NoTls,
+        ))
+        .build()
+        .expect("a pool without a runtime-dependent timeout builds")
+    }
+
+    // No database: a follower never touches the ledger, and a leader whose ledger is
+    // unreachable skips the tick as `Ok` (never `Err`: a hot loop under a retry layer)
+    // without calling the job. Paused time: nothing here waits on a clock.
+    #[tokio::test(start_paused = true)]
+    async fn followers_skip_and_an_unreachable_ledger_skips_as_ok() {
+        let (leadership, control) = Leadership::manual("ledger-unit", "node-1");
+        let calls = Arc::new(AtomicU32::new(0));
+        let job = {
+            let calls = Arc::clone(&calls);
+            tower::service_fn(move |_: Task<Tick>| {
+                calls.fetch_add(1, Ordering::Relaxed);
+                async { Ok::<_, std::convert::Infallible>(()) }
+            })
+        };
+        let layer = LeaderOnlyJobLayer::new(leadership)
+            .ledger(TickLedger::new(dead_pool()))
+            .misfire(Misfire::RunOnce);
+        let mut svc = layer.layer(job);
+
+        control.follow(Some("node-2"));
+        let out = svc.call(Task::new(Tick::new(1_900_000_000))).await.unwrap();
+        assert_eq!(
+            out,
+            Outcome::Skipped(SkipReason::NotLeader {
+                leader: Some("node-2".to_owned())
+            })
+        );
+
+        control.lead(3);
+        let out = svc.call(Task::new(Tick::new(1_900_000_001))).await.unwrap();
+        assert!(
+            matches!(&out, Outcome::Skipped(SkipReason::Ledger { error, .. }) if error.contains("no connection from the pool")),
+            "{out:?}"
+        );
+        assert_eq!(calls.load(Ordering::Relaxed), 0);
+        let stats = layer.stats();
+        assert_eq!(
+            (stats.skipped_not_leader(), stats.skipped_ledger_error()),
+            (1, 1)
+        );
+    }
+}

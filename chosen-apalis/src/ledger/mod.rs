@@ -1,0 +1,481 @@
+//! The tick ledger: every (job, scheduled tick) recorded in PostgreSQL, claimed once.
+
+mod context;
+mod error;
+mod gate;
+mod overlap;
+mod plan;
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chosen_core::fenced::FenceTable;
+use chosen_core::{FencingToken, LockKey};
+use deadpool_postgres::Pool;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
+
+pub use context::{LedgerTx, TickContext};
+pub use error::LedgerError;
+pub use gate::{LedgerFuture, LedgeredCron, LedgeredCronLayer};
+pub use overlap::Overlap;
+pub use plan::Misfire;
+
+pub(crate) use error::chain;
+
+/// The ledger table used unless another is configured.
+pub const DEFAULT_LEDGER_TABLE: &str = "chosen_ticks";
+
+/// The SQL that creates the default ledger table (`"chosen_ticks"` in the schema first
+/// on the `search_path`), for teams that run their own migrations; the fence table
+/// ([`chosen_core::fenced::INSTALL_SQL`]) is needed too. Do not change: tables created
+/// by earlier versions must keep working.
+pub const LEDGER_INSTALL_SQL: &str = "CREATE TABLE IF NOT EXISTS \"chosen_ticks\" (\n    job         text        NOT NULL,\n    tick        timestamptz NOT NULL,\n    token       bigint      NOT NULL CHECK (token >= 0),\n    outcome     text        NOT NULL CHECK (outcome IN ('running', 'ran', 'skipped', 'failed', 'cancelled')),\n    reason      text,\n    node        text        NOT NULL,\n    started_at  timestamptz NOT NULL,\n    finished_at timestamptz,\n    PRIMARY KEY (job, tick)\n)";
+
+/// Who claims a tick in the ledger, and so what "once" means for it.
+///
+/// | claim | the tick's row is committed | a tick runs | covers |
+/// |---|---|---|---|
+/// | [`BeforeRun`](Self::BeforeRun) (default) | by the gate, in a transaction of its own, *before* the job runs (outcome `running`, then `ran` / `failed`) | **at most once**: a crash after the claim loses the run, and the row stays `running` | the job's whole run, whatever it writes where |
+/// | [`InJobTransaction`](Self::InJobTransaction) | by the job, in the transaction [`TickContext::begin`] opens, *with the job's writes* | **exactly once** for the writes made in that transaction: they commit together with the tick's row, once, or not at all (and then a later leader may run the tick again, per the misfire policy) | only the writes in that transaction |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The gate claims the tick before the job runs: at most once.
+    #[default]
+    BeforeRun,
+    /// The job claims the tick in its own transaction ([`TickContext::begin`]):
+    /// exactly once for the writes in that transaction.
+    InJobTransaction,
+}
+
+/// Where the ticks of ledgered cron jobs are recorded: a `deadpool_postgres::Pool` and
+/// two tables, the ledger and chosen-core's fence table.
+///
+/// Each row is one (job, scheduled tick): the tick's identity is the time the cron
+/// schedule gave it, not any node's clock, and the primary key makes a second row for
+/// it impossible. Every row is written in a transaction that first calls
+/// [`chosen_core::fenced::fence`] with the job's name and the leader's fencing token,
+/// so a stale leader's write cannot commit after a newer leader's.
+///
+/// ```no_run
+/// use chosen_apalis::TickLedger;
+///
+/// # async fn demo(pool: deadpool_postgres::Pool) -> Result<(), chosen_apalis::LedgerError> {
+/// let ledger = TickLedger::new(pool);
+/// ledger.install().await?; // once, at start-up: CREATE TABLE IF NOT EXISTS (both tables)
+/// # Ok(())
+/// # }
+/// ```
+///
+/// The table, for teams that run their own migrations ([`LEDGER_INSTALL_SQL`], or
+/// [`LedgerTable::install_sql`] for another name), next to
+/// [`chosen_core::fenced::INSTALL_SQL`]:
+///
+/// ```sql
+/// CREATE TABLE IF NOT EXISTS "chosen_ticks" (
+///     job         text        NOT NULL,
+///     tick        timestamptz NOT NULL,
+///     token       bigint      NOT NULL CHECK (token >= 0),
+///     outcome     text        NOT NULL CHECK (outcome IN ('running', 'ran', 'skipped', 'failed', 'cancelled')),
+///     reason      text,
+///     node        text        NOT NULL,
+///     started_at  timestamptz NOT NULL,
+///     finished_at timestamptz,
+///     PRIMARY KEY (job, tick)
+/// )
+/// ```
+///
+/// `job` is the lock name of the gate; `token` the fencing token of the leader that
+/// wrote the row; `outcome` `running` (claimed before the run, not finished: at most
+/// once, see [`Claim`]), `ran`, `skipped` (with `reason`: why, see [`Misfire`]),
+/// `failed` (with the job's error), `cancelled` (reserved for `max_runtime`). chosen
+/// never deletes rows: prune old ones yourself (`DELETE … WHERE tick < now() -
+/// interval '90 days'`) if you need to; keep at least the latest row of each job,
+/// which the next leader reads. The role needs `SELECT, INSERT, UPDATE` on both
+/// tables.
+#[derive(Clone)]
+pub struct TickLedger {
+    pool: Pool,
+    table: LedgerTable,
+    fence: FenceTable,
+}
+
+impl fmt::Debug for TickLedger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TickLedger")
+            .field("table", &self.table.name())
+            .field("fence", &self.fence.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TickLedger {
+    /// A ledger in the default tables ([`DEFAULT_LEDGER_TABLE`],
+    /// [`chosen_core::fenced::DEFAULT_TABLE`]), reached through `pool`. The gate takes
+    /// a connection from it per tick and gives it back before the job runs, so the job
+    /// may use the same pool.
+    #[must_use]
+    pub fn new(pool: Pool) -> Self {
+        Self {
+            pool,
+            table: LedgerTable::default(),
+            fence: FenceTable::default(),
+        }
+    }
+
+    /// Another ledger table.
+    #[must_use]
+    pub fn table(mut self, table: LedgerTable) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// Another fence table (the one your own fenced writes use, if any).
+    #[must_use]
+    pub fn fence_table(mut self, fence: FenceTable) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    /// The ledger table.
+    #[must_use]
+    pub fn ledger_table(&self) -> &LedgerTable {
+        &self.table
+    }
+
+    /// The pool the ledger uses.
+    #[must_use]
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Creates the fence table and the ledger table if they do not exist, in one
+    /// transaction under an advisory lock, so that several nodes may install at once.
+    /// Idempotent; needs the `CREATE` privilege on the schema(s).
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::Pool`] or [`LedgerError::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: one implicit transaction.
+    pub async fn install(&self) -> Result<(), LedgerError> {
+        let client = self.pool.get().await.map_err(LedgerError::Pool)?;
+        let LockKey::Pair(k1, k2) = LockKey::derive("chosen.apalis", "install") else {
+            unreachable!("BUG: derived keys are pairs")
+        };
+        let sql = format!(
+            "SELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{}",
+            self.fence.install_sql(),
+            self.table.install_sql()
+        );
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match client.batch_execute(&sql).await {
+                Ok(()) => return Ok(()),
+                // Created at the same moment by someone not taking the lock (a migration
+                // tool): it exists now.
+                Err(e) if tries < 3 && is_duplicate(&e) => {}
+                Err(source) => {
+                    return Err(LedgerError::Database {
+                        action: "install",
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Client, LedgerError> {
+        self.pool.get().await.map_err(LedgerError::Pool)
+    }
+
+    fn db(&self, action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> LedgerError + '_ {
+        move |source| {
+            if source.code() == Some(&SqlState::UNDEFINED_TABLE) {
+                LedgerError::NotInstalled {
+                    table: self.table.name().to_owned(),
+                    source,
+                }
+            } else {
+                LedgerError::Database { action, source }
+            }
+        }
+    }
+
+    /// The latest tick recorded for `job` before `tick`, whatever its outcome.
+    pub(crate) async fn last_before(
+        &self,
+        job: &str,
+        tick: u64,
+    ) -> Result<Option<u64>, LedgerError> {
+        let client = self.client().await?;
+        let row = client
+            .query_typed(
+                &format!(
+                    "SELECT max(tick) FROM {} WHERE job = $1 AND tick < $2",
+                    self.table.quoted
+                ),
+                &[(&job, Type::TEXT), (&at(tick), Type::TIMESTAMPTZ)],
+            )
+            .await
+            .map_err(self.db("reading the last recorded tick"))?;
+        Ok(row
+            .first()
+            .and_then(|r| r.try_get::<_, Option<SystemTime>>(0).ok().flatten())
+            .map(secs))
+    }
+
+    /// Records finished ticks (`outcome` with a reason each) in one fenced
+    /// transaction; ticks already recorded keep their row.
+    pub(crate) async fn record(
+        &self,
+        job: &str,
+        token: FencingToken,
+        node: &str,
+        outcome: &str,
+        ticks: &[(u64, &str)],
+    ) -> Result<(), LedgerError> {
+        let mut client = self.client().await?;
+        let tx = client
+            .transaction()
+            .await
+            .map_err(self.db("beginning a transaction"))?;
+        self.fence.fence(&tx, job, token).await?;
+        let when: Vec<SystemTime> = ticks.iter().map(|(t, _)| at(*t)).collect();
+        let why: Vec<&str> = ticks.iter().map(|(_, r)| *r).collect();
+        tx.execute_typed(
+            &format!(
+                "INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at)\nSELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp()\nFROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)\nON CONFLICT (job, tick) DO NOTHING",
+                self.table.quoted
+            ),
+            &[
+                (&job, Type::TEXT),
+                (&when, Type::TIMESTAMPTZ_ARRAY),
+                (&token_value(token)?, Type::INT8),
+                (&outcome, Type::TEXT),
+                (&node, Type::TEXT),
+                (&why, Type::TEXT_ARRAY),
+            ],
+        )
+        .await
+        .map_err(self.db("recording ticks"))?;
+        tx.commit().await.map_err(self.db("committing"))
+    }
+
+    /// Claims `tick` for `job` with outcome `running`, in a fenced transaction of its
+    /// own: `false` if it is already recorded.
+    pub(crate) async fn claim_before_run(
+        &self,
+        job: &str,
+        tick: u64,
+        token: FencingToken,
+        node: &str,
+    ) -> Result<bool, LedgerError> {
+        let mut client = self.client().await?;
+        let tx = client
+            .transaction()
+            .await
+            .map_err(self.db("beginning a transaction"))?;
+        self.fence.fence(&tx, job, token).await?;
+        let claimed = self
+            .claim_in(&tx, job, tick, token, node, "running")
+            .await?;
+        tx.commit().await.map_err(self.db("committing the claim"))?;
+        Ok(claimed)
+    }
+
+    /// Inserts the claim row in `tx`: `false` if the tick is already recorded.
+    pub(crate) async fn claim_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        job: &str,
+        tick: u64,
+        token: FencingToken,
+        node: &str,
+        outcome: &str,
+    ) -> Result<bool, LedgerError> {
+        let rows = tx
+            .query_typed(
+                &format!(
+                    "INSERT INTO {} (job, tick, token, outcome, node, started_at)\nVALUES ($1, $2, $3, $4, $5, clock_timestamp())\nON CONFLICT (job, tick) DO NOTHING\nRETURNING 1",
+                    self.table.quoted
+                ),
+                &[
+                    (&job, Type::TEXT),
+                    (&at(tick), Type::TIMESTAMPTZ),
+                    (&token_value(token)?, Type::INT8),
+                    (&outcome, Type::TEXT),
+                    (&node, Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(self.db("claiming the tick"))?;
+        Ok(!rows.is_empty())
+    }
+
+    /// The statement that sets the outcome of a tick this leader claimed: `$1` job,
+    /// `$2` tick, `$3` token, `$4` outcome (NULL: keep), `$5` reason (NULL: keep).
+    pub(crate) fn finish_sql(&self) -> String {
+        format!(
+            "UPDATE {} SET outcome = coalesce($4, outcome), reason = coalesce($5, reason), finished_at = clock_timestamp()\nWHERE job = $1 AND tick = $2 AND token = $3",
+            self.table.quoted
+        )
+    }
+
+    /// Sets the outcome of a tick this leader claimed before the run: `false` if no
+    /// such row (not our claim).
+    pub(crate) async fn finish(
+        &self,
+        job: &str,
+        tick: u64,
+        token: FencingToken,
+        outcome: &str,
+        reason: Option<&str>,
+    ) -> Result<bool, LedgerError> {
+        let client = self.client().await?;
+        let n = client
+            .execute_typed(
+                &self.finish_sql(),
+                &[
+                    (&job, Type::TEXT),
+                    (&at(tick), Type::TIMESTAMPTZ),
+                    (&token_value(token)?, Type::INT8),
+                    (&Some(outcome), Type::TEXT),
+                    (&reason, Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(self.db("recording the outcome"))?;
+        Ok(n == 1)
+    }
+
+    pub(crate) fn fence(&self) -> &FenceTable {
+        &self.fence
+    }
+}
+
+pub(crate) fn token_value(token: FencingToken) -> Result<i64, LedgerError> {
+    i64::try_from(token.get())
+        .map_err(|_| LedgerError::Fence(chosen_core::Error::TokenOutOfRange(token)))
+}
+
+/// A tick (Unix seconds) as the server's `timestamptz`.
+pub(crate) fn at(tick: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(tick)
+}
+
+/// A `timestamptz` back to Unix seconds (ticks are whole seconds).
+fn secs(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn is_duplicate(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|c| {
+        *c == SqlState::UNIQUE_VIOLATION
+            || *c == SqlState::DUPLICATE_TABLE
+            || *c == SqlState::DUPLICATE_OBJECT
+    })
+}
+
+/// A ledger table: its (validated) name and the SQL that creates it.
+///
+/// ```
+/// use chosen_apalis::LedgerTable;
+///
+/// let table = LedgerTable::new("ops.chosen_ticks")?;
+/// assert_eq!(table.name(), "ops.chosen_ticks");
+/// assert!(table.install_sql().starts_with("CREATE TABLE IF NOT EXISTS \"ops\".\"chosen_ticks\""));
+/// assert!(LedgerTable::new("ops.Chosen Ticks").is_err());
+/// # Ok::<(), chosen_apalis::LedgerError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LedgerTable {
+    name: String,
+    quoted: String,
+}
+
+impl Default for LedgerTable {
+    /// [`DEFAULT_LEDGER_TABLE`], in the schema first on the `search_path`.
+    fn default() -> Self {
+        Self {
+            name: DEFAULT_LEDGER_TABLE.to_owned(),
+            quoted: format!("\"{DEFAULT_LEDGER_TABLE}\""),
+        }
+    }
+}
+
+impl LedgerTable {
+    /// A ledger table named `table` or `schema.table`; each part a lowercase SQL
+    /// identifier (an ASCII letter or `_`, then letters, digits or `_`, at most 63
+    /// bytes). Always quoted in SQL, so reserved words work.
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::InvalidTableName`], saying what is wrong.
+    pub fn new(name: &str) -> Result<Self, LedgerError> {
+        // The same rules as the fence table's: reuse them, and say "ledger" in the error.
+        FenceTable::new(name).map_err(|e| match e {
+            chosen_core::Error::InvalidTableName(why) => LedgerError::InvalidTableName(why),
+            other => LedgerError::InvalidTableName(other.to_string()),
+        })?;
+        let quoted = name
+            .split('.')
+            .map(|p| format!("\"{p}\""))
+            .collect::<Vec<_>>()
+            .join(".");
+        Ok(Self {
+            name: name.to_owned(),
+            quoted,
+        })
+    }
+
+    /// The table name as given (unquoted).
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The SQL that creates this table if it does not exist, for teams that run their
+    /// own migrations.
+    #[must_use]
+    pub fn install_sql(&self) -> String {
+        // Do not change the shape: tables created by earlier versions must keep working.
+        LEDGER_INSTALL_SQL.replacen("\"chosen_ticks\"", &self.quoted, 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_table_s_sql_is_the_published_constant() {
+        assert_eq!(LedgerTable::default().install_sql(), LEDGER_INSTALL_SQL);
+        assert_eq!(
+            LedgerTable::new(DEFAULT_LEDGER_TABLE).unwrap(),
+            LedgerTable::default()
+        );
+    }
+
+    #[test]
+    fn table_names_are_validated_and_quoted() {
+        let t = LedgerTable::new("ops.ticks_2").unwrap();
+        assert_eq!(t.quoted, "\"ops\".\"ticks_2\"");
+        assert!(
+            t.install_sql()
+                .starts_with("CREATE TABLE IF NOT EXISTS \"ops\".\"ticks_2\" (")
+        );
+        for bad in ["", "a.b.c", "Ticks", "ti cks", "t\"; DROP TABLE x; --"] {
+            let err = LedgerTable::new(bad).expect_err(bad);
+            assert!(
+                err.to_string()
+                    .starts_with("invalid tick ledger table name"),
+                "{err}"
+            );
+        }
+    }
+}

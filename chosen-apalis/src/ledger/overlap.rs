@@ -1,0 +1,210 @@
+//! One run of a job at a time on a node, and what a tick due during a run does.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{MutexGuard, watch};
+
+/// What a tick due while the previous run of the job is still running on this node
+/// does (runs on two nodes cannot overlap: only the leader runs, and the ledgered gate
+/// stops a run when its leadership is lost).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Overlap {
+    /// The tick is not run: recorded `skipped`, reason `previous run still running`.
+    Skip,
+    /// The tick waits for the previous run, then runs. One tick at most waits: a
+    /// further one is not run now and not recorded, so the next run finds it missing
+    /// and the [`Misfire`](crate::Misfire) policy decides about it (`CatchUp` runs it
+    /// late, `Skip` records it `skipped`); nothing queues up in memory.
+    #[default]
+    Buffer,
+    /// The previous run is cancelled (its future dropped; recorded `cancelled`, reason
+    /// `a newer tick is due`), then the tick runs.
+    CancelPrevious,
+}
+
+/// The reasons recorded for ticks an overlap skipped. Do not change: operators query
+/// them.
+pub(crate) const SKIP_RUNNING: &str = "previous run still running";
+pub(crate) const SKIP_BUFFER_FULL: &str =
+    "previous run still running, one tick already waiting: left to the misfire policy";
+
+/// Why a tick does not get the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Record the tick `skipped` with this reason.
+    Record(&'static str),
+    /// Leave the tick unrecorded, to the misfire policy of the next run.
+    Defer(&'static str),
+}
+
+/// How often a tick waiting under [`Overlap::CancelPrevious`] repeats its request, so
+/// that a run that took the turn just as the request was sent is cancelled too.
+const CANCEL_REPEAT: Duration = Duration::from_millis(50);
+
+/// The turn of runs of one job on one node.
+#[derive(Debug)]
+pub(crate) struct Turn {
+    serial: tokio::sync::Mutex<()>,
+    waiting: AtomicBool,
+    cancel: watch::Sender<u64>,
+}
+
+impl Default for Turn {
+    fn default() -> Self {
+        Self {
+            serial: tokio::sync::Mutex::new(()),
+            waiting: AtomicBool::new(false),
+            cancel: watch::Sender::new(0),
+        }
+    }
+}
+
+/// Holding the turn: runs until dropped; [`cancelled`](Held::cancelled) resolves when
+/// a newer tick asks for the turn under [`Overlap::CancelPrevious`].
+#[derive(Debug)]
+pub(crate) struct Held<'a> {
+    _serial: MutexGuard<'a, ()>,
+    cancel: watch::Receiver<u64>,
+}
+
+impl Held<'_> {
+    /// Resolves when a newer tick asks this run to stop.
+    pub(crate) async fn cancelled(&mut self) {
+        if self.cancel.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Turn {
+    /// Takes the turn for a tick, as `overlap` says; `Err` when the tick does not run
+    /// now.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe (a dropped wait leaves the turn as it was, and a dropped buffered
+    /// wait frees the buffer slot).
+    pub(crate) async fn take(&self, overlap: Overlap) -> Result<Held<'_>, Refused> {
+        if let Ok(serial) = self.serial.try_lock() {
+            return Ok(self.held(serial));
+        }
+        match overlap {
+            Overlap::Skip => Err(Refused::Record(SKIP_RUNNING)),
+            Overlap::Buffer => {
+                if self.waiting.swap(true, Ordering::AcqRel) {
+                    return Err(Refused::Defer(SKIP_BUFFER_FULL));
+                }
+                let slot = WaitingSlot(&self.waiting);
+                let serial = self.serial.lock().await;
+                drop(slot);
+                Ok(self.held(serial))
+            }
+            Overlap::CancelPrevious => {
+                let mut serial = std::pin::pin!(self.serial.lock());
+                loop {
+                    self.cancel.send_modify(|generation| *generation += 1);
+                    tokio::select! {
+                        guard = &mut serial => return Ok(self.held(guard)),
+                        () = tokio::time::sleep(CANCEL_REPEAT) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes the turn whatever runs, waiting as long as needed (catch-up on gaining
+    /// leadership).
+    pub(crate) async fn wait(&self) -> Held<'_> {
+        let serial = self.serial.lock().await;
+        self.held(serial)
+    }
+
+    fn held<'a>(&'a self, serial: MutexGuard<'a, ()>) -> Held<'a> {
+        // Subscribed after taking the turn: requests sent before were for the
+        // previous holder (and are repeated if still wanted).
+        Held {
+            _serial: serial,
+            cancel: self.cancel.subscribe(),
+        }
+    }
+}
+
+/// Frees the buffer slot when the buffered wait ends, or is dropped.
+struct WaitingSlot<'a>(&'a AtomicBool);
+
+impl Drop for WaitingSlot<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn skip_refuses_while_a_run_holds_the_turn() {
+        let turn = Turn::default();
+        let held = turn.take(Overlap::Skip).await.unwrap();
+        assert_eq!(
+            turn.take(Overlap::Skip).await.unwrap_err(),
+            Refused::Record(SKIP_RUNNING)
+        );
+        drop(held);
+        assert!(turn.take(Overlap::Skip).await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn buffer_keeps_one_waiting_tick() {
+        let turn = Arc::new(Turn::default());
+        let held = turn.take(Overlap::Buffer).await.unwrap();
+        let waiter = {
+            let turn = Arc::clone(&turn);
+            tokio::spawn(async move {
+                let _held = turn.take(Overlap::Buffer).await.unwrap();
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            turn.take(Overlap::Buffer).await.unwrap_err(),
+            Refused::Defer(SKIP_BUFFER_FULL)
+        );
+        drop(held);
+        waiter.await.unwrap();
+        // The slot is free again.
+        assert!(turn.take(Overlap::Buffer).await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancel_previous_stops_the_holder_and_takes_the_turn() {
+        let turn = Arc::new(Turn::default());
+        let mut held = turn.take(Overlap::CancelPrevious).await.unwrap();
+        let newer = {
+            let turn = Arc::clone(&turn);
+            tokio::spawn(async move { turn.take(Overlap::CancelPrevious).await.is_ok() })
+        };
+        // The holder is asked to stop; when it does, the newer tick runs.
+        tokio::time::timeout(Duration::from_secs(1), held.cancelled())
+            .await
+            .expect("the holder is asked to stop");
+        drop(held);
+        assert!(newer.await.unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_holder_does_not_see_requests_sent_before_it_took_the_turn() {
+        let turn = Turn::default();
+        turn.cancel.send_modify(|g| *g += 1);
+        let mut held = turn.wait().await;
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), held.cancelled())
+                .await
+                .is_err()
+        );
+    }
+}

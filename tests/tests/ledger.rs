@@ -1,0 +1,729 @@
+//! The tick ledger against a real PostgreSQL: each misfire policy after a gap (what
+//! runs, in which order, what is recorded as skipped and why), a new leader deciding
+//! from the ledger alone, claim uniqueness between two gates, exactly one witness row
+//! per tick with the claim in the job's transaction, and a stale leader refused.
+//!
+//! Leaderships are set by hand (`Leadership::manual`): these tests are about what the
+//! ledger decides, which depends only on the tokens and the ticks, not on how the
+//! leadership was won. Ticks are handed to the gate directly, so a "gap" is exact.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use apalis_core::error::BoxDynError;
+use apalis_core::task::Task;
+use chosen_apalis::{
+    Claim, LeaderOnlyJobLayer, LedgeredCron, LedgeredCronLayer, Misfire, Outcome, Overlap,
+    Schedule, SkipReason, Tick, TickContext, TickLedger,
+};
+use chosen_core::{Leadership, ManualLeadership};
+use chosen_tests::{PgCluster, connect_admin, unique_name};
+use deadpool_postgres::Pool;
+use tokio_postgres::Client;
+use tower::{Layer, Service, ServiceExt};
+
+/// A tick well in the future, a multiple of 60.
+const T0: u64 = 1_900_000_020;
+
+struct Db {
+    _pg: PgCluster,
+    pool: Pool,
+    admin: Client,
+    ledger: TickLedger,
+}
+
+async fn db() -> Db {
+    let pg = PgCluster::start().unwrap();
+    let config: tokio_postgres::Config = pg.url().parse().unwrap();
+    let pool = Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(4)
+    .build()
+    .unwrap();
+    let ledger = TickLedger::new(pool.clone());
+    ledger.install().await.unwrap();
+    // Idempotent.
+    ledger.install().await.unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .batch_execute("CREATE TABLE IF NOT EXISTS witness (job text, tick bigint, token bigint)")
+        .await
+        .unwrap();
+    Db {
+        _pg: pg,
+        pool,
+        admin,
+        ledger,
+    }
+}
+
+/// The ticks the job ran, in order, and whether each was a missed one.
+type Runs = Arc<Mutex<Vec<(u64, bool)>>>;
+
+/// A job that notes its runs and, if `pool` is given, writes a witness row in the
+/// ledger transaction.
+#[derive(Clone)]
+struct Job {
+    runs: Runs,
+    pool: Option<Pool>,
+    /// How long the run of a tick takes, for the ticks listed (others: no time).
+    delays: Delays,
+}
+
+type Delays = Arc<Mutex<Vec<(u64, Duration)>>>;
+
+impl Service<Task<Tick>> for Job {
+    type Response = ();
+    type Error = BoxDynError;
+    type Future = std::pin::Pin<Box<dyn Future<Output = Result<(), BoxDynError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxDynError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, task: Task<Tick>) -> Self::Future {
+        let (runs, pool) = (Arc::clone(&self.runs), self.pool.clone());
+        let delay = self
+            .delays
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(t, _)| *t == task.args.get_timestamp())
+            .map(|(_, d)| *d);
+        Box::pin(async move {
+            let ctx = task
+                .ctx()
+                .data()
+                .get::<TickContext>()
+                .cloned()
+                .ok_or("no TickContext")?;
+            assert_eq!(ctx.timestamp(), task.args.get_timestamp());
+            runs.lock()
+                .unwrap()
+                .push((ctx.timestamp(), ctx.is_catch_up()));
+            if let Some(pool) = pool {
+                let mut client = pool.get().await?;
+                let Some(tx) = ctx.begin(&mut client).await? else {
+                    return Ok(());
+                };
+                if let Some(delay) = delay {
+                    tokio::time::sleep(delay).await;
+                }
+                tx.execute(
+                    "INSERT INTO witness (job, tick, token) VALUES ($1, $2, $3)",
+                    &[
+                        &ctx.job(),
+                        &(ctx.timestamp() as i64),
+                        &(ctx.fencing_token().get() as i64),
+                    ],
+                )
+                .await?;
+                tx.commit().await?;
+            } else if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
+            Ok(())
+        })
+    }
+}
+
+struct Node {
+    svc: LedgeredCron<Job>,
+    control: ManualLeadership,
+    layer: LedgeredCronLayer,
+    runs: Runs,
+    delays: Delays,
+}
+
+fn node(
+    db: &Db,
+    job: &str,
+    id: &str,
+    token: u64,
+    misfire: Misfire,
+    claim: Claim,
+    witness: bool,
+) -> Node {
+    let every_second = "* * * * * *".parse::<Schedule>().unwrap();
+    node_on(db, job, id, token, (misfire, claim, every_second), witness)
+}
+
+fn node_on(
+    db: &Db,
+    job: &str,
+    id: &str,
+    token: u64,
+    (misfire, claim, schedule): (Misfire, Claim, Schedule),
+    witness: bool,
+) -> Node {
+    node_with(db, job, id, token, witness, |layer| {
+        layer.misfire(misfire).claim(claim).schedule(schedule)
+    })
+}
+
+fn node_with(
+    db: &Db,
+    job: &str,
+    id: &str,
+    token: u64,
+    witness: bool,
+    configure: impl FnOnce(LedgeredCronLayer) -> LedgeredCronLayer,
+) -> Node {
+    let (leadership, control): (Leadership, _) = Leadership::manual(job, id);
+    control.lead(token);
+    let layer = configure(LeaderOnlyJobLayer::new(leadership).ledger(db.ledger.clone()));
+    let runs = Runs::default();
+    let delays = Delays::default();
+    let svc = layer.layer(Job {
+        runs: Arc::clone(&runs),
+        pool: witness.then(|| db.pool.clone()),
+        delays: Arc::clone(&delays),
+    });
+    Node {
+        svc,
+        control,
+        layer,
+        runs,
+        delays,
+    }
+}
+
+async fn try_tick(node: &mut Node, at: u64) -> Result<Outcome<()>, BoxDynError> {
+    node.svc.ready().await?.call(Task::new(Tick::new(at))).await
+}
+
+async fn tick(node: &mut Node, at: u64) -> Outcome<()> {
+    try_tick(node, at).await.unwrap()
+}
+
+/// `(tick - T0, outcome, reason, token)` per ledger row of `job`, by tick.
+async fn rows(admin: &Client, job: &str) -> Vec<(i64, String, Option<String>, i64)> {
+    admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint, outcome, reason, token FROM chosen_ticks WHERE job = $1 ORDER BY tick",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+fn row(
+    dt: i64,
+    outcome: &str,
+    reason: Option<&str>,
+    token: i64,
+) -> (i64, String, Option<String>, i64) {
+    (dt, outcome.to_owned(), reason.map(str::to_owned), token)
+}
+
+#[tokio::test]
+async fn skip_records_every_missed_tick_and_runs_none() {
+    let db = db().await;
+    let job = unique_name("ledger-skip");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    assert!(tick(&mut a, T0).await.ran());
+    // Four ticks nobody handled, then T0+5.
+    assert!(tick(&mut a, T0 + 5).await.ran());
+    assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 5, false)]);
+    let missed = Some("missed: not run when due");
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "ran", None, 5),
+            row(1, "skipped", missed, 5),
+            row(2, "skipped", missed, 5),
+            row(3, "skipped", missed, 5),
+            row(4, "skipped", missed, 5),
+            row(5, "ran", None, 5),
+        ]
+    );
+    assert_eq!(a.layer.stats().skipped_missed(), 4);
+    // The same tick again (a second scheduler, a retry): not run twice.
+    assert!(matches!(
+        tick(&mut a, T0 + 5).await,
+        Outcome::Skipped(SkipReason::AlreadyRecorded { .. })
+    ));
+    assert_eq!(a.runs.lock().unwrap().len(), 2);
+    a.control.follow(Some("node-b"));
+    assert!(matches!(
+        tick(&mut a, T0 + 6).await,
+        Outcome::Skipped(SkipReason::NotLeader { .. })
+    ));
+}
+
+#[tokio::test]
+async fn run_once_runs_the_most_recent_missed_tick_then_the_due_one() {
+    let db = db().await;
+    let job = unique_name("ledger-once");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::RunOnce,
+        Claim::BeforeRun,
+        false,
+    );
+    tick(&mut a, T0).await;
+    tick(&mut a, T0 + 5).await;
+    assert_eq!(
+        *a.runs.lock().unwrap(),
+        vec![(T0, false), (T0 + 4, true), (T0 + 5, false)]
+    );
+    let sup = Some("superseded by a later missed tick");
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "ran", None, 5),
+            row(1, "skipped", sup, 5),
+            row(2, "skipped", sup, 5),
+            row(3, "skipped", sup, 5),
+            row(4, "ran", None, 5),
+            row(5, "ran", None, 5),
+        ]
+    );
+}
+
+// A gap, then a new leader on another node: it decides from the ledger alone (it ran
+// nothing before), runs exactly the missed ticks within the window, oldest first,
+// each once, and records the others with their reason.
+#[tokio::test]
+async fn catch_up_runs_the_missed_ticks_within_the_window_oldest_first() {
+    let db = db().await;
+    let job = unique_name("ledger-catchup");
+    let policy = Misfire::CatchUp {
+        max: 3,
+        within: Duration::from_secs(4),
+    };
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        policy,
+        Claim::InJobTransaction,
+        true,
+    );
+    tick(&mut a, T0).await;
+    a.control.stop();
+    let mut b = node(
+        &db,
+        &job,
+        "node-b",
+        7,
+        policy,
+        Claim::InJobTransaction,
+        true,
+    );
+    assert!(tick(&mut b, T0 + 10).await.ran());
+    // Within 4 s of T0+10: T0+6..T0+9; the most recent 3 run, oldest first.
+    assert_eq!(
+        *b.runs.lock().unwrap(),
+        vec![
+            (T0 + 7, true),
+            (T0 + 8, true),
+            (T0 + 9, true),
+            (T0 + 10, false)
+        ]
+    );
+    let (win, max) = (Some("beyond catch-up window"), Some("beyond catch-up max"));
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "ran", None, 5),
+            row(1, "skipped", win, 7),
+            row(2, "skipped", win, 7),
+            row(3, "skipped", win, 7),
+            row(4, "skipped", win, 7),
+            row(5, "skipped", win, 7),
+            row(6, "skipped", max, 7),
+            row(7, "ran", None, 7),
+            row(8, "ran", None, 7),
+            row(9, "ran", None, 7),
+            row(10, "ran", None, 7),
+        ]
+    );
+    let witness: Vec<(i64, i64)> = db
+        .admin
+        .query(
+            "SELECT tick, token FROM witness WHERE job = $1 ORDER BY tick",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1)))
+        .collect();
+    assert_eq!(witness, vec![(0, 5), (7, 7), (8, 7), (9, 7), (10, 7)]);
+    assert_eq!(b.layer.stats().caught_up(), 3);
+    assert_eq!(b.layer.stats().skipped_missed(), 6);
+}
+
+// Two gates that both believe they lead (equal tokens, so the fence lets both through)
+// get the same tick at the same moment: the ledger's key lets one run.
+#[tokio::test]
+async fn two_gates_one_tick_one_run() {
+    let db = db().await;
+    for claim in [Claim::BeforeRun, Claim::InJobTransaction] {
+        let job = unique_name("ledger-unique");
+        let mut a = node(&db, &job, "node-a", 5, Misfire::Skip, claim, true);
+        let mut b = node(&db, &job, "node-b", 5, Misfire::Skip, claim, true);
+        for t in T0..T0 + 5 {
+            let (x, y) = tokio::join!(tick(&mut a, t), tick(&mut b, t));
+            assert!(x.ran() != y.ran(), "{claim:?} {t}: {x:?} {y:?}");
+        }
+        let per_tick: Vec<i64> = db
+            .admin
+            .query(
+                "SELECT count(*) FROM witness WHERE job = $1 GROUP BY tick ORDER BY tick",
+                &[&job],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(per_tick, vec![1; 5], "{claim:?}: one witness row per tick");
+        assert_eq!(rows(&db.admin, &job).await.len(), 5);
+    }
+}
+
+// A leader whose lease passed to a newer one (greater token) and that still believes
+// it leads: the newer leader has written, so the old one's claim and its job's
+// transaction are refused, and nothing it writes commits.
+#[tokio::test]
+async fn a_stale_leader_cannot_claim_or_commit() {
+    let db = db().await;
+    for claim in [Claim::BeforeRun, Claim::InJobTransaction] {
+        let job = unique_name("ledger-stale");
+        let mut old = node(&db, &job, "node-a", 5, Misfire::Skip, claim, true);
+        let mut new = node(&db, &job, "node-b", 7, Misfire::Skip, claim, true);
+        assert!(tick(&mut old, T0).await.ran());
+        assert!(tick(&mut new, T0 + 1).await.ran());
+        let out = try_tick(&mut old, T0 + 2).await;
+        match claim {
+            // The gate's claim is refused: the job does not run.
+            Claim::BeforeRun => {
+                let out = out.unwrap();
+                assert!(
+                    matches!(&out, Outcome::Skipped(SkipReason::Ledger { error, .. }) if error.contains("stale")),
+                    "{out:?}"
+                );
+                assert_eq!(old.runs.lock().unwrap().len(), 1);
+            }
+            // The job runs, and its transaction is refused at `begin`: the job's error.
+            Claim::InJobTransaction => {
+                let err = out.expect_err("the stale transaction must fail");
+                assert!(err.to_string().contains("stale"), "{err}");
+                assert_eq!(old.runs.lock().unwrap().len(), 2);
+            }
+            _ => unreachable!(),
+        }
+        let witness: Vec<(i64, i64)> = db
+            .admin
+            .query(
+                "SELECT tick, token FROM witness WHERE job = $1 ORDER BY tick",
+                &[&job],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1)))
+            .collect();
+        assert_eq!(witness, vec![(0, 5), (1, 7)], "{claim:?}");
+        // No row of the stale leader after the newer one's.
+        let rows = rows(&db.admin, &job).await;
+        assert!(
+            rows.iter().all(|r| r.0 < 1 || r.3 == 7),
+            "{claim:?}: {rows:?}"
+        );
+    }
+}
+
+// An hourly job whose ticks fell in a gap: the new leader decides as soon as it leads,
+// not at the next tick (half an hour away here; a day for a daily job).
+#[tokio::test]
+async fn a_new_leader_catches_up_at_once_when_the_next_tick_is_far() {
+    let db = db().await;
+    let job = unique_name("ledger-gain");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Minute `m` of every hour, with `m` half an hour from now: the next tick is ~30 min
+    // away, the last one ~30 min ago.
+    let m = (now / 60 + 30) % 60;
+    let hourly = || format!("0 {m} * * * *").parse::<Schedule>().unwrap();
+    let last = {
+        let mut t = now - now % 60;
+        while (t / 60) % 60 != m {
+            t -= 60;
+        }
+        t
+    };
+    // Node A ran the tick three hours before the last one, then went away.
+    let (t3, t2, t1, t0) = (last - 3 * 3600, last - 2 * 3600, last - 3600, last);
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now())",
+            &[&job, &(t3 as f64)],
+        )
+        .await
+        .unwrap();
+    // Node B leads: its gate runs the most recent missed tick, with no tick arriving.
+    let b = node_on(
+        &db,
+        &job,
+        "node-b",
+        7,
+        (Misfire::RunOnce, Claim::BeforeRun, hourly()),
+        false,
+    );
+    for _ in 0..100 {
+        if !b.runs.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(*b.runs.lock().unwrap(), vec![(t0, true)]);
+    let sup = Some("superseded by a later missed tick".to_owned());
+    let got: Vec<(u64, String, Option<String>)> = db
+        .admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint, outcome, reason FROM chosen_ticks WHERE job = $1 ORDER BY tick",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) as u64, r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (t3, "ran".to_owned(), None),
+            (t2, "skipped".to_owned(), sup.clone()),
+            (t1, "skipped".to_owned(), sup),
+            (t0, "ran".to_owned(), None),
+        ]
+    );
+    assert_eq!(b.layer.stats().caught_up(), 1);
+}
+
+fn every_second() -> Schedule {
+    "* * * * * *".parse().unwrap()
+}
+
+/// Waits until the job's run of `tick` has started.
+async fn started(node: &Node, tick: u64) {
+    for _ in 0..200 {
+        if node.runs.lock().unwrap().iter().any(|(t, _)| *t == tick) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the run of {tick} did not start");
+}
+
+/// Ticks `at` on a clone of the node's service, in a task of its own.
+fn tick_in_background(node: &Node, at: u64) -> tokio::task::JoinHandle<Outcome<()>> {
+    let mut svc = node.svc.clone();
+    tokio::spawn(async move {
+        svc.ready()
+            .await
+            .unwrap()
+            .call(Task::new(Tick::new(at)))
+            .await
+            .unwrap()
+    })
+}
+
+// A tick due while the previous run still runs on this node, under each overlap
+// policy; and a run past max_runtime. Every tick ends with one row saying what
+// happened to it.
+#[tokio::test]
+async fn overlap_policies_and_max_runtime_record_what_they_did() {
+    let db = db().await;
+    let slow = Duration::from_secs(3);
+    let settle = Duration::from_millis(200);
+
+    // Skip: the tick due during the run is recorded skipped.
+    let job = unique_name("ledger-overlap-skip");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second()).overlap(Overlap::Skip)
+    });
+    a.delays.lock().unwrap().push((T0, slow));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    let out = tick(&mut a, T0 + 1).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
+        "{out:?}"
+    );
+    assert!(first.await.unwrap().ran());
+    let running = Some("previous run still running");
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(0, "ran", None, 5), row(1, "skipped", running, 5)]
+    );
+
+    // Buffer: one tick waits and runs after; a second one is skipped.
+    let job = unique_name("ledger-overlap-buffer");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second()).overlap(Overlap::Buffer)
+    });
+    a.delays.lock().unwrap().push((T0, slow));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    let second = tick_in_background(&a, T0 + 1);
+    tokio::time::sleep(settle).await;
+    let out = tick(&mut a, T0 + 2).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
+        "{out:?}"
+    );
+    assert!(first.await.unwrap().ran());
+    assert!(second.await.unwrap().ran());
+    assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 1, false)]);
+    // The third was left to the misfire policy (Skip here): the next tick records it.
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(0, "ran", None, 5), row(1, "ran", None, 5)]
+    );
+    assert!(tick(&mut a, T0 + 3).await.ran());
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "ran", None, 5),
+            row(1, "ran", None, 5),
+            row(2, "skipped", Some("missed: not run when due"), 5),
+            row(3, "ran", None, 5)
+        ]
+    );
+
+    // CancelPrevious, with the claim in the job's transaction: the slow run is
+    // stopped, its write rolled back, and the tick recorded cancelled.
+    let job = unique_name("ledger-overlap-cancel");
+    let mut a = node_with(&db, &job, "node-a", 5, true, |l| {
+        l.schedule(every_second())
+            .overlap(Overlap::CancelPrevious)
+            .claim(Claim::InJobTransaction)
+    });
+    a.delays.lock().unwrap().push((T0, Duration::from_secs(60)));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    assert!(tick(&mut a, T0 + 1).await.ran());
+    let out = first.await.unwrap();
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Cancelled { .. })),
+        "{out:?}"
+    );
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "cancelled", Some("a newer tick is due"), 5),
+            row(1, "ran", None, 5)
+        ]
+    );
+    let witness: Vec<i64> = db
+        .admin
+        .query("SELECT tick FROM witness WHERE job = $1", &[&job])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .collect();
+    assert_eq!(witness, vec![1], "the cancelled run's write rolled back");
+
+    // max_runtime: a run past it is stopped and recorded.
+    let job = unique_name("ledger-max-runtime");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second())
+            .max_runtime(Duration::from_millis(300))
+    });
+    a.delays.lock().unwrap().push((T0, Duration::from_secs(60)));
+    let out = tick(&mut a, T0).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Cancelled { .. })),
+        "{out:?}"
+    );
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(
+            0,
+            "cancelled",
+            Some("ran longer than max_runtime (300ms)"),
+            5
+        )]
+    );
+    assert_eq!(a.layer.stats().cancelled(), 1);
+}
+
+// A graceful stop while a tick waits behind a slow run (Overlap::Buffer), in a real
+// apalis worker: the worker stops. (apalis' lifecycle service, inside the gate, is
+// never ready again once its worker shuts down; a gate that kept waiting for it
+// hung the stop: found by the witness run.)
+#[tokio::test]
+async fn a_graceful_stop_does_not_hang_behind_a_waiting_tick() {
+    use apalis_core::monitor::Monitor;
+    use chosen_apalis::cron_worker;
+
+    async fn slow(_tick: Tick) -> Result<(), BoxDynError> {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        Ok(())
+    }
+
+    let db = db().await;
+    let job = unique_name("ledger-stop");
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let gate = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .overlap(Overlap::Buffer);
+    let stats = gate.stats();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let monitor = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(
+            Monitor::new()
+                .register(move |_| cron_worker("stop", every_second(), gate.clone()).build(slow))
+                .run_with_signal(async move {
+                    stop.notified().await;
+                    Ok(())
+                }),
+        )
+    };
+    // A run is under way and the next tick waits for it.
+    for _ in 0..100 {
+        if stats.ran() >= 1 && stats.skipped_overlap() >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        stats.ran() >= 1 && stats.skipped_overlap() >= 1,
+        "{stats:?}"
+    );
+    stop.notify_one();
+    tokio::time::timeout(Duration::from_secs(15), monitor)
+        .await
+        .expect("the worker stops within 15 s")
+        .unwrap()
+        .unwrap();
+}

@@ -1,0 +1,352 @@
+//! The tick ledger's witness: three `cron_node` *processes* run an every-second apalis
+//! cron job with the ledger (claim in the job's transaction), under SIGKILL, SIGSTOP
+//! and a black-holed connection (both longer than the server's release time, so a new
+//! leader takes over while the old one is cut off) and SIGTERM, each timed within
+//! 150 ms of a tick boundary. Each node reaches the server through its own proxy; the
+//! server ends sessions idle in a transaction for 3 s
+//! (`idle_in_transaction_session_timeout`), so a leader frozen or cut off inside its
+//! ledger transaction does not hold up the next one. The job
+//! writes a witness row in its ledger transaction. Afterwards, over every tick of the
+//! run:
+//!
+//! * `CatchUp`: every tick has exactly one ledger row, `ran`, and exactly one witness
+//!   row with the same token: 0 duplicates, 0 missing;
+//! * `Skip`: 0 duplicates, and every tick without a witness row has a `skipped` row
+//!   (`missed: not run when due`);
+//! * both: the ledger's tokens never decrease in tick order, and every run a woken
+//!   leader tried after a newer one wrote was refused by the fence (no witness row of
+//!   a smaller token after a greater one).
+//!
+//! `CHOSEN_WITNESS_TICKS` (default 40) sets the length; a run prints its seed, and
+//! `CHOSEN_WITNESS_SEED` replays the fault schedule (the timing of the machine is not
+//! replayed). The closing figure is at least 300 ticks:
+//!
+//! ```text
+//! cargo build -p chosen-examples --examples
+//! CHOSEN_WITNESS_TICKS=300 cargo test -p chosen-tests --test witness -- --nocapture
+//! ```
+
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chosen_tests::{
+    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, signal, unique_name,
+};
+use tokio_postgres::Client;
+
+const DEFAULT_TICKS: u64 = 40;
+
+/// Quiet seconds at the end: the last gap is decided before the run is checked.
+const CALM: u64 = 12;
+
+struct Node {
+    id: String,
+    child: Child,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = signal(self.child.id(), "CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts a `cron_node` process; its event lines go to `lines`.
+fn spawn(url: &str, id: &str, job: &str, misfire: &str, lines: &Arc<Mutex<Vec<String>>>) -> Node {
+    let mut child = Command::new(example_binary("cron_node").unwrap())
+        .args(["--node-id", id, "--job", job, "--misfire", misfire])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().expect("BUG: stdout is piped");
+    let lines = Arc::clone(lines);
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            lines.lock().unwrap().push(line);
+        }
+    });
+    Node {
+        id: id.to_owned(),
+        child,
+    }
+}
+
+/// xorshift64*: a seeded fault schedule.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+    }
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Sleeps until `offset_ms` (-150..=150) from the next second boundary.
+async fn near_next_boundary(offset_ms: i64) {
+    let now = now_us();
+    let boundary = (now / 1_000_000 + 2) * 1_000_000;
+    let target = boundary.saturating_add_signed(offset_ms * 1000);
+    tokio::time::sleep(Duration::from_micros(target.saturating_sub(now))).await;
+}
+
+async fn latest_runner(admin: &Client, job: &str) -> Option<String> {
+    admin
+        .query_opt(
+            "SELECT node FROM chosen_ticks WHERE job = $1 AND outcome = 'ran' ORDER BY tick DESC LIMIT 1",
+            &[&job],
+        )
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.get(0))
+}
+
+#[derive(Debug, Default)]
+struct Figures {
+    ticks: u64,
+    ran: u64,
+    skipped: u64,
+    caught_up: u64,
+    duplicates: u64,
+    missing: u64,
+    token_decreases: u64,
+    stale_witness_rows: u64,
+    rejected_by_fence: u64,
+    faults: BTreeMap<&'static str, u64>,
+}
+
+async fn witness_run(misfire: &str) -> Figures {
+    let ticks: u64 = std::env::var("CHOSEN_WITNESS_TICKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_TICKS);
+    let seed: u64 = std::env::var("CHOSEN_WITNESS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        // Two runs started at once get different schedules.
+        .unwrap_or_else(|| (now_us() ^ if misfire == "skip" { 0x5bd1_e995 } else { 0 }) | 1);
+    println!("witness {misfire}: seed {seed}, {ticks} ticks");
+    let mut rng = Rng(seed);
+    let pg = PgCluster::builder()
+        .setting("idle_in_transaction_session_timeout", "3s")
+        .start()
+        .unwrap();
+    let url = pg.url();
+    let port = pg.port().expect("a local cluster has a port");
+    let admin = connect_admin(&url).await.unwrap();
+    let job = unique_name("witness");
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    // One proxy per node id, kept across restarts.
+    let mut proxies = BTreeMap::new();
+    for i in 1..=3 {
+        let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
+            .await
+            .unwrap();
+        proxies.insert(format!("node-{i}"), proxy);
+    }
+    let url_of = |id: &str| proxies[id].url(&url, port);
+    let mut nodes: Vec<Node> = (1..=3)
+        .map(|i| {
+            let id = format!("node-{i}");
+            spawn(&url_of(&id), &id, &job, misfire, &lines)
+        })
+        .collect();
+
+    // The first run (the first lock is granted some seconds after the server started).
+    let mut start = None;
+    for _ in 0..600 {
+        if let Ok(Some(row)) = admin
+            .query_opt(
+                "SELECT extract(epoch FROM min(tick))::bigint FROM chosen_ticks WHERE job = $1 HAVING count(*) > 0",
+                &[&job],
+            )
+            .await
+        {
+            start = Some(row.get::<_, i64>(0) as u64);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let start = start.expect("no tick ran within a minute");
+    let end = start + ticks; // exclusive
+    let mut figures = Figures {
+        ticks,
+        ..Figures::default()
+    };
+
+    // Faults until CALM seconds before the end.
+    while now_us() / 1_000_000 + CALM < end {
+        tokio::time::sleep(Duration::from_millis(2000 + rng.below(3000))).await;
+        let leader = latest_runner(&admin, &job).await;
+        let Some(i) = nodes.iter().position(|n| Some(&n.id) == leader.as_ref()) else {
+            continue;
+        };
+        let offset = rng.below(301) as i64 - 150;
+        let fault = ["KILL", "STOP", "TERM", "BLACKHOLE"][rng.below(4) as usize];
+        near_next_boundary(offset).await;
+        let pid = nodes[i].child.id();
+        *figures.faults.entry(fault).or_default() += 1;
+        println!(
+            "   {fault} {} at {offset:+} ms from a tick boundary",
+            nodes[i].id
+        );
+        match fault {
+            "BLACKHOLE" => {
+                let proxy = &proxies[&nodes[i].id];
+                proxy.set(ProxyMode::BlackHole);
+                tokio::time::sleep(Duration::from_millis(8000 + rng.below(3000))).await;
+                proxy.set(ProxyMode::Pass);
+            }
+            "STOP" => {
+                signal(pid, "STOP").unwrap();
+                // Past the server's release time (7 s by default): a new leader takes over
+                // while this one is frozen.
+                tokio::time::sleep(Duration::from_millis(8000 + rng.below(3000))).await;
+                signal(pid, "CONT").unwrap();
+            }
+            _ => {
+                signal(pid, fault).unwrap();
+                let id = nodes[i].id.clone();
+                let mut node = nodes.remove(i);
+                // A graceful stop waits for the run in progress: give it 10 s.
+                for _ in 0..100 {
+                    if node.child.try_wait().ok().flatten().is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                if node.child.try_wait().ok().flatten().is_none() {
+                    println!("   {id} did not exit within 10 s of SIGTERM: killed");
+                }
+                drop(node);
+                tokio::time::sleep(Duration::from_millis(500 + rng.below(1000))).await;
+                nodes.push(spawn(&url_of(&id), &id, &job, misfire, &lines));
+            }
+        }
+    }
+    // Calm: the last gap is decided by the end.
+    while now_us() / 1_000_000 < end + 3 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for node in &nodes {
+        let _ = signal(node.child.id(), "TERM");
+    }
+    drop(nodes);
+
+    // The ledger and the witness rows of the run's ticks.
+    let ledger: BTreeMap<i64, (String, Option<String>, i64)> = admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint, outcome, reason, token FROM chosen_ticks WHERE job = $1 ORDER BY tick",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+        .collect();
+    let mut witness: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
+    for r in admin
+        .query("SELECT tick, token FROM witness WHERE job = $1", &[&job])
+        .await
+        .unwrap()
+    {
+        witness.entry(r.get(0)).or_default().push(r.get(1));
+    }
+    let lines = lines.lock().unwrap().clone();
+    figures.caught_up = lines
+        .iter()
+        .filter(|l| l.contains("\"event\":\"ran\"") && l.contains("\"catch_up\":1"))
+        .count() as u64;
+    figures.rejected_by_fence = lines
+        .iter()
+        .filter(|l| l.contains("\"event\":\"rejected\""))
+        .count() as u64;
+
+    let mut last_token = 0;
+    let mut max_witness_token = 0;
+    for tick in start as i64..end as i64 {
+        let rows = witness.get(&tick).map_or(&[][..], Vec::as_slice);
+        if rows.len() > 1 {
+            figures.duplicates += 1;
+        }
+        match ledger.get(&tick) {
+            None => figures.missing += 1,
+            Some((outcome, reason, token)) => {
+                if *token < last_token {
+                    figures.token_decreases += 1;
+                }
+                last_token = last_token.max(*token);
+                match (outcome.as_str(), rows) {
+                    ("ran", [w]) if w == token => figures.ran += 1,
+                    ("skipped", []) if reason.as_deref() == Some("missed: not run when due") => {
+                        figures.skipped += 1;
+                    }
+                    other => panic!(
+                        "tick {tick}: ledger {outcome} {reason:?} {token}, witness {other:?}"
+                    ),
+                }
+            }
+        }
+        for w in rows {
+            if *w < max_witness_token {
+                figures.stale_witness_rows += 1;
+            }
+            max_witness_token = max_witness_token.max(*w);
+        }
+    }
+    drop(pg);
+    println!("witness {misfire}: {figures:?}");
+    figures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catch_up_runs_every_tick_exactly_once_under_faults() {
+    let f = witness_run("catchup").await;
+    assert_eq!(
+        (
+            f.duplicates,
+            f.missing,
+            f.skipped,
+            f.token_decreases,
+            f.stale_witness_rows
+        ),
+        (0, 0, 0, 0, 0),
+        "{f:?}"
+    );
+    assert_eq!(f.ran, f.ticks, "{f:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skip_records_every_tick_it_does_not_run_under_faults() {
+    let f = witness_run("skip").await;
+    assert_eq!(
+        (
+            f.duplicates,
+            f.missing,
+            f.token_decreases,
+            f.stale_witness_rows
+        ),
+        (0, 0, 0, 0),
+        "{f:?}"
+    );
+    assert_eq!(f.ran + f.skipped, f.ticks, "{f:?}");
+}
