@@ -4,8 +4,11 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --example cron_node -- \
-//!     --node-id ID --job NAME [--misfire skip|catchup]
+//!     --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N]
 //! ```
+//!
+//! `--think-ms` makes each run wait that long before it opens its transaction (a node
+//! frozen there wakes up to find a newer leader's fence).
 //!
 //! Events: `ready`; `ran` (`tick`, `token`, `catch_up`); `rejected` (`tick`, `token`:
 //! the fence refused the run's transaction: a newer leader has written); `exit`.
@@ -29,10 +32,12 @@ struct Args {
     node_id: String,
     job: String,
     misfire: Misfire,
+    think: Duration,
 }
 
 fn parse_args() -> Result<Args, String> {
     let (mut node_id, mut job, mut misfire) = (String::new(), String::new(), Misfire::Skip);
+    let mut think = Duration::ZERO;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -49,9 +54,16 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--misfire takes skip or catchup, got {other:?}")),
                 }
             }
+            "--think-ms" => {
+                let v = value()?;
+                think = Duration::from_millis(
+                    v.parse()
+                        .map_err(|_| format!("--think-ms takes milliseconds, got {v:?}"))?,
+                );
+            }
             other => {
                 return Err(format!(
-                    "unknown flag {other:?}; usage: cron_node --node-id ID --job NAME [--misfire skip|catchup] (DATABASE_URL must be set)"
+                    "unknown flag {other:?}; usage: cron_node --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N] (DATABASE_URL must be set)"
                 ));
             }
         }
@@ -63,6 +75,7 @@ fn parse_args() -> Result<Args, String> {
         node_id,
         job,
         misfire,
+        think,
     })
 }
 
@@ -79,7 +92,15 @@ fn emit(node: &str, event: &str, fields: &[(&str, u64)]) {
     println!("{line}");
 }
 
-async fn witness(tick: Tick, ctx: Data<TickContext>, pool: Data<Pool>) -> Result<(), BoxDynError> {
+async fn witness(
+    tick: Tick,
+    ctx: Data<TickContext>,
+    pool: Data<Pool>,
+    think: Data<Think>,
+) -> Result<(), BoxDynError> {
+    // Work before the transaction: a node frozen here wakes up to a fence that a newer
+    // leader may have moved.
+    tokio::time::sleep(think.0.0).await;
     let mut client = pool.get().await?;
     let token = ctx.fencing_token().get();
     let tx = match ctx.begin(&mut client).await {
@@ -97,7 +118,7 @@ async fn witness(tick: Tick, ctx: Data<TickContext>, pool: Data<Pool>) -> Result
         }
     };
     tx.execute(
-        "INSERT INTO witness (job, tick, token, node) VALUES ($1, $2, $3, $4)",
+        "INSERT INTO witness (job, tick, token, node, seq) VALUES ($1, $2, $3, $4, nextval('witness_seq'))",
         &[
             &ctx.job(),
             &i64::try_from(tick.get_timestamp())?,
@@ -119,6 +140,10 @@ async fn witness(tick: Tick, ctx: Data<TickContext>, pool: Data<Pool>) -> Result
     Ok(())
 }
 
+/// How long a run works before its ledger transaction.
+#[derive(Clone, Copy)]
+struct Think(Duration);
+
 async fn run(args: Args, url: &str) -> Result<(), BoxDynError> {
     let pool = Pool::builder(deadpool_postgres::Manager::new(
         tokio_postgres::Config::from_str(url)?,
@@ -131,7 +156,7 @@ async fn run(args: Args, url: &str) -> Result<(), BoxDynError> {
     pool.get()
         .await?
         .batch_execute(
-            "CREATE TABLE IF NOT EXISTS witness (job text, tick bigint, token bigint, node text)",
+            "CREATE SEQUENCE IF NOT EXISTS witness_seq;\nCREATE TABLE IF NOT EXISTS witness (job text, tick bigint, token bigint, node text, seq bigint)",
         )
         .await?;
     let manager =
@@ -142,10 +167,12 @@ async fn run(args: Args, url: &str) -> Result<(), BoxDynError> {
         .misfire(args.misfire);
     let schedule = Schedule::from_str("* * * * * *")?;
     emit(&args.node_id, "ready", &[]);
+    let (job, think) = (args.job.clone(), Think(args.think));
     Monitor::new()
         .register(move |_| {
-            cron_worker("witness", schedule.clone(), gate.clone())
+            cron_worker(&job, schedule.clone(), gate.clone())
                 .data(pool.clone())
+                .data(think)
                 .build(witness)
         })
         .run_with_signal(async {

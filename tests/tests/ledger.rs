@@ -27,6 +27,7 @@ const T0: u64 = 1_900_000_020;
 
 struct Db {
     _pg: PgCluster,
+    url: String,
     pool: Pool,
     admin: Client,
     ledger: TickLedger,
@@ -52,6 +53,7 @@ async fn db() -> Db {
         .await
         .unwrap();
     Db {
+        url: pg.url(),
         _pg: pg,
         pool,
         admin,
@@ -70,7 +72,11 @@ struct Job {
     pool: Option<Pool>,
     /// How long the run of a tick takes, for the ticks listed (others: no time).
     delays: Delays,
+    /// The task id of every run, in order.
+    ids: Ids,
 }
+
+type Ids = Arc<Mutex<Vec<Option<String>>>>;
 
 type Delays = Arc<Mutex<Vec<(u64, Duration)>>>;
 
@@ -88,6 +94,10 @@ impl Service<Task<Tick>> for Job {
 
     fn call(&mut self, task: Task<Tick>) -> Self::Future {
         let (runs, pool) = (Arc::clone(&self.runs), self.pool.clone());
+        self.ids
+            .lock()
+            .unwrap()
+            .push(task.task_id().map(ToString::to_string));
         let delay = self
             .delays
             .lock()
@@ -138,6 +148,7 @@ struct Node {
     layer: LedgeredCronLayer,
     runs: Runs,
     delays: Delays,
+    ids: Ids,
 }
 
 fn node(
@@ -179,10 +190,12 @@ fn node_with(
     let layer = configure(LeaderOnlyJobLayer::new(leadership).ledger(db.ledger.clone()));
     let runs = Runs::default();
     let delays = Delays::default();
+    let ids = Ids::default();
     let svc = layer.layer(Job {
         runs: Arc::clone(&runs),
         pool: witness.then(|| db.pool.clone()),
         delays: Arc::clone(&delays),
+        ids: Arc::clone(&ids),
     });
     Node {
         svc,
@@ -190,6 +203,7 @@ fn node_with(
         layer,
         runs,
         delays,
+        ids,
     }
 }
 
@@ -371,6 +385,11 @@ async fn catch_up_runs_the_missed_ticks_within_the_window_oldest_first() {
         .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1)))
         .collect();
     assert_eq!(witness, vec![(0, 5), (7, 7), (8, 7), (9, 7), (10, 7)]);
+    // Each missed tick's task has an id of its own (review finding: they were built
+    // from the tick at hand's task, id included).
+    let ids = b.ids.lock().unwrap().clone();
+    let caught_up: std::collections::BTreeSet<_> = ids[..3].iter().flatten().collect();
+    assert_eq!(caught_up.len(), 3, "{ids:?}");
     assert_eq!(b.layer.stats().caught_up(), 3);
     assert_eq!(b.layer.stats().skipped_missed(), 6);
 }
@@ -726,4 +745,196 @@ async fn a_graceful_stop_does_not_hang_behind_a_waiting_tick() {
         .expect("the worker stops within 15 s")
         .unwrap()
         .unwrap();
+}
+
+// Review finding: two cron jobs gated by one leadership recorded their ticks under the
+// leadership's name, so the second job's every tick was "already recorded" and never
+// ran. Each job has its own rows (named by `job`, or by the worker's name).
+#[tokio::test]
+async fn two_jobs_of_one_leadership_each_run_every_tick() {
+    let db = db().await;
+    let lock = unique_name("ledger-shared-lock");
+    let (leadership, control) = Leadership::manual(&lock, "node-a");
+    control.lead(3);
+    let every_second = "* * * * * *".parse::<Schedule>().unwrap();
+    let mut jobs = Vec::new();
+    for name in ["first", "second"] {
+        let layer = LeaderOnlyJobLayer::new(leadership.clone())
+            .ledger(db.ledger.clone())
+            .schedule(every_second.clone())
+            .job(&format!("{lock}-{name}"));
+        let runs = Runs::default();
+        let svc = layer.layer(Job {
+            runs: Arc::clone(&runs),
+            pool: None,
+            delays: Delays::default(),
+            ids: Ids::default(),
+        });
+        jobs.push((svc, runs, format!("{lock}-{name}")));
+    }
+    for t in T0..T0 + 3 {
+        for (svc, ..) in &mut jobs {
+            let out = svc.ready().await.unwrap().call(Task::new(Tick::new(t))).await;
+            assert!(out.unwrap().ran(), "tick {t}");
+        }
+    }
+    for (_, runs, job) in &jobs {
+        assert_eq!(runs.lock().unwrap().len(), 3, "{job}");
+        assert_eq!(rows(&db.admin, job).await.len(), 3, "{job}");
+    }
+    // The leadership's own name has no rows.
+    assert!(rows(&db.admin, &lock).await.is_empty());
+}
+
+// Review finding: only ticks after the newest row counted as missed, so a hole below
+// it (a run stopped and left unrecorded while a later tick was recorded, e.g. by an
+// overlap policy; a claim that failed) was neither run nor recorded. Every hole after
+// the job's first row is decided.
+#[tokio::test]
+async fn a_hole_below_the_newest_row_is_decided() {
+    let db = db().await;
+    for (misfire, outcome) in [
+        (Misfire::Skip, "skipped"),
+        (
+            Misfire::CatchUp {
+                max: 10,
+                within: Duration::from_secs(60),
+            },
+            "ran",
+        ),
+    ] {
+        let job = unique_name("ledger-hole");
+        let mut a = node(&db, &job, "node-a", 5, misfire, Claim::InJobTransaction, true);
+        assert!(tick(&mut a, T0).await.ran());
+        // T0+3 recorded (as an overlap skip would be), T0+1 and T0+2 not.
+        db.admin
+            .execute(
+                "INSERT INTO chosen_ticks (job, tick, token, outcome, reason, node, started_at) VALUES ($1, to_timestamp($2), 5, 'skipped', 'previous run still running', 'node-a', now())",
+                &[&job, &((T0 + 3) as f64)],
+            )
+            .await
+            .unwrap();
+        assert!(tick(&mut a, T0 + 4).await.ran());
+        let got: Vec<(i64, String)> = rows(&db.admin, &job)
+            .await
+            .into_iter()
+            .map(|(t, o, ..)| (t, o))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, "ran".to_owned()),
+                (1, outcome.to_owned()),
+                (2, outcome.to_owned()),
+                (3, "skipped".to_owned()),
+                (4, "ran".to_owned()),
+            ],
+            "{misfire:?}"
+        );
+    }
+}
+
+// Review finding: the gate's ledger statements had no bound, so a leader frozen inside
+// its transaction (holding the job's fence row) held up the next leader's claim for as
+// long as its session lived, the turn with it, and every tick after. A claim now gives
+// up after the ledger's timeout: the tick is skipped as a ledger failure and left
+// unrecorded, and the next tick decides about it.
+#[tokio::test]
+async fn a_fence_row_held_by_a_frozen_session_bounds_the_wait() {
+    let db = db().await;
+    for claim in [Claim::BeforeRun, Claim::InJobTransaction] {
+        let job = unique_name("ledger-held");
+        // A short timeout for this node's ledger.
+        let (leadership, control) = Leadership::manual(&job, "node-a");
+        control.lead(5);
+        let layer = LeaderOnlyJobLayer::new(leadership)
+            .ledger(db.ledger.clone().timeout(Duration::from_secs(1)))
+            .claim(claim)
+            .schedule("* * * * * *".parse().unwrap());
+        let (runs, delays, ids) = (Runs::default(), Delays::default(), Ids::default());
+        let svc = layer.layer(Job {
+            runs: Arc::clone(&runs),
+            pool: Some(db.pool.clone()),
+            delays: Arc::clone(&delays),
+            ids: Arc::clone(&ids),
+        });
+        let mut a = Node {
+            svc,
+            control,
+            layer,
+            runs,
+            delays,
+            ids,
+        };
+        assert!(tick(&mut a, T0).await.ran(), "{claim:?}");
+        // Another session holds the fence row, inside a transaction it never ends.
+        let (mut frozen, conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let tx = frozen.transaction().await.unwrap();
+        tx.execute(
+            "SELECT 1 FROM chosen_fence WHERE name = $1 FOR UPDATE",
+            &[&job],
+        )
+        .await
+        .unwrap();
+        let started = std::time::Instant::now();
+        let out = tokio::time::timeout(Duration::from_secs(30), try_tick(&mut a, T0 + 1))
+            .await
+            .expect("a held fence row does not hang the gate");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{claim:?}: {:?}",
+            started.elapsed()
+        );
+        match claim {
+            Claim::BeforeRun => assert!(
+                matches!(out, Ok(Outcome::Skipped(SkipReason::Ledger { .. }))),
+                "{claim:?}: {out:?}"
+            ),
+            // The job's own transaction gave up: the job failed, the tick is left
+            // unrecorded.
+            _ => assert!(out.is_err(), "{claim:?}: {out:?}"),
+        }
+        tx.rollback().await.unwrap();
+        // The next tick decides about the one left over (Skip: recorded as missed).
+        assert!(tick(&mut a, T0 + 2).await.ran(), "{claim:?}");
+        let got: Vec<(i64, String)> = rows(&db.admin, &job)
+            .await
+            .into_iter()
+            .map(|(t, o, ..)| (t, o))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, "ran".to_owned()),
+                (1, "skipped".to_owned()),
+                (2, "ran".to_owned())
+            ],
+            "{claim:?}"
+        );
+    }
+}
+
+// Review finding: a gap longer than the ticks looked at (1000) left its older ticks
+// without any record. The oldest tick looked at says so in its reason.
+#[tokio::test]
+async fn a_gap_longer_than_the_look_is_marked() {
+    let db = db().await;
+    let job = unique_name("ledger-long-gap");
+    let mut a = node(&db, &job, "node-a", 5, Misfire::Skip, Claim::BeforeRun, false);
+    assert!(tick(&mut a, T0).await.ran());
+    assert!(tick(&mut a, T0 + 1500).await.ran());
+    let got = rows(&db.admin, &job).await;
+    assert_eq!(got.len(), 1 + 1000 + 1);
+    let oldest = &got[1];
+    assert_eq!(oldest.0, 500);
+    assert_eq!(
+        oldest.2.as_deref(),
+        Some(
+            "missed: not run when due; older ticks were not looked at (a gap of more than 1000 ticks)"
+        )
+    );
+    assert_eq!(got[2].2.as_deref(), Some("missed: not run when due"));
 }

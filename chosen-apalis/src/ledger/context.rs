@@ -16,6 +16,10 @@ pub(crate) enum Slot {
     /// No ledger transaction committed (yet).
     #[default]
     Open,
+    /// [`TickContext::begin`] failed (the ledger, not the job: a lock wait past the
+    /// timeout, a stale token, a lost connection): the gate leaves the tick unrecorded,
+    /// for the misfire policy of a later tick.
+    Failed,
     /// A ledger transaction claimed the tick and committed.
     Committed,
     /// The tick was already recorded when the job tried to claim it.
@@ -166,10 +170,28 @@ impl TickContext {
         &self,
         client: &'c mut Client,
     ) -> Result<Option<LedgerTx<'c>>, LedgerError> {
+        let begun = self.begin_unsettled(client).await;
+        if begun.is_err() {
+            // Not the job's own failure: the gate leaves the tick unrecorded, for the
+            // misfire policy of a later tick.
+            self.settle(Slot::Failed);
+        }
+        begun
+    }
+
+    async fn begin_unsettled<'c>(
+        &self,
+        client: &'c mut Client,
+    ) -> Result<Option<LedgerTx<'c>>, LedgerError> {
         let tx = client
             .transaction()
             .await
             .map_err(self.ledger.db("beginning a transaction"))?;
+        // A former leader frozen inside its transaction holds the fence row: wait for
+        // it no longer than the ledger's timeout.
+        tx.batch_execute(&self.ledger.bounds_sql(false))
+            .await
+            .map_err(self.ledger.db("bounding the transaction"))?;
         self.ledger
             .fence()
             .fence(&tx, &self.job, self.token)

@@ -30,6 +30,17 @@ pub enum LedgerError {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A ledger operation did not finish within the ledger's timeout
+    /// ([`TickLedger::timeout`](crate::TickLedger::timeout)): the database is slow or
+    /// unreachable, or a row lock is held by another session (a former leader frozen
+    /// inside its transaction).
+    #[error("tick ledger: {action} took longer than {after:?}")]
+    Timeout {
+        /// What was being done.
+        action: &'static str,
+        /// How long it was given.
+        after: std::time::Duration,
+    },
     /// The pool gave no connection.
     #[error("tick ledger: no connection from the pool")]
     Pool(#[source] deadpool_postgres::PoolError),

@@ -5,10 +5,11 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use apalis_core::task::Task;
+use apalis_core::task::task_id::TaskId;
 use apalis_core::worker::context::WorkerContext;
 use apalis_cron::Tick;
 use chosen_core::{LeaderState, Leadership};
@@ -18,7 +19,7 @@ use tracing::{debug, info, warn};
 
 use super::context::{Slot, TickContext};
 use super::overlap::{Held, Overlap, Refused, Turn};
-use super::plan::{Plan, missed_ticks, next_after, plan};
+use super::plan::{MAX_MISSED, MissReason, missed_ticks, next_after, plan};
 use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
 use crate::guard::LeaderGuard;
 use crate::layer::{GateStats, LeaderOnlyJobLayer};
@@ -61,6 +62,7 @@ impl<P> LeaderOnlyJobLayer<P> {
             schedule: None,
             overlap: Overlap::default(),
             max_runtime: None,
+            job: None,
             turn: Arc::default(),
         }
     }
@@ -113,11 +115,41 @@ pub struct LedgeredCronLayer {
     schedule: Option<cron::Schedule>,
     overlap: Overlap,
     max_runtime: Option<Duration>,
+    /// The job's name in the ledger; `None`: the worker's name, else the lock's.
+    job: Option<Arc<str>>,
     /// One run of the job at a time on this node, across every service of this layer.
     turn: Arc<Turn>,
 }
 
 impl LedgeredCronLayer {
+    /// The name the job's ticks are recorded under in the ledger (its `job` column),
+    /// and fenced under. Default: the worker name given to
+    /// [`cron_worker`](crate::cron_worker), or else the leadership's lock name. Two
+    /// cron jobs gated by one leadership must have different names (two workers with
+    /// different names do): a tick claimed by one would be skipped by the other as
+    /// already recorded.
+    #[must_use]
+    pub fn job(mut self, name: &str) -> Self {
+        self.job = Some(name.into());
+        self
+    }
+
+    /// The job's name in the ledger: see [`job`](Self::job).
+    #[must_use]
+    pub fn job_name(&self) -> &str {
+        self.job
+            .as_deref()
+            .unwrap_or_else(|| self.gate.leadership().name())
+    }
+
+    /// Names the job after the worker, unless [`job`](Self::job) named it already.
+    pub(crate) fn job_or(mut self, worker_name: &str) -> Self {
+        if self.job.is_none() {
+            self.job = Some(worker_name.into());
+        }
+        self
+    }
+
     /// What to do with missed ticks (default [`Misfire::Skip`]).
     #[must_use]
     pub fn misfire(mut self, misfire: Misfire) -> Self {
@@ -188,7 +220,7 @@ where
     fn layer(&self, inner: S) -> Self::Service {
         let leadership = self.gate.leadership.clone();
         let shared = Arc::new(Shared {
-            job: leadership.name().into(),
+            job: self.job_name().into(),
             node: leadership.node_id().into(),
             leadership,
             stats: Arc::clone(&self.gate.stats),
@@ -200,6 +232,7 @@ where
             max_runtime: self.max_runtime,
             turn: Arc::clone(&self.turn),
             template: std::sync::Mutex::new(None),
+            low: AtomicU64::new(0),
         });
         // Catch up on gaining leadership, not only at the next tick; needs a runtime
         // (apalis builds workers on one), and without one the next tick still does.
@@ -242,6 +275,11 @@ struct Shared {
     /// The latest task that reached the gate: what a catch-up run on gaining
     /// leadership is built from (so it carries the worker's data).
     template: std::sync::Mutex<Option<Task<Tick>>>,
+    /// Every scheduled tick before this one is known to be recorded in the ledger
+    /// (0: nothing known yet): where the next look for missed ticks starts. Learnt
+    /// from the ledger only, never from what this node meant to do, and rows are never
+    /// deleted by chosen, so it only moves forward.
+    low: AtomicU64,
 }
 
 /// On gaining leadership, missed ticks are decided at once only if the schedule's next
@@ -423,10 +461,17 @@ impl Shared {
             .await
     }
 
-    /// Decides about the ticks missed before `upto` (after the last recorded one) by
-    /// the misfire policy, `reference` being the time the catch-up window ends at:
-    /// records the skips, runs the others oldest first. `Err` with the outcome to
-    /// answer when the tick at hand must not run (ledger failed, leadership lost).
+    /// Decides about the ticks missed before `upto` by the misfire policy, `reference`
+    /// being the time the catch-up window ends at: records the skips, runs the others
+    /// oldest first. `Err` with the outcome to answer when the tick at hand must not
+    /// run (ledger failed, leadership lost, a newer tick took over).
+    ///
+    /// A missed tick is any scheduled tick before `upto`, after the job's first
+    /// recorded one, without a row: holes below the newest row count too (a run
+    /// stopped and left unrecorded while a later tick was recorded, a claim that
+    /// failed, a tick an overlap policy left to the misfire policy). The look starts
+    /// where the last one found no hole ([`Shared::low`]), and covers at most the
+    /// [`MAX_MISSED`] most recent scheduled ticks.
     async fn fill_gap<S>(
         &self,
         inner: &mut S,
@@ -440,21 +485,57 @@ impl Shared {
         S: Service<Task<Tick>>,
         S::Error: fmt::Display,
     {
-        let last = match self.ledger.last_before(&self.job, upto).await {
-            Ok(last) => last,
+        let Some(schedule) = &self.schedule else {
+            return Ok(());
+        };
+        let low = self.low.load(Ordering::Acquire);
+        // The scheduled ticks in [low, upto), newest first, one more than looked at.
+        let mut candidates: Vec<u64> = missed_ticks(schedule, low.saturating_sub(1), upto)
+            .take(MAX_MISSED + 1)
+            .collect();
+        let more = candidates.len() > MAX_MISSED;
+        candidates.truncate(MAX_MISSED);
+        let Some(&from) = candidates.last() else {
+            return Ok(());
+        };
+        let (first, recorded) = match self.ledger.recorded(&self.job, from, upto).await {
+            Ok(found) => found,
             Err(e) => return Err(self.ledger_failed(upto, &e)),
         };
-        let plan = match (last, &self.schedule) {
-            (Some(last), Some(schedule)) => {
-                plan(self.misfire, reference, missed_ticks(schedule, last, upto))
-            }
-            _ => Plan::default(),
+        // Nothing recorded yet: the job starts with the tick at hand.
+        let Some(first) = first else {
+            return Ok(());
         };
-        if plan.truncated {
-            warn!(lock = %self.job, upto, last = ?last, "more ticks were missed than are looked at (1000): the older ones are neither run nor recorded");
+        let holes: Vec<u64> = candidates
+            .iter()
+            .copied()
+            .filter(|t| *t > first && !recorded.contains(t))
+            .collect();
+        // Everything below the oldest hole is recorded; the holes are looked at again
+        // next time (filled by then, unless this fails).
+        self.low
+            .fetch_max(holes.last().copied().unwrap_or(upto), Ordering::AcqRel);
+        let plan = plan(self.misfire, reference, holes.iter().copied());
+        // The gap may go on below the ticks looked at: say so, in the log and in the
+        // oldest hole's row.
+        let truncated = more && holes.last() == Some(&from) && from > first;
+        if truncated {
+            warn!(lock = %self.job, upto, oldest_looked_at = from, "more ticks were missed than are looked at ({MAX_MISSED}): the older ones are neither run nor recorded one by one");
         }
         if !plan.skip.is_empty() {
-            let rows: Vec<(u64, &str)> = plan.skip.iter().map(|(t, r)| (*t, r.as_str())).collect();
+            let rows: Vec<(u64, String)> = plan
+                .skip
+                .iter()
+                .map(|&(t, r)| {
+                    let reason = if truncated && t == from {
+                        format!("{}; {}", r.as_str(), MissReason::OLDER_NOT_LOOKED_AT)
+                    } else {
+                        r.as_str().to_owned()
+                    };
+                    (t, reason)
+                })
+                .collect();
+            let rows: Vec<(u64, &str)> = rows.iter().map(|(t, r)| (*t, r.as_str())).collect();
             let token = guard.fencing_token();
             if let Err(e) = self
                 .ledger
@@ -470,14 +551,13 @@ impl Shared {
                 self.report("skipped_missed");
             }
             info!(lock = %self.job, upto, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
+        } else if truncated {
+            warn!(lock = %self.job, upto, "the oldest missed tick looked at runs: the older ones are not recorded");
         }
         for tick in plan.run {
             if !guard.is_valid() {
                 return Err(self.not_leader());
             }
-            self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
-            self.report("caught_up");
-            info!(lock = %self.job, tick, "running a missed tick");
             match self.run_one(inner, held, base, guard, tick, true).await {
                 // A newer tick took over: it decides about the rest of the gap.
                 Ok(Outcome::Skipped(SkipReason::Cancelled { reason, tick: at_ }))
@@ -563,6 +643,14 @@ impl Shared {
         }
         let mut task = base.clone();
         task.args = Tick::new(tick);
+        if catch_up {
+            // Its own id, as the scheduler would have given it (not the id of the tick
+            // whose task it was built from).
+            task = task
+                .into_builder()
+                .task_id(TaskId::Ulid(ulid::Ulid::from_datetime(at(tick))))
+                .build();
+        }
         task.inject_data(guard.clone());
         task.inject_data(ctx.clone());
         if self.claim == Claim::BeforeRun {
@@ -575,6 +663,12 @@ impl Shared {
                 Ok(false) => return Ok(self.already_recorded(tick)),
                 Err(e) => return Ok(self.ledger_failed(tick, &e)),
             }
+        }
+        // Counted once claimed (or, claimed in the job's transaction, once called).
+        if catch_up {
+            self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
+            self.report("caught_up");
+            info!(lock = %self.job, tick, "running a missed tick");
         }
         self.stats.ran.fetch_add(1, Ordering::Relaxed);
         self.report("ran");
@@ -596,6 +690,11 @@ impl Shared {
             }
             Claim::InJobTransaction => match (ctx.slot(), &failure) {
                 (Slot::Committed, _) => {}
+                // The ledger failed, not the job: nothing of the run committed. Left
+                // unrecorded, the tick is a missed tick for the next one to decide about.
+                (Slot::Failed, _) => {
+                    warn!(lock = %self.job, tick, "the run's ledger transaction failed: the tick is left to the misfire policy");
+                }
                 (Slot::AlreadyRecorded, None) => return Ok(self.already_recorded(tick)),
                 (_, failure) => {
                     // Failed, or succeeded without committing a ledger transaction: record
@@ -794,6 +893,7 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use apalis_core::task::Task;
+use apalis_core::task::task_id::TaskId;
     use apalis_cron::Tick;
     use chosen_core::Leadership;
     use tower_layer::Layer;

@@ -6,6 +6,7 @@ mod gate;
 mod overlap;
 mod plan;
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -99,13 +100,21 @@ pub struct TickLedger {
     pool: Pool,
     table: LedgerTable,
     fence: FenceTable,
+    timeout: Duration,
 }
+
+/// How much longer than the server the client waits for a ledger operation.
+const CLIENT_MARGIN: Duration = Duration::from_millis(500);
+
+/// How long a ledger operation may take unless [`TickLedger::timeout`] says otherwise.
+pub const DEFAULT_LEDGER_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl fmt::Debug for TickLedger {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TickLedger")
             .field("table", &self.table.name())
             .field("fence", &self.fence.name())
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -121,7 +130,25 @@ impl TickLedger {
             pool,
             table: LedgerTable::default(),
             fence: FenceTable::default(),
+            timeout: DEFAULT_LEDGER_TIMEOUT,
         }
+    }
+
+    /// How long one ledger operation of the gate (getting a connection, reading the
+    /// ledger, a claim or a record with its transaction) may take, waits for row locks
+    /// included; default [`DEFAULT_LEDGER_TIMEOUT`] (10 s). Past it the operation
+    /// fails, the tick is skipped as `Outcome::Skipped(Ledger)` and left unrecorded, and
+    /// the misfire policy of a later tick decides about it. The server enforces it too
+    /// (`SET LOCAL lock_timeout, statement_timeout,
+    /// idle_in_transaction_session_timeout` in the gate's transactions), so a leader
+    /// frozen inside one of them holds its row locks no longer than this. In the job's
+    /// own transaction ([`TickContext::begin`]) only `lock_timeout` is set: a job that
+    /// waits behind a frozen former leader's fence fails after this long instead of
+    /// waiting as long as that session lives. A zero duration is taken as 1 ms.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
     }
 
     /// Another ledger table.
@@ -206,27 +233,94 @@ impl TickLedger {
         }
     }
 
-    /// The latest tick recorded for `job` before `tick`, whatever its outcome.
-    pub(crate) async fn last_before(
+    /// Runs `op` within the ledger's timeout. The client waits a little longer than
+    /// the server (whose own bounds end a waiting statement first), so that a pooled
+    /// connection is seldom given back with a statement still running on it.
+    pub(crate) async fn bounded<T>(
+        &self,
+        action: &'static str,
+        op: impl Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        let limit = self.timeout + CLIENT_MARGIN;
+        tokio::time::timeout(limit, op)
+            .await
+            .unwrap_or(Err(LedgerError::Timeout {
+                action,
+                after: limit,
+            }))
+    }
+
+    /// `SET LOCAL` statements bounding how long a statement of a transaction may wait
+    /// for a lock (and, with `whole`, run, and sit idle): the server ends the wait even
+    /// when the client is frozen or gone.
+    pub(crate) fn bounds_sql(&self, whole: bool) -> String {
+        let ms = self.timeout.as_millis().max(1);
+        let mut sql = format!("SET LOCAL lock_timeout = {ms}");
+        if whole {
+            sql.push_str(&format!(
+                ";\nSET LOCAL statement_timeout = {ms};\nSET LOCAL idle_in_transaction_session_timeout = {ms}"
+            ));
+        }
+        sql
+    }
+
+    /// A transaction of the gate's own, bounded by the ledger's timeout on the server.
+    async fn bounded_transaction<'c>(
+        &self,
+        client: &'c mut deadpool_postgres::Client,
+    ) -> Result<deadpool_postgres::Transaction<'c>, LedgerError> {
+        let tx = client
+            .transaction()
+            .await
+            .map_err(self.db("beginning a transaction"))?;
+        tx.batch_execute(&self.bounds_sql(true))
+            .await
+            .map_err(self.db("bounding the transaction"))?;
+        Ok(tx)
+    }
+
+    /// What the ledger holds for `job`: the first tick ever recorded, and the ticks
+    /// recorded in `[from, upto)`, whatever their outcome. One statement.
+    pub(crate) async fn recorded(
         &self,
         job: &str,
-        tick: u64,
-    ) -> Result<Option<u64>, LedgerError> {
-        let client = self.client().await?;
-        let row = client
-            .query_typed(
-                &format!(
-                    "SELECT max(tick) FROM {} WHERE job = $1 AND tick < $2",
-                    self.table.quoted
-                ),
-                &[(&job, Type::TEXT), (&at(tick), Type::TIMESTAMPTZ)],
-            )
-            .await
-            .map_err(self.db("reading the last recorded tick"))?;
-        Ok(row
-            .first()
-            .and_then(|r| r.try_get::<_, Option<SystemTime>>(0).ok().flatten())
-            .map(secs))
+        from: u64,
+        upto: u64,
+    ) -> Result<(Option<u64>, BTreeSet<u64>), LedgerError> {
+        self.bounded("reading the recorded ticks", async {
+            let client = self.client().await?;
+            let rows = client
+                .query_typed(
+                    &format!(
+                        "SELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3)",
+                        t = self.table.quoted
+                    ),
+                    &[
+                        (&job, Type::TEXT),
+                        (&at(from), Type::TIMESTAMPTZ),
+                        (&at(upto), Type::TIMESTAMPTZ),
+                    ],
+                )
+                .await
+                .map_err(self.db("reading the recorded ticks"))?;
+            let Some(row) = rows.first() else {
+                return Ok((None, BTreeSet::new()));
+            };
+            let first = row
+                .try_get::<_, Option<SystemTime>>(0)
+                .map_err(self.db("reading the recorded ticks"))?
+                .map(secs);
+            let ticks = row
+                .try_get::<_, Option<Vec<Option<SystemTime>>>>(1)
+                .map_err(self.db("reading the recorded ticks"))?
+                .unwrap_or_default()
+                .into_iter()
+                .flatten()
+                .map(secs)
+                .collect();
+            Ok((first, ticks))
+        })
+        .await
     }
 
     /// Records finished ticks (`outcome` with a reason each) in one fenced
@@ -239,11 +333,20 @@ impl TickLedger {
         outcome: &str,
         ticks: &[(u64, &str)],
     ) -> Result<(), LedgerError> {
-        let mut client = self.client().await?;
-        let tx = client
-            .transaction()
+        self.bounded("recording ticks", self.record_unbounded(job, token, node, outcome, ticks))
             .await
-            .map_err(self.db("beginning a transaction"))?;
+    }
+
+    async fn record_unbounded(
+        &self,
+        job: &str,
+        token: FencingToken,
+        node: &str,
+        outcome: &str,
+        ticks: &[(u64, &str)],
+    ) -> Result<(), LedgerError> {
+        let mut client = self.client().await?;
+        let tx = self.bounded_transaction(&mut client).await?;
         self.fence.fence(&tx, job, token).await?;
         let when: Vec<SystemTime> = ticks.iter().map(|(t, _)| at(*t)).collect();
         let why: Vec<&str> = ticks.iter().map(|(_, r)| *r).collect();
@@ -275,17 +378,17 @@ impl TickLedger {
         token: FencingToken,
         node: &str,
     ) -> Result<bool, LedgerError> {
-        let mut client = self.client().await?;
-        let tx = client
-            .transaction()
-            .await
-            .map_err(self.db("beginning a transaction"))?;
-        self.fence.fence(&tx, job, token).await?;
-        let claimed = self
-            .claim_in(&tx, job, tick, token, node, "running")
-            .await?;
-        tx.commit().await.map_err(self.db("committing the claim"))?;
-        Ok(claimed)
+        self.bounded("claiming the tick", async {
+            let mut client = self.client().await?;
+            let tx = self.bounded_transaction(&mut client).await?;
+            self.fence.fence(&tx, job, token).await?;
+            let claimed = self
+                .claim_in(&tx, job, tick, token, node, "running")
+                .await?;
+            tx.commit().await.map_err(self.db("committing the claim"))?;
+            Ok(claimed)
+        })
+        .await
     }
 
     /// Inserts the claim row in `tx`: `false` if the tick is already recorded.
@@ -336,8 +439,21 @@ impl TickLedger {
         outcome: &str,
         reason: Option<&str>,
     ) -> Result<bool, LedgerError> {
-        let client = self.client().await?;
-        let n = client
+        self.bounded("recording the outcome", self.finish_unbounded(job, tick, token, outcome, reason))
+            .await
+    }
+
+    async fn finish_unbounded(
+        &self,
+        job: &str,
+        tick: u64,
+        token: FencingToken,
+        outcome: &str,
+        reason: Option<&str>,
+    ) -> Result<bool, LedgerError> {
+        let mut client = self.client().await?;
+        let tx = self.bounded_transaction(&mut client).await?;
+        let n = tx
             .execute_typed(
                 &self.finish_sql(),
                 &[
@@ -350,6 +466,9 @@ impl TickLedger {
             )
             .await
             .map_err(self.db("recording the outcome"))?;
+        tx.commit()
+            .await
+            .map_err(self.db("committing the outcome"))?;
         Ok(n == 1)
     }
 

@@ -56,6 +56,11 @@ pub(crate) enum MissReason {
 }
 
 impl MissReason {
+    /// Added to the reason of the oldest missed tick looked at when the gap goes on
+    /// below it.
+    pub(crate) const OLDER_NOT_LOOKED_AT: &'static str =
+        "older ticks were not looked at (a gap of more than 1000 ticks)";
+
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Missed => "missed: not run when due",
