@@ -774,7 +774,12 @@ async fn two_jobs_of_one_leadership_each_run_every_tick() {
     }
     for t in T0..T0 + 3 {
         for (svc, ..) in &mut jobs {
-            let out = svc.ready().await.unwrap().call(Task::new(Tick::new(t))).await;
+            let out = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(Task::new(Tick::new(t)))
+                .await;
             assert!(out.unwrap().ran(), "tick {t}");
         }
     }
@@ -804,7 +809,15 @@ async fn a_hole_below_the_newest_row_is_decided() {
         ),
     ] {
         let job = unique_name("ledger-hole");
-        let mut a = node(&db, &job, "node-a", 5, misfire, Claim::InJobTransaction, true);
+        let mut a = node(
+            &db,
+            &job,
+            "node-a",
+            5,
+            misfire,
+            Claim::InJobTransaction,
+            true,
+        );
         assert!(tick(&mut a, T0).await.ran());
         // T0+3 recorded (as an overlap skip would be), T0+1 and T0+2 not.
         db.admin
@@ -923,7 +936,15 @@ async fn a_fence_row_held_by_a_frozen_session_bounds_the_wait() {
 async fn a_gap_longer_than_the_look_is_marked() {
     let db = db().await;
     let job = unique_name("ledger-long-gap");
-    let mut a = node(&db, &job, "node-a", 5, Misfire::Skip, Claim::BeforeRun, false);
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
     assert!(tick(&mut a, T0).await.ran());
     assert!(tick(&mut a, T0 + 1500).await.ran());
     let got = rows(&db.admin, &job).await;

@@ -284,7 +284,10 @@ async fn witness_run(misfire: &str) -> Figures {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(decided, "no tick at or after the end was recorded within a minute of it");
+    assert!(
+        decided,
+        "no tick at or after the end was recorded within a minute of it"
+    );
     for node in &nodes {
         let _ = signal(node.child.id(), "TERM");
     }

@@ -95,7 +95,8 @@ impl TickContext {
         self.tick
     }
 
-    /// The job's name in the ledger (the gate's lock name), which is also its fence name.
+    /// The job's name in the ledger ([`LedgeredCronLayer::job`](crate::LedgeredCronLayer::job)),
+    /// which is also its fence name.
     #[must_use]
     pub fn job(&self) -> &str {
         &self.job

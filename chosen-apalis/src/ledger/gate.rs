@@ -83,9 +83,9 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    [`Overlap::CancelPrevious`], and when the lease it was let through under is lost
 ///    (with [`Claim::InJobTransaction`] that tick is then left unrecorded: its writes
 ///    rolled back, and the next leader's misfire policy decides about it).
-/// 3. It reads the latest tick recorded for the job before this one. The ticks of the
-///    schedule between the two were missed (nobody ran or skipped them): the
-///    [`Misfire`] policy runs some, oldest first, each claimed like any tick, and the
+/// 3. It looks for missed ticks: ticks of the schedule before this one, after the
+///    job's first row, that have no row (nobody ran, skipped or cancelled them; holes
+///    below the newest row included). The [`Misfire`] policy runs some, oldest first, each claimed like any tick, and the
 ///    others are recorded as `skipped` with their reason, in one fenced transaction.
 /// 4. It runs the tick: with [`Claim::BeforeRun`] the gate claims it first (fenced
 ///    `INSERT … ON CONFLICT DO NOTHING`), runs the job if the claim succeeded, and
@@ -893,7 +893,6 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use apalis_core::task::Task;
-use apalis_core::task::task_id::TaskId;
     use apalis_cron::Tick;
     use chosen_core::Leadership;
     use tower_layer::Layer;
@@ -957,5 +956,24 @@ use apalis_core::task::task_id::TaskId;
             (stats.skipped_not_leader(), stats.skipped_ledger_error()),
             (1, 1)
         );
+    }
+
+    // Rows are keyed by the job's name: the worker's, unless named on the layer; the
+    // lock's without either (review finding: two jobs of one leadership shared rows).
+    #[test]
+    fn the_job_is_named_after_the_worker_unless_named() {
+        use crate::CronGate;
+
+        let (leadership, _control) = Leadership::manual("shared-lock", "node-1");
+        let every_minute: cron::Schedule = "0 * * * * *".parse().unwrap();
+        let layer = LeaderOnlyJobLayer::new(leadership).ledger(TickLedger::new(dead_pool()));
+        assert_eq!(layer.job_name(), "shared-lock");
+        let named = layer
+            .clone()
+            .job("nightly")
+            .into_cron_layer("reports", &every_minute);
+        assert_eq!(named.job_name(), "nightly");
+        let by_worker = layer.into_cron_layer("reports", &every_minute);
+        assert_eq!(by_worker.job_name(), "reports");
     }
 }

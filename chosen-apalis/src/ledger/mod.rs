@@ -87,7 +87,7 @@ pub enum Claim {
 /// )
 /// ```
 ///
-/// `job` is the lock name of the gate; `token` the fencing token of the leader that
+/// `job` is the job's name ([`LedgeredCronLayer::job`]); `token` the fencing token of the leader that
 /// wrote the row; `outcome` `running` (claimed before the run, not finished: at most
 /// once, see [`Claim`]), `ran`, `skipped` (with `reason`: why, see [`Misfire`]),
 /// `failed` (with the job's error), `cancelled` (reserved for `max_runtime`). chosen
@@ -333,8 +333,11 @@ impl TickLedger {
         outcome: &str,
         ticks: &[(u64, &str)],
     ) -> Result<(), LedgerError> {
-        self.bounded("recording ticks", self.record_unbounded(job, token, node, outcome, ticks))
-            .await
+        self.bounded(
+            "recording ticks",
+            self.record_unbounded(job, token, node, outcome, ticks),
+        )
+        .await
     }
 
     async fn record_unbounded(
@@ -439,8 +442,11 @@ impl TickLedger {
         outcome: &str,
         reason: Option<&str>,
     ) -> Result<bool, LedgerError> {
-        self.bounded("recording the outcome", self.finish_unbounded(job, tick, token, outcome, reason))
-            .await
+        self.bounded(
+            "recording the outcome",
+            self.finish_unbounded(job, tick, token, outcome, reason),
+        )
+        .await
     }
 
     async fn finish_unbounded(

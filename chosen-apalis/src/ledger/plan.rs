@@ -6,8 +6,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 /// What a leader does with the ticks of a job that nobody ran: those scheduled after the
-/// last tick recorded in the ledger and before the tick at hand (a failover gap, or a
-/// time when no node ran the worker). Decided from the ledger, not from any node's
+/// job's first recorded tick and before the tick at hand that have no row in the
+/// ledger (a failover gap, a time when no node ran the worker, a run stopped and left
+/// unrecorded). Decided from the ledger, not from any node's
 /// memory, so a node that just became leader decides the same as one that led all along.
 ///
 /// | policy | missed ticks run | missed ticks recorded as `skipped` |
@@ -18,9 +19,9 @@ use chrono::{DateTime, Utc};
 ///
 /// Each missed tick is run or recorded once: a missed tick that runs is claimed in the
 /// ledger like any other tick, and skips are ledger rows too, so the next leader sees
-/// them as decided. At most 1,000 missed ticks are looked at per gap (the most recent);
-/// older ones are neither run nor recorded, and a warning says so. A `max` above 1,000
-/// acts as 1,000.
+/// them as decided. At most the 1,000 most recent scheduled ticks are looked at; a gap
+/// reaching further back is cut there (its oldest tick looked at says so in its
+/// reason, and a warning too). A `max` above 1,000 acts as 1,000.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Misfire {
@@ -83,7 +84,7 @@ pub(crate) struct Plan {
 }
 
 /// The plan for the tick scheduled at `current`, given the missed ticks newest first
-/// (all before `current`, after the last recorded tick).
+/// (all before `current`, none recorded).
 pub(crate) fn plan(policy: Misfire, current: u64, missed: impl IntoIterator<Item = u64>) -> Plan {
     let mut out = Plan::default();
     let mut missed = missed.into_iter();
