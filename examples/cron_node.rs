@@ -4,11 +4,14 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --example cron_node -- \
-//!     --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N]
+//!     --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N] [--detached-writes]
 //! ```
 //!
 //! `--think-ms` makes each run wait that long before it opens its transaction (a node
-//! frozen there wakes up to find a newer leader's fence).
+//! frozen there wakes up to find a newer leader's fence). `--detached-writes` runs the
+//! write in a task of its own, which the gate's cancellation (on a lost lease) does not
+//! stop: a job that leaves work behind, which only the fence keeps from committing
+//! after a newer leader's write.
 //!
 //! Events: `ready`; `ran` (`tick`, `token`, `catch_up`); `rejected` (`tick`, `token`:
 //! the fence refused the run's transaction: a newer leader has written); `exit`.
@@ -33,11 +36,13 @@ struct Args {
     job: String,
     misfire: Misfire,
     think: Duration,
+    detached: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let (mut node_id, mut job, mut misfire) = (String::new(), String::new(), Misfire::Skip);
     let mut think = Duration::ZERO;
+    let mut detached = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -54,6 +59,7 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--misfire takes skip or catchup, got {other:?}")),
                 }
             }
+            "--detached-writes" => detached = true,
             "--think-ms" => {
                 let v = value()?;
                 think = Duration::from_millis(
@@ -63,7 +69,7 @@ fn parse_args() -> Result<Args, String> {
             }
             other => {
                 return Err(format!(
-                    "unknown flag {other:?}; usage: cron_node --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N] (DATABASE_URL must be set)"
+                    "unknown flag {other:?}; usage: cron_node --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N] [--detached-writes] (DATABASE_URL must be set)"
                 ));
             }
         }
@@ -76,6 +82,7 @@ fn parse_args() -> Result<Args, String> {
         job,
         misfire,
         think,
+        detached,
     })
 }
 
@@ -96,11 +103,26 @@ async fn witness(
     tick: Tick,
     ctx: Data<TickContext>,
     pool: Data<Pool>,
-    think: Data<Think>,
+    style: Data<Style>,
+) -> Result<(), BoxDynError> {
+    let (ctx, pool, style) = ((*ctx).clone(), (*pool).clone(), *style);
+    if style.detached {
+        // Outlives the gate's cancellation: only the fence stops a stale write.
+        tokio::spawn(write(tick, ctx, pool, style.think)).await?
+    } else {
+        write(tick, ctx, pool, style.think).await
+    }
+}
+
+async fn write(
+    tick: Tick,
+    ctx: TickContext,
+    pool: Pool,
+    think: Duration,
 ) -> Result<(), BoxDynError> {
     // Work before the transaction: a node frozen here wakes up to a fence that a newer
     // leader may have moved.
-    tokio::time::sleep(think.0.0).await;
+    tokio::time::sleep(think).await;
     let mut client = pool.get().await?;
     let token = ctx.fencing_token().get();
     let tx = match ctx.begin(&mut client).await {
@@ -140,9 +162,12 @@ async fn witness(
     Ok(())
 }
 
-/// How long a run works before its ledger transaction.
+/// How a run writes: after `think`, and in a task of its own if `detached`.
 #[derive(Clone, Copy)]
-struct Think(Duration);
+struct Style {
+    think: Duration,
+    detached: bool,
+}
 
 async fn run(args: Args, url: &str) -> Result<(), BoxDynError> {
     let pool = Pool::builder(deadpool_postgres::Manager::new(
@@ -167,12 +192,16 @@ async fn run(args: Args, url: &str) -> Result<(), BoxDynError> {
         .misfire(args.misfire);
     let schedule = Schedule::from_str("* * * * * *")?;
     emit(&args.node_id, "ready", &[]);
-    let (job, think) = (args.job.clone(), Think(args.think));
+    let job = args.job.clone();
+    let style = Style {
+        think: args.think,
+        detached: args.detached,
+    };
     Monitor::new()
         .register(move |_| {
             cron_worker(&job, schedule.clone(), gate.clone())
                 .data(pool.clone())
-                .data(think)
+                .data(style)
                 .build(witness)
         })
         .run_with_signal(async {

@@ -3,11 +3,12 @@
 //! a black-holed connection and SIGTERM, in that order, over and over (a freeze and a
 //! black hole last 8 to 11 s, longer than the server's release time, so a new leader
 //! takes over while the old one is cut off), each timed within 150 ms of a tick
-//! boundary. Each node reaches the server through its own proxy; the server ends
+//! boundary (a freeze just after one). Each node reaches the server through its own proxy; the server ends
 //! sessions idle in a transaction for 3 s (`idle_in_transaction_session_timeout`, as
 //! the README recommends). Each run works 400 ms before it opens its ledger
-//! transaction, so a freeze often lands there and the woken leader meets a newer
-//! leader's fence. The job writes a witness row, numbered from a sequence, in its
+//! transaction, in a task of its own that the gate's cancellation on a lost lease does
+//! not stop, so a freeze often lands there and the woken leader's write meets a newer
+//! leader's fence (only the fence stops it). The job writes a witness row, numbered from a sequence, in its
 //! ledger transaction. Once a tick at or after the last one is recorded (so the last
 //! gap is decided), over every tick of the run:
 //!
@@ -74,7 +75,7 @@ impl Drop for Node {
 fn spawn(url: &str, id: &str, job: &str, misfire: &str, lines: &Arc<Mutex<Vec<String>>>) -> Node {
     let mut child = Command::new(example_binary("cron_node").unwrap())
         .args(["--node-id", id, "--job", job, "--misfire", misfire])
-        .args(["--think-ms", &THINK_MS.to_string()])
+        .args(["--think-ms", &THINK_MS.to_string(), "--detached-writes"])
         .env("DATABASE_URL", url)
         .env("RUST_LOG", "off")
         .stdin(Stdio::null())
@@ -224,9 +225,15 @@ async fn witness_run(misfire: &str) -> Figures {
         let Some(i) = nodes.iter().position(|n| Some(&n.id) == leader.as_ref()) else {
             continue;
         };
-        let offset = rng.below(301) as i64 - 150;
         let fault = FAULTS[turn % FAULTS.len()];
         turn += 1;
+        // A freeze lands just after a boundary, inside the run's work before its
+        // transaction; the other faults anywhere within 150 ms of one.
+        let offset = if fault == "STOP" {
+            10 + rng.below(141) as i64
+        } else {
+            rng.below(301) as i64 - 150
+        };
         near_next_boundary(offset).await;
         let pid = nodes[i].child.id();
         *figures.faults.entry(fault).or_default() += 1;
@@ -360,6 +367,14 @@ async fn witness_run(misfire: &str) -> Figures {
     }
     drop(pg);
     println!("witness {misfire}: {figures:?}");
+    // A long run freezes a leader inside its run several times: the fence must have
+    // refused at least one woken leader's write (a short run may draw none in time).
+    if figures.ticks >= 300 {
+        assert!(
+            figures.rejected_by_fence >= 1,
+            "no write met the fence: {figures:?}"
+        );
+    }
     figures
 }
 
