@@ -83,6 +83,15 @@ pub enum SkipReason {
         /// Why.
         reason: String,
     },
+    /// The run panicked (tick ledger): the panic was caught, the tick recorded `failed`
+    /// with the message, and the worker goes on (a leader whose worker died would hold
+    /// the job's lock and run nothing).
+    Panicked {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 /// The service [`LeaderOnlyJobLayer`](crate::LeaderOnlyJobLayer) applies: runs the job

@@ -34,7 +34,7 @@ pub fn cron_worker<G: CronGate>(
     schedule: cron::Schedule,
     gate: G,
 ) -> WorkerBuilder<Tick, CronScheduler<cron::Schedule>, Stack<G::Layer, Identity>> {
-    let layer = gate.into_cron_layer(worker_name, &schedule);
+    let layer = gate.into_cron_layer(&schedule);
     WorkerBuilder::new(worker_name)
         .backend(CronScheduler::new(schedule))
         .layer(layer)
@@ -42,20 +42,19 @@ pub fn cron_worker<G: CronGate>(
 
 /// A gate [`cron_worker`] accepts: [`LeaderOnlyJobLayer`] (which it turns into a cron
 /// gate with [`for_cron_ticks`](LeaderOnlyJobLayer::for_cron_ticks)), or, with the
-/// `ledger` feature, `LedgeredCronLayer` (which it gives the schedule, and the worker's name as the
-/// job's name in the ledger unless it has one).
+/// `ledger` feature, `LedgeredCronLayer` (which it gives the schedule).
 pub trait CronGate {
     /// The layer the worker gets, outermost.
     type Layer;
 
-    /// The layer for the cron worker `worker_name` on `schedule`.
-    fn into_cron_layer(self, worker_name: &str, schedule: &cron::Schedule) -> Self::Layer;
+    /// The layer for a cron worker on `schedule`.
+    fn into_cron_layer(self, schedule: &cron::Schedule) -> Self::Layer;
 }
 
 impl<P> CronGate for LeaderOnlyJobLayer<P> {
     type Layer = LeaderOnlyJobLayer<CronTicks>;
 
-    fn into_cron_layer(self, _worker_name: &str, _schedule: &cron::Schedule) -> Self::Layer {
+    fn into_cron_layer(self, _schedule: &cron::Schedule) -> Self::Layer {
         self.for_cron_ticks()
     }
 }
@@ -64,7 +63,7 @@ impl<P> CronGate for LeaderOnlyJobLayer<P> {
 impl CronGate for crate::ledger::LedgeredCronLayer {
     type Layer = Self;
 
-    fn into_cron_layer(self, worker_name: &str, schedule: &cron::Schedule) -> Self {
-        self.schedule(schedule.clone()).job_or(worker_name)
+    fn into_cron_layer(self, schedule: &cron::Schedule) -> Self {
+        self.schedule(schedule.clone())
     }
 }

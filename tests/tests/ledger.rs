@@ -271,7 +271,7 @@ async fn skip_records_every_missed_tick_and_runs_none() {
     // The same tick again (a second scheduler, a retry): not run twice.
     assert!(matches!(
         tick(&mut a, T0 + 5).await,
-        Outcome::Skipped(SkipReason::AlreadyRecorded { .. })
+        Outcome::Skipped(SkipReason::Overlap { .. })
     ));
     assert_eq!(a.runs.lock().unwrap().len(), 2);
     a.control.follow(Some("node-b"));
@@ -749,7 +749,7 @@ async fn a_graceful_stop_does_not_hang_behind_a_waiting_tick() {
 
 // Review finding: two cron jobs gated by one leadership recorded their ticks under the
 // leadership's name, so the second job's every tick was "already recorded" and never
-// ran. Each job has its own rows (named by `job`, or by the worker's name).
+// ran. Each job named with `job` has its own rows, `lock/name`.
 #[tokio::test]
 async fn two_jobs_of_one_leadership_each_run_every_tick() {
     let db = db().await;
@@ -762,7 +762,7 @@ async fn two_jobs_of_one_leadership_each_run_every_tick() {
         let layer = LeaderOnlyJobLayer::new(leadership.clone())
             .ledger(db.ledger.clone())
             .schedule(every_second.clone())
-            .job(&format!("{lock}-{name}"));
+            .job(name);
         let runs = Runs::default();
         let svc = layer.layer(Job {
             runs: Arc::clone(&runs),
@@ -770,7 +770,7 @@ async fn two_jobs_of_one_leadership_each_run_every_tick() {
             delays: Delays::default(),
             ids: Ids::default(),
         });
-        jobs.push((svc, runs, format!("{lock}-{name}")));
+        jobs.push((svc, runs, format!("{lock}/{name}")));
     }
     for t in T0..T0 + 3 {
         for (svc, ..) in &mut jobs {
@@ -958,4 +958,478 @@ async fn a_gap_longer_than_the_look_is_marked() {
         )
     );
     assert_eq!(got[2].2.as_deref(), Some("missed: not run when due"));
+}
+
+// ---------------------------------------------------------------------------------
+// Review (64ac650): attempts to break the ledger.
+// ---------------------------------------------------------------------------------
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// `(tick - T0)` of every tick with more than one witness row among `jobs`.
+async fn ticks_run_twice(admin: &Client, jobs: &[String]) -> Vec<i64> {
+    admin
+        .query(
+            "SELECT tick FROM witness WHERE job = ANY($1) GROUP BY tick HAVING count(*) > 1 ORDER BY tick",
+            &[&jobs],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .collect()
+}
+
+// R1. The job's key defaulted to the worker's name, and examples/apalis_cron.rs names
+// its workers per node (`report-{i}`): each node had its own rows and its own fence,
+// and a node that led again "caught up" every tick the other node ran. The key is the
+// lock's name now, whatever the worker is called (`.job` names a job under its lock,
+// the same on every node).
+#[tokio::test]
+async fn review_per_node_worker_names_run_ticks_twice() {
+    let db = db().await;
+    let lock = unique_name("ledger-per-node");
+    let policy = Misfire::CatchUp {
+        max: 10,
+        within: Duration::from_secs(60),
+    };
+    let mk = |id: &str, token: u64| {
+        node_with(&db, &lock, id, token, true, move |l| {
+            l.schedule(every_second())
+                .misfire(policy)
+                .claim(Claim::InJobTransaction)
+        })
+    };
+    let mut b = mk("node-b", 5);
+    assert!(tick(&mut b, T0).await.ran());
+    b.control.follow(Some("node-a"));
+    let mut a = mk("node-a", 7);
+    for t in T0 + 1..T0 + 5 {
+        assert!(tick(&mut a, t).await.ran());
+    }
+    a.control.follow(Some("node-b"));
+    b.control.lead(9);
+    assert!(tick(&mut b, T0 + 5).await.ran());
+    let jobs = vec![lock.clone()];
+    let twice = ticks_run_twice(&db.admin, &jobs).await;
+    assert!(
+        twice.is_empty(),
+        "ticks run twice: {twice:?}; node-b ran {:?}",
+        b.runs.lock().unwrap()
+    );
+}
+
+// R1b. Worker names are not unique across leaderships: two services, each with its
+// own lock, both naming their cron worker "cleanup", now share rows and a fence.
+#[tokio::test]
+async fn review_one_worker_name_under_two_leaderships() {
+    let db = db().await;
+    let name = unique_name("cleanup");
+    let mut x = node_with(&db, &unique_name("svc-x"), "node-1", 9, false, |l| {
+        l.schedule(every_second()).job(&name)
+    });
+    let mut y = node_with(&db, &unique_name("svc-y"), "node-1", 5, false, |l| {
+        l.schedule(every_second()).job(&name)
+    });
+    assert!(tick(&mut x, T0).await.ran());
+    let out = tick(&mut y, T0).await;
+    assert!(out.ran(), "svc-y's tick T0: {out:?}");
+    let out = tick(&mut y, T0 + 1).await;
+    assert!(out.ran(), "svc-y's tick T0+1: {out:?}");
+}
+
+// R2. A catch-up on gaining leadership before this node's scheduler delivered any tick
+// runs from a task with no WorkerContext. If the worker is asked to stop while such a
+// catch-up holds the turn and a delivered tick waits for it, the next catch-up waits
+// for apalis' lifecycle service to be ready (never, once stopping), the waiting tick
+// waits for the turn, and the worker waits for the tick: the stop hangs.
+#[tokio::test]
+async fn review_a_graceful_stop_during_a_catch_up_on_gain_does_not_hang() {
+    use apalis_core::monitor::Monitor;
+    use chosen_apalis::cron_worker;
+
+    async fn slow(_tick: Tick) -> Result<(), BoxDynError> {
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        Ok(())
+    }
+
+    let db = db().await;
+    let job = unique_name("ledger-gain-stop");
+    let now = unix_now();
+    // Two ticks 8 and 7 s ago (missed), the next 8 s away: the gate catches up at once.
+    let mut secs = [(now - 8) % 60, (now - 7) % 60, (now + 8) % 60];
+    secs.sort_unstable();
+    let schedule: Schedule = format!("{},{},{} * * * * *", secs[0], secs[1], secs[2])
+        .parse()
+        .unwrap();
+    // The job's first row, 30 s ago.
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now())",
+            &[&job, &((now - 30) as f64)],
+        )
+        .await
+        .unwrap();
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let gate = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .misfire(Misfire::CatchUp {
+            max: 5,
+            within: Duration::from_secs(60),
+        });
+    let stats = gate.stats();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let monitor = {
+        let (stop, job) = (Arc::clone(&stop), job.clone());
+        tokio::spawn(
+            Monitor::new()
+                .register(move |_| cron_worker(&job, schedule.clone(), gate.clone()).build(slow))
+                .run_with_signal(async move {
+                    stop.notified().await;
+                    Ok(())
+                }),
+        )
+    };
+    for _ in 0..50 {
+        if stats.caught_up() >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stats.caught_up(), 1, "{stats:?}");
+    // The tick due at now+8 has reached the gate and waits behind the catch-up.
+    while unix_now() < now + 10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.notify_one();
+    tokio::time::timeout(Duration::from_secs(25), monitor)
+        .await
+        .expect("the worker stops within 25 s")
+        .unwrap()
+        .unwrap();
+}
+
+// R3. A run that panicked left its tick unrecorded (Claim::InJobTransaction): every
+// later tick first "caught up" that tick again, panicked again, and never ran itself
+// (until the tick aged out of the catch-up window). The gate catches the panic now,
+// records the tick `failed` with the message, and goes on.
+#[tokio::test]
+async fn review_a_panicking_run_does_not_block_every_later_tick() {
+    let db = db().await;
+    let job = unique_name("ledger-panic");
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let job_fn = {
+        let (calls, pool) = (Arc::clone(&calls), db.pool.clone());
+        tower::service_fn(move |task: Task<Tick>| {
+            let (calls, pool) = (Arc::clone(&calls), pool.clone());
+            async move {
+                let t = task.args.get_timestamp();
+                calls.lock().unwrap().push(t - T0);
+                assert_ne!(t, T0 + 1, "the job panics on T0+1");
+                let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
+                let mut client = pool.get().await?;
+                if let Some(tx) = ctx.begin(&mut client).await? {
+                    tx.commit().await?;
+                }
+                Ok::<(), BoxDynError>(())
+            }
+        })
+    };
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .claim(Claim::InJobTransaction)
+        .misfire(Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(60),
+        })
+        .schedule(every_second())
+        .layer(job_fn);
+    let run = |t: u64| {
+        let mut svc = svc.clone();
+        tokio::spawn(async move { svc.ready().await?.call(Task::new(Tick::new(t))).await })
+    };
+    assert!(run(T0).await.unwrap().unwrap().ran());
+    let out = run(T0 + 1).await.unwrap().unwrap();
+    assert!(
+        matches!(&out, Outcome::Skipped(SkipReason::Panicked { message, .. }) if message.contains("the job panics on T0+1")),
+        "{out:?}"
+    );
+    let out = run(T0 + 2).await;
+    assert!(
+        matches!(&out, Ok(Ok(o)) if o.ran()),
+        "the tick at hand: {out:?}; calls {:?}",
+        calls.lock().unwrap()
+    );
+    assert_eq!(*calls.lock().unwrap(), vec![0, 1, 2]);
+    let got = rows(&db.admin, &job).await;
+    assert_eq!(got[1].1, "failed", "{got:?}");
+    assert!(
+        got[1].2.as_deref().is_some_and(
+            |r| r.starts_with("the run panicked: ") && r.contains("the job panics on T0+1")
+        ),
+        "{got:?}"
+    );
+}
+
+// R4. `TickContext::begin` sets `lock_timeout` for the whole of the job's transaction,
+// so the job's own statements may no longer wait for a lock longer than the ledger's
+// timeout: a job that waits 3 s for its own table fails, and is recorded `failed`
+// (never run again).
+#[tokio::test]
+async fn review_the_job_s_own_statements_keep_their_lock_waits() {
+    let db = db().await;
+    let job = unique_name("ledger-job-lock");
+    db.admin
+        .batch_execute("CREATE TABLE IF NOT EXISTS busy (id int)")
+        .await
+        .unwrap();
+    let job_fn = {
+        let pool = db.pool.clone();
+        tower::service_fn(move |task: Task<Tick>| {
+            let pool = pool.clone();
+            async move {
+                let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
+                let mut client = pool.get().await?;
+                let Some(tx) = ctx.begin(&mut client).await? else {
+                    return Ok(());
+                };
+                tx.batch_execute("LOCK TABLE busy IN EXCLUSIVE MODE")
+                    .await?;
+                tx.commit().await?;
+                Ok::<(), BoxDynError>(())
+            }
+        })
+    };
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone().timeout(Duration::from_secs(1)))
+        .claim(Claim::InJobTransaction)
+        .schedule(every_second())
+        .layer(job_fn);
+    // Another session (a nightly batch, say) holds the job's table for 3 s.
+    let (other, conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    other
+        .batch_execute("BEGIN; LOCK TABLE busy IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        other.batch_execute("COMMIT").await.unwrap();
+    });
+    let out = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await;
+    release.await.unwrap();
+    assert!(
+        matches!(&out, Ok(o) if o.ran()),
+        "{out:?}; rows {:?}",
+        rows(&db.admin, &job).await
+    );
+    assert_eq!(rows(&db.admin, &job).await, vec![row(0, "ran", None, 5)]);
+}
+
+// R5. A long timeout: past 2^31 ms the server refuses the SET LOCAL (every ledger
+// operation fails, every tick is skipped); Duration::MAX ("no limit") overflows
+// `timeout + CLIENT_MARGIN` and panics inside the gate.
+#[tokio::test]
+async fn review_a_long_ledger_timeout_is_usable() {
+    let db = db().await;
+    for timeout in [Duration::MAX, Duration::from_secs(30 * 86_400)] {
+        let job = unique_name("ledger-long-timeout");
+        let (leadership, control) = Leadership::manual(&job, "node-a");
+        control.lead(5);
+        let mut svc = LeaderOnlyJobLayer::new(leadership)
+            .ledger(db.ledger.clone().timeout(timeout))
+            .schedule(every_second())
+            .layer(Job {
+                runs: Runs::default(),
+                pool: None,
+                delays: Delays::default(),
+                ids: Ids::default(),
+            });
+        let out = tokio::spawn(async move {
+            svc.ready()
+                .await
+                .unwrap()
+                .call(Task::new(Tick::new(T0)))
+                .await
+                .unwrap()
+        })
+        .await;
+        assert!(matches!(&out, Ok(o) if o.ran()), "{timeout:?}: {out:?}");
+    }
+}
+
+// R6. A job error with a NUL character cannot be stored in `reason`: the `failed` row
+// is never written, the tick stays a hole, and CatchUp runs the failed tick again at
+// every later tick ("failed: not run again" does not hold).
+#[tokio::test]
+async fn review_a_failure_with_a_nul_in_its_message_is_recorded_once() {
+    let db = db().await;
+    let job = unique_name("ledger-nul");
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let job_fn = {
+        let calls = Arc::clone(&calls);
+        tower::service_fn(move |task: Task<Tick>| {
+            let calls = Arc::clone(&calls);
+            async move {
+                let t = task.args.get_timestamp();
+                calls.lock().unwrap().push(t - T0);
+                if t == T0 + 1 {
+                    return Err::<(), BoxDynError>("bad input: \0 in a field".into());
+                }
+                Ok(())
+            }
+        })
+    };
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .claim(Claim::InJobTransaction)
+        .misfire(Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(60),
+        })
+        .schedule(every_second())
+        .layer(job_fn);
+    for t in T0..T0 + 4 {
+        let _ = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(Task::new(Tick::new(t)))
+            .await;
+    }
+    assert_eq!(*calls.lock().unwrap(), vec![0, 1, 2, 3], "T0+1 runs once");
+    let outcomes: Vec<(i64, String)> = rows(&db.admin, &job)
+        .await
+        .into_iter()
+        .map(|(t, o, ..)| (t, o))
+        .collect();
+    assert!(outcomes.contains(&(1, "failed".to_owned())), "{outcomes:?}");
+}
+
+// R7. Overlap::CancelPrevious cancels the running tick when the *same* tick is
+// delivered again (a second scheduler on the node, a retry), records it `cancelled`,
+// "a newer tick is due", and the duplicate then finds it recorded: the tick never runs.
+#[tokio::test]
+async fn review_a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
+    let db = db().await;
+    let job = unique_name("ledger-dup-cancel");
+    let mut a = node_with(&db, &job, "node-a", 5, true, |l| {
+        l.schedule(every_second())
+            .overlap(Overlap::CancelPrevious)
+            .claim(Claim::InJobTransaction)
+            .misfire(Misfire::CatchUp {
+                max: 10,
+                within: Duration::from_secs(60),
+            })
+    });
+    a.delays.lock().unwrap().push((T0, Duration::from_secs(2)));
+    let first = tick_in_background(&a, T0);
+    started(&a, T0).await;
+    let second = tick(&mut a, T0).await;
+    let first = first.await.unwrap();
+    let witness: Vec<i64> = db
+        .admin
+        .query("SELECT tick FROM witness WHERE job = $1", &[&job])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .collect();
+    assert_eq!(
+        witness,
+        vec![0],
+        "first {first:?}, second {second:?}, rows {:?}",
+        rows(&db.admin, &job).await
+    );
+}
+
+// R8. Changing a job's schedule (hourly -> every 15 min) makes every new-schedule tick
+// since the job's first row a "hole": the next tick runs catch-ups of ticks that were
+// never scheduled (before this commit only ticks after the newest row counted).
+#[tokio::test]
+async fn review_a_schedule_change_does_not_replay_history() {
+    let db = db().await;
+    let job = unique_name("ledger-reschedule");
+    let h0 = T0 - T0 % 3600 + 3600;
+    let policy = Misfire::CatchUp {
+        max: 24,
+        within: Duration::from_secs(6 * 3600),
+    };
+    let hourly: Schedule = "0 0 * * * *".parse().unwrap();
+    let quarterly: Schedule = "0 */15 * * * *".parse().unwrap();
+    let mut a = node_on(
+        &db,
+        &job,
+        "node-a",
+        5,
+        (policy, Claim::BeforeRun, hourly),
+        false,
+    );
+    assert!(tick(&mut a, h0).await.ran());
+    assert!(tick(&mut a, h0 + 3600).await.ran());
+    a.control.stop();
+    // The new release, with the new schedule.
+    let mut b = node_on(
+        &db,
+        &job,
+        "node-b",
+        7,
+        (policy, Claim::BeforeRun, quarterly),
+        false,
+    );
+    assert!(tick(&mut b, h0 + 3600 + 900).await.ran());
+    assert_eq!(
+        *b.runs.lock().unwrap(),
+        vec![(h0 + 3600 + 900, false)],
+        "ticks of the new schedule before the change were never due"
+    );
+}
+
+// R10. Counters: with the claim in the job's transaction, a tick another gate already
+// recorded is counted both `ran` and `skipped_already_recorded`.
+#[tokio::test]
+async fn review_a_tick_is_counted_once() {
+    let db = db().await;
+    let job = unique_name("ledger-count");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::InJobTransaction,
+        true,
+    );
+    let mut b = node(
+        &db,
+        &job,
+        "node-b",
+        5,
+        Misfire::Skip,
+        Claim::InJobTransaction,
+        true,
+    );
+    assert!(tick(&mut a, T0).await.ran());
+    assert!(!tick(&mut b, T0).await.ran());
+    let s = b.layer.stats();
+    assert_eq!((s.ran(), s.skipped_already_recorded()), (0, 1), "{s:?}");
 }

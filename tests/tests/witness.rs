@@ -17,8 +17,7 @@
 //!   (the first fault leaves a gap);
 //! * `Skip`: 0 duplicates, every tick without a witness row has a `skipped` row
 //!   (`missed: not run when due`), and at least one has;
-//! * both: the ledger's tokens never decrease in tick order, and the witness rows'
-//!   tokens never decrease in the order they were written (a woken leader's write
+//! * both: the witness rows' tokens never decrease in the order they were written (a woken leader's write
 //!   after a newer leader's would: the fence must refuse it). How many runs the fence
 //!   refused is printed (`rejected_by_fence`).
 //!
@@ -145,7 +144,6 @@ struct Figures {
     caught_up: u64,
     duplicates: u64,
     missing: u64,
-    token_decreases: u64,
     stale_witness_rows: u64,
     rejected_by_fence: u64,
     faults: BTreeMap<&'static str, u64>,
@@ -340,7 +338,6 @@ async fn witness_run(misfire: &str) -> Figures {
         .filter(|l| l.contains("\"event\":\"rejected\""))
         .count() as u64;
 
-    let mut last_token = 0;
     for tick in start as i64..end as i64 {
         let rows = witness.get(&tick).map_or(&[][..], Vec::as_slice);
         if rows.len() > 1 {
@@ -349,10 +346,7 @@ async fn witness_run(misfire: &str) -> Figures {
         match ledger.get(&tick) {
             None => figures.missing += 1,
             Some((outcome, reason, token)) => {
-                if *token < last_token {
-                    figures.token_decreases += 1;
-                }
-                last_token = last_token.max(*token);
+                // (Tokens may go down in tick order: a newer leader fills an older hole.)
                 match (outcome.as_str(), rows) {
                     ("ran", [w]) if w == token => figures.ran += 1,
                     ("skipped", []) if reason.as_deref() == Some("missed: not run when due") => {
@@ -382,14 +376,8 @@ async fn witness_run(misfire: &str) -> Figures {
 async fn catch_up_runs_every_tick_exactly_once_under_faults() {
     let f = witness_run("catchup").await;
     assert_eq!(
-        (
-            f.duplicates,
-            f.missing,
-            f.skipped,
-            f.token_decreases,
-            f.stale_witness_rows
-        ),
-        (0, 0, 0, 0, 0),
+        (f.duplicates, f.missing, f.skipped, f.stale_witness_rows),
+        (0, 0, 0, 0),
         "{f:?}"
     );
     assert_eq!(f.ran, f.ticks, "{f:?}");
@@ -401,13 +389,8 @@ async fn catch_up_runs_every_tick_exactly_once_under_faults() {
 async fn skip_records_every_tick_it_does_not_run_under_faults() {
     let f = witness_run("skip").await;
     assert_eq!(
-        (
-            f.duplicates,
-            f.missing,
-            f.token_decreases,
-            f.stale_witness_rows
-        ),
-        (0, 0, 0, 0),
+        (f.duplicates, f.missing, f.stale_witness_rows),
+        (0, 0, 0),
         "{f:?}"
     );
     assert_eq!(f.ran + f.skipped, f.ticks, "{f:?}");

@@ -8,7 +8,7 @@ use chosen_core::FencingToken;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Transaction};
 
-use super::{Claim, LedgerError, TickLedger, at, token_value};
+use super::{Claim, JobIds, LedgerError, TickLedger, at, token_value};
 
 /// What became of a tick's claim in the job's own transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -51,8 +51,7 @@ pub(crate) enum Slot {
 /// ```
 #[derive(Debug, Clone)]
 pub struct TickContext {
-    job: Arc<str>,
-    node: Arc<str>,
+    ids: JobIds,
     tick: u64,
     token: FencingToken,
     catch_up: bool,
@@ -63,8 +62,7 @@ pub struct TickContext {
 
 impl TickContext {
     pub(crate) fn new(
-        job: Arc<str>,
-        node: Arc<str>,
+        ids: JobIds,
         tick: u64,
         token: FencingToken,
         catch_up: bool,
@@ -72,8 +70,7 @@ impl TickContext {
         ledger: TickLedger,
     ) -> Self {
         Self {
-            job,
-            node,
+            ids,
             tick,
             token,
             catch_up,
@@ -95,17 +92,24 @@ impl TickContext {
         self.tick
     }
 
-    /// The job's name in the ledger ([`LedgeredCronLayer::job`](crate::LedgeredCronLayer::job)),
-    /// which is also its fence name.
+    /// The job's name in the ledger (see
+    /// [`LedgeredCronLayer::job_name`](crate::LedgeredCronLayer::job_name)).
     #[must_use]
     pub fn job(&self) -> &str {
-        &self.job
+        &self.ids.job
+    }
+
+    /// The fence name the job's ledger transaction is fenced under: the lock's name
+    /// (fencing tokens are the lock's). Fence your other writes under it too.
+    #[must_use]
+    pub fn fence_name(&self) -> &str {
+        &self.ids.fence
     }
 
     /// This node's id.
     #[must_use]
     pub fn node_id(&self) -> &str {
-        &self.node
+        &self.ids.node
     }
 
     /// The fencing token of the lease this run was let through under.
@@ -161,7 +165,13 @@ impl TickContext {
     /// * [`LedgerError::Fence`] with [`chosen_core::Error::StaleToken`] (see
     ///   [`LedgerError::is_stale`]): a newer leader has written; this node no longer
     ///   leads. The transaction is aborted on the server: return the error.
+    /// * [`LedgerError::Timeout`]: the fence row stayed locked (a former leader frozen
+    ///   inside its transaction) past the ledger's timeout. Only the fence's wait is
+    ///   bounded so: the job's own statements keep the transaction's `lock_timeout`.
     /// * [`LedgerError::NotInstalled`], [`LedgerError::Database`].
+    ///
+    /// On any error the gate leaves the tick unrecorded, for the misfire policy of a
+    /// later tick (it is not recorded `failed`).
     ///
     /// # Cancel safety
     ///
@@ -189,20 +199,17 @@ impl TickContext {
             .await
             .map_err(self.ledger.db("beginning a transaction"))?;
         // A former leader frozen inside its transaction holds the fence row: wait for
-        // it no longer than the ledger's timeout.
-        tx.batch_execute(&self.ledger.bounds_sql(false))
-            .await
-            .map_err(self.ledger.db("bounding the transaction"))?;
+        // it no longer than the ledger's timeout (the job's own statements keep the
+        // transaction's lock_timeout).
         self.ledger
-            .fence()
-            .fence(&tx, &self.job, self.token)
+            .fence_bounded(&tx, &self.ids, self.token)
             .await?;
         let claimed = match self.claim {
             Claim::BeforeRun => false,
             Claim::InJobTransaction => {
                 let claimed = self
                     .ledger
-                    .claim_in(&tx, &self.job, self.tick, self.token, &self.node, "ran")
+                    .claim_in(&tx, &self.ids, self.tick, self.token, "ran")
                     .await?;
                 if !claimed {
                     self.settle(Slot::AlreadyRecorded);
@@ -233,7 +240,7 @@ pub struct LedgerTx<'c> {
 impl std::fmt::Debug for LedgerTx<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LedgerTx")
-            .field("job", &self.ctx.job)
+            .field("job", &self.ctx.ids.job)
             .field("tick", &self.ctx.tick)
             .field("token", &self.ctx.token)
             .field("claimed", &self.claimed)
@@ -270,7 +277,7 @@ impl LedgerTx<'_> {
                 .execute_typed(
                     &ledger.finish_sql(),
                     &[
-                        (&&*self.ctx.job, Type::TEXT),
+                        (&&*self.ctx.ids.job, Type::TEXT),
                         (&at(self.ctx.tick), Type::TIMESTAMPTZ),
                         (&token_value(self.ctx.token)?, Type::INT8),
                         (&None::<&str>, Type::TEXT),

@@ -15,12 +15,12 @@ use apalis_cron::Tick;
 use chosen_core::{LeaderState, Leadership};
 use tower_layer::Layer;
 use tower_service::Service;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::context::{Slot, TickContext};
 use super::overlap::{Held, Overlap, Refused, Turn};
 use super::plan::{MAX_MISSED, MissReason, missed_ticks, next_after, plan};
-use super::{Claim, LedgerError, Misfire, TickLedger, at, chain};
+use super::{Claim, JobIds, LedgerError, Misfire, TickLedger, at, chain};
 use crate::guard::LeaderGuard;
 use crate::layer::{GateStats, LeaderOnlyJobLayer};
 use crate::policy::CronTicks;
@@ -92,8 +92,13 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    records `ran` or `failed`; with [`Claim::InJobTransaction`] the job claims it
 ///    in [`TickContext::begin`].
 /// 5. A tick already recorded is `Ok(Outcome::Skipped(AlreadyRecorded))`; a ledger
-///    that cannot be reached (or a stale token) is `Ok(Outcome::Skipped(Ledger))`, and
-///    the tick does not run here (the next leader's misfire policy decides about it).
+///    that cannot be reached (or a stale token, or a wait past
+///    [`TickLedger::timeout`](crate::TickLedger::timeout)) is
+///    `Ok(Outcome::Skipped(Ledger))`, and the tick does not run here (the misfire
+///    policy of a later tick decides about it). A run that panics is caught, recorded
+///    `failed` and answered `Ok(Outcome::Skipped(Panicked))`; a tick delivered again
+///    (or older than the latest delivered) is answered `Ok(Outcome::Skipped(Overlap))`
+///    and stops nothing.
 ///
 /// Step 3 also runs when this node gains leadership, if the schedule's next tick is
 /// more than 5 s away (a daily job's missed run does not wait a day): the missed
@@ -115,39 +120,31 @@ pub struct LedgeredCronLayer {
     schedule: Option<cron::Schedule>,
     overlap: Overlap,
     max_runtime: Option<Duration>,
-    /// The job's name in the ledger; `None`: the worker's name, else the lock's.
+    /// The job's name under its lock ([`job`](Self::job)).
     job: Option<Arc<str>>,
     /// One run of the job at a time on this node, across every service of this layer.
     turn: Arc<Turn>,
 }
 
 impl LedgeredCronLayer {
-    /// The name the job's ticks are recorded under in the ledger (its `job` column),
-    /// and fenced under. Default: the worker name given to
-    /// [`cron_worker`](crate::cron_worker), or else the leadership's lock name. Two
-    /// cron jobs gated by one leadership must have different names (two workers with
-    /// different names do): a tick claimed by one would be skipped by the other as
-    /// already recorded.
+    /// Names the job, for several ledgered jobs gated by one leadership: its rows are
+    /// then recorded under `lock/name` instead of the lock's name. Every node must give
+    /// the job the same name (the worker's name plays no part: it may differ per node).
     #[must_use]
     pub fn job(mut self, name: &str) -> Self {
         self.job = Some(name.into());
         self
     }
 
-    /// The job's name in the ledger: see [`job`](Self::job).
+    /// The job's name in the ledger (its `job` column): the leadership's lock name, or
+    /// `lock/name` when named with [`job`](Self::job).
     #[must_use]
-    pub fn job_name(&self) -> &str {
-        self.job
-            .as_deref()
-            .unwrap_or_else(|| self.gate.leadership().name())
-    }
-
-    /// Names the job after the worker, unless [`job`](Self::job) named it already.
-    pub(crate) fn job_or(mut self, worker_name: &str) -> Self {
-        if self.job.is_none() {
-            self.job = Some(worker_name.into());
+    pub fn job_name(&self) -> String {
+        let lock = self.gate.leadership().name();
+        match &self.job {
+            Some(name) => format!("{lock}/{name}"),
+            None => lock.to_owned(),
         }
-        self
     }
 
     /// What to do with missed ticks (default [`Misfire::Skip`]).
@@ -219,9 +216,16 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         let leadership = self.gate.leadership.clone();
-        let shared = Arc::new(Shared {
+        let ids = JobIds {
             job: self.job_name().into(),
+            fence: leadership.name().into(),
             node: leadership.node_id().into(),
+            schedule: self.schedule.as_ref().map(|s| s.source().into()),
+        };
+        let shared = Arc::new(Shared {
+            job: Arc::clone(&ids.job),
+            node: Arc::clone(&ids.node),
+            ids,
             leadership,
             stats: Arc::clone(&self.gate.stats),
             ledger: self.ledger.clone(),
@@ -232,6 +236,7 @@ where
             max_runtime: self.max_runtime,
             turn: Arc::clone(&self.turn),
             template: std::sync::Mutex::new(None),
+            worker: std::sync::Mutex::new(None),
             low: AtomicU64::new(0),
         });
         // Catch up on gaining leadership, not only at the next tick; needs a runtime
@@ -263,6 +268,8 @@ pub struct LedgeredCron<S> {
 struct Shared {
     job: Arc<str>,
     node: Arc<str>,
+    /// The job's, the fence's and this node's names, the schedule's text.
+    ids: JobIds,
     leadership: Leadership,
     stats: Arc<GateStats>,
     ledger: TickLedger,
@@ -275,6 +282,10 @@ struct Shared {
     /// The latest task that reached the gate: what a catch-up run on gaining
     /// leadership is built from (so it carries the worker's data).
     template: std::sync::Mutex<Option<Task<Tick>>>,
+    /// The apalis worker of the latest task that carried one: whether it is stopping
+    /// is what a run built by the gate (a catch-up on gaining leadership, which may
+    /// carry none) looks at too.
+    worker: std::sync::Mutex<Option<WorkerContext>>,
     /// Every scheduled tick before this one is known to be recorded in the ledger
     /// (0: nothing known yet): where the next look for missed ticks starts. Learnt
     /// from the ledger only, never from what this node meant to do, and rows are never
@@ -302,7 +313,7 @@ impl Drop for AbortOnDrop {
 async fn on_every_gain<S>(shared: Arc<Shared>, mut inner: S)
 where
     S: Service<Task<Tick>>,
-    S::Error: fmt::Display,
+    S::Error: fmt::Display + 'static,
 {
     loop {
         shared.leadership.wait_leading().await;
@@ -348,6 +359,12 @@ where
 
     fn call(&mut self, task: Task<Tick>) -> Self::Future {
         let shared = Arc::clone(&self.shared);
+        if let Some(worker) = task.data().get::<WorkerContext>() {
+            *shared
+                .worker
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(worker.clone());
+        }
         *shared
             .template
             .lock()
@@ -366,6 +383,21 @@ where
 }
 
 impl Shared {
+    /// `true` once the apalis worker is shutting down (see [`stopping`]).
+    fn stopping(&self, base: &Task<Tick>) -> bool {
+        stopping(base, &self.worker)
+    }
+
+    /// Counts a run whose claim succeeded (and a caught-up one).
+    fn count_run(&self, catch_up: bool) {
+        if catch_up {
+            self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
+            self.report("caught_up");
+        }
+        self.stats.ran.fetch_add(1, Ordering::Relaxed);
+        self.report("ran");
+    }
+
     fn report(&self, outcome: &str) {
         if let Some(m) = self.leadership.metrics() {
             m.task_gated(&self.node, &self.job, outcome);
@@ -416,10 +448,10 @@ impl Shared {
     ) -> Result<Outcome<S::Response>, S::Error>
     where
         S: Service<Task<Tick>>,
-        S::Error: fmt::Display,
+        S::Error: fmt::Display + 'static,
     {
         let current = task.args.get_timestamp();
-        let mut held = match self.turn.take(self.overlap).await {
+        let mut held = match self.turn.take(self.overlap, current).await {
             Ok(held) => held,
             Err(refused) => return Ok(self.overlap_skipped(&guard, current, refused).await),
         };
@@ -436,13 +468,7 @@ impl Shared {
                 let (token, reason) = (guard.fencing_token(), reason.as_str());
                 if let Err(e) = self
                     .ledger
-                    .record(
-                        &self.job,
-                        token,
-                        &self.node,
-                        "cancelled",
-                        &[(current, reason)],
-                    )
+                    .record(&self.ids, token, "cancelled", &[(current, reason)])
                     .await
                 {
                     warn!(lock = %self.job, tick = current, error = %chain(&e), "could not record a cancelled tick");
@@ -483,7 +509,7 @@ impl Shared {
     ) -> Result<(), Outcome<S::Response>>
     where
         S: Service<Task<Tick>>,
-        S::Error: fmt::Display,
+        S::Error: fmt::Display + 'static,
     {
         let Some(schedule) = &self.schedule else {
             return Ok(());
@@ -498,18 +524,21 @@ impl Shared {
         let Some(&from) = candidates.last() else {
             return Ok(());
         };
-        let (first, recorded) = match self.ledger.recorded(&self.job, from, upto).await {
+        let found = match self.ledger.recorded(&self.ids, from, upto).await {
             Ok(found) => found,
             Err(e) => return Err(self.ledger_failed(upto, &e)),
         };
         // Nothing recorded yet: the job starts with the tick at hand.
-        let Some(first) = first else {
+        let Some(first) = found.first else {
             return Ok(());
         };
+        // Ticks before the job's first row were never due; nor were those before a
+        // row written under another schedule (the schedule changed since).
+        let floor = first.max(found.rescheduled.unwrap_or(0));
         let holes: Vec<u64> = candidates
             .iter()
             .copied()
-            .filter(|t| *t > first && !recorded.contains(t))
+            .filter(|t| *t > floor && !found.ticks.contains(t))
             .collect();
         // Everything below the oldest hole is recorded; the holes are looked at again
         // next time (filled by then, unless this fails).
@@ -518,7 +547,7 @@ impl Shared {
         let plan = plan(self.misfire, reference, holes.iter().copied());
         // The gap may go on below the ticks looked at: say so, in the log and in the
         // oldest hole's row.
-        let truncated = more && holes.last() == Some(&from) && from > first;
+        let truncated = more && holes.last() == Some(&from) && from > floor;
         if truncated {
             warn!(lock = %self.job, upto, oldest_looked_at = from, "more ticks were missed than are looked at ({MAX_MISSED}): the older ones are neither run nor recorded one by one");
         }
@@ -537,11 +566,7 @@ impl Shared {
                 .collect();
             let rows: Vec<(u64, &str)> = rows.iter().map(|(t, r)| (*t, r.as_str())).collect();
             let token = guard.fencing_token();
-            if let Err(e) = self
-                .ledger
-                .record(&self.job, token, &self.node, "skipped", &rows)
-                .await
-            {
+            if let Err(e) = self.ledger.record(&self.ids, token, "skipped", &rows).await {
                 return Err(self.ledger_failed(upto, &e));
             }
             self.stats
@@ -583,7 +608,7 @@ impl Shared {
     async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard, now: u64)
     where
         S: Service<Task<Tick>>,
-        S::Error: fmt::Display,
+        S::Error: fmt::Display + 'static,
     {
         let Some(schedule) = &self.schedule else {
             return;
@@ -622,19 +647,18 @@ impl Shared {
     ) -> Result<Outcome<S::Response>, S::Error>
     where
         S: Service<Task<Tick>>,
-        S::Error: fmt::Display,
+        S::Error: fmt::Display + 'static,
     {
         let token = guard.fencing_token();
         let ctx = TickContext::new(
-            Arc::clone(&self.job),
-            Arc::clone(&self.node),
+            self.ids.clone(),
             tick,
             token,
             catch_up,
             self.claim,
             self.ledger.clone(),
         );
-        if worker_stopping(base) {
+        if self.stopping(base) {
             // Not claimed, not run: the next run, here or on the next leader, decides.
             return Ok(Outcome::Skipped(SkipReason::Cancelled {
                 tick: at(tick),
@@ -654,29 +678,29 @@ impl Shared {
         task.inject_data(guard.clone());
         task.inject_data(ctx.clone());
         if self.claim == Claim::BeforeRun {
-            match self
-                .ledger
-                .claim_before_run(&self.job, tick, token, &self.node)
-                .await
-            {
+            match self.ledger.claim_before_run(&self.ids, tick, token).await {
                 Ok(true) => {}
                 Ok(false) => return Ok(self.already_recorded(tick)),
                 Err(e) => return Ok(self.ledger_failed(tick, &e)),
             }
         }
-        // Counted once claimed (or, claimed in the job's transaction, once called).
+        // Counted once claimed: here for a claim before the run; after it for a claim
+        // in the job's transaction (not if that found the tick already recorded).
         if catch_up {
-            self.stats.caught_up.fetch_add(1, Ordering::Relaxed);
-            self.report("caught_up");
             info!(lock = %self.job, tick, "running a missed tick");
         }
-        self.stats.ran.fetch_add(1, Ordering::Relaxed);
-        self.report("ran");
-        let result = match self.run_until_stopped(inner, task, held, guard).await {
+        if self.claim == Claim::BeforeRun {
+            self.count_run(catch_up);
+        }
+        let stopped = self.run_until_stopped(inner, task, held, guard).await;
+        if self.claim == Claim::InJobTransaction && ctx.slot() != Slot::AlreadyRecorded {
+            self.count_run(catch_up);
+        }
+        let result = match stopped {
             Ok(result) => result,
             Err(stop) => return Ok(self.cancelled(&ctx, stop).await),
         };
-        let failure = result.as_ref().err().map(ToString::to_string);
+        let failure = result.as_ref().err().map(describe);
         match self.claim {
             Claim::BeforeRun => {
                 let outcome = if failure.is_some() { "failed" } else { "ran" };
@@ -709,7 +733,7 @@ impl Shared {
                     // (Already recorded: the insert does nothing.)
                     if let Err(e) = self
                         .ledger
-                        .record(&self.job, token, &self.node, outcome, &[(tick, reason)])
+                        .record(&self.ids, token, outcome, &[(tick, reason)])
                         .await
                     {
                         warn!(lock = %self.job, tick, error = %chain(&e), "could not record the outcome of a run");
@@ -722,8 +746,10 @@ impl Shared {
 }
 
 /// Why a run was stopped before it ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Stop {
+    /// The job panicked (the message).
+    Panicked(String),
     /// A newer tick is due, under [`Overlap::CancelPrevious`].
     NewerTick,
     /// The run exceeded `max_runtime`.
@@ -735,10 +761,11 @@ enum Stop {
 }
 
 impl Stop {
-    fn reason(self) -> String {
+    fn reason(&self) -> String {
         match self {
+            Self::Panicked(message) => format!("the run panicked: {message}"),
             Self::NewerTick => "a newer tick is due".to_owned(),
-            Self::MaxRuntime(limit) => format!("ran longer than max_runtime ({limit:?})"),
+            Self::MaxRuntime(limit) => format!("ran longer than max_runtime ({:?})", *limit),
             Self::LeadershipLost => "leadership lost".to_owned(),
             Self::ShuttingDown => "the worker is shutting down".to_owned(),
         }
@@ -767,8 +794,12 @@ impl Shared {
                 None => std::future::pending().await,
             }
         };
+        let run = CatchUnwind(Box::pin(call(inner, task, &self.worker)));
         tokio::select! {
-            result = call(inner, task) => result.ok_or(Stop::ShuttingDown),
+            result = run => match result {
+                Ok(result) => result.ok_or(Stop::ShuttingDown),
+                Err(message) => Err(Stop::Panicked(message)),
+            },
             () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => Err(Stop::NewerTick),
             () = limit => Err(Stop::MaxRuntime(self.max_runtime.unwrap_or_default())),
             () = guard.lost() => Err(Stop::LeadershipLost),
@@ -779,13 +810,20 @@ impl Shared {
     async fn cancelled<R>(&self, ctx: &TickContext, stop: Stop) -> Outcome<R> {
         let (tick, token) = (ctx.timestamp(), ctx.fencing_token());
         let reason = stop.reason();
-        self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-        self.report("cancelled");
-        warn!(lock = %self.job, tick, reason = %reason, "run cancelled");
-        let recorded = match (self.claim, ctx.slot(), stop) {
+        let panicked = matches!(stop, Stop::Panicked(_));
+        // A panic is a failure: recorded `failed`, so that no leader runs it again.
+        let outcome = if panicked { "failed" } else { "cancelled" };
+        if panicked {
+            error!(lock = %self.job, tick, reason = %reason, "run panicked: recorded as failed");
+        } else {
+            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            self.report("cancelled");
+            warn!(lock = %self.job, tick, reason = %reason, "run cancelled");
+        }
+        let recorded = match (self.claim, ctx.slot(), &stop) {
             (Claim::BeforeRun, ..) => self
                 .ledger
-                .finish(&self.job, tick, token, "cancelled", Some(&reason))
+                .finish(&self.job, tick, token, outcome, Some(&reason))
                 .await
                 .map(drop),
             // Its writes committed before the stop: it ran.
@@ -796,23 +834,23 @@ impl Shared {
             (Claim::InJobTransaction, _, Stop::LeadershipLost | Stop::ShuttingDown) => Ok(()),
             (Claim::InJobTransaction, ..) => {
                 self.ledger
-                    .record(
-                        &self.job,
-                        token,
-                        &self.node,
-                        "cancelled",
-                        &[(tick, &reason)],
-                    )
+                    .record(&self.ids, token, outcome, &[(tick, &reason)])
                     .await
             }
         };
         if let Err(e) = recorded {
-            warn!(lock = %self.job, tick, error = %chain(&e), "could not record a cancelled run");
+            warn!(lock = %self.job, tick, error = %chain(&e), "could not record a stopped run");
         }
-        Outcome::Skipped(SkipReason::Cancelled {
-            tick: at(tick),
-            reason,
-        })
+        match stop {
+            Stop::Panicked(message) => Outcome::Skipped(SkipReason::Panicked {
+                tick: at(tick),
+                message,
+            }),
+            _ => Outcome::Skipped(SkipReason::Cancelled {
+                tick: at(tick),
+                reason,
+            }),
+        }
     }
 
     /// Records (or leaves to the misfire policy) a tick an overlap policy did not run,
@@ -828,9 +866,8 @@ impl Shared {
                 if let Err(e) = self
                     .ledger
                     .record(
-                        &self.job,
+                        &self.ids,
                         guard.fencing_token(),
-                        &self.node,
                         "skipped",
                         &[(tick, reason)],
                     )
@@ -856,17 +893,17 @@ impl Shared {
 const SHUTDOWN_POLL: Duration = Duration::from_millis(100);
 
 /// Waits for `inner` to be ready, then calls it; `None` (without calling it) once the
-/// apalis worker of `base` is shutting down. apalis' lifecycle service, inside the
-/// gate, is never ready again once its worker shuts down, and the worker waits for
-/// every call in flight: waiting on regardless would hang the shutdown.
+/// apalis worker is shutting down (the task's, or the latest one the gate saw). apalis'
+/// lifecycle service, inside the gate, is never ready again once its worker shuts
+/// down, and the worker waits for every call in flight: waiting on regardless would
+/// hang the shutdown.
 async fn call<S: Service<Task<Tick>>>(
     inner: &mut S,
     task: Task<Tick>,
+    latest: &std::sync::Mutex<Option<WorkerContext>>,
 ) -> Option<Result<S::Response, S::Error>> {
-    let worker = task.data().get::<WorkerContext>().cloned();
-    let stopping = || worker.as_ref().is_some_and(WorkerContext::is_shutting_down);
     loop {
-        if stopping() {
+        if stopping(&task, latest) {
             return None;
         }
         tokio::select! {
@@ -874,17 +911,60 @@ async fn call<S: Service<Task<Tick>>>(
                 Ok(()) => break,
                 Err(e) => return Some(Err(e)),
             },
-            () = tokio::time::sleep(SHUTDOWN_POLL), if worker.is_some() => {}
+            () = tokio::time::sleep(SHUTDOWN_POLL) => {}
         }
     }
     Some(inner.call(task).await)
 }
 
-/// `true` once the apalis worker that delivered `task` is shutting down.
-fn worker_stopping(task: &Task<Tick>) -> bool {
+/// `true` once the apalis worker that delivered `task`, or the latest one the gate
+/// saw, is shutting down.
+fn stopping(task: &Task<Tick>, latest: &std::sync::Mutex<Option<WorkerContext>>) -> bool {
     task.data()
         .get::<WorkerContext>()
         .is_some_and(WorkerContext::is_shutting_down)
+        || latest
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(WorkerContext::is_shutting_down)
+}
+
+/// Polls a future, answering a panic in it as `Err` with the panic's message.
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, String>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let future = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.poll(cx))) {
+            Ok(std::task::Poll::Ready(output)) => std::task::Poll::Ready(Ok(output)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(payload) => std::task::Poll::Ready(Err(panic_message(payload.as_ref()))),
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(not a string)".to_owned())
+}
+
+/// A job's error as text for the ledger: its sources too when it is a boxed error
+/// (apalis' `BoxDynError`, e.g. a database error whose own text is only "db error").
+fn describe<E: fmt::Display + 'static>(e: &E) -> String {
+    let any: &dyn std::any::Any = e;
+    match any.downcast_ref::<apalis_core::error::BoxDynError>() {
+        Some(boxed) => chain(boxed.as_ref()),
+        None => e.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -958,22 +1038,21 @@ mod tests {
         );
     }
 
-    // Rows are keyed by the job's name: the worker's, unless named on the layer; the
-    // lock's without either (review finding: two jobs of one leadership shared rows).
+    // Rows are keyed by the lock's name, or `lock/name` for a job named on the layer;
+    // never by the worker's name, which may differ per node (review finding).
     #[test]
-    fn the_job_is_named_after_the_worker_unless_named() {
+    fn the_job_is_named_after_the_lock() {
         use crate::CronGate;
 
         let (leadership, _control) = Leadership::manual("shared-lock", "node-1");
         let every_minute: cron::Schedule = "0 * * * * *".parse().unwrap();
         let layer = LeaderOnlyJobLayer::new(leadership).ledger(TickLedger::new(dead_pool()));
         assert_eq!(layer.job_name(), "shared-lock");
-        let named = layer
-            .clone()
-            .job("nightly")
-            .into_cron_layer("reports", &every_minute);
-        assert_eq!(named.job_name(), "nightly");
-        let by_worker = layer.into_cron_layer("reports", &every_minute);
-        assert_eq!(by_worker.job_name(), "reports");
+        let named = layer.clone().job("nightly").into_cron_layer(&every_minute);
+        assert_eq!(named.job_name(), "shared-lock/nightly");
+        assert_eq!(
+            layer.into_cron_layer(&every_minute).job_name(),
+            "shared-lock"
+        );
     }
 }

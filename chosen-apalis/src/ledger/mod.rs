@@ -8,6 +8,7 @@ mod plan;
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_core::fenced::FenceTable;
@@ -31,7 +32,7 @@ pub const DEFAULT_LEDGER_TABLE: &str = "chosen_ticks";
 /// on the `search_path`), for teams that run their own migrations; the fence table
 /// ([`chosen_core::fenced::INSTALL_SQL`]) is needed too. Do not change: tables created
 /// by earlier versions must keep working.
-pub const LEDGER_INSTALL_SQL: &str = "CREATE TABLE IF NOT EXISTS \"chosen_ticks\" (\n    job         text        NOT NULL,\n    tick        timestamptz NOT NULL,\n    token       bigint      NOT NULL CHECK (token >= 0),\n    outcome     text        NOT NULL CHECK (outcome IN ('running', 'ran', 'skipped', 'failed', 'cancelled')),\n    reason      text,\n    node        text        NOT NULL,\n    started_at  timestamptz NOT NULL,\n    finished_at timestamptz,\n    PRIMARY KEY (job, tick)\n)";
+pub const LEDGER_INSTALL_SQL: &str = "CREATE TABLE IF NOT EXISTS \"chosen_ticks\" (\n    job         text        NOT NULL,\n    tick        timestamptz NOT NULL,\n    token       bigint      NOT NULL CHECK (token >= 0),\n    outcome     text        NOT NULL CHECK (outcome IN ('running', 'ran', 'skipped', 'failed', 'cancelled')),\n    reason      text,\n    node        text        NOT NULL,\n    started_at  timestamptz NOT NULL,\n    finished_at timestamptz,\n    schedule    text,\n    PRIMARY KEY (job, tick)\n)";
 
 /// Who claims a tick in the ledger, and so what "once" means for it.
 ///
@@ -55,9 +56,9 @@ pub enum Claim {
 ///
 /// Each row is one (job, scheduled tick): the tick's identity is the time the cron
 /// schedule gave it, not any node's clock, and the primary key makes a second row for
-/// it impossible. Every row is written in a transaction that first calls
-/// [`chosen_core::fenced::fence`] with the job's name and the leader's fencing token,
-/// so a stale leader's write cannot commit after a newer leader's.
+/// it impossible. Every row is inserted in a transaction that first calls
+/// [`chosen_core::fenced::fence`] with the lock's name and the leader's fencing token,
+/// so a stale leader's insert cannot commit after a newer leader's.
 ///
 /// ```no_run
 /// use chosen_apalis::TickLedger;
@@ -83,18 +84,23 @@ pub enum Claim {
 ///     node        text        NOT NULL,
 ///     started_at  timestamptz NOT NULL,
 ///     finished_at timestamptz,
+///     schedule    text,
 ///     PRIMARY KEY (job, tick)
 /// )
 /// ```
 ///
-/// `job` is the job's name ([`LedgeredCronLayer::job`]); `token` the fencing token of the leader that
-/// wrote the row; `outcome` `running` (claimed before the run, not finished: at most
-/// once, see [`Claim`]), `ran`, `skipped` (with `reason`: why, see [`Misfire`]),
-/// `failed` (with the job's error), `cancelled` (reserved for `max_runtime`). chosen
-/// never deletes rows: prune old ones yourself (`DELETE … WHERE tick < now() -
-/// interval '90 days'`) if you need to; keep at least the latest row of each job,
-/// which the next leader reads. The role needs `SELECT, INSERT, UPDATE` on both
-/// tables.
+/// `job` is the job's name ([`LedgeredCronLayer::job`]: the lock's name, or
+/// `lock/name`); `token` the fencing token of the leader that wrote the row; `outcome`
+/// `running` (claimed before the run, not finished: at most once, see [`Claim`]),
+/// `ran`, `skipped` (with `reason`: why, see [`Misfire`]), `failed` (with the job's
+/// error), `cancelled` (stopped: `max_runtime`, a newer tick, a lost lease);
+/// `schedule` the cron expression the row was written under (a row under another one
+/// tells the next leader that the schedule changed, so older ticks of the new schedule
+/// were never due). Every row is inserted behind the lock's fence; a run's outcome is
+/// then set, unfenced, by the node that claimed it. chosen never deletes rows: prune
+/// old ones yourself (`DELETE … WHERE tick < now() - interval '90 days'`) if you need
+/// to; ticks before the oldest row left are not looked at again. The role needs
+/// `SELECT, INSERT, UPDATE` on both tables.
 #[derive(Clone)]
 pub struct TickLedger {
     pool: Pool,
@@ -144,10 +150,12 @@ impl TickLedger {
     /// frozen inside one of them holds its row locks no longer than this. In the job's
     /// own transaction ([`TickContext::begin`]) only `lock_timeout` is set: a job that
     /// waits behind a frozen former leader's fence fails after this long instead of
-    /// waiting as long as that session lives. A zero duration is taken as 1 ms.
+    /// waiting as long as that session lives. Taken as at least 1 ms and at most
+    /// [`MAX_LEDGER_TIMEOUT`] (24 days: the server's settings take no more), so
+    /// `Duration::MAX` means "as long as the server allows".
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.max(Duration::from_millis(1));
+        self.timeout = timeout.clamp(Duration::from_millis(1), MAX_LEDGER_TIMEOUT);
         self
     }
 
@@ -222,7 +230,12 @@ impl TickLedger {
 
     fn db(&self, action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> LedgerError + '_ {
         move |source| {
-            if source.code() == Some(&SqlState::UNDEFINED_TABLE) {
+            if source.code().is_some_and(is_timeout) {
+                LedgerError::Timeout {
+                    action,
+                    after: self.timeout,
+                }
+            } else if source.code() == Some(&SqlState::UNDEFINED_TABLE) {
                 LedgerError::NotInstalled {
                     table: self.table.name().to_owned(),
                     source,
@@ -241,30 +254,24 @@ impl TickLedger {
         action: &'static str,
         op: impl Future<Output = Result<T, LedgerError>>,
     ) -> Result<T, LedgerError> {
-        let limit = self.timeout + CLIENT_MARGIN;
-        tokio::time::timeout(limit, op)
-            .await
-            .unwrap_or(Err(LedgerError::Timeout {
+        let limit = self.timeout.saturating_add(CLIENT_MARGIN);
+        match tokio::time::timeout(limit, op).await {
+            Ok(result) => result,
+            Err(_) => Err(LedgerError::Timeout {
                 action,
-                after: limit,
-            }))
-    }
-
-    /// `SET LOCAL` statements bounding how long a statement of a transaction may wait
-    /// for a lock (and, with `whole`, run, and sit idle): the server ends the wait even
-    /// when the client is frozen or gone.
-    pub(crate) fn bounds_sql(&self, whole: bool) -> String {
-        let ms = self.timeout.as_millis().max(1);
-        let mut sql = format!("SET LOCAL lock_timeout = {ms}");
-        if whole {
-            sql.push_str(&format!(
-                ";\nSET LOCAL statement_timeout = {ms};\nSET LOCAL idle_in_transaction_session_timeout = {ms}"
-            ));
+                after: self.timeout,
+            }),
         }
-        sql
     }
 
-    /// A transaction of the gate's own, bounded by the ledger's timeout on the server.
+    /// The ledger's timeout in milliseconds, as the server's settings take it.
+    fn timeout_ms(&self) -> u128 {
+        self.timeout.as_millis().max(1)
+    }
+
+    /// A transaction of the gate's own, bounded by the ledger's timeout on the server
+    /// (`lock_timeout`, `statement_timeout`, `idle_in_transaction_session_timeout`), so
+    /// that the server ends a wait even when the client is frozen or gone.
     async fn bounded_transaction<'c>(
         &self,
         client: &'c mut deadpool_postgres::Client,
@@ -273,42 +280,100 @@ impl TickLedger {
             .transaction()
             .await
             .map_err(self.db("beginning a transaction"))?;
-        tx.batch_execute(&self.bounds_sql(true))
-            .await
-            .map_err(self.db("bounding the transaction"))?;
+        let ms = self.timeout_ms();
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {ms};\nSET LOCAL statement_timeout = {ms};\nSET LOCAL idle_in_transaction_session_timeout = {ms}"
+        ))
+        .await
+        .map_err(self.db("bounding the transaction"))?;
         Ok(tx)
     }
 
-    /// What the ledger holds for `job`: the first tick ever recorded, and the ticks
-    /// recorded in `[from, upto)`, whatever their outcome. One statement.
+    /// Fences `tx` for `ids`, waiting for the fence row at most the ledger's timeout,
+    /// whatever the transaction's own `lock_timeout` (which is left as it was).
+    pub(crate) async fn fence_bounded(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        ids: &JobIds,
+        token: FencingToken,
+    ) -> Result<(), LedgerError> {
+        let previous: String = tx
+            .query_one(
+                "WITH p AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v)\nSELECT p.v FROM p WHERE set_config('lock_timeout', $1, true) IS NOT NULL",
+                &[&self.timeout_ms().to_string()],
+            )
+            .await
+            .map_err(self.db("bounding the fence's lock wait"))?
+            .try_get(0)
+            .map_err(self.db("bounding the fence's lock wait"))?;
+        let fenced = self
+            .fence
+            .fence(tx, &ids.fence, token)
+            .await
+            .map_err(|e| self.fence_error(e, "fencing"));
+        if fenced.is_ok() {
+            tx.execute("SELECT set_config('lock_timeout', $1, true)", &[&previous])
+                .await
+                .map_err(self.db("restoring lock_timeout"))?;
+        }
+        fenced
+    }
+
+    /// A fence error as a ledger error: a lock wait the server ended is a timeout.
+    pub(crate) fn fence_error(&self, e: chosen_core::Error, action: &'static str) -> LedgerError {
+        let timed_out = std::error::Error::source(&e)
+            .and_then(|s| s.downcast_ref::<tokio_postgres::Error>())
+            .and_then(tokio_postgres::Error::code)
+            .is_some_and(is_timeout);
+        if timed_out {
+            LedgerError::Timeout {
+                action,
+                after: self.timeout,
+            }
+        } else {
+            LedgerError::Fence(e)
+        }
+    }
+
+    /// What the ledger holds for the job of `ids`: its first tick ever recorded; the
+    /// ticks recorded in `[from, upto)`, whatever their outcome; and the newest of those
+    /// recorded under another schedule than `ids.schedule` (the schedule changed: ticks
+    /// before it were not due under the current one). One statement, in a bounded
+    /// transaction.
     pub(crate) async fn recorded(
         &self,
-        job: &str,
+        ids: &JobIds,
         from: u64,
         upto: u64,
-    ) -> Result<(Option<u64>, BTreeSet<u64>), LedgerError> {
+    ) -> Result<Recorded, LedgerError> {
         self.bounded("reading the recorded ticks", async {
-            let client = self.client().await?;
-            let rows = client
+            let mut client = self.client().await?;
+            let tx = self.bounded_transaction(&mut client).await?;
+            let rows = tx
                 .query_typed(
                     &format!(
-                        "SELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3)",
+                        "SELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n       (SELECT max(tick) FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3 AND schedule <> $4)",
                         t = self.table.quoted
                     ),
                     &[
-                        (&job, Type::TEXT),
+                        (&&*ids.job, Type::TEXT),
                         (&at(from), Type::TIMESTAMPTZ),
                         (&at(upto), Type::TIMESTAMPTZ),
+                        (&ids.schedule.as_deref(), Type::TEXT),
                     ],
                 )
                 .await
                 .map_err(self.db("reading the recorded ticks"))?;
+            tx.commit()
+                .await
+                .map_err(self.db("reading the recorded ticks"))?;
             let Some(row) = rows.first() else {
-                return Ok((None, BTreeSet::new()));
+                return Ok(Recorded::default());
             };
+            let read = self.db("reading the recorded ticks");
             let first = row
                 .try_get::<_, Option<SystemTime>>(0)
-                .map_err(self.db("reading the recorded ticks"))?
+                .map_err(read)?
                 .map(secs);
             let ticks = row
                 .try_get::<_, Option<Vec<Option<SystemTime>>>>(1)
@@ -318,7 +383,15 @@ impl TickLedger {
                 .flatten()
                 .map(secs)
                 .collect();
-            Ok((first, ticks))
+            let rescheduled = row
+                .try_get::<_, Option<SystemTime>>(2)
+                .map_err(self.db("reading the recorded ticks"))?
+                .map(secs);
+            Ok(Recorded {
+                first,
+                ticks,
+                rescheduled,
+            })
         })
         .await
     }
@@ -327,67 +400,58 @@ impl TickLedger {
     /// transaction; ticks already recorded keep their row.
     pub(crate) async fn record(
         &self,
-        job: &str,
+        ids: &JobIds,
         token: FencingToken,
-        node: &str,
         outcome: &str,
         ticks: &[(u64, &str)],
     ) -> Result<(), LedgerError> {
-        self.bounded(
-            "recording ticks",
-            self.record_unbounded(job, token, node, outcome, ticks),
-        )
+        self.bounded("recording ticks", async {
+            let mut client = self.client().await?;
+            let tx = self.bounded_transaction(&mut client).await?;
+            self.fence
+                .fence(&tx, &ids.fence, token)
+                .await
+                .map_err(|e| self.fence_error(e, "fencing"))?;
+            let when: Vec<SystemTime> = ticks.iter().map(|(t, _)| at(*t)).collect();
+            let why: Vec<String> = ticks.iter().map(|(_, r)| storable(r)).collect();
+            tx.execute_typed(
+                &format!(
+                    "INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at, schedule)\nSELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp(), $7\nFROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)\nON CONFLICT (job, tick) DO NOTHING",
+                    self.table.quoted
+                ),
+                &[
+                    (&&*ids.job, Type::TEXT),
+                    (&when, Type::TIMESTAMPTZ_ARRAY),
+                    (&token_value(token)?, Type::INT8),
+                    (&outcome, Type::TEXT),
+                    (&&*ids.node, Type::TEXT),
+                    (&why, Type::TEXT_ARRAY),
+                    (&ids.schedule.as_deref(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(self.db("recording ticks"))?;
+            tx.commit().await.map_err(self.db("committing"))
+        })
         .await
     }
 
-    async fn record_unbounded(
-        &self,
-        job: &str,
-        token: FencingToken,
-        node: &str,
-        outcome: &str,
-        ticks: &[(u64, &str)],
-    ) -> Result<(), LedgerError> {
-        let mut client = self.client().await?;
-        let tx = self.bounded_transaction(&mut client).await?;
-        self.fence.fence(&tx, job, token).await?;
-        let when: Vec<SystemTime> = ticks.iter().map(|(t, _)| at(*t)).collect();
-        let why: Vec<&str> = ticks.iter().map(|(_, r)| *r).collect();
-        tx.execute_typed(
-            &format!(
-                "INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at)\nSELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp()\nFROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)\nON CONFLICT (job, tick) DO NOTHING",
-                self.table.quoted
-            ),
-            &[
-                (&job, Type::TEXT),
-                (&when, Type::TIMESTAMPTZ_ARRAY),
-                (&token_value(token)?, Type::INT8),
-                (&outcome, Type::TEXT),
-                (&node, Type::TEXT),
-                (&why, Type::TEXT_ARRAY),
-            ],
-        )
-        .await
-        .map_err(self.db("recording ticks"))?;
-        tx.commit().await.map_err(self.db("committing"))
-    }
-
-    /// Claims `tick` for `job` with outcome `running`, in a fenced transaction of its
-    /// own: `false` if it is already recorded.
+    /// Claims `tick` with outcome `running`, in a fenced transaction of its own:
+    /// `false` if it is already recorded.
     pub(crate) async fn claim_before_run(
         &self,
-        job: &str,
+        ids: &JobIds,
         tick: u64,
         token: FencingToken,
-        node: &str,
     ) -> Result<bool, LedgerError> {
         self.bounded("claiming the tick", async {
             let mut client = self.client().await?;
             let tx = self.bounded_transaction(&mut client).await?;
-            self.fence.fence(&tx, job, token).await?;
-            let claimed = self
-                .claim_in(&tx, job, tick, token, node, "running")
-                .await?;
+            self.fence
+                .fence(&tx, &ids.fence, token)
+                .await
+                .map_err(|e| self.fence_error(e, "fencing"))?;
+            let claimed = self.claim_in(&tx, ids, tick, token, "running").await?;
             tx.commit().await.map_err(self.db("committing the claim"))?;
             Ok(claimed)
         })
@@ -398,24 +462,24 @@ impl TickLedger {
     pub(crate) async fn claim_in(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
-        job: &str,
+        ids: &JobIds,
         tick: u64,
         token: FencingToken,
-        node: &str,
         outcome: &str,
     ) -> Result<bool, LedgerError> {
         let rows = tx
             .query_typed(
                 &format!(
-                    "INSERT INTO {} (job, tick, token, outcome, node, started_at)\nVALUES ($1, $2, $3, $4, $5, clock_timestamp())\nON CONFLICT (job, tick) DO NOTHING\nRETURNING 1",
+                    "INSERT INTO {} (job, tick, token, outcome, node, started_at, schedule)\nVALUES ($1, $2, $3, $4, $5, clock_timestamp(), $6)\nON CONFLICT (job, tick) DO NOTHING\nRETURNING 1",
                     self.table.quoted
                 ),
                 &[
-                    (&job, Type::TEXT),
+                    (&&*ids.job, Type::TEXT),
                     (&at(tick), Type::TIMESTAMPTZ),
                     (&token_value(token)?, Type::INT8),
                     (&outcome, Type::TEXT),
-                    (&node, Type::TEXT),
+                    (&&*ids.node, Type::TEXT),
+                    (&ids.schedule.as_deref(), Type::TEXT),
                 ],
             )
             .await
@@ -442,9 +506,10 @@ impl TickLedger {
         outcome: &str,
         reason: Option<&str>,
     ) -> Result<bool, LedgerError> {
+        let reason = reason.map(storable);
         self.bounded(
             "recording the outcome",
-            self.finish_unbounded(job, tick, token, outcome, reason),
+            self.finish_unbounded(job, tick, token, outcome, reason.as_deref()),
         )
         .await
     }
@@ -477,10 +542,48 @@ impl TickLedger {
             .map_err(self.db("committing the outcome"))?;
         Ok(n == 1)
     }
+}
 
-    pub(crate) fn fence(&self) -> &FenceTable {
-        &self.fence
+/// Who writes a job's rows: the job's name in the ledger, the fence name (the lock's:
+/// fencing tokens are the lock's), this node, and the schedule's source text.
+#[derive(Debug, Clone)]
+pub(crate) struct JobIds {
+    pub(crate) job: Arc<str>,
+    pub(crate) fence: Arc<str>,
+    pub(crate) node: Arc<str>,
+    pub(crate) schedule: Option<Arc<str>>,
+}
+
+/// What [`TickLedger::recorded`] found.
+#[derive(Debug, Default)]
+pub(crate) struct Recorded {
+    /// The job's first tick ever recorded.
+    pub(crate) first: Option<u64>,
+    /// The ticks recorded in the window looked at.
+    pub(crate) ticks: BTreeSet<u64>,
+    /// The newest tick in the window recorded under another schedule.
+    pub(crate) rescheduled: Option<u64>,
+}
+
+/// The longest ledger timeout: the server's settings take at most `i32::MAX` ms.
+pub const MAX_LEDGER_TIMEOUT: Duration = Duration::from_secs(24 * 24 * 3600);
+
+/// A reason as `text` can store it: no NUL, at most 2,000 characters.
+fn storable(reason: &str) -> String {
+    const MAX: usize = 2000;
+    let mut text: String = reason.replace('\0', "\u{fffd}");
+    if text.chars().count() > MAX {
+        text = text.chars().take(MAX - 1).collect();
+        text.push('…');
     }
+    text
+}
+
+/// `true` for the server's lock or statement timeout.
+fn is_timeout(code: &SqlState) -> bool {
+    *code == SqlState::LOCK_NOT_AVAILABLE
+        || *code == SqlState::QUERY_CANCELED
+        || *code == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
 }
 
 pub(crate) fn token_value(token: FencingToken) -> Result<i64, LedgerError> {

@@ -1,6 +1,6 @@
 //! One run of a job at a time on a node, and what a tick due during a run does.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{MutexGuard, watch};
@@ -27,6 +27,8 @@ pub enum Overlap {
 /// The reasons recorded for ticks an overlap skipped. Do not change: operators query
 /// them.
 pub(crate) const SKIP_RUNNING: &str = "previous run still running";
+pub(crate) const SKIP_NOT_NEWER: &str =
+    "the same tick, or a later one, already reached the gate on this node";
 pub(crate) const SKIP_BUFFER_FULL: &str =
     "previous run still running, one tick already waiting: left to the misfire policy";
 
@@ -48,6 +50,9 @@ const CANCEL_REPEAT: Duration = Duration::from_millis(50);
 pub(crate) struct Turn {
     serial: tokio::sync::Mutex<()>,
     waiting: AtomicBool,
+    /// The latest tick delivered: an older or equal one is a duplicate, not a newer
+    /// tick (and must not cancel the run of the one it duplicates).
+    latest: AtomicU64,
     cancel: watch::Sender<u64>,
 }
 
@@ -56,6 +61,7 @@ impl Default for Turn {
         Self {
             serial: tokio::sync::Mutex::new(()),
             waiting: AtomicBool::new(false),
+            latest: AtomicU64::new(0),
             cancel: watch::Sender::new(0),
         }
     }
@@ -86,7 +92,10 @@ impl Turn {
     ///
     /// Cancel safe (a dropped wait leaves the turn as it was, and a dropped buffered
     /// wait frees the buffer slot).
-    pub(crate) async fn take(&self, overlap: Overlap) -> Result<Held<'_>, Refused> {
+    pub(crate) async fn take(&self, overlap: Overlap, tick: u64) -> Result<Held<'_>, Refused> {
+        if self.latest.fetch_max(tick, Ordering::AcqRel) >= tick {
+            return Err(Refused::Defer(SKIP_NOT_NEWER));
+        }
         if let Ok(serial) = self.serial.try_lock() {
             return Ok(self.held(serial));
         }
@@ -150,43 +159,43 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn skip_refuses_while_a_run_holds_the_turn() {
         let turn = Turn::default();
-        let held = turn.take(Overlap::Skip).await.unwrap();
+        let held = turn.take(Overlap::Skip, 1).await.unwrap();
         assert_eq!(
-            turn.take(Overlap::Skip).await.unwrap_err(),
+            turn.take(Overlap::Skip, 2).await.unwrap_err(),
             Refused::Record(SKIP_RUNNING)
         );
         drop(held);
-        assert!(turn.take(Overlap::Skip).await.is_ok());
+        assert!(turn.take(Overlap::Skip, 3).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]
     async fn buffer_keeps_one_waiting_tick() {
         let turn = Arc::new(Turn::default());
-        let held = turn.take(Overlap::Buffer).await.unwrap();
+        let held = turn.take(Overlap::Buffer, 4).await.unwrap();
         let waiter = {
             let turn = Arc::clone(&turn);
             tokio::spawn(async move {
-                let _held = turn.take(Overlap::Buffer).await.unwrap();
+                let _held = turn.take(Overlap::Buffer, 5).await.unwrap();
             })
         };
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(
-            turn.take(Overlap::Buffer).await.unwrap_err(),
+            turn.take(Overlap::Buffer, 6).await.unwrap_err(),
             Refused::Defer(SKIP_BUFFER_FULL)
         );
         drop(held);
         waiter.await.unwrap();
         // The slot is free again.
-        assert!(turn.take(Overlap::Buffer).await.is_ok());
+        assert!(turn.take(Overlap::Buffer, 7).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]
     async fn cancel_previous_stops_the_holder_and_takes_the_turn() {
         let turn = Arc::new(Turn::default());
-        let mut held = turn.take(Overlap::CancelPrevious).await.unwrap();
+        let mut held = turn.take(Overlap::CancelPrevious, 8).await.unwrap();
         let newer = {
             let turn = Arc::clone(&turn);
-            tokio::spawn(async move { turn.take(Overlap::CancelPrevious).await.is_ok() })
+            tokio::spawn(async move { turn.take(Overlap::CancelPrevious, 9).await.is_ok() })
         };
         // The holder is asked to stop; when it does, the newer tick runs.
         tokio::time::timeout(Duration::from_secs(1), held.cancelled())
@@ -205,6 +214,24 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(1), held.cancelled())
                 .await
                 .is_err()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_duplicate_or_older_tick_is_refused_without_cancelling() {
+        let turn = Turn::default();
+        let mut held = turn.take(Overlap::CancelPrevious, 10).await.unwrap();
+        for tick in [10, 9] {
+            assert_eq!(
+                turn.take(Overlap::CancelPrevious, tick).await.unwrap_err(),
+                Refused::Defer(SKIP_NOT_NEWER)
+            );
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), held.cancelled())
+                .await
+                .is_err(),
+            "the running tick was not asked to stop"
         );
     }
 }
