@@ -271,7 +271,7 @@ async fn skip_records_every_missed_tick_and_runs_none() {
     // The same tick again (a second scheduler, a retry): not run twice.
     assert!(matches!(
         tick(&mut a, T0 + 5).await,
-        Outcome::Skipped(SkipReason::Overlap { .. })
+        Outcome::Skipped(SkipReason::AlreadyRecorded { .. })
     ));
     assert_eq!(a.runs.lock().unwrap().len(), 2);
     a.control.follow(Some("node-b"));
@@ -1432,4 +1432,343 @@ async fn review_a_tick_is_counted_once() {
     assert!(!tick(&mut b, T0).await.ran());
     let s = b.layer.stats();
     assert_eq!((s.ran(), s.skipped_already_recorded()), (0, 1), "{s:?}");
+}
+
+// ---------------------------------------------------------------------------------
+// Review (4470b6f): attempts to break the fixes.
+// ---------------------------------------------------------------------------------
+
+fn quiet_job(runs: &Runs) -> Job {
+    Job {
+        runs: Arc::clone(runs),
+        pool: None,
+        delays: Delays::default(),
+        ids: Ids::default(),
+    }
+}
+
+// N1. Two jobs named with `.job` on clones of one ledgered layer share its `Turn`, so
+// the monotonic `latest` of one job refuses the other job's tick of the same second
+// ("the same tick, or a later one, already reached the gate"): it is neither run nor
+// recorded, and its fill_gap never runs either.
+#[tokio::test]
+async fn review2_jobs_named_on_clones_of_one_layer_each_run_every_tick() {
+    let db = db().await;
+    let lock = unique_name("ledger-cloned-jobs");
+    let (leadership, control) = Leadership::manual(&lock, "node-a");
+    control.lead(3);
+    let base = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .schedule(every_second());
+    let mut jobs = Vec::new();
+    for name in ["first", "second"] {
+        let runs = Runs::default();
+        let svc = base.clone().job(name).layer(quiet_job(&runs));
+        jobs.push((svc, runs, format!("{lock}/{name}")));
+    }
+    for t in T0..T0 + 3 {
+        for (svc, _, job) in &mut jobs {
+            let out = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(Task::new(Tick::new(t)))
+                .await
+                .unwrap();
+            assert!(out.ran(), "{job}, tick {t}: {out:?}");
+        }
+    }
+}
+
+// N2. The fence is keyed by the lock, so every ledgered job of one leadership shares
+// one fence row: a job whose ledger transaction stays open longer than the ledger's
+// timeout makes every other job of the lock fail its claim meanwhile (here a
+// BeforeRun job: Skipped(Ledger), its tick not run).
+#[tokio::test]
+async fn review2_a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
+    let db = db().await;
+    let lock = unique_name("ledger-shared-fence");
+    let (leadership, control) = Leadership::manual(&lock, "node-a");
+    control.lead(3);
+    let ledger = db.ledger.clone().timeout(Duration::from_secs(1));
+    let (slow_runs, slow_delays) = (Runs::default(), Delays::default());
+    slow_delays
+        .lock()
+        .unwrap()
+        .push((T0, Duration::from_secs(3)));
+    let slow = LeaderOnlyJobLayer::new(leadership.clone())
+        .ledger(ledger.clone())
+        .schedule(every_second())
+        .claim(Claim::InJobTransaction)
+        .job("slow")
+        .layer(Job {
+            runs: Arc::clone(&slow_runs),
+            pool: Some(db.pool.clone()),
+            delays: slow_delays,
+            ids: Ids::default(),
+        });
+    let quick_runs = Runs::default();
+    let mut quick = LeaderOnlyJobLayer::new(leadership)
+        .ledger(ledger)
+        .schedule(every_second())
+        .job("quick")
+        .layer(quiet_job(&quick_runs));
+    let first = {
+        let mut slow = slow.clone();
+        tokio::spawn(async move {
+            slow.ready()
+                .await
+                .unwrap()
+                .call(Task::new(Tick::new(T0)))
+                .await
+        })
+    };
+    // The slow job is inside its ledger transaction (fenced, then sleeping 3 s).
+    for _ in 0..100 {
+        if !slow_runs.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let out = quick
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await
+        .unwrap();
+    assert!(first.await.unwrap().unwrap().ran());
+    assert!(out.ran(), "the quick job's tick: {out:?}");
+}
+
+// N3. `Slot::Failed` is sticky: a job whose first `begin` fails (a dead cached
+// connection; or an apalis retry layer inside the gate re-running the job after a
+// transient ledger timeout) and whose retried `begin` succeeds, and which then fails
+// for a reason of its own, is left unrecorded as if the ledger had failed: CatchUp
+// runs the failed tick again at the next tick (and Skip would record it "missed: not
+// run when due", though it ran).
+#[tokio::test]
+async fn review2_a_job_failure_after_a_retried_begin_is_recorded_failed() {
+    let db = db().await;
+    let job = unique_name("ledger-sticky-failed");
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let job_fn = {
+        let (calls, pool, url) = (Arc::clone(&calls), db.pool.clone(), db.url.clone());
+        tower::service_fn(move |task: Task<Tick>| {
+            let (calls, pool, url) = (Arc::clone(&calls), pool.clone(), url.clone());
+            async move {
+                let t = task.args.get_timestamp();
+                calls.lock().unwrap().push(t - T0);
+                let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
+                if t == T0 + 1 {
+                    // A cached connection that has died: begin fails; reconnect.
+                    let (mut dead, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                        .await
+                        .unwrap();
+                    drop(conn);
+                    assert!(ctx.begin(&mut dead).await.is_err());
+                }
+                let mut client = pool.get().await?;
+                let Some(tx) = ctx.begin(&mut client).await? else {
+                    return Ok(());
+                };
+                if t == T0 + 1 {
+                    drop(tx);
+                    return Err::<(), BoxDynError>("invoice 42 is invalid".into());
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+        })
+    };
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .claim(Claim::InJobTransaction)
+        .misfire(Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(60),
+        })
+        .schedule(every_second())
+        .layer(job_fn);
+    for t in T0..T0 + 3 {
+        let _ = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(Task::new(Tick::new(t)))
+            .await;
+    }
+    let recorded = rows(&db.admin, &job).await;
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![0, 1, 2],
+        "a failed tick is not run again; rows {recorded:?}"
+    );
+}
+
+// N4. The schedule column compares source texts: a node whose cron expression is
+// spelled differently (same ticks) takes every row of the other spelling as "the
+// schedule changed", and a hole below such a row is never decided (no row, ever).
+#[tokio::test]
+async fn review2_a_differently_spelled_schedule_does_not_hide_a_hole() {
+    let db = db().await;
+    let job = unique_name("ledger-spelling");
+    for (dt, outcome) in [(0, "ran"), (2, "ran")] {
+        db.admin
+            .execute(
+                "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 5, $3, 'node-a', now(), '*/1 * * * * *')",
+                &[&job, &((T0 + dt) as f64), &outcome],
+            )
+            .await
+            .unwrap();
+    }
+    // Node B: the same schedule, spelled "* * * * * *"; T0+1 is a hole.
+    let mut b = node(
+        &db,
+        &job,
+        "node-b",
+        7,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    assert!(tick(&mut b, T0 + 3).await.ran());
+    assert!(tick(&mut b, T0 + 4).await.ran());
+    let got: Vec<(i64, String)> = rows(&db.admin, &job)
+        .await
+        .into_iter()
+        .map(|(t, o, ..)| (t, o))
+        .collect();
+    assert!(
+        got.iter().any(|(t, _)| *t == 1),
+        "T0+1 neither ran nor has a row: {got:?}"
+    );
+}
+
+// N5. LEDGER_INSTALL_SQL gained a `schedule` column, but it says "Do not change:
+// tables created by earlier versions must keep working": a table created by the
+// previous version (64ac650) is left as it is by `install`, and every insert then
+// fails (column "schedule" does not exist): no tick ever runs.
+#[tokio::test]
+async fn review2_a_table_created_by_the_previous_version_keeps_working() {
+    let db = db().await;
+    db.admin
+        .batch_execute(
+            "CREATE TABLE old_ticks (\n    job         text        NOT NULL,\n    tick        timestamptz NOT NULL,\n    token       bigint      NOT NULL CHECK (token >= 0),\n    outcome     text        NOT NULL CHECK (outcome IN ('running', 'ran', 'skipped', 'failed', 'cancelled')),\n    reason      text,\n    node        text        NOT NULL,\n    started_at  timestamptz NOT NULL,\n    finished_at timestamptz,\n    PRIMARY KEY (job, tick)\n)",
+        )
+        .await
+        .unwrap();
+    let ledger = TickLedger::new(db.pool.clone())
+        .table(chosen_apalis::LedgerTable::new("old_ticks").unwrap());
+    ledger.install().await.unwrap();
+    let job = unique_name("ledger-old-table");
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(ledger)
+        .schedule(every_second())
+        .layer(quiet_job(&runs));
+    let out = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await
+        .unwrap();
+    assert!(out.ran(), "{out:?}");
+}
+
+// N6. A wall-clock step forward (NTP) then back: the scheduler delivers one tick from
+// the future, and the monotonic `latest` then refuses every real tick until the clock
+// passes it again; the refused ticks are not recorded and, being below the watermark
+// `low` set by the future tick's look, are never decided (before 4470b6f they ran).
+#[tokio::test]
+async fn review2_a_clock_step_forward_and_back_does_not_stop_the_job() {
+    let db = db().await;
+    let job = unique_name("ledger-clock-step");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    assert!(tick(&mut a, T0).await.ran());
+    // The clock stepped 2 h forward for a moment: one tick from the future.
+    assert!(tick(&mut a, T0 + 7200).await.ran());
+    // Back to the right time: the next real ticks.
+    let mut outs = Vec::new();
+    for t in T0 + 1000..T0 + 1003 {
+        outs.push(tick(&mut a, t).await);
+    }
+    let got: Vec<i64> = rows(&db.admin, &job)
+        .await
+        .into_iter()
+        .map(|(t, ..)| t)
+        .filter(|t| (1000..1003).contains(t))
+        .collect();
+    assert!(
+        outs.iter().all(Outcome::ran) || got.len() == 3,
+        "real ticks after the step neither ran nor were recorded: {outs:?}, rows {got:?}"
+    );
+}
+
+// Probe: fence_bounded keeps a session-level lock_timeout for the job's statements.
+#[tokio::test]
+async fn review2_probe_fence_bounded_restores_a_session_lock_timeout() {
+    let db = db().await;
+    let job = unique_name("ledger-probe-lt");
+    let seen = Arc::new(Mutex::new(None::<String>));
+    let job_fn = {
+        let (seen, pool) = (Arc::clone(&seen), db.pool.clone());
+        tower::service_fn(move |task: Task<Tick>| {
+            let (seen, pool) = (Arc::clone(&seen), pool.clone());
+            async move {
+                let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
+                let mut client = pool.get().await?;
+                client.batch_execute("SET lock_timeout = '7s'").await?;
+                let Some(tx) = ctx.begin(&mut client).await? else {
+                    return Ok(());
+                };
+                let v: String = tx.query_one("SHOW lock_timeout", &[]).await?.get(0);
+                *seen.lock().unwrap() = Some(v);
+                tx.commit().await?;
+                client.batch_execute("RESET lock_timeout").await?;
+                Ok::<(), BoxDynError>(())
+            }
+        })
+    };
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone().timeout(Duration::from_secs(1)))
+        .claim(Claim::InJobTransaction)
+        .schedule(every_second())
+        .layer(job_fn);
+    let out = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await;
+    assert!(matches!(&out, Ok(o) if o.ran()), "{out:?}");
+    assert_eq!(seen.lock().unwrap().as_deref(), Some("7s"));
+    let plan: Vec<String> = db
+        .admin
+        .query(
+            "EXPLAIN (VERBOSE, COSTS OFF) WITH p AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v)\nSELECT p.v FROM p WHERE set_config('lock_timeout', '1000', true) IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    eprintln!("{}", plan.join("\n"));
 }

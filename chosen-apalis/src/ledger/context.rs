@@ -99,8 +99,8 @@ impl TickContext {
         &self.ids.job
     }
 
-    /// The fence name the job's ledger transaction is fenced under: the lock's name
-    /// (fencing tokens are the lock's). Fence your other writes under it too.
+    /// The name the job's ledger transaction is fenced under: the job's name (the
+    /// tokens are the lock's). Fence the job's other writes under it too.
     #[must_use]
     pub fn fence_name(&self) -> &str {
         &self.ids.fence
@@ -182,10 +182,13 @@ impl TickContext {
         client: &'c mut Client,
     ) -> Result<Option<LedgerTx<'c>>, LedgerError> {
         let begun = self.begin_unsettled(client).await;
-        if begun.is_err() {
+        match &begun {
             // Not the job's own failure: the gate leaves the tick unrecorded, for the
             // misfire policy of a later tick.
-            self.settle(Slot::Failed);
+            Err(_) => self.settle(Slot::Failed),
+            // Begun after all (a retry): what the job does now decides.
+            Ok(Some(_)) if self.slot() == Slot::Failed => self.settle(Slot::Open),
+            Ok(_) => {}
         }
         begun
     }

@@ -133,16 +133,20 @@ impl LedgeredCronLayer {
     #[must_use]
     pub fn job(mut self, name: &str) -> Self {
         self.job = Some(name.into());
+        // A job of its own: its runs do not wait for, nor cancel, another job's.
+        self.turn = Arc::default();
         self
     }
 
-    /// The job's name in the ledger (its `job` column): the leadership's lock name, or
-    /// `lock/name` when named with [`job`](Self::job).
+    /// The job's name in the ledger (its `job` column), which is also the name its
+    /// ledger transactions are fenced under: the leadership's lock name, or
+    /// `lock/name` when named with [`job`](Self::job) (a NUL in it, which `text`
+    /// cannot store, is replaced).
     #[must_use]
     pub fn job_name(&self) -> String {
         let lock = self.gate.leadership().name();
         match &self.job {
-            Some(name) => format!("{lock}/{name}"),
+            Some(name) => format!("{lock}/{name}").replace('\0', "\u{fffd}"),
             None => lock.to_owned(),
         }
     }
@@ -216,9 +220,12 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         let leadership = self.gate.leadership.clone();
+        let job: Arc<str> = self.job_name().into();
         let ids = JobIds {
-            job: self.job_name().into(),
-            fence: leadership.name().into(),
+            // Fenced per job: the tokens are the lock's, and one job's long ledger
+            // transaction does not hold up another's.
+            fence: Arc::clone(&job),
+            job,
             node: leadership.node_id().into(),
             schedule: self.schedule.as_ref().map(|s| s.source().into()),
         };
@@ -533,8 +540,19 @@ impl Shared {
             return Ok(());
         };
         // Ticks before the job's first row were never due; nor were those before a
-        // row written under another schedule (the schedule changed since).
-        let floor = first.max(found.rescheduled.unwrap_or(0));
+        // row written under another schedule (the schedule changed since), unless
+        // that schedule is this one spelled otherwise (the same ticks in the window).
+        let mut floor = first;
+        for (text, newest) in &found.rescheduled {
+            let same = text.parse::<cron::Schedule>().is_ok_and(|other| {
+                missed_ticks(&other, from.saturating_sub(1), upto)
+                    .take(MAX_MISSED + 1)
+                    .eq(candidates.iter().copied())
+            });
+            if !same {
+                floor = floor.max(*newest);
+            }
+        }
         let holes: Vec<u64> = candidates
             .iter()
             .copied()
@@ -814,7 +832,7 @@ impl Shared {
         // A panic is a failure: recorded `failed`, so that no leader runs it again.
         let outcome = if panicked { "failed" } else { "cancelled" };
         if panicked {
-            error!(lock = %self.job, tick, reason = %reason, "run panicked: recorded as failed");
+            error!(lock = %self.job, tick, reason = %reason, "run panicked");
         } else {
             self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
             self.report("cancelled");

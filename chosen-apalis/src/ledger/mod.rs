@@ -30,8 +30,9 @@ pub const DEFAULT_LEDGER_TABLE: &str = "chosen_ticks";
 
 /// The SQL that creates the default ledger table (`"chosen_ticks"` in the schema first
 /// on the `search_path`), for teams that run their own migrations; the fence table
-/// ([`chosen_core::fenced::INSTALL_SQL`]) is needed too. Do not change: tables created
-/// by earlier versions must keep working.
+/// ([`chosen_core::fenced::INSTALL_SQL`]) is needed too. Tables created by earlier
+/// versions are brought up to date by [`LedgerTable::upgrade_sql`] (which
+/// [`TickLedger::install`] runs).
 pub const LEDGER_INSTALL_SQL: &str = "CREATE TABLE IF NOT EXISTS \"chosen_ticks\" (\n    job         text        NOT NULL,\n    tick        timestamptz NOT NULL,\n    token       bigint      NOT NULL CHECK (token >= 0),\n    outcome     text        NOT NULL CHECK (outcome IN ('running', 'ran', 'skipped', 'failed', 'cancelled')),\n    reason      text,\n    node        text        NOT NULL,\n    started_at  timestamptz NOT NULL,\n    finished_at timestamptz,\n    schedule    text,\n    PRIMARY KEY (job, tick)\n)";
 
 /// Who claims a tick in the ledger, and so what "once" means for it.
@@ -202,9 +203,10 @@ impl TickLedger {
             unreachable!("BUG: derived keys are pairs")
         };
         let sql = format!(
-            "SELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{}",
+            "SELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
             self.fence.install_sql(),
-            self.table.install_sql()
+            self.table.install_sql(),
+            self.table.upgrade_sql()
         );
         let mut tries = 0;
         loop {
@@ -336,10 +338,10 @@ impl TickLedger {
     }
 
     /// What the ledger holds for the job of `ids`: its first tick ever recorded; the
-    /// ticks recorded in `[from, upto)`, whatever their outcome; and the newest of those
-    /// recorded under another schedule than `ids.schedule` (the schedule changed: ticks
-    /// before it were not due under the current one). One statement, in a bounded
-    /// transaction.
+    /// ticks recorded in `[from, upto)`, whatever their outcome; and the other schedule
+    /// texts those were recorded under, with the newest tick of each (the schedule may
+    /// have changed: ticks before it were not due under the current one). One
+    /// statement, in a bounded transaction.
     pub(crate) async fn recorded(
         &self,
         ids: &JobIds,
@@ -352,7 +354,7 @@ impl TickLedger {
             let rows = tx
                 .query_typed(
                     &format!(
-                        "SELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n       (SELECT max(tick) FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3 AND schedule <> $4)",
+                        "WITH w AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n     o AS MATERIALIZED (SELECT schedule, max(tick) AS newest FROM w WHERE schedule <> $4 GROUP BY schedule)\nSELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM w),\n       ARRAY(SELECT schedule FROM o ORDER BY schedule),\n       ARRAY(SELECT newest FROM o ORDER BY schedule)",
                         t = self.table.quoted
                     ),
                     &[
@@ -383,10 +385,19 @@ impl TickLedger {
                 .flatten()
                 .map(secs)
                 .collect();
-            let rescheduled = row
-                .try_get::<_, Option<SystemTime>>(2)
+            let texts = row
+                .try_get::<_, Option<Vec<Option<String>>>>(2)
                 .map_err(self.db("reading the recorded ticks"))?
-                .map(secs);
+                .unwrap_or_default();
+            let newest = row
+                .try_get::<_, Option<Vec<Option<SystemTime>>>>(3)
+                .map_err(self.db("reading the recorded ticks"))?
+                .unwrap_or_default();
+            let rescheduled = texts
+                .into_iter()
+                .zip(newest)
+                .filter_map(|(text, newest)| Some((text?, secs(newest?))))
+                .collect();
             Ok(Recorded {
                 first,
                 ticks,
@@ -561,8 +572,9 @@ pub(crate) struct Recorded {
     pub(crate) first: Option<u64>,
     /// The ticks recorded in the window looked at.
     pub(crate) ticks: BTreeSet<u64>,
-    /// The newest tick in the window recorded under another schedule.
-    pub(crate) rescheduled: Option<u64>,
+    /// The schedules (their text) other than the current one that ticks in the window
+    /// were recorded under, each with its newest such tick.
+    pub(crate) rescheduled: Vec<(String, u64)>,
 }
 
 /// The longest ledger timeout: the server's settings take at most `i32::MAX` ms.
@@ -665,6 +677,17 @@ impl LedgerTable {
     #[must_use]
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The SQL that brings a table created by an earlier version of this crate up to
+    /// date (idempotent; [`TickLedger::install`] runs it too): a table from before the
+    /// `schedule` column gets it.
+    #[must_use]
+    pub fn upgrade_sql(&self) -> String {
+        format!(
+            "ALTER TABLE {} ADD COLUMN IF NOT EXISTS schedule text",
+            self.quoted
+        )
     }
 
     /// The SQL that creates this table if it does not exist, for teams that run their

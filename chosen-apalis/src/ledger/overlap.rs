@@ -1,6 +1,8 @@
 //! One run of a job at a time on a node, and what a tick due during a run does.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::BTreeSet;
+use std::sync::PoisonError;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{MutexGuard, watch};
@@ -28,7 +30,7 @@ pub enum Overlap {
 /// them.
 pub(crate) const SKIP_RUNNING: &str = "previous run still running";
 pub(crate) const SKIP_NOT_NEWER: &str =
-    "the same tick, or a later one, already reached the gate on this node";
+    "the same tick, or a later one, is running or waiting on this node";
 pub(crate) const SKIP_BUFFER_FULL: &str =
     "previous run still running, one tick already waiting: left to the misfire policy";
 
@@ -50,9 +52,11 @@ const CANCEL_REPEAT: Duration = Duration::from_millis(50);
 pub(crate) struct Turn {
     serial: tokio::sync::Mutex<()>,
     waiting: AtomicBool,
-    /// The latest tick delivered: an older or equal one is a duplicate, not a newer
-    /// tick (and must not cancel the run of the one it duplicates).
-    latest: AtomicU64,
+    /// The ticks running or waiting for the turn: a tick not newer than all of them is
+    /// a duplicate (or out of order), not a newer tick, and must not run beside or
+    /// cancel the one it duplicates. Nothing is remembered once they end, so a wall
+    /// clock stepped forward and back does not keep real ticks out.
+    inflight: std::sync::Mutex<BTreeSet<u64>>,
     cancel: watch::Sender<u64>,
 }
 
@@ -61,7 +65,7 @@ impl Default for Turn {
         Self {
             serial: tokio::sync::Mutex::new(()),
             waiting: AtomicBool::new(false),
-            latest: AtomicU64::new(0),
+            inflight: std::sync::Mutex::default(),
             cancel: watch::Sender::new(0),
         }
     }
@@ -73,6 +77,21 @@ impl Default for Turn {
 pub(crate) struct Held<'a> {
     _serial: MutexGuard<'a, ()>,
     cancel: watch::Receiver<u64>,
+    _inflight: Option<Inflight<'a>>,
+}
+
+/// A tick in flight on a [`Turn`]: removed when dropped.
+#[derive(Debug)]
+struct Inflight<'a>(&'a Turn, u64);
+
+impl Drop for Inflight<'_> {
+    fn drop(&mut self) {
+        self.0
+            .inflight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.1);
+    }
 }
 
 impl Held<'_> {
@@ -93,11 +112,17 @@ impl Turn {
     /// Cancel safe (a dropped wait leaves the turn as it was, and a dropped buffered
     /// wait frees the buffer slot).
     pub(crate) async fn take(&self, overlap: Overlap, tick: u64) -> Result<Held<'_>, Refused> {
-        if self.latest.fetch_max(tick, Ordering::AcqRel) >= tick {
-            return Err(Refused::Defer(SKIP_NOT_NEWER));
-        }
+        let inflight = {
+            let mut set = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
+            if set.last().is_some_and(|newest| *newest >= tick) {
+                return Err(Refused::Defer(SKIP_NOT_NEWER));
+            }
+            set.insert(tick);
+            Inflight(self, tick)
+        };
+        let held = |serial| Ok(self.held(serial, Some(inflight)));
         if let Ok(serial) = self.serial.try_lock() {
-            return Ok(self.held(serial));
+            return held(serial);
         }
         match overlap {
             Overlap::Skip => Err(Refused::Record(SKIP_RUNNING)),
@@ -108,14 +133,14 @@ impl Turn {
                 let slot = WaitingSlot(&self.waiting);
                 let serial = self.serial.lock().await;
                 drop(slot);
-                Ok(self.held(serial))
+                held(serial)
             }
             Overlap::CancelPrevious => {
                 let mut serial = std::pin::pin!(self.serial.lock());
                 loop {
                     self.cancel.send_modify(|generation| *generation += 1);
                     tokio::select! {
-                        guard = &mut serial => return Ok(self.held(guard)),
+                        guard = &mut serial => return held(guard),
                         () = tokio::time::sleep(CANCEL_REPEAT) => {}
                     }
                 }
@@ -127,15 +152,16 @@ impl Turn {
     /// leadership).
     pub(crate) async fn wait(&self) -> Held<'_> {
         let serial = self.serial.lock().await;
-        self.held(serial)
+        self.held(serial, None)
     }
 
-    fn held<'a>(&'a self, serial: MutexGuard<'a, ()>) -> Held<'a> {
+    fn held<'a>(&'a self, serial: MutexGuard<'a, ()>, inflight: Option<Inflight<'a>>) -> Held<'a> {
         // Subscribed after taking the turn: requests sent before were for the
         // previous holder (and are repeated if still wanted).
         Held {
             _serial: serial,
             cancel: self.cancel.subscribe(),
+            _inflight: inflight,
         }
     }
 }
@@ -233,5 +259,14 @@ mod tests {
                 .is_err(),
             "the running tick was not asked to stop"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_remembered_once_the_ticks_end() {
+        let turn = Turn::default();
+        let held = turn.take(Overlap::Buffer, 100).await.unwrap();
+        drop(held);
+        // A clock stepped back: older ticks run again once nothing is in flight.
+        assert!(turn.take(Overlap::Buffer, 50).await.is_ok());
     }
 }
