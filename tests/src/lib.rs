@@ -102,7 +102,12 @@ pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .ok_or_else(|| std::io::Error::other("no workspace root"))?;
-    for dir in ["examples", "chosen-core/src", "chosen-apalis/src", "chosen-tower/src"] {
+    for dir in [
+        "examples",
+        "chosen-core/src",
+        "chosen-apalis/src",
+        "chosen-tower/src",
+    ] {
         if let Some(newer) = newest_rs(&workspace.join(dir)).filter(|t| *t > built) {
             let _ = newer;
             return Err(std::io::Error::other(format!(
