@@ -4,7 +4,7 @@
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --release --example node -- \
 //!     --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] \
-//!     [--group-flap-leaves N] \
+//!     [--group-flap-leaves N] [--ineligible] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
 //!     [--metrics ADDR]
 //! ```
@@ -37,6 +37,8 @@ struct Args {
     group: Option<(String, usize)>,
     /// Leaves within a minute that freeze the group's moves (`GroupOptions::flapping`).
     group_flap_leaves: Option<usize>,
+    /// Never leads (`ManagerOptions::eligible(false)`): follows only.
+    ineligible: bool,
     heartbeat: Option<Duration>,
     lease_timeout: Option<Duration>,
     server_release: Option<Duration>,
@@ -51,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
         singletons: Vec::new(),
         group: None,
         group_flap_leaves: None,
+        ineligible: false,
         heartbeat: None,
         lease_timeout: None,
         server_release: None,
@@ -70,6 +73,7 @@ fn parse_args() -> Result<Args, String> {
         };
         match flag.as_str() {
             "--node-id" => args.node_id = value()?,
+            "--ineligible" => args.ineligible = true,
             "--singleton" => args.singletons.push(value()?),
             "--group" => {
                 let name = value()?;
@@ -292,7 +296,9 @@ async fn main() -> ExitCode {
 }
 
 fn options(args: &Args, url: &str) -> chosen_core::Result<ManagerOptions> {
-    let mut o = ManagerOptions::from_url(url)?.node_id(&args.node_id);
+    let mut o = ManagerOptions::from_url(url)?
+        .node_id(&args.node_id)
+        .eligible(!args.ineligible);
     if let Some(h) = args.heartbeat {
         o = o.heartbeat_interval(h);
     }

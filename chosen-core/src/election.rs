@@ -59,6 +59,31 @@ impl Election {
     ///
     /// [`Error::InvalidName`] for an empty name.
     pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
+        Self::start_with(manager, lock, ElectionOptions::default())
+    }
+
+    /// [`start`](Self::start) with options: e.g. an election this node never wins
+    /// ([`ElectionOptions::eligible`]), which follows whoever leads.
+    ///
+    /// ```no_run
+    /// use chosen_core::{Election, ElectionOptions};
+    ///
+    /// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+    /// // A replica without the privileges the job needs: it only watches.
+    /// let election = Election::start_with(&manager, "billing", ElectionOptions::default().eligible(false))?;
+    /// println!("leader: {:?}", election.leadership().leader());
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`] for an empty name.
+    pub fn start_with(
+        manager: &LockManager,
+        lock: impl Into<LockRequest>,
+        options: ElectionOptions,
+    ) -> Result<Self> {
         let request = lock.into();
         let name = request.display_name(manager)?;
         let leadership =
@@ -73,7 +98,9 @@ impl Election {
             let step_down = Arc::clone(&step_down);
             async move {
                 let _stopped = MarkStopped(leadership.clone());
-                while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
+                while let Some(lease) =
+                    campaign(&manager, &request, &leadership, &stop, options.eligible).await
+                {
                     // One token per term: a step-down asked for in another term (or twice)
                     // cannot end this one.
                     let term = CancellationToken::new();
@@ -184,6 +211,31 @@ impl Drop for Election {
     }
 }
 
+/// Options of an [`Election`] (see [`Election::start_with`]).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ElectionOptions {
+    pub(crate) eligible: bool,
+}
+
+impl Default for ElectionOptions {
+    fn default() -> Self {
+        Self { eligible: true }
+    }
+}
+
+impl ElectionOptions {
+    /// Whether this node may win this election (default `true`). An ineligible one
+    /// never contends: its leadership follows whoever leads. A manager made
+    /// ineligible ([`ManagerOptions::eligible`](crate::ManagerOptions::eligible)) makes
+    /// every election on it so.
+    #[must_use]
+    pub fn eligible(mut self, eligible: bool) -> Self {
+        self.eligible = eligible;
+        self
+    }
+}
+
 /// Marks the leadership stopped when the election's task ends, however it ends
 /// (returns, panics, or is dropped with its runtime). The lease, dropped with the task,
 /// has already ended its validity by then; this also tells watchers
@@ -257,7 +309,10 @@ pub(crate) async fn campaign(
     request: &LockRequest,
     leadership: &Leadership,
     stop: &CancellationToken,
+    eligible: bool,
 ) -> Option<Lease> {
+    // An ineligible node only follows: its acquire is never polled (so never sent).
+    let eligible = eligible && manager.options().is_eligible();
     let acquire = manager.acquire(request.clone());
     tokio::pin!(acquire);
     // On the manager's shared grid: the look-ups of every election following on this
@@ -271,7 +326,7 @@ pub(crate) async fn campaign(
         tokio::select! {
             biased;
             () = stop.cancelled() => return None,
-            result = &mut acquire => match result {
+            result = &mut acquire, if eligible => match result {
                 Ok(lease) => return Some(lease),
                 Err(Error::Closed) => return None,
                 Err(e) => {

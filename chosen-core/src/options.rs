@@ -77,6 +77,7 @@ pub struct ManagerOptions {
     /// `None`: the default, `lease_timeout + stop_budget + safety_margin`.
     pub(crate) term_grant_delay: Option<Duration>,
     pub(crate) token_epoch: u16,
+    pub(crate) eligible: bool,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -102,6 +103,7 @@ impl fmt::Debug for ManagerOptions {
             .field("takeover_grace", &self.takeover_grace)
             .field("term_grant_delay", &self.get_term_grant_delay())
             .field("token_epoch", &self.token_epoch)
+            .field("eligible", &self.eligible)
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -145,6 +147,7 @@ impl ManagerOptions {
             takeover_grace: Duration::from_millis(100),
             term_grant_delay: None,
             token_epoch: 0,
+            eligible: true,
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -246,6 +249,33 @@ impl ManagerOptions {
     pub fn node_id(mut self, node_id: impl Into<String>) -> Self {
         self.node_id = node_id.into();
         self
+    }
+
+    /// Whether this node may lead (default `true`). An ineligible node's elections,
+    /// singletons and group members never contend for their locks: they follow
+    /// whoever leads (their leadership names the leader), and its groups do not count
+    /// it as a live node. For replicas that must not run the work, e.g. without the
+    /// privileges the job needs, or in another region. The manager itself still
+    /// connects, and [`LockManager::acquire`](crate::LockManager::acquire) and
+    /// [`try_acquire`](crate::LockManager::try_acquire) still work: eligibility is
+    /// about what leads, not about the locks a program takes itself.
+    ///
+    /// ```
+    /// let options = chosen_core::ManagerOptions::from_url("postgres://app@db/app")?
+    ///     .eligible(false);
+    /// assert!(!options.is_eligible());
+    /// # Ok::<(), chosen_core::Error>(())
+    /// ```
+    #[must_use]
+    pub fn eligible(mut self, eligible: bool) -> Self {
+        self.eligible = eligible;
+        self
+    }
+
+    /// Whether this node may lead: see [`eligible`](Self::eligible).
+    #[must_use]
+    pub fn is_eligible(&self) -> bool {
+        self.eligible
     }
 
     /// The namespace lock names are derived in (default `"chosen"`); see

@@ -48,6 +48,7 @@ pub struct SingletonOptions {
     shutdown_timeout: Duration,
     give_up_cooldown: Duration,
     poll_interval: Option<Duration>,
+    eligible: bool,
 }
 
 impl Default for SingletonOptions {
@@ -61,11 +62,24 @@ impl Default for SingletonOptions {
             shutdown_timeout: Duration::from_secs(1),
             give_up_cooldown: Duration::from_secs(30),
             poll_interval: None,
+            eligible: true,
         }
     }
 }
 
 impl SingletonOptions {
+    /// Whether this node may run the singleton (default `true`). An ineligible one
+    /// never contends for the lock and never starts the child: its leadership follows
+    /// whoever runs it (for replicas without the privileges the child needs). A
+    /// manager made ineligible
+    /// ([`ManagerOptions::eligible`](crate::ManagerOptions::eligible)) makes every
+    /// singleton on it so.
+    #[must_use]
+    pub fn eligible(mut self, eligible: bool) -> Self {
+        self.eligible = eligible;
+        self
+    }
+
     /// The restart policy (default [`RestartPolicy::Always`]).
     #[must_use]
     pub fn restart(mut self, policy: RestartPolicy) -> Self {
@@ -683,7 +697,8 @@ async fn run<F, Fut>(
     let leadership = inner.leadership.clone();
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
-    while let Some(lease) = campaign(&manager, &request, &leadership, &stop).await {
+    while let Some(lease) = campaign(&manager, &request, &leadership, &stop, options.eligible).await
+    {
         let mut tenure = Tenure::new(lease);
         // Stops this tenure: a shutdown (a child of `stop`) or a step-down.
         let tenure_stop = stop.child_token();

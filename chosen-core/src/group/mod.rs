@@ -396,6 +396,12 @@ impl Runner {
         }
         let (slots, members) = holders_all.split_at(self.slot_keys.len());
         let now = Instant::now();
+        // An ineligible node never joins: the others place every member.
+        if !self.manager.options().is_eligible() {
+            let live_nodes = slots.iter().flatten().count();
+            self.set_status(|s| s.live_nodes = live_nodes);
+            return Ok(());
+        }
         // Join: hold a membership lock (the first one the snapshot shows free).
         if self.slot.as_ref().is_none_or(|l| !l.is_valid()) {
             self.slot = None;
