@@ -79,11 +79,14 @@ impl Election {
     /// # Errors
     ///
     /// [`Error::InvalidName`] for an empty name.
+    // By value, as `Singleton::start` takes its options: more of them are to come.
+    #[allow(clippy::needless_pass_by_value)]
     pub fn start_with(
         manager: &LockManager,
         lock: impl Into<LockRequest>,
         options: ElectionOptions,
     ) -> Result<Self> {
+        let ElectionOptions { eligible } = options;
         let request = lock.into();
         let name = request.display_name(manager)?;
         let leadership =
@@ -99,7 +102,7 @@ impl Election {
             async move {
                 let _stopped = MarkStopped(leadership.clone());
                 while let Some(lease) =
-                    campaign(&manager, &request, &leadership, &stop, options.eligible).await
+                    campaign(&manager, &request, &leadership, &stop, eligible).await
                 {
                     // One token per term: a step-down asked for in another term (or twice)
                     // cannot end this one.
