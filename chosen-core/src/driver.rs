@@ -38,6 +38,8 @@ pub(crate) enum Command {
     Release {
         key: LockKey,
         lease_id: u64,
+        /// Hand the lock over to this node (its id).
+        to: Option<String>,
         reply: Option<oneshot::Sender<Result<()>>>,
     },
     Locks(oneshot::Sender<Vec<LockInfo>>),
@@ -112,6 +114,7 @@ impl Driver {
             ^ u64::from(std::process::id()).rotate_left(32)
             ^ (Arc::as_ptr(&shared) as u64);
         let rules = Rules {
+            node: crate::key::node_hash(&shared.options.node_id),
             max_locks: shared.options.max_locks,
             takeover_grace: shared.options.takeover_grace,
             max_fence_wait: shared
@@ -305,8 +308,8 @@ impl Driver {
         match event {
             ConnEvent::Notification { sender, payload } => {
                 let now = Instant::now();
-                for key in payload.split(',').filter_map(LockKey::from_tag) {
-                    self.table.announced(key, sender, now);
+                for (key, to) in payload.split(',').filter_map(LockKey::from_announcement) {
+                    self.table.announced_for(key, sender, to, now);
                 }
                 None
             }
@@ -622,9 +625,11 @@ impl Driver {
             Command::Release {
                 key,
                 lease_id,
+                to,
                 reply,
             } => {
-                self.table.release(key, lease_id, now);
+                self.table
+                    .release_to(key, lease_id, to.map(|n| crate::key::node_hash(&n)), now);
                 self.carry_out();
                 if let Some(reply) = reply {
                     self.release_replies.push(reply);

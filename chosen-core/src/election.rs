@@ -48,6 +48,8 @@ pub struct Election {
     stop: CancellationToken,
     /// The current term's step-down token (`None` between terms).
     step_down: Arc<Mutex<Option<CancellationToken>>>,
+    /// The node the current term is handed over to when it steps down.
+    hand_to: Arc<Mutex<Option<String>>>,
     task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -94,11 +96,13 @@ impl Election {
         // A child of the manager's: its shutdown stops this election too.
         let stop = manager.stop_token();
         let step_down: Arc<Mutex<Option<CancellationToken>>> = Arc::default();
+        let hand_to: Arc<Mutex<Option<String>>> = Arc::default();
         let task = manager.spawn_supervisor({
             let manager = manager.clone();
             let leadership = leadership.clone();
             let stop = stop.clone();
             let step_down = Arc::clone(&step_down);
+            let hand_to = Arc::clone(&hand_to);
             async move {
                 let _stopped = MarkStopped(leadership.clone());
                 while let Some(lease) =
@@ -107,6 +111,7 @@ impl Election {
                     // One token per term: a step-down asked for in another term (or twice)
                     // cannot end this one.
                     let term = CancellationToken::new();
+                    hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
                     *step_down.lock().unwrap_or_else(PoisonError::into_inner) = Some(term.clone());
                     gained(&leadership, &lease);
                     tokio::select! {
@@ -130,8 +135,12 @@ impl Election {
                         () = term.cancelled() => {
                             step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
                             leadership.set_following(None);
-                            let _ = lease.release().await;
-                            info!(lock = %leadership.name(), "stepped down");
+                            let to = hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
+                            match &to {
+                                Some(node) => info!(lock = %leadership.name(), to = %node, "handing over"),
+                                None => info!(lock = %leadership.name(), "stepped down"),
+                            }
+                            let _ = lease.release_to(to).await;
                             if !wait_for_successor(&manager, &request, &stop).await {
                                 break;
                             }
@@ -144,6 +153,7 @@ impl Election {
             leadership,
             stop,
             step_down,
+            hand_to,
             task: tokio::sync::Mutex::new(Some(task)),
         })
     }
@@ -154,12 +164,35 @@ impl Election {
     /// when none took it. No effect while following. For a rolling deploy: step down,
     /// then stop.
     pub fn step_down(&self) {
-        if let Some(term) = self
+        self.hand_over(None);
+    }
+
+    /// Gives the leadership to the node `node_id`, if this node holds it: as
+    /// [`step_down`](Self::step_down), but the release is announced for that node, and
+    /// every other waiting node holds off for a second, so that it takes over (within
+    /// about a round trip, when it waits for the lock); if it does not, the lock goes
+    /// to whichever node takes it first, as after a step-down. No effect while
+    /// following, or when `node_id` is this node's.
+    ///
+    /// ```no_run
+    /// # async fn demo(election: chosen_core::Election) {
+    /// // A rolling deploy: hand the leadership to a replica that stays, then stop.
+    /// election.hand_over_to("web-2");
+    /// # }
+    /// ```
+    pub fn hand_over_to(&self, node_id: &str) {
+        if node_id != self.leadership.node_id() {
+            self.hand_over(Some(node_id.to_owned()));
+        }
+    }
+
+    fn hand_over(&self, to: Option<String>) {
+        let term = self
             .step_down
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-        {
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(term) = term.as_ref() {
+            *self.hand_to.lock().unwrap_or_else(PoisonError::into_inner) = to;
             term.cancel();
         }
     }

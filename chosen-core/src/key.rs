@@ -118,6 +118,28 @@ impl LockKey {
         })[usize::from(bucket) % INTEREST_BUCKETS as usize]
     }
 
+    /// An entry of a release announcement's payload: the key's tag, followed by
+    /// `>` and the target node's hash (16 hex digits) for a hand-over to one node.
+    pub(crate) fn announcement(self, to: Option<u64>) -> String {
+        match to {
+            Some(node) => format!("{}>{node:016x}", self.tag()),
+            None => self.tag(),
+        }
+    }
+
+    /// Parses an entry of a release announcement's payload (see
+    /// [`announcement`](Self::announcement)); `None` for anything else.
+    pub(crate) fn from_announcement(entry: &str) -> Option<(Self, Option<u64>)> {
+        match entry.split_once('>') {
+            None => Some((Self::from_tag(entry)?, None)),
+            Some((tag, node)) if node.len() == 16 => Some((
+                Self::from_tag(tag)?,
+                Some(u64::from_str_radix(node, 16).ok()?),
+            )),
+            Some(_) => None,
+        }
+    }
+
     /// The text used in `NOTIFY` payloads and logs: `pair:<key1>:<key2>` or `int:<key>`.
     pub(crate) fn tag(self) -> String {
         match self {
@@ -146,6 +168,14 @@ impl fmt::Display for LockKey {
     }
 }
 
+/// A node id's hash, as hand-over announcements name their target: FNV-1a, the same on
+/// every node and every version.
+pub(crate) fn node_hash(node_id: &str) -> u64 {
+    node_id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +202,30 @@ mod tests {
             LockKey::Int(0x0000_0001_ffff_fffe).pg_locks_columns(),
             (1, 0xffff_fffe, 1)
         );
+    }
+
+    #[test]
+    fn announcements_round_trip_and_name_their_target() {
+        let key = LockKey::Pair(-3, 7);
+        assert_eq!(
+            LockKey::from_announcement(&key.announcement(None)),
+            Some((key, None))
+        );
+        let to = node_hash("node-b");
+        assert_eq!(
+            LockKey::from_announcement(&key.announcement(Some(to))),
+            Some((key, Some(to)))
+        );
+        for bad in [
+            "pair:1:2>",
+            "pair:1:2>12",
+            "pair:1:2>zzzzzzzzzzzzzzzz",
+            ">0000000000000001",
+        ] {
+            assert_eq!(LockKey::from_announcement(bad), None, "{bad}");
+        }
+        // Stable across versions: a fleet mid-upgrade agrees on who is named.
+        assert_eq!(node_hash(""), 0xcbf2_9ce4_8422_2325);
+        assert_ne!(node_hash("node-a"), node_hash("node-b"));
     }
 }

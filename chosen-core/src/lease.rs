@@ -292,7 +292,29 @@ impl Lease {
     ///
     /// The release is requested before the first await: dropping the future does not
     /// keep the lock held, it only stops waiting for the confirmation.
-    pub async fn release(mut self) -> Result<()> {
+    pub async fn release(self) -> Result<()> {
+        self.release_to(None).await
+    }
+
+    /// Releases the lock for the node `node_id`: the release is announced naming it,
+    /// so that it takes the lock (within about a round trip, if it waits for it) while
+    /// every other waiting node, this process's included, holds off for a second;
+    /// then anyone may take it, as after [`release`](Self::release). A node that does
+    /// not know this (an older version) or did not hear the announcement contends as
+    /// usual. Waits as [`release`](Self::release) does.
+    ///
+    /// # Errors
+    ///
+    /// As [`release`](Self::release).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`release`](Self::release).
+    pub async fn hand_over(self, node_id: &str) -> Result<()> {
+        self.release_to(Some(node_id.to_owned())).await
+    }
+
+    pub(crate) async fn release_to(mut self, to: Option<String>) -> Result<()> {
         // Stop trusting the lease before anyone else can get the lock.
         self.ended.cancel();
         let Some(tx) = self.tx.take() else {
@@ -302,6 +324,7 @@ impl Lease {
         tx.send(Command::Release {
             key: self.key,
             lease_id: self.id,
+            to,
             reply: Some(reply),
         })
         .map_err(|_| Error::Closed)?;
@@ -325,6 +348,7 @@ impl Drop for Lease {
             let _ = tx.send(Command::Release {
                 key: self.key,
                 lease_id: self.id,
+                to: None,
                 reply: None,
             });
         }

@@ -900,13 +900,6 @@ impl Session {
         }
     }
 
-    /// Unlocks `keys` (each held once by this session) and announces their release.
-    /// Any failure ends the session, which releases them all.
-    pub(crate) async fn unlock_and_announce(&self, keys: &[LockKey]) -> Result<(), Fault> {
-        let tags: Vec<String> = keys.iter().map(|k| k.tag()).collect();
-        self.unlock_announcing(keys, tags).await
-    }
-
     /// Releases the stop fences of `keys` and announces the keys: the work this process
     /// ran under them, in an ended session, has stopped.
     pub(crate) async fn unfence(&self, keys: &[LockKey]) -> Result<(), Fault> {
@@ -1299,20 +1292,25 @@ impl Session {
     /// is an `Err`; a statement that failed with the session intact is in [`Done`].
     pub(crate) async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
         let unlocking = async {
-            if plan.unlock_quiet.is_empty() {
-                if plan.unlock.is_empty() {
-                    return Ok(());
-                }
-                return self.unlock_and_announce(&plan.unlock).await;
+            if plan.unlock.is_empty() && plan.unlock_quiet.is_empty() {
+                return Ok(());
             }
-            // One statement: every key unlocked, only the first ones announced.
+            // One statement: every key unlocked, only the first ones announced (each
+            // for one node when handed over to it).
             let keys: Vec<LockKey> = plan
                 .unlock
                 .iter()
                 .chain(&plan.unlock_quiet)
                 .copied()
                 .collect();
-            let tags = plan.unlock.iter().map(|k| k.tag()).collect();
+            let tags = plan
+                .unlock
+                .iter()
+                .map(|k| {
+                    let to = plan.hand_to.iter().find(|(h, _)| h == k).map(|(_, n)| *n);
+                    k.announcement(to)
+                })
+                .collect();
             self.unlock_announcing(&keys, tags).await
         };
         let unfencing = async {

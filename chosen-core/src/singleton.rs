@@ -408,6 +408,9 @@ struct SingletonInner {
     /// Cancelled to step down from the current tenure (a new one per tenure; `None`
     /// between tenures).
     tenure: Mutex<Option<CancellationToken>>,
+    /// The node the current tenure is to be handed over to when it is stopped
+    /// ([`Singleton::hand_over_to`]).
+    hand_to: Mutex<Option<String>>,
 }
 
 impl SingletonInner {
@@ -464,10 +467,15 @@ impl Tenure {
     }
 
     /// Releases the lock now; the child must have stopped.
-    async fn release(mut self) {
+    async fn release(self) {
+        self.release_to(None).await;
+    }
+
+    /// Releases the lock, for the node `to` when given (see [`Lease::hand_over`]).
+    async fn release_to(mut self, to: Option<String>) {
         debug_assert!(self.child.is_none(), "released with a child running");
         if let Some(lease) = self.lease.take() {
-            let _ = lease.release().await;
+            let _ = lease.release_to(to).await;
         }
     }
 }
@@ -566,6 +574,7 @@ impl Singleton {
                 last_failure: None,
             }),
             tenure: Mutex::new(None),
+            hand_to: Mutex::new(None),
         });
         // A child of the manager's: its shutdown stops this singleton too.
         let stop = manager.stop_token();
@@ -617,13 +626,40 @@ impl Singleton {
     /// another node holds it, or after two seconds when none took it. No effect while
     /// following.
     pub fn step_down(&self) {
-        if let Some(tenure) = self
+        self.hand_over(None);
+    }
+
+    /// Gives the leadership to the node `node_id`, if this node holds it: as
+    /// [`step_down`](Self::step_down), but the release is announced for that node, and
+    /// every other waiting node holds off for a second, so that it takes over (within
+    /// about a round trip, when it waits for the lock); if it does not, the lock goes
+    /// to whichever node takes it first, as after a step-down. No effect while
+    /// following, or when `node_id` is this node's.
+    ///
+    /// ```no_run
+    /// # async fn demo(singleton: chosen_core::Singleton) {
+    /// // Before stopping this replica, give the work to the one that stays.
+    /// singleton.hand_over_to("web-2");
+    /// # }
+    /// ```
+    pub fn hand_over_to(&self, node_id: &str) {
+        if node_id != self.inner.leadership.node_id() {
+            self.hand_over(Some(node_id.to_owned()));
+        }
+    }
+
+    fn hand_over(&self, to: Option<String>) {
+        let tenure = self
             .inner
             .tenure
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-        {
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(tenure) = tenure.as_ref() {
+            *self
+                .inner
+                .hand_to
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = to;
             tenure.cancel();
         }
     }
@@ -702,6 +738,11 @@ async fn run<F, Fut>(
         let mut tenure = Tenure::new(lease);
         // Stops this tenure: a shutdown (a child of `stop`) or a step-down.
         let tenure_stop = stop.child_token();
+        inner
+            .hand_to
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
         let outcome = lead(
             &options,
@@ -719,10 +760,19 @@ async fn run<F, Fut>(
             .take();
         match outcome {
             Outcome::Stop if !stop.is_cancelled() => {
-                // Stepped down: the child stopped; release (announced), then let
-                // another node take it before contending again.
-                tenure.release().await;
-                info!(singleton = %name, "stepped down");
+                // Stepped down: the child stopped; release (announced, for one node
+                // when handed over), then let another node take it before contending
+                // again.
+                let to = inner
+                    .hand_to
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                match &to {
+                    Some(node) => info!(singleton = %name, to = %node, "handing over"),
+                    None => info!(singleton = %name, "stepped down"),
+                }
+                tenure.release_to(to).await;
                 if !wait_for_successor(&manager, &request, &stop).await {
                     break;
                 }
@@ -1007,6 +1057,7 @@ mod tests {
                     last_failure: None,
                 }),
                 tenure: Mutex::new(None),
+                hand_to: Mutex::new(None),
             },
             stop: CancellationToken::new(),
             validity,

@@ -107,6 +107,8 @@ pub(crate) struct Plan {
     /// Unlock these keys at the server and announce their release: work under them
     /// ran here and has stopped.
     pub(crate) unlock: Vec<LockKey>,
+    /// Keys of `unlock` handed over to one node: their announcements name its hash.
+    pub(crate) hand_to: Vec<(LockKey, u64)>,
     /// Unlock these keys without announcing: won, but never granted here (announcing
     /// would tell waiters that any earlier holder's work has stopped, which this process
     /// does not know).
@@ -181,9 +183,16 @@ const MAX_QUICK_REGISTERS: u8 = 5;
 /// per second (none at poll intervals below it).
 pub(crate) const UNVERIFIED_CUE: Duration = Duration::from_secs(1);
 
+/// How long the other nodes hold off after a release handed over to one node, so that
+/// it takes the lock: it tries at once on the announcement, within a round trip; past
+/// this, every node contends as usual (the named node was gone, or not waiting).
+pub(crate) const HAND_OVER_HOLD: Duration = Duration::from_secs(1);
+
 /// The table's configuration.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Rules {
+    /// This node's [`node_hash`](crate::key::node_hash).
+    pub(crate) node: u64,
     pub(crate) max_locks: usize,
     pub(crate) takeover_grace: Duration,
     /// How long a won key waits at most for an old holder's stop fence (its stop budget
@@ -288,6 +297,13 @@ struct Slot {
     /// the bucket was flagged, or the take met a releaser's probe): the first few are
     /// followed by another try at once, which registers.
     unregistered: u8,
+    /// Not tried before this: the key was handed over to another node, which has until
+    /// then to take it (see [`HAND_OVER_HOLD`]).
+    hold_until: Option<Instant>,
+    /// The node (hash) the key's next announced unlock hands it over to.
+    hand_to: Option<u64>,
+    /// An unverified hand-over naming this node brings no try forward before this.
+    quick_cue: Option<Instant>,
 }
 
 impl Slot {
@@ -302,7 +318,16 @@ impl Slot {
             next_try: now,
             evidence: Evidence::default(),
             stopping: None,
+            hold_until: None,
+            hand_to: None,
+            quick_cue: None,
         }
+    }
+
+    /// Due for a try at `now` (its poll is due, and no hand-over to another node holds
+    /// it back).
+    fn due(&self, now: Instant) -> bool {
+        self.next_try <= now && self.hold_until.is_none_or(|h| h <= now)
     }
 
     /// Waits for another session's release: its bucket's interest is wanted.
@@ -618,6 +643,21 @@ impl LockTable {
     /// The holder of lease `id` released it (or its grant could not be delivered). A
     /// lease of an ended generation, or one already released, is ignored.
     pub(crate) fn release(&mut self, key: LockKey, id: RequestId, now: Instant) {
+        self.release_to(key, id, None, now);
+    }
+
+    /// [`release`](Self::release), handing the key over to one node (by its
+    /// [`node_hash`](crate::key::node_hash)) when `to` names another: the key is
+    /// unlocked and announced for that node even when this process has waiters for it
+    /// (they, like every other node's, hold off [`HAND_OVER_HOLD`]).
+    pub(crate) fn release_to(
+        &mut self,
+        key: LockKey,
+        id: RequestId,
+        to: Option<u64>,
+        now: Instant,
+    ) {
+        let to = to.filter(|node| *node != self.rules.node);
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
@@ -651,7 +691,14 @@ impl LockTable {
             key,
             name: holder.name,
         });
-        slot.server = if slot.waiters.is_empty() {
+        slot.hand_to = to;
+        if to.is_some() {
+            // Not handed to a local waiter: unlocked and announced for that node, and
+            // the local waiters hold off like the other nodes'.
+            slot.hold_until = Some(now + HAND_OVER_HOLD);
+            slot.next_try = slot.next_try.max(now + HAND_OVER_HOLD);
+        }
+        slot.server = if slot.waiters.is_empty() || to.is_some() {
             Server::Unlocking {
                 sent: false,
                 announce: true,
@@ -663,7 +710,23 @@ impl LockTable {
 
     /// Another session announced that it released `key`; `sender` is the backend pid
     /// the server stamped on the notification.
+    #[cfg(test)]
     pub(crate) fn announced(&mut self, key: LockKey, sender: i32, now: Instant) {
+        self.announced_for(key, sender, None, now);
+    }
+
+    /// [`announced`](Self::announced), for a release that hands the key over to the
+    /// node `to` (by hash), when given: another node's waiters hold off
+    /// [`HAND_OVER_HOLD`] so that it takes it, if the announcement is verified (from the
+    /// backend the last try saw holding the key); the named node tries at once.
+    pub(crate) fn announced_for(
+        &mut self,
+        key: LockKey,
+        sender: i32,
+        to: Option<u64>,
+        now: Instant,
+    ) {
+        let me = self.rules.node;
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
@@ -686,6 +749,25 @@ impl LockTable {
         }
         if slot.evidence.holder_pid == Some(sender) {
             slot.evidence.announced = true;
+            match to {
+                // Handed to another node: give it the time to take it, then try (an
+                // announced release: no takeover grace).
+                Some(node) if node != me => {
+                    slot.hold_until = Some(now + HAND_OVER_HOLD);
+                    slot.next_try = now + HAND_OVER_HOLD;
+                }
+                _ => {
+                    slot.hold_until = None;
+                    slot.next_try = now;
+                }
+            }
+        } else if to == Some(me) && slot.quick_cue.is_none_or(|at| now >= at) {
+            // Handed to this node by a holder the last try did not see (it took over
+            // while this node held off for an earlier hand-over), or forged: try at once,
+            // but as an unannounced takeover (the grace is not skipped), and at most once
+            // per `UNVERIFIED_CUE` however many arrive.
+            slot.quick_cue = Some(now + UNVERIFIED_CUE);
+            slot.hold_until = None;
             slot.next_try = now;
         } else {
             // From a holder the last try did not see (it took over since), or forged:
@@ -781,6 +863,9 @@ impl LockTable {
                     };
                     if announce {
                         plan.unlock.push(*key);
+                        if let Some(node) = slot.hand_to.take() {
+                            plan.hand_to.push((*key, node));
+                        }
                     } else {
                         plan.unlock_quiet.push(*key);
                     }
@@ -790,7 +875,7 @@ impl LockTable {
                     if slot.holder.is_none()
                         && slot.stopping.is_none()
                         && !slot.waiters.is_empty()
-                        && slot.next_try <= now
+                        && slot.due(now)
                     {
                         slot.server = Server::Trying;
                         plan.try_keys.push(*key);
@@ -1162,7 +1247,7 @@ impl LockTable {
                             && slot.stopping.is_none()
                             && !slot.waiters.is_empty() =>
                     {
-                        Some(slot.next_try)
+                        Some(slot.next_try.max(slot.hold_until.unwrap_or(slot.next_try)))
                     }
                     _ => None,
                 }

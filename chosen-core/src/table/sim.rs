@@ -2207,6 +2207,7 @@ impl Sim {
 
 fn rules(t: &Timing) -> Rules {
     Rules {
+        node: 0,
         max_locks: 16,
         takeover_grace: Duration::from_micros(t.grace),
         max_fence_wait: Duration::from_micros(t.lease + t.stop_budget + t.margin),

@@ -36,6 +36,7 @@ struct Fixture {
 impl Fixture {
     fn new() -> Self {
         Self::with_rules(Rules {
+            node: 0,
             max_locks: 16,
             takeover_grace: GRACE,
             max_fence_wait: MAX_FENCE,
@@ -479,6 +480,7 @@ fn a_grant_nobody_takes_any_more_is_unlocked() {
 #[test]
 fn the_cap_counts_keys_not_requests() {
     let mut f = Fixture::with_rules(Rules {
+        node: 0,
         max_locks: 2,
         takeover_grace: GRACE,
         max_fence_wait: MAX_FENCE,
@@ -500,6 +502,7 @@ fn the_cap_counts_keys_not_requests() {
 #[test]
 fn poll_ticks_are_shared_and_forgotten() {
     let mut f = Fixture::with_rules(Rules {
+        node: 0,
         max_locks: 100,
         takeover_grace: GRACE,
         max_fence_wait: MAX_FENCE,
@@ -785,6 +788,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut now = start;
     let mut table = LockTable::new(
         Rules {
+            node: 0,
             max_locks: 3,
             takeover_grace: GRACE,
             max_fence_wait: MAX_FENCE,
@@ -1445,4 +1449,126 @@ fn a_try_during_a_new_terms_hold_answers_at_once() {
     f.advance(Duration::from_secs(6));
     f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(w, token(4))]);
+}
+
+#[test]
+fn a_hand_over_names_its_node_and_skips_the_local_waiters() {
+    // This node (hash 0) holds the key and a local request waits for it: handed over to
+    // node 7, the key is unlocked and announced for node 7, not handed off locally, and
+    // the local waiter holds off for HAND_OVER_HOLD.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    let b = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+    f.table.release_to(key(1), a, Some(7), f.now);
+    let plan = f.plan();
+    assert!(plan.token_for.is_empty(), "handed off locally");
+    assert_eq!(plan.unlock, vec![key(1)]);
+    assert_eq!(plan.hand_to, vec![(key(1), 7)]);
+    f.table.unlocked(&plan.unlock, f.now);
+    assert!(
+        f.plan().try_keys.is_empty(),
+        "the local waiter tried at once"
+    );
+    assert_eq!(f.table.next_wakeup(f.now), Some(f.now + HAND_OVER_HOLD));
+    f.advance(HAND_OVER_HOLD);
+    f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    assert_eq!(f.granted(), vec![(b, token(12))]);
+    // A later plain release is announced for nobody.
+    f.table.release(key(1), b, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.unlock, vec![key(1)]);
+    assert!(plan.hand_to.is_empty());
+}
+
+#[test]
+fn a_hand_over_to_this_node_is_a_plain_release() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    let b = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.actions();
+    f.table.release_to(key(1), a, Some(0), f.now);
+    assert_eq!(
+        f.plan().token_for,
+        vec![key(1)],
+        "a local hand-off, as usual"
+    );
+    f.table.tokens(&[key(1)], Some(token(11)), f.now);
+    assert_eq!(f.granted(), vec![(b, token(11))]);
+}
+
+#[test]
+fn a_verified_hand_over_to_another_node_holds_this_one_off() {
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    // Handed to node 9 (not us): we hold off, even when forged cues arrive meanwhile.
+    f.table.announced_for(key(1), 4242, Some(9), f.now);
+    for forged in 0..100 {
+        f.table.announced_for(key(1), forged, None, f.now);
+    }
+    f.advance(HAND_OVER_HOLD - ms(1));
+    assert!(f.plan().try_keys.is_empty(), "tried within the hold");
+    // Node 9 did not take it: we do, as after an announced release (no grace).
+    f.advance(ms(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_verified_hand_over_to_this_node_tries_at_once() {
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 4242, Some(0), f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn an_unverified_hand_over_holds_nobody_off() {
+    // A forged hand-over (not from the backend our last try saw) must not keep us out:
+    // it is only a cue, like any unverified announcement.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    for forged in 0..100 {
+        f.table.announced_for(key(1), forged, Some(9), f.now);
+    }
+    f.advance(UNVERIFIED_CUE * 11 / 10);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn an_unverified_hand_over_to_this_node_tries_once_at_once_and_keeps_the_grace() {
+    // This node held off for an earlier hand-over and did not see the new holder: a
+    // hand-over naming it is tried at once (not verified: the grace applies), and a
+    // flood of such announcements brings at most one try per UNVERIFIED_CUE.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 5151, Some(0), f.now);
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(6000) });
+    for forged in 0..100 {
+        f.table.announced_for(key(1), 7000 + forged, Some(0), f.now);
+    }
+    assert!(
+        f.plan().try_keys.is_empty(),
+        "a flood brought tries forward"
+    );
+    f.advance(UNVERIFIED_CUE);
+    f.table.announced_for(key(1), 8000, Some(0), f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "the grace was skipped");
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
 }

@@ -1,0 +1,297 @@
+//! Hand-over to a named node: `Election::hand_over_to` and `Singleton::hand_over_to`
+//! give the lock to that node while the other waiting nodes hold off; a target that is
+//! not there falls back to the normal queue; and a rolling deploy of K replicas (each
+//! replaced in turn: start the new one, hand over if leading, stop the old one) causes
+//! at most K hand-overs with short leaderless times. Prints `HAND-OVER` lines with the
+//! timings (run with `--nocapture`).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOptions};
+use chosen_tests::{PgCluster, unique_name};
+
+fn options(url: &str, node: &str) -> ManagerOptions {
+    ManagerOptions::from_url(url)
+        .expect("valid URL")
+        .node_id(node)
+        // Short polls: a node that did not hold off would take the lock at once.
+        .poll_interval(Duration::from_millis(50))
+        .term_grant_delay(Duration::ZERO)
+}
+
+fn pct(sorted: &[Duration], p: usize) -> Duration {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+async fn leader_of(elections: &[(&str, Election)], limit: Duration) -> (String, Duration) {
+    let t0 = Instant::now();
+    loop {
+        let leading: Vec<&str> = elections
+            .iter()
+            .filter(|(_, e)| e.leadership().is_leader())
+            .map(|(n, _)| *n)
+            .collect();
+        assert!(leading.len() <= 1, "two leaders: {leading:?}");
+        if let [one] = leading.as_slice() {
+            return ((*one).to_owned(), t0.elapsed());
+        }
+        assert!(t0.elapsed() < limit, "nobody leads after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_election_is_handed_to_the_named_node() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("hand-over");
+    let mut elections = Vec::new();
+    let mut managers = Vec::new();
+    for node in ["ho-a", "ho-b", "ho-c"] {
+        let m = LockManager::connect(options(&url, node)).await.unwrap();
+        elections.push((node, Election::start(&m, name.as_str()).unwrap()));
+        managers.push(m);
+        // The first one leads before the others start.
+        leader_of(&elections, Duration::from_secs(10)).await;
+    }
+    // Everyone waits, registered for the announcement.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut took = Vec::new();
+    let targets = ["ho-c", "ho-b", "ho-a"];
+    for round in 0..12 {
+        let (leader, _) = leader_of(&elections, Duration::from_secs(5)).await;
+        let target = targets
+            .iter()
+            .cycle()
+            .skip(round)
+            .find(|t| **t != leader)
+            .unwrap();
+        let e = &elections.iter().find(|(n, _)| *n == leader).unwrap().1;
+        let t0 = Instant::now();
+        e.hand_over_to(target);
+        // Nobody else in between: the next leader seen is the target.
+        let t1 = Instant::now();
+        loop {
+            let (now_leading, _) = leader_of(&elections, Duration::from_secs(5)).await;
+            if now_leading != leader {
+                assert_eq!(&now_leading, target, "round {round}: handed to {target}");
+                break;
+            }
+            assert!(t1.elapsed() < Duration::from_secs(5));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        took.push(t0.elapsed());
+        // It stays with the target (past the others' hold, so that their next try
+        // sees the new holder and the next hand-over's announcement is verified).
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        assert_eq!(
+            leader_of(&elections, Duration::from_secs(5)).await.0,
+            *target
+        );
+    }
+    took.sort();
+    let (p50, p99) = (pct(&took, 50), pct(&took, 99));
+    eprintln!("HAND-OVER election, 12 hand-overs to a named node: p50 {p50:?}, p99 {p99:?}");
+    assert!(p99 < Duration::from_secs(1), "p99 {p99:?}");
+
+    // A target that is not there: after the hold, the others take it.
+    let (leader, _) = leader_of(&elections, Duration::from_secs(5)).await;
+    let e = &elections.iter().find(|(n, _)| *n == leader).unwrap().1;
+    let t0 = Instant::now();
+    e.hand_over_to("ho-nobody");
+    loop {
+        let (now_leading, _) = leader_of(&elections, Duration::from_secs(10)).await;
+        if now_leading != leader {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "nobody took it");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let fallback = t0.elapsed();
+    eprintln!("HAND-OVER to a node that is not there: another took it after {fallback:?}");
+    assert!(fallback >= Duration::from_millis(900), "{fallback:?}");
+    for m in managers {
+        m.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_singleton_is_handed_over_and_its_child_stops_first() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("hand-over-singleton");
+    // (node, started, stopped)
+    type Runs = Arc<Mutex<Vec<(&'static str, Instant, Option<Instant>)>>>;
+    let runs: Runs = Arc::default();
+    let start = |m: &LockManager, node: &'static str| {
+        let runs = Arc::clone(&runs);
+        Singleton::start(m, name.as_str(), SingletonOptions::default(), move |ctx| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let i = {
+                    let mut r = runs.lock().unwrap();
+                    r.push((node, Instant::now(), None));
+                    r.len() - 1
+                };
+                ctx.cancelled().await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                runs.lock().unwrap()[i].2 = Some(Instant::now());
+                Ok::<(), std::io::Error>(())
+            }
+        })
+        .unwrap()
+    };
+    let a = LockManager::connect(options(&url, "hs-a")).await.unwrap();
+    let sa = start(&a, "hs-a");
+    let t0 = Instant::now();
+    while runs.lock().unwrap().is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let b = LockManager::connect(options(&url, "hs-b")).await.unwrap();
+    let c = LockManager::connect(options(&url, "hs-c")).await.unwrap();
+    let (_sb, _sc) = (start(&b, "hs-b"), start(&c, "hs-c"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    sa.hand_over_to("hs-c");
+    while runs.lock().unwrap().len() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "not handed over");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let took = t0.elapsed();
+    let r = runs.lock().unwrap().clone();
+    assert_eq!(r[1].0, "hs-c", "{r:?}");
+    let stopped = r[0].2.expect("the old child stopped");
+    assert!(
+        stopped <= r[1].1,
+        "the new child started before the old one stopped"
+    );
+    eprintln!(
+        "HAND-OVER singleton: the named node's child started {took:?} after hand_over_to (the old child took 100 ms to stop)"
+    );
+    for m in [a, b, c] {
+        m.shutdown().await;
+    }
+}
+
+// A rolling deploy of K = 3 replicas: each old replica is replaced in turn (start the
+// new one, hand over if it leads, stop it). At most K hand-overs, and every leaderless
+// time short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_deploy_hands_over_at_most_once_per_replica() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("rolling");
+    type Node = (String, LockManager, Election);
+    let start = |id: String| {
+        let url = url.clone();
+        let name = name.clone();
+        async move {
+            let m = LockManager::connect(options(&url, &id)).await.unwrap();
+            let e = Election::start(&m, name.as_str()).unwrap();
+            (id, m, e)
+        }
+    };
+    let mut nodes: Vec<Node> = Vec::new();
+    for i in 0..3 {
+        nodes.push(start(format!("old-{i}")).await);
+    }
+    // A sampler: who leads, every millisecond, until told to stop.
+    let leaderships: Arc<Mutex<Vec<(String, chosen_core::Leadership)>>> = Arc::new(Mutex::new(
+        nodes
+            .iter()
+            .map(|(id, _, e)| (id.clone(), e.leadership()))
+            .collect(),
+    ));
+    let t_start = Instant::now();
+    while !nodes.iter().any(|(_, _, e)| e.leadership().is_leader()) {
+        assert!(t_start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (leaderships, done) = (Arc::clone(&leaderships), Arc::clone(&done));
+        tokio::spawn(async move {
+            // (changes of leader, leaderless stretches)
+            let mut last: Option<String> = None;
+            let mut changes = 0;
+            let mut gaps = Vec::new();
+            let mut gap_since: Option<Instant> = None;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let leading: Vec<String> = leaderships
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(_, l)| l.is_leader())
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                assert!(leading.len() <= 1, "two leaders: {leading:?}");
+                match leading.first() {
+                    Some(id) => {
+                        if let Some(since) = gap_since.take() {
+                            gaps.push(since.elapsed());
+                        }
+                        if last.as_ref() != Some(id) {
+                            if last.is_some() {
+                                changes += 1;
+                            }
+                            last = Some(id.clone());
+                        }
+                    }
+                    None => {
+                        gap_since.get_or_insert_with(Instant::now);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            (changes, gaps)
+        })
+    };
+    for i in 0..3 {
+        let new = start(format!("new-{i}")).await;
+        leaderships
+            .lock()
+            .unwrap()
+            .push((new.0.clone(), new.2.leadership()));
+        nodes.push(new);
+        // The new replica is up and waiting.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let pos = nodes
+            .iter()
+            .position(|(id, ..)| *id == format!("old-{i}"))
+            .unwrap();
+        let (_, m, e) = nodes.remove(pos);
+        if e.leadership().is_leader() {
+            // Hand it to a replica of the new version: it is not stopped later.
+            let target = nodes
+                .iter()
+                .rev()
+                .find(|(id, ..)| id.starts_with("new-"))
+                .map(|(id, ..)| id.clone())
+                .unwrap();
+            e.hand_over_to(&target);
+            let t0 = Instant::now();
+            while e.leadership().is_leader() {
+                assert!(t0.elapsed() < Duration::from_secs(5));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        m.shutdown().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (changes, mut gaps) = sampler.await.unwrap();
+    gaps.sort();
+    let worst = gaps.last().copied().unwrap_or_default();
+    eprintln!(
+        "HAND-OVER rolling deploy of 3 replicas: {changes} leader changes, {} leaderless stretches, longest {worst:?}",
+        gaps.len()
+    );
+    assert!(changes <= 3, "{changes} hand-overs for 3 replicas");
+    assert!(worst < Duration::from_secs(1), "leaderless for {worst:?}");
+    for (_, m, _) in nodes {
+        m.shutdown().await;
+    }
+}
