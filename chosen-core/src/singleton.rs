@@ -80,6 +80,12 @@ impl SingletonOptions {
         self
     }
 
+    /// Whether this node may run the singleton: see [`eligible`](Self::eligible).
+    #[must_use]
+    pub fn is_eligible(&self) -> bool {
+        self.eligible
+    }
+
     /// The restart policy (default [`RestartPolicy::Always`]).
     #[must_use]
     pub fn restart(mut self, policy: RestartPolicy) -> Self {

@@ -161,3 +161,81 @@ async fn an_ineligible_node_gets_no_group_member() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+// R3-4. `SingletonOptions::eligible(false)` passed to a group (`GroupOptions::singleton`)
+// on an eligible manager: the node joins (holds a membership lock, so it is a live
+// node with a target) but its member singletons never contend. The other node takes
+// the members it is "placed" there only through the orphan safety net, is then above
+// its target and hands one over again: a member's child is stopped and restarted
+// every orphan_grace, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review3_ineligible_member_singletons_do_not_make_a_group_churn() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let group = unique_name("eligible-group-singleton");
+    let members: Vec<String> = (0..2).map(|i| format!("m{i}")).collect();
+    let starts = Arc::new(AtomicU32::new(0));
+    let start = |manager: &LockManager, singleton: SingletonOptions| {
+        let starts = Arc::clone(&starts);
+        SingletonGroup::start(
+            manager,
+            group.as_str(),
+            members.clone(),
+            GroupOptions::default()
+                .interval(Duration::from_millis(250))
+                .orphan_grace(Duration::from_secs(1))
+                .singleton(singleton),
+            move |_member, ctx| {
+                starts.fetch_add(1, Ordering::Relaxed);
+                async move {
+                    ctx.cancelled().await;
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )
+        .unwrap()
+    };
+    let a = LockManager::connect(options(&url, "egs-a")).await.unwrap();
+    let b = LockManager::connect(options(&url, "egs-b")).await.unwrap();
+    let ga = start(&a, SingletonOptions::default());
+    let gb = start(&b, SingletonOptions::default().eligible(false));
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let (sa, sb) = (ga.status(), gb.status());
+    assert!(sb.leading.is_empty(), "{sb:?}");
+    assert_eq!(
+        (sa.handed_over, starts.load(Ordering::Relaxed)),
+        (0, 2),
+        "node a: {sa:?}; node b: {sb:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+// Probe: an ineligible election registers no request with its manager (its acquire
+// future is never polled), and step_down on it does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review3_probe_an_ineligible_election_sends_no_request() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("eligible-probe");
+    let b = LockManager::connect(options(&url, "ep-b").eligible(false))
+        .await
+        .unwrap();
+    let c = LockManager::connect(options(&url, "ep-c")).await.unwrap();
+    let eb = Election::start(&b, name.as_str()).unwrap();
+    let ec = Election::start_with(
+        &c,
+        name.as_str(),
+        ElectionOptions::default().eligible(false),
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    eb.step_down();
+    ec.step_down();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(b.locks().await.unwrap().is_empty());
+    assert!(c.locks().await.unwrap().is_empty());
+    assert!(!eb.leadership().is_leader() && !ec.leadership().is_leader());
+    b.shutdown().await;
+    c.shutdown().await;
+}

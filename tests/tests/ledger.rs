@@ -1772,3 +1772,256 @@ async fn review2_probe_fence_bounded_restores_a_session_lock_timeout() {
         .collect();
     eprintln!("{}", plan.join("\n"));
 }
+
+// R3-1. `install()` now runs `ALTER TABLE … ADD COLUMN IF NOT EXISTS schedule`, which
+// takes an ACCESS EXCLUSIVE lock on the ledger table even when the column exists. A
+// node starting up (install at start-up, as documented) while a job is inside its
+// InJobTransaction ledger transaction queues that lock behind the job's, and every
+// other ledger statement of every node queues behind it: the leader's other jobs fail
+// with Skipped(Ledger) until the long transaction ends, and install() itself waits
+// that long (it has no timeout).
+#[tokio::test]
+async fn review3_install_on_a_starting_node_does_not_stall_the_ledger() {
+    let db = db().await;
+    let lock = unique_name("ledger-install-stall");
+    let (leadership, control) = Leadership::manual(&lock, "node-a");
+    control.lead(3);
+    let ledger = db.ledger.clone().timeout(Duration::from_secs(1));
+    let (slow_runs, slow_delays) = (Runs::default(), Delays::default());
+    slow_delays
+        .lock()
+        .unwrap()
+        .push((T0, Duration::from_secs(5)));
+    let slow = LeaderOnlyJobLayer::new(leadership.clone())
+        .ledger(ledger.clone())
+        .schedule(every_second())
+        .claim(Claim::InJobTransaction)
+        .job("slow")
+        .layer(Job {
+            runs: Arc::clone(&slow_runs),
+            pool: Some(db.pool.clone()),
+            delays: slow_delays,
+            ids: Ids::default(),
+        });
+    let quick_runs = Runs::default();
+    let mut quick = LeaderOnlyJobLayer::new(leadership)
+        .ledger(ledger)
+        .schedule(every_second())
+        .job("quick")
+        .layer(quiet_job(&quick_runs));
+    let first = {
+        let mut slow = slow.clone();
+        tokio::spawn(async move {
+            slow.ready()
+                .await
+                .unwrap()
+                .call(Task::new(Tick::new(T0)))
+                .await
+        })
+    };
+    // The slow job is inside its ledger transaction (its claim row inserted).
+    for _ in 0..100 {
+        if !slow_runs.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another node starts: install(), on its own pool.
+    let other = {
+        let config: tokio_postgres::Config = db.url.parse().unwrap();
+        Pool::builder(deadpool_postgres::Manager::new(
+            config,
+            tokio_postgres::NoTls,
+        ))
+        .max_size(1)
+        .build()
+        .unwrap()
+    };
+    let started = std::time::Instant::now();
+    let installing = tokio::spawn(async move { TickLedger::new(other).install().await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let out = quick
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await
+        .unwrap();
+    installing.await.unwrap().unwrap();
+    let install_took = started.elapsed();
+    assert!(first.await.unwrap().unwrap().ran());
+    assert!(
+        out.ran(),
+        "the quick job's tick while another node installs: {out:?} (install took {install_took:?})"
+    );
+    assert!(
+        install_took < Duration::from_secs(2),
+        "install waited {install_took:?} for a job's ledger transaction"
+    );
+}
+
+// R3-2. The catch-up on gaining leadership holds the turn without an in-flight entry
+// (`Turn::wait`), so under Overlap::CancelPrevious a duplicate delivery of the very
+// tick it is catching up (or of any older tick) is taken for a newer tick and cancels
+// it: the missed tick, which RunOnce was to run once, ends `cancelled` ("a newer tick
+// is due") and the duplicate then finds the row. The README: a duplicate "is not run
+// and stops nothing".
+#[tokio::test]
+async fn review3_a_duplicate_does_not_cancel_a_catch_up_on_gain() {
+    let db = db().await;
+    let job = unique_name("ledger-gain-dup");
+    let now = unix_now();
+    // Minute `m` of every hour, half an hour from now: the next tick is ~30 min away.
+    let m = (now / 60 + 30) % 60;
+    let hourly: Schedule = format!("0 {m} * * * *").parse().unwrap();
+    let last = {
+        let mut t = now - now % 60;
+        while (t / 60) % 60 != m {
+            t -= 60;
+        }
+        t
+    };
+    // The job's first row, three hours before the last tick.
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now())",
+            &[&job, &((last - 3 * 3600) as f64)],
+        )
+        .await
+        .unwrap();
+    // Node B: not leading yet, so the catch-up's run of `last` is slow from the start.
+    let (leadership, control) = Leadership::manual(&job, "node-b");
+    let layer = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .misfire(Misfire::RunOnce)
+        .overlap(Overlap::CancelPrevious)
+        .schedule(hourly);
+    let runs = Runs::default();
+    let delays = Delays::default();
+    delays.lock().unwrap().push((last, Duration::from_secs(3)));
+    let mut svc = layer.layer(Job {
+        runs: Arc::clone(&runs),
+        pool: None,
+        delays,
+        ids: Ids::default(),
+    });
+    control.lead(7);
+    for _ in 0..200 {
+        if runs.lock().unwrap().contains(&(last, true)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(runs.lock().unwrap().contains(&(last, true)), "no catch-up");
+    // The same tick delivered again (a late scheduler, a retry).
+    let dup = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(last)))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let got: Vec<(u64, String, Option<String>)> = db
+        .admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint, outcome, reason FROM chosen_ticks WHERE job = $1 AND tick = to_timestamp($2)",
+            &[&job, &(last as f64)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) as u64, r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(last, "ran".to_owned(), None)],
+        "the duplicate was answered {dup:?}"
+    );
+}
+
+// R3-3. `low` is raised to the tick at hand after each look, whatever that tick is: one
+// tick from a wall clock stepped forward (the N6 premise) puts it hours ahead, and
+// every tick the gate leaves "to the misfire policy of the next run" until the real
+// clock gets there is below it and never looked at again by this node (here a tick the
+// Buffer policy deferred). Also, the future tick's look recorded ~1000 ticks that were
+// not yet due as `skipped` (Misfire::Skip): they will not run when they fall due.
+#[tokio::test]
+async fn review3_a_deferred_tick_after_a_clock_step_is_decided() {
+    let db = db().await;
+    let job = unique_name("ledger-clock-low");
+    let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
+        l.schedule(every_second()).overlap(Overlap::Buffer)
+    });
+    assert!(tick(&mut a, T0).await.ran());
+    assert!(tick(&mut a, T0 + 7200).await.ran());
+    // Back to the right time. T0+1000 runs 2 s, T0+1001 waits, T0+1002 is deferred.
+    a.delays
+        .lock()
+        .unwrap()
+        .push((T0 + 1000, Duration::from_secs(2)));
+    let running = tick_in_background(&a, T0 + 1000);
+    started(&a, T0 + 1000).await;
+    let waiting = tick_in_background(&a, T0 + 1001);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deferred = tick(&mut a, T0 + 1002).await;
+    assert!(
+        matches!(deferred, Outcome::Skipped(SkipReason::Overlap { .. })),
+        "{deferred:?}"
+    );
+    running.await.unwrap();
+    waiting.await.unwrap();
+    for t in T0 + 1003..T0 + 1006 {
+        assert!(tick(&mut a, t).await.ran());
+    }
+    let got: Vec<i64> = rows(&db.admin, &job)
+        .await
+        .into_iter()
+        .map(|(t, ..)| t)
+        .filter(|t| (1000..1006).contains(t))
+        .collect();
+    assert!(
+        got.contains(&1002),
+        "the deferred tick T0+1002 has no row after later ticks ran: {got:?}"
+    );
+}
+
+// R3-5. The fence name of a named job is `lock/name`, which is also the fence name a
+// lock *called* `lock/name` uses (`Lease::fence`, or that lock's own unnamed ledgered
+// job). Tokens are comparable across locks, so a write under the other lock with a
+// greater token makes every ledger write of this job stale while its leader is valid.
+#[tokio::test]
+async fn review3_a_named_job_s_fence_is_not_another_lock_s() {
+    let db = db().await;
+    let lock = unique_name("ledger-fence-names");
+    // Another lock, named "<lock>/nightly", fenced a write with its (greater) token.
+    {
+        let mut client = db.pool.get().await.unwrap();
+        let tx = client.transaction().await.unwrap();
+        chosen_core::fenced::fence(
+            &tx,
+            &format!("{lock}/nightly"),
+            chosen_core::FencingToken::new(100),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let (leadership, control) = Leadership::manual(&lock, "node-a");
+    control.lead(3);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .schedule(every_second())
+        .job("nightly")
+        .layer(quiet_job(&runs));
+    let out = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await
+        .unwrap();
+    assert!(out.ran(), "{out:?}");
+}

@@ -99,8 +99,9 @@ impl TickContext {
         &self.ids.job
     }
 
-    /// The name the job's ledger transaction is fenced under: the job's name (the
-    /// tokens are the lock's). Fence the job's other writes under it too.
+    /// The name the job's ledger transaction is fenced under: the lock's name, or
+    /// `chosen.job/lock/name` for a named job (the tokens are the lock's). Fence the
+    /// job's other writes under it too.
     #[must_use]
     pub fn fence_name(&self) -> &str {
         &self.ids.fence

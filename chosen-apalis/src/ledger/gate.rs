@@ -138,10 +138,10 @@ impl LedgeredCronLayer {
         self
     }
 
-    /// The job's name in the ledger (its `job` column), which is also the name its
-    /// ledger transactions are fenced under: the leadership's lock name, or
+    /// The job's name in the ledger (its `job` column): the leadership's lock name, or
     /// `lock/name` when named with [`job`](Self::job) (a NUL in it, which `text`
-    /// cannot store, is replaced).
+    /// cannot store, is replaced). Its ledger transactions are fenced under the lock's
+    /// name, or `chosen.job/lock/name` for a named job.
     #[must_use]
     pub fn job_name(&self) -> String {
         let lock = self.gate.leadership().name();
@@ -223,8 +223,12 @@ where
         let job: Arc<str> = self.job_name().into();
         let ids = JobIds {
             // Fenced per job: the tokens are the lock's, and one job's long ledger
-            // transaction does not hold up another's.
-            fence: Arc::clone(&job),
+            // transaction does not hold up another's. A named job's fence name is
+            // reserved (`chosen.job/lock/name`), so that no lock fences under it.
+            fence: match &self.job {
+                Some(_) => format!("chosen.job/{job}").into(),
+                None => Arc::clone(&job),
+            },
             job,
             node: leadership.node_id().into(),
             schedule: self.schedule.as_ref().map(|s| s.source().into()),
@@ -521,7 +525,13 @@ impl Shared {
         let Some(schedule) = &self.schedule else {
             return Ok(());
         };
-        let low = self.low.load(Ordering::Acquire);
+        // A tick at hand below the watermark: the clock went back (after a step
+        // forward made a future tick look at the gap before it): look again from the
+        // start, or a tick left over down here would never be decided.
+        let low = match self.low.load(Ordering::Acquire) {
+            low if low > upto => 0,
+            low => low,
+        };
         // The scheduled ticks in [low, upto), newest first, one more than looked at.
         let mut candidates: Vec<u64> = missed_ticks(schedule, low.saturating_sub(1), upto)
             .take(MAX_MISSED + 1)
@@ -561,7 +571,7 @@ impl Shared {
         // Everything below the oldest hole is recorded; the holes are looked at again
         // next time (filled by then, unless this fails).
         self.low
-            .fetch_max(holes.last().copied().unwrap_or(upto), Ordering::AcqRel);
+            .store(holes.last().copied().unwrap_or(upto), Ordering::Release);
         let plan = plan(self.misfire, reference, holes.iter().copied());
         // The gap may go on below the ticks looked at: say so, in the log and in the
         // oldest hole's row.
@@ -638,7 +648,7 @@ impl Shared {
         if next <= now + margin {
             return; // that tick comes soon, and decides about the gap itself
         }
-        let mut held = self.turn.wait().await;
+        let mut held = self.turn.wait(next.saturating_sub(1)).await;
         if !guard.is_valid() {
             return;
         }

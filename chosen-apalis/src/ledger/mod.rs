@@ -684,8 +684,12 @@ impl LedgerTable {
     /// `schedule` column gets it.
     #[must_use]
     pub fn upgrade_sql(&self) -> String {
+        // Only when the column is missing: `ALTER TABLE` locks the table exclusively
+        // even when there is nothing to add, and would wait behind (and then hold up)
+        // every job's ledger transaction on every node.
+        let literal = self.quoted.replace('\'', "''");
         format!(
-            "ALTER TABLE {} ADD COLUMN IF NOT EXISTS schedule text",
+            "DO $chosen$ BEGIN\n  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass AND attname = 'schedule' AND NOT attisdropped) THEN\n    ALTER TABLE {} ADD COLUMN schedule text;\n  END IF;\nEND $chosen$",
             self.quoted
         )
     }

@@ -1,6 +1,6 @@
 //! One run of a job at a time on a node, and what a tick due during a run does.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -56,7 +56,7 @@ pub(crate) struct Turn {
     /// a duplicate (or out of order), not a newer tick, and must not run beside or
     /// cancel the one it duplicates. Nothing is remembered once they end, so a wall
     /// clock stepped forward and back does not keep real ticks out.
-    inflight: std::sync::Mutex<BTreeSet<u64>>,
+    inflight: std::sync::Mutex<BTreeMap<u64, usize>>,
     cancel: watch::Sender<u64>,
 }
 
@@ -84,13 +84,26 @@ pub(crate) struct Held<'a> {
 #[derive(Debug)]
 struct Inflight<'a>(&'a Turn, u64);
 
+impl<'a> Inflight<'a> {
+    fn new(turn: &'a Turn, set: &mut BTreeMap<u64, usize>, tick: u64) -> Self {
+        *set.entry(tick).or_default() += 1;
+        Self(turn, tick)
+    }
+}
+
 impl Drop for Inflight<'_> {
     fn drop(&mut self) {
-        self.0
+        let mut set = self
+            .0
             .inflight
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.1);
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = set.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                set.remove(&self.1);
+            }
+        }
     }
 }
 
@@ -114,11 +127,13 @@ impl Turn {
     pub(crate) async fn take(&self, overlap: Overlap, tick: u64) -> Result<Held<'_>, Refused> {
         let inflight = {
             let mut set = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
-            if set.last().is_some_and(|newest| *newest >= tick) {
+            if set
+                .last_key_value()
+                .is_some_and(|(newest, _)| *newest >= tick)
+            {
                 return Err(Refused::Defer(SKIP_NOT_NEWER));
             }
-            set.insert(tick);
-            Inflight(self, tick)
+            Inflight::new(self, &mut set, tick)
         };
         let held = |serial| Ok(self.held(serial, Some(inflight)));
         if let Ok(serial) = self.serial.try_lock() {
@@ -149,10 +164,15 @@ impl Turn {
     }
 
     /// Takes the turn whatever runs, waiting as long as needed (catch-up on gaining
-    /// leadership).
-    pub(crate) async fn wait(&self) -> Held<'_> {
+    /// leadership, of ticks up to `covering`): meanwhile a tick up to `covering`
+    /// delivered again is a duplicate.
+    pub(crate) async fn wait(&self, covering: u64) -> Held<'_> {
+        let inflight = {
+            let mut set = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
+            Inflight::new(self, &mut set, covering)
+        };
         let serial = self.serial.lock().await;
-        self.held(serial, None)
+        self.held(serial, Some(inflight))
     }
 
     fn held<'a>(&'a self, serial: MutexGuard<'a, ()>, inflight: Option<Inflight<'a>>) -> Held<'a> {
@@ -235,7 +255,7 @@ mod tests {
     async fn a_new_holder_does_not_see_requests_sent_before_it_took_the_turn() {
         let turn = Turn::default();
         turn.cancel.send_modify(|g| *g += 1);
-        let mut held = turn.wait().await;
+        let mut held = turn.wait(0).await;
         assert!(
             tokio::time::timeout(Duration::from_secs(1), held.cancelled())
                 .await

@@ -396,8 +396,10 @@ impl Runner {
         }
         let (slots, members) = holders_all.split_at(self.slot_keys.len());
         let now = Instant::now();
-        // An ineligible node never joins: the others place every member.
-        if !self.manager.options().is_eligible() {
+        // An ineligible node never joins: the others place every member. (Members
+        // that may not lead here, by the group's singleton options, make it so too:
+        // a member placed here would stay unheld, be taken over, and come back.)
+        if !self.manager.options().is_eligible() || !self.options.singleton.is_eligible() {
             let live_nodes = slots.iter().flatten().count();
             self.set_status(|s| s.live_nodes = live_nodes);
             return Ok(());
