@@ -4,7 +4,7 @@
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --release --example node -- \
 //!     --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] \
-//!     [--group-flap-leaves N] [--ineligible] \
+//!     [--group-flap-leaves N] [--ineligible] [--preferred] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
 //!     [--metrics ADDR]
 //! ```
@@ -39,6 +39,8 @@ struct Args {
     group_flap_leaves: Option<usize>,
     /// Never leads (`ManagerOptions::eligible(false)`): follows only.
     ineligible: bool,
+    /// Its singletons are preferred here (`SingletonOptions::preferred`).
+    preferred: bool,
     heartbeat: Option<Duration>,
     lease_timeout: Option<Duration>,
     server_release: Option<Duration>,
@@ -54,6 +56,7 @@ fn parse_args() -> Result<Args, String> {
         group: None,
         group_flap_leaves: None,
         ineligible: false,
+        preferred: false,
         heartbeat: None,
         lease_timeout: None,
         server_release: None,
@@ -74,6 +77,7 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--node-id" => args.node_id = value()?,
             "--ineligible" => args.ineligible = true,
+            "--preferred" => args.preferred = true,
             "--singleton" => args.singletons.push(value()?),
             "--group" => {
                 let name = value()?;
@@ -358,7 +362,7 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
         let singleton = Singleton::start(
             &manager,
             name.as_str(),
-            SingletonOptions::default(),
+            SingletonOptions::default().preferred(args.preferred),
             child.clone(),
         )?;
         spawn_leadership_events(&singleton, events.clone());

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::error::{Error, Result};
 use crate::leadership::Leadership;
@@ -88,9 +88,21 @@ impl Election {
         lock: impl Into<LockRequest>,
         options: ElectionOptions,
     ) -> Result<Self> {
-        let ElectionOptions { eligible } = options;
+        let ElectionOptions {
+            eligible,
+            preferred,
+            fail_back_after,
+        } = options;
         let request = lock.into();
         let name = request.display_name(manager)?;
+        let prefer = preferred_lock(&name);
+        if preferred && eligible && manager.options().is_eligible() {
+            manager.spawn_supervisor(keep_preferred(
+                manager.clone(),
+                prefer.clone(),
+                manager.stop_token(),
+            ));
+        }
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         // A child of the manager's: its shutdown stops this election too.
@@ -132,7 +144,7 @@ impl Election {
                                 break;
                             }
                         }
-                        () = term.cancelled() => {
+                        () = stepped_down(&term, fail_back(&manager, &prefer, fail_back_after, &hand_to)) => {
                             step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
                             leadership.set_following(None);
                             let to = hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
@@ -252,11 +264,21 @@ impl Drop for Election {
 #[non_exhaustive]
 pub struct ElectionOptions {
     pub(crate) eligible: bool,
+    pub(crate) preferred: bool,
+    pub(crate) fail_back_after: Duration,
 }
+
+/// How long a preferred node must have been there before the leader hands over to it,
+/// unless set otherwise.
+pub const DEFAULT_FAIL_BACK_AFTER: Duration = Duration::from_secs(10);
 
 impl Default for ElectionOptions {
     fn default() -> Self {
-        Self { eligible: true }
+        Self {
+            eligible: true,
+            preferred: false,
+            fail_back_after: DEFAULT_FAIL_BACK_AFTER,
+        }
     }
 }
 
@@ -269,6 +291,125 @@ impl ElectionOptions {
     pub fn eligible(mut self, eligible: bool) -> Self {
         self.eligible = eligible;
         self
+    }
+
+    /// Makes this node the preferred leader (default `false`): while it runs the
+    /// election it holds a presence lock (`chosen.prefer/<lock>`), and a leader that is
+    /// not it hands the leadership over to it ([`Election::hand_over_to`]) once it has
+    /// been there for the leader's [`fail_back_after`](Self::fail_back_after): after a
+    /// failover to another node, the leadership comes back once the preferred node is
+    /// up and stable, with one hand-over. With several preferred nodes, the first to
+    /// hold the presence lock is the one. Ignored on an ineligible node.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use chosen_core::{Election, ElectionOptions};
+    ///
+    /// # async fn demo(manager: chosen_core::LockManager) -> chosen_core::Result<()> {
+    /// // The replica next to the database leads whenever it is up.
+    /// let election = Election::start_with(
+    ///     &manager,
+    ///     "scheduler",
+    ///     ElectionOptions::default().preferred(true).fail_back_after(Duration::from_secs(30)),
+    /// )?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn preferred(mut self, preferred: bool) -> Self {
+        self.preferred = preferred;
+        self
+    }
+
+    /// How long a preferred node must have been seen without a break before this
+    /// node, leading, hands over to it (default [`DEFAULT_FAIL_BACK_AFTER`], 10 s): a
+    /// node that comes and goes is not handed the leadership each time. The leader
+    /// looks every 2 s, in one look-up shared by every election of the manager.
+    #[must_use]
+    pub fn fail_back_after(mut self, after: Duration) -> Self {
+        self.fail_back_after = after;
+        self
+    }
+}
+
+/// The lock a preferred node holds while it runs an election or a singleton named
+/// `name`: the leader looks for its holder.
+pub(crate) fn preferred_lock(name: &str) -> String {
+    format!("chosen.prefer/{name}")
+}
+
+/// Holds the preferred lock `lock` until `stop` (waiting for it while another
+/// preferred node holds it, and again after losing it).
+pub(crate) async fn keep_preferred(manager: LockManager, lock: String, stop: CancellationToken) {
+    loop {
+        let lease = tokio::select! {
+            () = stop.cancelled() => return,
+            acquired = manager.acquire(lock.as_str()) => match acquired {
+                Ok(lease) => lease,
+                Err(Error::Closed) => return,
+                Err(e) => {
+                    debug!(lock = %lock, error = %e, "could not take the preferred lock; retrying");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
+                }
+            },
+        };
+        tokio::select! {
+            () = stop.cancelled() => {
+                let _ = lease.release().await;
+                return;
+            }
+            _ = lease.lost() => {}
+        }
+    }
+}
+
+/// Ends when `term` is cancelled (a step-down or a hand-over) or `fail_back` ends (it
+/// set the node to hand over to).
+pub(crate) async fn stepped_down(term: &CancellationToken, fail_back: impl Future<Output = ()>) {
+    tokio::select! {
+        () = term.cancelled() => {}
+        () = fail_back => {}
+    }
+}
+
+/// While this node leads: once a preferred node other than this one has held the
+/// preferred lock `lock` for `after` without a break (looked at every
+/// [`LEADER_REFRESH`] on the manager's shared grid), names it in `hand_to` and ends.
+pub(crate) async fn fail_back(
+    manager: &LockManager,
+    lock: &str,
+    after: Duration,
+    hand_to: &Mutex<Option<String>>,
+) {
+    let me = manager.node_id();
+    let mut seen: Option<(String, tokio::time::Instant)> = None;
+    let mut refresh = tokio::time::interval_at(
+        tokio::time::Instant::from_std(manager.next_shared_tick(LEADER_REFRESH)),
+        LEADER_REFRESH,
+    );
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        refresh.tick().await;
+        let holder = match manager.holder(lock).await {
+            Ok(Some(h)) if h.node_id != me && !h.node_id.is_empty() => h.node_id,
+            _ => {
+                seen = None;
+                continue;
+            }
+        };
+        match &seen {
+            Some((node, since)) if *node == holder => {
+                if since.elapsed() >= after {
+                    info!(lock = %lock, to = %holder, "the preferred node is back: failing back");
+                    *hand_to.lock().unwrap_or_else(PoisonError::into_inner) = Some(holder);
+                    return;
+                }
+            }
+            _ => seen = Some((holder, tokio::time::Instant::now())),
+        }
     }
 }
 

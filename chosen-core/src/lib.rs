@@ -21,7 +21,7 @@ mod singleton;
 mod status;
 mod table;
 
-pub use election::{Election, ElectionOptions};
+pub use election::{DEFAULT_FAIL_BACK_AFTER, Election, ElectionOptions};
 pub use error::{Error, Result};
 pub use group::{GroupOptions, GroupStatus, SingletonGroup};
 pub use key::{DEFAULT_NAMESPACE, LockKey};

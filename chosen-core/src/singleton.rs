@@ -49,6 +49,8 @@ pub struct SingletonOptions {
     give_up_cooldown: Duration,
     poll_interval: Option<Duration>,
     eligible: bool,
+    preferred: bool,
+    fail_back_after: Duration,
 }
 
 impl Default for SingletonOptions {
@@ -63,6 +65,8 @@ impl Default for SingletonOptions {
             give_up_cooldown: Duration::from_secs(30),
             poll_interval: None,
             eligible: true,
+            preferred: false,
+            fail_back_after: crate::election::DEFAULT_FAIL_BACK_AFTER,
         }
     }
 }
@@ -77,6 +81,26 @@ impl SingletonOptions {
     #[must_use]
     pub fn eligible(mut self, eligible: bool) -> Self {
         self.eligible = eligible;
+        self
+    }
+
+    /// Makes this node the preferred one to run the singleton (default `false`): after
+    /// a failover elsewhere, the node running it hands it back (its child stops first)
+    /// once this node has been up for that node's
+    /// [`fail_back_after`](Self::fail_back_after); see
+    /// [`ElectionOptions::preferred`](crate::ElectionOptions::preferred).
+    #[must_use]
+    pub fn preferred(mut self, preferred: bool) -> Self {
+        self.preferred = preferred;
+        self
+    }
+
+    /// How long a preferred node must have been seen without a break before this node,
+    /// running the singleton, hands it over (default 10 s); see
+    /// [`ElectionOptions::fail_back_after`](crate::ElectionOptions::fail_back_after).
+    #[must_use]
+    pub fn fail_back_after(mut self, after: Duration) -> Self {
+        self.fail_back_after = after;
         self
     }
 
@@ -588,6 +612,13 @@ impl Singleton {
             let fut = factory(ctx);
             async move { fut.await.map_err(Into::into) }
         };
+        if options.preferred && options.eligible && manager.options().is_eligible() {
+            manager.spawn_supervisor(crate::election::keep_preferred(
+                manager.clone(),
+                crate::election::preferred_lock(inner.leadership.name()),
+                manager.stop_token(),
+            ));
+        }
         let task = manager.spawn_supervisor(run(
             manager.clone(),
             request,
@@ -750,15 +781,26 @@ async fn run<F, Fut>(
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
-        let outcome = lead(
-            &options,
-            &inner,
-            &tenure_stop,
-            &mut tenure,
-            &node_id,
-            &factory,
-        )
-        .await;
+        // A preferred node back for long enough: hand over to it (the tenure stops as
+        // for a hand-over asked for).
+        let prefer = crate::election::preferred_lock(&name);
+        let fail_back = async {
+            crate::election::fail_back(&manager, &prefer, options.fail_back_after, &inner.hand_to)
+                .await;
+            tenure_stop.cancel();
+            std::future::pending::<()>().await;
+        };
+        let outcome = tokio::select! {
+            outcome = lead(
+                &options,
+                &inner,
+                &tenure_stop,
+                &mut tenure,
+                &node_id,
+                &factory,
+            ) => outcome,
+            () = fail_back => unreachable!("BUG: the fail-back watch never ends"),
+        };
         inner
             .tenure
             .lock()

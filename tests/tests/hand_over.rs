@@ -295,3 +295,151 @@ async fn a_rolling_deploy_hands_over_at_most_once_per_replica() {
         m.shutdown().await;
     }
 }
+
+/// Records leader changes among `leaderships` every millisecond until `done`.
+fn watch_leaders(
+    leaderships: Arc<Mutex<Vec<(String, chosen_core::Leadership)>>>,
+    done: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<String>> {
+    tokio::spawn(async move {
+        let mut seen: Vec<String> = Vec::new();
+        while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            let leading: Vec<String> = leaderships
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(_, l)| l.is_leader())
+                .map(|(id, _)| id.clone())
+                .collect();
+            assert!(leading.len() <= 1, "two leaders: {leading:?}");
+            if let Some(id) = leading.first()
+                && seen.last() != Some(id)
+            {
+                seen.push(id.clone());
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        seen
+    })
+}
+
+// Fail-back: a preferred node that comes (back) takes the leadership from the node
+// that led meanwhile, once it has been there for the leader's `fail_back_after`, with
+// one hand-over each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_node_takes_the_lead_back_once_it_is_stable() {
+    use chosen_core::ElectionOptions;
+
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("fail-back");
+    let plain = ElectionOptions::default().fail_back_after(Duration::from_secs(2));
+    let preferred = ElectionOptions::default().preferred(true);
+    let a = LockManager::connect(options(&url, "fb-a")).await.unwrap();
+    let ea = Election::start_with(&a, name.as_str(), plain.clone()).unwrap();
+    let t0 = Instant::now();
+    while !ea.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let leaderships = Arc::new(Mutex::new(vec![("fb-a".to_owned(), ea.leadership())]));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = watch_leaders(Arc::clone(&leaderships), Arc::clone(&done));
+    for round in 0..2 {
+        // The preferred node comes up: after about two seconds it leads.
+        let p = LockManager::connect(options(&url, "fb-p")).await.unwrap();
+        let ep = Election::start_with(&p, name.as_str(), preferred.clone()).unwrap();
+        leaderships
+            .lock()
+            .unwrap()
+            .push(("fb-p".to_owned(), ep.leadership()));
+        let t0 = Instant::now();
+        while !ep.leadership().is_leader() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "round {round}: no fail-back"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let took = t0.elapsed();
+        eprintln!(
+            "HAND-OVER fail-back round {round}: the preferred node led {took:?} after it started"
+        );
+        assert!(
+            took >= Duration::from_secs(2),
+            "before the window: {took:?}"
+        );
+        // It keeps it.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(ep.leadership().is_leader());
+        // It goes away: the other node leads again.
+        p.shutdown().await;
+        leaderships.lock().unwrap().retain(|(id, _)| id != "fb-p");
+        let t0 = Instant::now();
+        while !ea.leadership().is_leader() {
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = watcher.await.unwrap();
+    assert_eq!(
+        seen,
+        ["fb-a", "fb-p", "fb-a", "fb-p", "fb-a"],
+        "one hand-over each way"
+    );
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_singleton_node_gets_the_child_back() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("fail-back-singleton");
+    type Runs = Arc<Mutex<Vec<(&'static str, Instant, Option<Instant>)>>>;
+    let runs: Runs = Arc::default();
+    let start = |m: &LockManager, node: &'static str, options: SingletonOptions| {
+        let runs = Arc::clone(&runs);
+        Singleton::start(m, name.as_str(), options, move |ctx| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let i = {
+                    let mut r = runs.lock().unwrap();
+                    r.push((node, Instant::now(), None));
+                    r.len() - 1
+                };
+                ctx.cancelled().await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                runs.lock().unwrap()[i].2 = Some(Instant::now());
+                Ok::<(), std::io::Error>(())
+            }
+        })
+        .unwrap()
+    };
+    let a = LockManager::connect(options(&url, "fs-a")).await.unwrap();
+    let _sa = start(
+        &a,
+        "fs-a",
+        SingletonOptions::default().fail_back_after(Duration::from_secs(1)),
+    );
+    let t0 = Instant::now();
+    while runs.lock().unwrap().is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = LockManager::connect(options(&url, "fs-p")).await.unwrap();
+    let _sp = start(&p, "fs-p", SingletonOptions::default().preferred(true));
+    let t0 = Instant::now();
+    while runs.lock().unwrap().len() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(15), "no fail-back");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = runs.lock().unwrap().clone();
+    assert_eq!(r.len(), 2, "it stays with the preferred node: {r:?}");
+    assert_eq!(r[1].0, "fs-p");
+    assert!(r[0].2.expect("the old child stopped") <= r[1].1, "{r:?}");
+    for m in [a, p] {
+        m.shutdown().await;
+    }
+}
