@@ -476,7 +476,9 @@ impl LockManager {
     /// # Cancel safety
     ///
     /// The shutdown is started before the first await and goes on in its own task;
-    /// dropping the future only stops waiting for it to finish.
+    /// dropping the future only stops waiting for it to finish. (Polled outside a tokio
+    /// runtime, e.g. by `futures::executor::block_on` on a thread of its own, it works
+    /// too, in the caller's future, without the bound on the supervisors' stop.)
     pub async fn shutdown(&self) {
         // Refuse new requests and tell every supervisor to stop, synchronously.
         self.shared.closing.cancel();
@@ -484,24 +486,34 @@ impl LockManager {
         let (reply, rx) = oneshot::channel();
         let shared = Arc::clone(&self.shared);
         let tx = self.tx.clone();
-        // In a task of its own, so that dropping this future (or calling `shutdown` from
-        // a singleton's child, which the singleton then aborts) does not stop it half-way.
-        tokio::spawn(async move {
-            let options = &shared.options;
-            let bound = options.stop_budget.saturating_add(options.lease_timeout);
-            if tokio::time::timeout(bound, shared.tasks.wait())
-                .await
-                .is_err()
-            {
-                warn!(
-                    node_id = %options.node_id,
-                    still_stopping = shared.tasks.len(),
-                    bound = ?bound,
-                    "singletons or elections still stopping at shutdown; closing the session anyway"
-                );
+        match tokio::runtime::Handle::try_current() {
+            // In a task of its own, so that dropping this future (or calling `shutdown`
+            // from a singleton's child, which the singleton then aborts) does not stop it
+            // half-way.
+            Ok(runtime) => drop(runtime.spawn(async move {
+                let options = &shared.options;
+                let bound = options.stop_budget.saturating_add(options.lease_timeout);
+                if tokio::time::timeout(bound, shared.tasks.wait())
+                    .await
+                    .is_err()
+                {
+                    warn!(
+                        node_id = %options.node_id,
+                        still_stopping = shared.tasks.len(),
+                        bound = ?bound,
+                        "singletons or elections still stopping at shutdown; closing the session anyway"
+                    );
+                }
+                let _ = tx.send(Command::Shutdown(reply));
+            })),
+            // Polled outside a tokio runtime (a plain executor, on a thread of its own):
+            // no timer and no task here, so wait for the supervisors, which stop on the
+            // runtime the manager runs on, without a bound.
+            Err(_) => {
+                shared.tasks.wait().await;
+                let _ = tx.send(Command::Shutdown(reply));
             }
-            let _ = tx.send(Command::Shutdown(reply));
-        });
+        }
         let _ = rx.await;
     }
 

@@ -272,3 +272,62 @@ async fn a_shutdown_that_was_given_up_on_is_still_waited_for() {
     );
     m.shutdown().await;
 }
+
+/// A minimal executor: polls `fut` on this thread until it is ready (no tokio runtime).
+fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let std::task::Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+// Review finding (shutdown F3): `shutdown` spawned on tokio, so polling it outside a
+// tokio runtime (a plain executor on a thread of its own) panicked. It shuts down there
+// too: the singleton's child stops and the lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_polled_outside_the_runtime_works() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("shutdown-outside");
+    let manager = LockManager::connect(options(&pg.url(), "so-a"))
+        .await
+        .unwrap();
+    let singleton = Singleton::start(
+        &manager,
+        name.as_str(),
+        SingletonOptions::default(),
+        |ctx| async move {
+            ctx.cancelled().await;
+            Ok::<(), std::io::Error>(())
+        },
+    )
+    .unwrap();
+    until("leading", || singleton.leadership().is_leader()).await;
+    let m = manager.clone();
+    let done = tokio::task::spawn_blocking(move || {
+        std::thread::spawn(move || block_on(m.shutdown()))
+            .join()
+            .is_ok()
+    });
+    let finished = tokio::time::timeout(Duration::from_secs(20), done)
+        .await
+        .expect("the shutdown finished")
+        .unwrap();
+    assert!(finished, "the shutdown panicked outside the runtime");
+    assert!(!singleton.leadership().is_leader());
+    let other = LockManager::connect(options(&pg.url(), "so-b"))
+        .await
+        .unwrap();
+    assert!(other.holder(name.as_str()).await.unwrap().is_none());
+    other.shutdown().await;
+}
