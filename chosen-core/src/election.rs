@@ -131,7 +131,10 @@ impl Election {
                         () = stop.cancelled() => {
                             step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
                             leadership.set_following(None);
-                            let _ = lease.release().await;
+                            // `hand_over_to` then `shutdown` (a rolling deploy): still
+                            // handed over.
+                            let to = hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
+                            let _ = lease.release_to(to).await;
                             break;
                         }
                         reason = lease.lost() => {

@@ -314,11 +314,22 @@ SELECT u.ok,
             ELSE pg_notify('chosen_release', $4)::text IS NOT NULL END
 FROM u";
 
+/// How many release announcements one `NOTIFY` carries at most (the number in
+/// `UNLOCK_SQL`'s `GROUP BY`; a test checks they agree): an entry is at most 46 bytes
+/// with a hand-over's target, and a payload must stay under 8,000 bytes, or the
+/// statement fails and the session with it.
+#[cfg(test)]
+pub(crate) const ANNOUNCEMENTS_PER_NOTIFY: usize = 150;
+
+#[cfg(test)]
+pub(crate) const UNLOCK_SQL_FOR_TESTS: &str = UNLOCK_SQL;
+
 /// Unlocks many keys and announces the first of them (`$4`: their tags; `$7`, `$8`:
 /// their interest keys) whose bucket another session registered interest in (probed
 /// once per bucket, after every unlock), on our own marked backend only: one
-/// notification per 200 keys (tags joined by commas, well under the 8,000-byte payload
-/// limit), delivered at commit, after the unlocks. The server stamps each notification
+/// notification per 150 keys (entries joined by commas, at most 46 bytes each with a
+/// hand-over's target, under the 8,000-byte payload limit),
+/// delivered at commit, after the unlocks. The server stamps each notification
 /// with this backend's pid, which is how waiters tell a real release from a forged one.
 const UNLOCK_SQL: &str = "
 WITH me AS (
@@ -344,7 +355,7 @@ n AS (
     SELECT pg_notify('chosen_release', string_agg(t.tag, ',' ORDER BY t.j))
     FROM t JOIN p ON p.ia = t.ia AND p.ib = t.ib
     WHERE p.interested AND current_setting('transaction_read_only') = 'off'
-    GROUP BY (t.j - 1) / 200
+    GROUP BY (t.j - 1) / 150
 )
 SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 

@@ -833,7 +833,13 @@ async fn run<F, Fut>(
                 }
             }
             Outcome::Stop => {
-                tenure.release().await;
+                // `hand_over_to` then `shutdown` (a rolling deploy): still handed over.
+                let to = inner
+                    .hand_to
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                tenure.release_to(to).await;
                 break;
             }
             Outcome::GiveUp => {

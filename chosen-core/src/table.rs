@@ -302,8 +302,6 @@ struct Slot {
     hold_until: Option<Instant>,
     /// The node (hash) the key's next announced unlock hands it over to.
     hand_to: Option<u64>,
-    /// An unverified hand-over naming this node brings no try forward before this.
-    quick_cue: Option<Instant>,
 }
 
 impl Slot {
@@ -320,7 +318,6 @@ impl Slot {
             stopping: None,
             hold_until: None,
             hand_to: None,
-            quick_cue: None,
         }
     }
 
@@ -387,6 +384,9 @@ pub(crate) struct LockTable {
     /// Nothing won on this session is granted before this instant: see
     /// [`Self::hold_grants_until`].
     grants_not_before: Option<Instant>,
+    /// An unverified hand-over naming this node brings no try forward before this (one
+    /// for the whole table, so that a flood over many keys costs one statement).
+    quick_cue: Option<Instant>,
 }
 
 impl LockTable {
@@ -401,6 +401,7 @@ impl LockTable {
             rng: seed | 1,
             actions: VecDeque::new(),
             grants_not_before: None,
+            quick_cue: None,
         }
     }
 
@@ -594,7 +595,10 @@ impl LockTable {
             return;
         }
         if request.mode == Mode::Try {
-            let why = if known.is_some_and(|s| s.busy() || s.stopping.is_some()) {
+            let why = if known.is_some_and(|s| {
+                s.busy() || s.stopping.is_some() || s.hold_until.is_some_and(|h| h > now)
+            }) {
+                // (Held off for a hand-over to another node: that node's to take.)
                 Some(Refusal::Busy)
             } else if self.generation.is_none() {
                 Some(Refusal::NotConnected)
@@ -694,9 +698,16 @@ impl LockTable {
         slot.hand_to = to;
         if to.is_some() {
             // Not handed to a local waiter: unlocked and announced for that node, and
-            // the local waiters hold off like the other nodes'.
+            // the local waiters hold off like the other nodes'. If they win after the
+            // hold, that node may have held it meanwhile and lost it silently: a
+            // contended win, with the grace and the fence check.
             slot.hold_until = Some(now + HAND_OVER_HOLD);
             slot.next_try = slot.next_try.max(now + HAND_OVER_HOLD);
+            slot.evidence = Evidence {
+                contended: true,
+                holder_pid: None,
+                announced: false,
+            };
         }
         slot.server = if slot.waiters.is_empty() || to.is_some() {
             Server::Unlocking {
@@ -747,27 +758,33 @@ impl LockTable {
         if slot.server != Server::Free || slot.waiters.is_empty() {
             return;
         }
+        let holding_off = slot.hold_until.is_some_and(|h| h > now);
         if slot.evidence.holder_pid == Some(sender) {
-            slot.evidence.announced = true;
             match to {
-                // Handed to another node: give it the time to take it, then try (an
-                // announced release: no takeover grace).
+                // Handed to another node: give it the time to take it, then try. Not an
+                // announced release for this node: the named node may take the key and
+                // lose it silently within the hold, so a win after it keeps the grace
+                // and the fence check. One hold per try: announcements repeated during
+                // a hold do not push it further.
                 Some(node) if node != me => {
-                    slot.hold_until = Some(now + HAND_OVER_HOLD);
-                    slot.next_try = now + HAND_OVER_HOLD;
+                    if slot.hold_until.is_none() {
+                        slot.hold_until = Some(now + HAND_OVER_HOLD);
+                        slot.next_try = now + HAND_OVER_HOLD;
+                    }
                 }
                 _ => {
+                    slot.evidence.announced = true;
                     slot.hold_until = None;
                     slot.next_try = now;
                 }
             }
-        } else if to == Some(me) && slot.quick_cue.is_none_or(|at| now >= at) {
+        } else if to == Some(me) && !holding_off && self.quick_cue.is_none_or(|at| now >= at) {
             // Handed to this node by a holder the last try did not see (it took over
             // while this node held off for an earlier hand-over), or forged: try at once,
-            // but as an unannounced takeover (the grace is not skipped), and at most once
-            // per `UNVERIFIED_CUE` however many arrive.
-            slot.quick_cue = Some(now + UNVERIFIED_CUE);
-            slot.hold_until = None;
+            // but as an unannounced takeover (the grace is not skipped), at most once per
+            // `UNVERIFIED_CUE` for the whole table however many arrive, and never
+            // against a verified hold for another node.
+            self.quick_cue = Some(now + UNVERIFIED_CUE);
             slot.next_try = now;
         } else {
             // From a holder the last try did not see (it took over since), or forged:
@@ -1115,6 +1132,9 @@ impl LockTable {
             if slot.server != Server::Trying {
                 continue;
             }
+            // A try ends a hold: what it found is what the next announcement is
+            // verified against.
+            slot.hold_until = None;
             match outcome {
                 TryOutcome::Won(token) => {
                     slot.unregistered = 0;

@@ -89,6 +89,9 @@ enum Scripted {
     Restart { down: T },
     /// A foreign backend sends `count` release announcements of this key.
     ForgedFlood { key: usize, count: u32 },
+    /// The holder of this key drops its lease now, handing the key over to the next
+    /// node (review 2: `Lease::hand_over`).
+    HandOverToNext(usize),
 }
 
 #[derive(Clone, Debug)]
@@ -173,6 +176,7 @@ impl Rng {
 #[derive(Clone, Debug, Default)]
 struct Stmts {
     unlock: Vec<LockKey>,
+    hand_to: Vec<(LockKey, u64)>,
     unlock_quiet: Vec<LockKey>,
     token_for: Vec<LockKey>,
     try_keys: Vec<LockKey>,
@@ -189,6 +193,7 @@ impl From<Plan> for Stmts {
             register: p.register,
             unregister: p.unregister,
             unlock: p.unlock,
+            hand_to: p.hand_to,
             unlock_quiet: p.unlock_quiet,
             token_for: p.token_for,
             try_keys: p.try_keys,
@@ -257,6 +262,7 @@ enum Down {
         to: i32,
         sender: i32,
         keys: Vec<LockKey>,
+        hand: Vec<(LockKey, u64)>,
     },
     Closed {
         pid: i32,
@@ -604,6 +610,9 @@ struct Sim {
     stale_grants: Vec<String>,
     trace: Vec<String>,
     tries: Vec<Vec<T>>,
+    /// Review 2: the target of the lease being dropped (a scripted hand-over).
+    hand_over_next: Option<u64>,
+    resign_to: BTreeMap<(usize, RequestId), u64>,
 }
 
 impl Sim {
@@ -625,9 +634,16 @@ impl Sim {
         let t = Timing::default();
         let nodes = layout
             .iter()
-            .map(|ks| Node {
+            .enumerate()
+            .map(|(i, ks)| Node {
                 inst: 0,
-                table: LockTable::new(rules(&t), rng.next()),
+                table: LockTable::new(
+                    Rules {
+                        node: i as u64 + 1,
+                        ..rules(&t)
+                    },
+                    rng.next(),
+                ),
                 conn: Conn::Down,
                 gens: 0,
                 attempt: 0,
@@ -689,6 +705,8 @@ impl Sim {
             stale_grants: Vec::new(),
             trace: Vec::new(),
             tries,
+            hand_over_next: None,
+            resign_to: BTreeMap::new(),
         }
     }
 
@@ -887,6 +905,12 @@ impl Sim {
                     let t = self.now + self.rng.range(0, 200 * MS);
                     self.push(t, Ev::ChildDrop { n, inst, s, id });
                     self.log(|| format!("n{n} child of run {run} resigns"));
+                    // Review 2: resignations hand the key over (to another node, or to
+                    // one that does not exist) when REVIEW_SIM_HAND_OVER is set.
+                    if std::env::var("REVIEW_SIM_HAND_OVER").is_ok() && self.rng.chance(70) {
+                        let m = self.rng.below(self.nodes.len() as u64 + 1);
+                        self.resign_to.insert((n, id), m + 1);
+                    }
                 }
             }
             Ev::Reacquire { n, inst, s } => {
@@ -977,6 +1001,30 @@ impl Sim {
                     Scripted::ForgedFlood { key, count } => {
                         let key = self.keys[key];
                         self.forged(key, count);
+                    }
+                    Scripted::HandOverToNext(k) => {
+                        let key = self.keys[k];
+                        let holder = (0..self.nodes.len()).find_map(|n| {
+                            self.nodes[n]
+                                .singles
+                                .iter()
+                                .enumerate()
+                                .find_map(|(s, single)| match single.state {
+                                    SState::Holding { id, run } if single.key == key => {
+                                        Some((n, s, id, run))
+                                    }
+                                    _ => None,
+                                })
+                        });
+                        if let Some((n, s, id, run)) = holder {
+                            let to = ((n + 1) % self.nodes.len()) as u64 + 1;
+                            self.log(|| format!("n{n} hands {key} over to n{}", to - 1));
+                            // The child stops at once, then the lease is handed over.
+                            self.nodes[n].singles[s].state = SState::Stopping { id, run };
+                            self.hand_over_next = Some(to);
+                            self.child_drop(n, s, id);
+                            self.hand_over_next = None;
+                        }
                     }
                 }
             }
@@ -1099,7 +1147,12 @@ impl Sim {
                     self.lose_session(n, "heartbeat answered too late");
                 }
             }
-            Down::Notify { to, sender, keys } => {
+            Down::Notify {
+                to,
+                sender,
+                keys,
+                hand,
+            } => {
                 if self.nodes[n].conn
                     == (Conn::Up {
                         gn: self.nodes[n].gens,
@@ -1109,7 +1162,8 @@ impl Sim {
                 {
                     let now = self.at(self.now);
                     for k in &keys {
-                        self.nodes[n].table.announced(*k, sender, now);
+                        let to = hand.iter().find(|(h, _)| h == k).map(|(_, t)| *t);
+                        self.nodes[n].table.announced_for(*k, sender, to, now);
                     }
                     self.carry_out(n, How::Direct, self.now);
                     self.poke(n);
@@ -1357,7 +1411,10 @@ impl Sim {
         let key = self.nodes[n].singles[s].key;
         self.log(|| format!("n{n} child of run {run} dropped its lease on {key}"));
         let now = self.at(self.now);
-        self.nodes[n].table.release(key, id, now);
+        let to = self
+            .hand_over_next
+            .or_else(|| self.resign_to.remove(&(n, id)));
+        self.nodes[n].table.release_to(key, id, to, now);
         self.carry_out(n, How::Expired, self.now);
         let node = &mut self.nodes[n];
         if node.closing.is_some() {
@@ -1697,7 +1754,8 @@ impl Sim {
             })
             .collect();
         if !interested.is_empty() {
-            self.notify(pid, &interested);
+            let hand = stmts.hand_to.clone();
+            self.notify_for(pid, &interested, &hand);
         }
         // TOKEN_SQL.
         if !stmts.token_for.is_empty() {
@@ -1813,6 +1871,10 @@ impl Sim {
 
     /// NOTIFY at commit: every listening backend, stamped with the sender's pid.
     fn notify(&mut self, sender: i32, keys: &[LockKey]) {
+        self.notify_for(sender, keys, &[]);
+    }
+
+    fn notify_for(&mut self, sender: i32, keys: &[LockKey], hand: &[(LockKey, u64)]) {
         let listeners: Vec<(i32, Backend)> =
             self.server.backends.iter().map(|(p, b)| (*p, *b)).collect();
         for (to, b) in listeners {
@@ -1823,6 +1885,7 @@ impl Sim {
                     to,
                     sender,
                     keys: keys.to_vec(),
+                    hand: hand.to_vec(),
                 },
                 self.now,
             );
@@ -2522,4 +2585,65 @@ fn sim_finding_a_brand_new_requester_ignores_a_stop_fence() {
     let out = Sim::new(Config::random(2)).run();
     assert!(out.violations.is_empty(), "{:?}", out.violations);
     assert!(out.past_fence.is_empty(), "{:?}", out.past_fence);
+}
+
+/// Review 2: n0 holds the key (n1, n2 wait); it hands the key over to the next node.
+/// That node takes it at once and, just before the hold ends, the server terminates its
+/// backend: its child stops slowly (1.5 s), its new session takes the stop fence after
+/// a reconnect. The third node, held off by the hand-over, wins the key when the hold
+/// ends: nothing it saw vouches for the target's release, so it must wait the grace and
+/// then find the fence (`How::Checked`), not start at once next to the stopping child.
+#[test]
+fn review_a_target_lost_within_the_hand_over_hold_is_waited_for() {
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for seed in 0..10 {
+        for off in (980..=1004).step_by(2) {
+            let end = 5 * SEC + off * MS;
+            let mut cfg = Config::scripted(
+                seed,
+                vec![vec![0], vec![0], vec![0]],
+                vec![
+                    (5 * SEC, Scripted::HandOverToNext(0)),
+                    (end, Scripted::TerminateHolder(0)),
+                ],
+            );
+            cfg.stop_time = Some(1_500 * MS);
+            let out = Sim::new(cfg).run();
+            assert!(out.violations.is_empty(), "{:?}", out.violations);
+            let Some(before) = out.runs.iter().rfind(|r| r.grant_at < end) else {
+                continue;
+            };
+            let Some(after) = out.runs.iter().find(|r| r.grant_at > end) else {
+                continue;
+            };
+            cases += 1;
+            if after.grant_at < before.drop_at.unwrap_or(T::MAX) {
+                failures.push(format!(
+                    "seed {seed}, target terminated at +{off} ms: n{} granted {:?} token {} at {:.3} ms while n{}'s child (token {}) ran until {:?} ms (counted as gap b {} / b-acting {} / c {})",
+                    after.n,
+                    after.how,
+                    after.token,
+                    after.grant_at as f64 / 1000.0,
+                    before.n,
+                    before.token,
+                    before.drop_at.map(|d| d as f64 / 1000.0),
+                    out.stats.gap_b,
+                    out.stats.gap_b_acting,
+                    out.stats.gap_c,
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {cases} runs overlapped:\n{}",
+        failures.len(),
+        failures
+            .iter()
+            .take(6)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }

@@ -1474,6 +1474,10 @@ fn a_hand_over_names_its_node_and_skips_the_local_waiters() {
     assert_eq!(f.table.next_wakeup(f.now), Some(f.now + HAND_OVER_HOLD));
     f.advance(HAND_OVER_HOLD);
     f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    // Node 7 may have held it meanwhile and lost it silently: the grace, the fence.
+    assert!(f.granted().is_empty());
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(b, token(12))]);
     // A later plain release is announced for nobody.
     f.table.release(key(1), b, f.now);
@@ -1512,9 +1516,13 @@ fn a_verified_hand_over_to_another_node_holds_this_one_off() {
     }
     f.advance(HAND_OVER_HOLD - ms(1));
     assert!(f.plan().try_keys.is_empty(), "tried within the hold");
-    // Node 9 did not take it: we do, as after an announced release (no grace).
+    // Node 9 did not take it (or took it and lost it silently): we do, after the
+    // grace and the fence check.
     f.advance(ms(1));
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty());
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
 
@@ -1571,4 +1579,218 @@ fn an_unverified_hand_over_to_this_node_tries_once_at_once_and_keeps_the_grace()
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+// ---- review 2: hand-over ------------------------------------------------------------
+
+#[test]
+fn review_a_hand_over_hold_does_not_vouch_for_the_targets_release() {
+    // This node (C, hash 0) waits; its last try saw A (backend 4242) holding. A hands
+    // the key over to node 9 (verified): C holds off. Within the hold node 9 takes the
+    // key and loses its session (terminated, or its client dropped it on a late
+    // heartbeat: its child is still acting or stopping, and its new session has no stop
+    // fence yet). C's first try after the hold wins: nothing C saw vouches for node 9's
+    // release, so the takeover grace (and the fence check after it) must apply.
+    let mut f = Fixture::new();
+    let c = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 4242, Some(9), f.now);
+    // ... node 9 wins the key at the server, and is cut off, within the hold ...
+    f.advance(HAND_OVER_HOLD);
+    f.try_round(&[key(1)], TryOutcome::Won(token(20)));
+    assert!(
+        f.granted().is_empty(),
+        "granted at once after the hold: the grace was skipped for node 9's unseen release"
+    );
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(c, token(20))]);
+}
+
+#[test]
+fn review_the_local_waiter_after_a_hand_over_hold_waits_the_grace() {
+    // Same on the releasing node: a local request waits; the holder hands the key over
+    // to node 9, which takes it within the hold and loses it unannounced. The local
+    // waiter's win after the hold is a takeover from node 9, not a local hand-off.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    let b = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+    f.table.release_to(key(1), a, Some(9), f.now);
+    let plan = f.plan();
+    assert_eq!(plan.hand_to, vec![(key(1), 9)]);
+    f.table.unlocked(&plan.unlock, f.now);
+    // ... node 9 wins the key at the server, and is cut off, within the hold ...
+    f.advance(HAND_OVER_HOLD);
+    f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    assert!(
+        f.granted().is_empty(),
+        "the local waiter was granted at once after the hold: the grace was skipped"
+    );
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(b, token(12))]);
+}
+
+#[test]
+fn review_a_batch_of_hand_overs_fits_the_notify_payload_limit() {
+    // A rolling deploy hands every singleton of a node to "web-2" at once: the releases
+    // share one plan, and `UNLOCK_SQL` joins up to 200 announcements per NOTIFY. A
+    // payload of 8,000 bytes or more fails the statement, which ends the session (every
+    // other lease of the process is lost, the hand-overs become unannounced takeovers).
+    let mut f = Fixture::with_rules(Rules {
+        node: crate::key::node_hash("web-1"),
+        max_locks: 4096,
+        takeover_grace: GRACE,
+        max_fence_wait: MAX_FENCE,
+    });
+    let mut keys: Vec<LockKey> = (0..200)
+        .map(|i| LockKey::derive("chosen", &format!("job-{i}")))
+        .collect();
+    keys.sort_unstable();
+    let ids: Vec<RequestId> = keys.iter().map(|k| f.wait(*k)).collect();
+    f.try_round(&keys, TryOutcome::Won(token(1)));
+    assert_eq!(f.granted().len(), 200);
+    let to = crate::key::node_hash("web-2");
+    for (k, id) in keys.iter().zip(&ids) {
+        f.table.release_to(*k, *id, Some(to), f.now);
+    }
+    let plan = f.plan();
+    assert_eq!(plan.unlock.len(), 200);
+    // As `Session::perform` builds the tags and `UNLOCK_SQL` groups them.
+    let tags: Vec<String> = plan
+        .unlock
+        .iter()
+        .map(|k| {
+            let to = plan.hand_to.iter().find(|(h, _)| h == k).map(|(_, n)| *n);
+            k.announcement(to)
+        })
+        .collect();
+    let per_notify = crate::session::ANNOUNCEMENTS_PER_NOTIFY;
+    for chunk in tags.chunks(per_notify) {
+        let payload = chunk.join(",");
+        assert!(
+            payload.len() < 8000,
+            "a NOTIFY payload of {} bytes: pg_notify fails with 'payload string too long'",
+            payload.len()
+        );
+    }
+}
+
+#[test]
+fn review_announcements_from_the_backend_last_seen_cannot_hold_a_waiter_off_forever() {
+    // Each verified hand-over to another node pushes the next try a full hold away, and
+    // since no try happens during a hold, the backend last seen holding the key stays
+    // "verified" for good: one that keeps announcing hand-overs (a reused backend pid,
+    // or a misbehaving peer) holds the waiter off indefinitely.
+    let mut f = Fixture::new();
+    let _c = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    for _ in 0..60 {
+        f.table.announced_for(key(1), 4242, Some(9), f.now);
+        f.advance(ms(900));
+        if !f.plan().try_keys.is_empty() {
+            return;
+        }
+    }
+    panic!("not tried for 54 s: repeated hand-over announcements starved the waiter");
+}
+
+#[test]
+fn review_a_forged_hand_over_to_this_node_does_not_override_a_verified_hold() {
+    // A hands the key over to node 9 (verified here). Anyone may then NOTIFY the same
+    // key "for" this node: the hold is dropped and this node tries at once, racing the
+    // named node (it wins with no grace, as after A's announced release). A forger picks
+    // who gets the lock (node ids are visible in pg_stat_activity.application_name).
+    let mut f = Fixture::new();
+    let _c = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 4242, Some(9), f.now);
+    f.table.announced_for(key(1), 31337, Some(0), f.now);
+    assert!(
+        f.plan().try_keys.is_empty(),
+        "a forged hand-over to this node overrode a verified hold for node 9"
+    );
+}
+
+#[test]
+fn review_a_try_during_the_releasers_hold_is_answered_at_once() {
+    // A try request made on the releasing node while its hand-over's unlock is on its
+    // way: it is neither refused (Busy) nor tried; it waits out the whole hold.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+    f.table.release_to(key(1), a, Some(9), f.now);
+    let plan = f.plan();
+    let t = f.try_(key(1));
+    f.table.unlocked(&plan.unlock, f.now);
+    f.advance(ms(1));
+    let tried = f.plan().try_keys;
+    let answered = f
+        .actions()
+        .iter()
+        .any(|a| matches!(a, Action::Refuse { id, .. } if *id == t));
+    assert!(
+        answered || tried == vec![key(1)],
+        "a try request waits up to HAND_OVER_HOLD (next wake-up {:?} from now)",
+        f.table.next_wakeup(f.now).map(|w| w - f.now)
+    );
+}
+
+#[test]
+fn review_forged_hand_overs_to_this_node_for_many_keys_share_one_statement() {
+    // The plain unverified cue is on a shared tick so that a spaced-out forged flood over
+    // many keys costs one statement per UNVERIFIED_CUE (the test above). The new branch
+    // for an unverified hand-over naming this node tries each key at once: a forger that
+    // names this node (its id is its application_name) key after key, 30 ms apart, gets
+    // one try statement per key.
+    let mut f = Fixture::new();
+    let keys: Vec<LockKey> = (1..=12).map(key).collect();
+    for k in &keys {
+        f.request(*k, Mode::Wait, Duration::from_secs(3600));
+    }
+    f.try_round(&keys, TryOutcome::Held { by: Some(9) });
+    let mut statements = 0;
+    let end = f.now + Duration::from_secs(3);
+    let mut next = 0;
+    while f.now < end {
+        if next < keys.len() {
+            f.table.announced_for(keys[next], 12345, Some(0), f.now);
+            next += 1;
+        }
+        let plan = f.plan();
+        if !plan.try_keys.is_empty() {
+            statements += 1;
+            let outcomes: Vec<_> = plan
+                .try_keys
+                .iter()
+                .map(|k| (*k, TryOutcome::Held { by: Some(9) }))
+                .collect();
+            f.table.tried(&outcomes, f.now);
+        }
+        f.advance(ms(30));
+    }
+    assert!(
+        statements <= 3,
+        "{statements} try statements for {} forged hand-overs in {} ms",
+        keys.len(),
+        keys.len() * 30
+    );
+}
+
+#[test]
+fn the_unlock_statement_groups_announcements_as_the_payload_limit_allows() {
+    let per = crate::session::ANNOUNCEMENTS_PER_NOTIFY;
+    assert!(
+        crate::session::UNLOCK_SQL_FOR_TESTS.contains(&format!("GROUP BY (t.j - 1) / {per}")),
+        "UNLOCK_SQL groups by another number than ANNOUNCEMENTS_PER_NOTIFY"
+    );
+    // The longest entry: a pair of the most negative keys, handed over.
+    let longest = LockKey::Pair(i32::MIN, i32::MIN).announcement(Some(u64::MAX));
+    assert!((longest.len() + 1) * per < 8000, "{}", longest.len());
 }
