@@ -96,13 +96,6 @@ impl Election {
         let request = lock.into();
         let name = request.display_name(manager)?;
         let prefer = preferred_lock(&name);
-        if preferred && eligible && manager.options().is_eligible() {
-            manager.spawn_supervisor(keep_preferred(
-                manager.clone(),
-                prefer.clone(),
-                manager.stop_token(),
-            ));
-        }
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         // A child of the manager's: its shutdown stops this election too.
@@ -117,8 +110,9 @@ impl Election {
             let hand_to = Arc::clone(&hand_to);
             async move {
                 let _stopped = MarkStopped(leadership.clone());
+                let presence = preferred.then_some(prefer.as_str());
                 while let Some(lease) =
-                    campaign(&manager, &request, &leadership, &stop, eligible).await
+                    campaign(&manager, &request, &leadership, &stop, eligible, presence).await
                 {
                     // One token per term: a step-down asked for in another term (or twice)
                     // cannot end this one.
@@ -296,13 +290,15 @@ impl ElectionOptions {
         self
     }
 
-    /// Makes this node the preferred leader (default `false`): while it runs the
-    /// election it holds a presence lock (`chosen.prefer/<lock>`), and a leader that is
+    /// Makes this node the preferred leader (default `false`): while it contends for
+    /// the lock it holds a presence lock (`chosen.prefer/<lock>`), and a leader that is
     /// not it hands the leadership over to it ([`Election::hand_over_to`]) once it has
     /// been there for the leader's [`fail_back_after`](Self::fail_back_after): after a
     /// failover to another node, the leadership comes back once the preferred node is
     /// up and stable, with one hand-over. With several preferred nodes, the first to
-    /// hold the presence lock is the one. Ignored on an ineligible node.
+    /// hold the presence lock is the one. Ignored on an ineligible node. A preferred
+    /// leader that steps down gets the leadership back the same way: to move it away for
+    /// good, stop its election.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -339,34 +335,6 @@ impl ElectionOptions {
 /// `name`: the leader looks for its holder.
 pub(crate) fn preferred_lock(name: &str) -> String {
     format!("chosen.prefer/{name}")
-}
-
-/// Holds the preferred lock `lock` until `stop` (waiting for it while another
-/// preferred node holds it, and again after losing it).
-pub(crate) async fn keep_preferred(manager: LockManager, lock: String, stop: CancellationToken) {
-    loop {
-        let lease = tokio::select! {
-            () = stop.cancelled() => return,
-            acquired = manager.acquire(lock.as_str()) => match acquired {
-                Ok(lease) => lease,
-                Err(Error::Closed) => return,
-                Err(e) => {
-                    debug!(lock = %lock, error = %e, "could not take the preferred lock; retrying");
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                    }
-                }
-            },
-        };
-        tokio::select! {
-            () = stop.cancelled() => {
-                let _ = lease.release().await;
-                return;
-            }
-            _ = lease.lost() => {}
-        }
-    }
 }
 
 /// Ends when `term` is cancelled (a step-down or a hand-over) or `fail_back` ends (it
@@ -490,11 +458,20 @@ pub(crate) async fn campaign(
     leadership: &Leadership,
     stop: &CancellationToken,
     eligible: bool,
+    preferred: Option<&str>,
 ) -> Option<Lease> {
     // An ineligible node only follows: its acquire is never polled (so never sent).
     let eligible = eligible && manager.options().is_eligible();
     let acquire = manager.acquire(request.clone());
     tokio::pin!(acquire);
+    // A preferred node holds its presence lock while it contends, and only then: a
+    // leader hands over only to a node that waits for the lock (not one stopped, in a
+    // cooldown, or pausing after a loss). Dropped (released) when the campaign ends.
+    let mut want_presence = eligible && preferred.is_some();
+    let presence_lock = preferred.unwrap_or_default().to_owned();
+    let presence = manager.acquire(presence_lock.as_str());
+    tokio::pin!(presence);
+    let mut _present: Option<Lease> = None;
     // On the manager's shared grid: the look-ups of every election following on this
     // manager arrive together and share one statement.
     let mut refresh = tokio::time::interval_at(
@@ -518,6 +495,13 @@ pub(crate) async fn campaign(
                     acquire.set(manager.acquire(request.clone()));
                 }
             },
+            result = &mut presence, if want_presence => {
+                want_presence = false;
+                match result {
+                    Ok(lease) => _present = Some(lease),
+                    Err(e) => debug!(lock = %presence_lock, error = %e, "could not take the preferred lock: no fail-back to this node in this campaign"),
+                }
+            }
             _ = refresh.tick() => {
                 if let Ok(holder) = manager.holder(request.clone()).await {
                     leadership.set_following(holder.map(|h| h.node_id));

@@ -1314,13 +1314,12 @@ impl Session {
                 .chain(&plan.unlock_quiet)
                 .copied()
                 .collect();
+            let targets: std::collections::HashMap<LockKey, u64> =
+                plan.hand_to.iter().copied().collect();
             let tags = plan
                 .unlock
                 .iter()
-                .map(|k| {
-                    let to = plan.hand_to.iter().find(|(h, _)| h == k).map(|(_, n)| *n);
-                    k.announcement(to)
-                })
+                .map(|k| k.announcement(targets.get(k).copied()))
                 .collect();
             self.unlock_announcing(&keys, tags).await
         };

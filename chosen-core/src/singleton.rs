@@ -612,13 +612,6 @@ impl Singleton {
             let fut = factory(ctx);
             async move { fut.await.map_err(Into::into) }
         };
-        if options.preferred && options.eligible && manager.options().is_eligible() {
-            manager.spawn_supervisor(crate::election::keep_preferred(
-                manager.clone(),
-                crate::election::preferred_lock(inner.leadership.name()),
-                manager.stop_token(),
-            ));
-        }
         let task = manager.spawn_supervisor(run(
             manager.clone(),
             request,
@@ -770,7 +763,17 @@ async fn run<F, Fut>(
     let leadership = inner.leadership.clone();
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
-    while let Some(lease) = campaign(&manager, &request, &leadership, &stop, options.eligible).await
+    let presence = crate::election::preferred_lock(&name);
+    let presence = options.preferred.then_some(presence.as_str());
+    while let Some(lease) = campaign(
+        &manager,
+        &request,
+        &leadership,
+        &stop,
+        options.eligible,
+        presence,
+    )
+    .await
     {
         let mut tenure = Tenure::new(lease);
         // Stops this tenure: a shutdown (a child of `stop`) or a step-down.

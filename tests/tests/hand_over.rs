@@ -605,3 +605,67 @@ async fn review_many_hand_overs_at_once_keep_the_session() {
         m.shutdown().await;
     }
 }
+
+// ---- review 3 -------------------------------------------------------------------------
+
+/// R3-1: a preferred node that stops its election (its manager stays up) keeps the
+/// presence lock `chosen.prefer/<lock>` (spawned with the manager's stop token, not the
+/// election's): the leader then hands over, again and again, to a node that no longer
+/// contends, with a leaderless gap each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review3_a_stopped_preferred_election_is_not_failed_back_to() {
+    use chosen_core::ElectionOptions;
+
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("r3-leak");
+    let a = LockManager::connect(options(&url, "r3-a")).await.unwrap();
+    let ea = Election::start_with(
+        &a,
+        name.as_str(),
+        ElectionOptions::default().fail_back_after(Duration::from_secs(1)),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    while !ea.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = LockManager::connect(options(&url, "r3-p")).await.unwrap();
+    let ep = Election::start_with(
+        &p,
+        name.as_str(),
+        ElectionOptions::default().preferred(true),
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ep.shutdown().await; // p stops contending; its manager keeps running
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let prefer = format!("chosen.prefer/{name}");
+    let held = p
+        .cluster_locks(&[prefer.as_str()])
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.holder.node_id == "r3-p" && l.name.as_deref() == Some(prefer.as_str()))
+        .count();
+    eprintln!("R3-1: locks r3-p still holds after its election stopped: {held}");
+    let t0 = Instant::now();
+    let mut gaps = 0;
+    let mut was = true;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let now = ea.leadership().is_leader();
+        if was && !now {
+            gaps += 1;
+        }
+        was = now;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for m in [a, p] {
+        m.shutdown().await;
+    }
+    assert_eq!(
+        gaps, 0,
+        "the leader stepped down {gaps} times for a preferred node that had stopped"
+    );
+}
