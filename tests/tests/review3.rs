@@ -130,8 +130,34 @@ async fn an_exclusive_fence_probe_only_delays_a_stopping_holders_take() {
         .get(0);
     assert_eq!(killed, 1);
     // A reconnects and waits for its fence behind the "probe"; B wins the key and finds
-    // the fence held by the probe.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // the fence held. Waited for, not slept on: under load A's reconnect may take longer
+    // than any fixed pause (seen in CI), and the claim is about a take that waits behind
+    // the probe.
+    let t0 = Instant::now();
+    loop {
+        let waiting: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                 WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = 'probe-xa'
+                   AND l.classid::int8 = ($1::int4::int8 & 4294967295) AND l.objid::int8 = ($2::int4::int8 & 4294967295)",
+                &[&fa, &fb],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "A did not come back to wait for its fence"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // Let go while A's take waits for it (as a real probe does, within an instant): the
+    // server grants the waiting take on the unlock, before anyone else's try. (Held on
+    // past the take's wait bound, the outcome would be a race between A's retry and B's
+    // next check: not what a probe, held for microseconds, can cause.)
     prober
         .execute("SELECT pg_advisory_unlock($1, $2)", &[&fa, &fb])
         .await
