@@ -310,14 +310,17 @@ async fn a_rolling_deploy_hands_over_at_most_once_per_replica() {
     }
 }
 
-/// Records leader changes among `leaderships` every millisecond until `done`.
+/// Records leader changes among `leaderships` every millisecond until `done`, and
+/// once more after it is seen set, so that a change the caller waited for before
+/// setting it is always recorded (a sampler that stopped at once raced it, seen in CI).
 fn watch_leaders(
     leaderships: Arc<Mutex<Vec<(String, chosen_core::Leadership)>>>,
     done: Arc<std::sync::atomic::AtomicBool>,
 ) -> tokio::task::JoinHandle<Vec<String>> {
     tokio::spawn(async move {
         let mut seen: Vec<String> = Vec::new();
-        while !done.load(std::sync::atomic::Ordering::Relaxed) {
+        loop {
+            let last_round = done.load(std::sync::atomic::Ordering::SeqCst);
             let leading: Vec<String> = leaderships
                 .lock()
                 .unwrap()
@@ -330,6 +333,9 @@ fn watch_leaders(
                 && seen.last() != Some(id)
             {
                 seen.push(id.clone());
+            }
+            if last_round {
+                break;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -395,7 +401,7 @@ async fn a_preferred_node_takes_the_lead_back_once_it_is_stable() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
     let seen = watcher.await.unwrap();
     assert_eq!(
         seen,
