@@ -14,6 +14,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
 use std::time::Duration;
 
+mod placement;
+
+pub use placement::{Placement, PlacementSpec};
+
 /// One event line of a `node` process, with the process instance that emitted it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
@@ -245,6 +249,8 @@ pub struct Verdict {
     pub ticks: usize,
     /// Singletons seen.
     pub singletons: usize,
+    /// The placement judgement, when a group was named ([`check_with`]).
+    pub placement: Option<Placement>,
 }
 
 impl Verdict {
@@ -288,6 +294,18 @@ fn is_server_fault(kind: &str) -> bool {
 /// Judges a history. `timing` is what the nodes ran with.
 #[must_use]
 pub fn check(events: &[Event], faults: &[FaultRecord], timing: Timing) -> Verdict {
+    check_with(events, faults, timing, None)
+}
+
+/// Judges a history as [`check`] does and, when `group` is given, that group's
+/// placement over time (see [`Placement`]).
+#[must_use]
+pub fn check_with(
+    events: &[Event],
+    faults: &[FaultRecord],
+    timing: Timing,
+    group: Option<&PlacementSpec>,
+) -> Verdict {
     let mut v = Verdict::default();
     let mut events: Vec<&Event> = events.iter().collect();
     events.sort_by_key(|e| e.mono_us);
@@ -470,6 +488,26 @@ pub fn check(events: &[Event], faults: &[FaultRecord], timing: Timing) -> Verdic
         check_takeovers(singleton, list, faults, &shutdown_at, release_us, &mut v);
     }
     check_fault_effects(&events, faults, &runs, timing, &mut v);
+    if let Some(spec) = group {
+        // Each process runs from its first event to its last (or its kill).
+        let spans: HashMap<(String, u32), (u64, u64)> = times
+            .iter()
+            .map(|(process, ts)| {
+                let from = ts.first().copied().unwrap_or(0);
+                let to = ts.last().copied().unwrap_or(from);
+                let to = killed_at.get(process).map_or(to, |k| to.min(*k));
+                (process.clone(), (from, to))
+            })
+            .collect();
+        v.placement = Some(placement::judge(
+            spec,
+            &runs,
+            faults,
+            &spans,
+            &killed_at,
+            &shutdown_at,
+        ));
+    }
     v
 }
 
@@ -821,6 +859,9 @@ impl fmt::Display for Verdict {
         }
         for e in &self.missing_takeovers {
             writeln!(f, "MISSING TAKEOVER {e}")?;
+        }
+        if let Some(p) = &self.placement {
+            writeln!(f, "{p}")?;
         }
         Ok(())
     }

@@ -5,8 +5,10 @@
 //! Knobs (environment): `CHOSEN_NEMESIS_SECS` (default 60), `CHOSEN_NEMESIS_SEED`
 //! (default: from the clock; always printed), `CHOSEN_NEMESIS_NODES` (5),
 //! `CHOSEN_NEMESIS_SINGLETONS` (10), `CHOSEN_NEMESIS_GROUP_MEMBERS` (20: a singleton
-//! group every node runs, whose placement is judged at the end), `CHOSEN_NEMESIS_HISTORY` (a file to write the
-//! history to, for reading after a surprising run).
+//! group every node runs, whose placement is judged over the whole run, see
+//! [`Placement`](crate::checker::Placement), and once more at the end),
+//! `CHOSEN_NEMESIS_HISTORY` (a file to write the history to, for reading after a
+//! surprising run).
 //!
 //! A run cannot pass by doing nothing: faults are drawn from a shuffled deck, so every
 //! kind is injected at least once (the run goes on past its duration until the first
@@ -21,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::checker::{Event, FaultRecord, Timing, Verdict, check};
+use crate::checker::{Event, FaultRecord, PlacementSpec, Timing, Verdict, check_with};
 use crate::{
     FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, monotonic_us, signal,
 };
@@ -435,6 +437,21 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+    // The placement is judged over time against the nodes live over the last `settle`
+    // (the server's release of a silent session, a lease, and 10 s for a promoted
+    // server's term hold of 6 s, rounds, hand-overs and a busy machine): the fleet
+    // stays whole that long after the last fault, so that at least the settled end is
+    // judged.
+    let settle = config.timing.release + config.timing.lease_timeout + Duration::from_secs(10);
+    if config.group_members > 0 {
+        let healed = faults.iter().map(|f| f.healed_us).max().unwrap_or(0);
+        let judged_from = healed + settle.as_micros() as u64 + 500_000;
+        let now = monotonic_us();
+        if judged_from > now {
+            tokio::time::sleep(Duration::from_micros(judged_from - now)).await;
+        }
+    }
+    let final_stop_us = monotonic_us();
     for node in &mut nodes {
         if let Some(child) = node.child.as_ref() {
             signal(child.id(), "TERM")?;
@@ -456,8 +473,15 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     if let Ok(path) = std::env::var("CHOSEN_NEMESIS_HISTORY") {
         write_history(&path, &events, &faults)?;
     }
+    let group = (config.group_members > 0).then(|| PlacementSpec {
+        prefix: format!("chosen.group/{GROUP}/member/"),
+        members: config.group_members,
+        nodes: nodes.iter().map(|n| n.id.clone()).collect(),
+        settle,
+        until_us: final_stop_us,
+    });
     Ok(Report {
-        verdict: check(&events, &faults, config.timing),
+        verdict: check_with(&events, &faults, config.timing, group.as_ref()),
         faults,
         problems,
     })

@@ -36,6 +36,22 @@ async fn nemesis_never_finds_two_holders() {
         "a fault did not take effect or was not followed by a takeover (seed {}):\n{verdict}",
         config.seed
     );
+    if config.group_members > 0 {
+        let placement = verdict
+            .placement
+            .as_ref()
+            .expect("the nemesis names its group");
+        assert!(
+            placement.ok(),
+            "the group's placement broke its bounds (seed {}): {placement}",
+            config.seed
+        );
+        assert!(
+            placement.judged > 0,
+            "no moment of the run was judged for placement (seed {}): {placement}",
+            config.seed
+        );
+    }
     for kind in FAULT_KINDS {
         assert!(
             verdict.faults.contains_key(kind),
