@@ -220,6 +220,61 @@ impl NodeProcess {
     }
 }
 
+/// Events of several `node` processes, parsed into one history (in arrival order).
+pub type History = std::sync::Arc<std::sync::Mutex<Vec<checker::Event>>>;
+
+/// A `node` process whose event lines go into a shared [`History`] (stamped with
+/// `instance`); killed on drop.
+#[derive(Debug)]
+pub struct LoggedNode {
+    /// The process.
+    pub child: std::process::Child,
+}
+
+impl LoggedNode {
+    /// Starts `node` with `args` against `url` (as `DATABASE_URL`); its stderr is
+    /// inherited.
+    ///
+    /// # Errors
+    ///
+    /// When the binary is missing or stale, or does not start.
+    pub fn spawn(
+        url: &str,
+        args: &[&str],
+        history: &History,
+        instance: u32,
+    ) -> std::io::Result<Self> {
+        let mut child = std::process::Command::new(example_binary("node")?)
+            .args(args)
+            .env("DATABASE_URL", url)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()?;
+        let stdout = child.stdout.take().expect("BUG: stdout is piped");
+        let history = std::sync::Arc::clone(history);
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Some(e) = checker::Event::parse(&line, instance) {
+                    history.lock().expect("history lock").push(e);
+                }
+            }
+        });
+        Ok(Self { child })
+    }
+}
+
+impl Drop for LoggedNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for NodeProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -5,53 +5,25 @@
 //! token going backwards.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chosen_tests::checker::{Event, Timing, check};
-use chosen_tests::{PgCluster, example_binary, signal, unique_name};
+use chosen_tests::{History, LoggedNode, PgCluster, signal, unique_name};
 
 const MEMBERS: usize = 30;
 
-type History = Arc<Mutex<Vec<Event>>>;
-
 struct Proc {
     id: String,
-    child: Child,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    child: LoggedNode,
 }
 
 fn spawn(url: &str, id: &str, group: &str, history: &History) -> Proc {
     let members = MEMBERS.to_string();
-    let mut child = Command::new(example_binary("node").unwrap())
-        .args(["--node-id", id, "--group", group, "--members", &members])
-        .args(["--poll-ms", "200", "--tick-ms", "50"])
-        .env("DATABASE_URL", url)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let history = Arc::clone(history);
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(e) = Event::parse(&line, 1) {
-                history.lock().unwrap().push(e);
-            }
-        }
-    });
+    let args = ["--node-id", id, "--group", group, "--members", &members];
+    let args = [&args[..], &["--poll-ms", "200", "--tick-ms", "50"]].concat();
     Proc {
         id: id.to_owned(),
-        child,
+        child: LoggedNode::spawn(url, &args, history, 1).unwrap(),
     }
 }
 
@@ -117,7 +89,7 @@ fn a_group_spreads_over_node_processes_and_heals() {
     // A fresh cluster holds grants for its term's first seconds; the nodes just wait.
     let url = pg.url();
     let group = unique_name("nodes");
-    let history: History = Arc::default();
+    let history = History::default();
     let a = spawn(&url, "gn-a", &group, &history);
     let b = spawn(&url, "gn-b", &group, &history);
     let c = spawn(&url, "gn-c", &group, &history);
@@ -156,7 +128,7 @@ fn a_group_spreads_over_node_processes_and_heals() {
     // SIGKILL one: its members spread over the other three.
     let before = loads_of(&history, &["gn-a", "gn-b", "gn-c"]);
     let killed_at = Instant::now();
-    signal(d.child.id(), "KILL").unwrap();
+    signal(d.child.child.id(), "KILL").unwrap();
     drop(d);
     // Its children stopped at the kill (a killed process reports nothing).
     {
@@ -211,10 +183,10 @@ fn a_group_spreads_over_node_processes_and_heals() {
     );
 
     for p in [&a, &b, &c] {
-        signal(p.child.id(), "TERM").unwrap();
+        signal(p.child.child.id(), "TERM").unwrap();
     }
     for mut p in [a, b, c] {
-        let status = p.child.wait().unwrap();
+        let status = p.child.child.wait().unwrap();
         assert!(status.success(), "{} exited with {status}", p.id);
     }
     std::thread::sleep(Duration::from_millis(200));
