@@ -152,7 +152,7 @@ impl LeaderOnlyJobLayer {
     ///
     /// # Errors
     ///
-    /// [`chosen_core::Error::InvalidName`] for an empty name.
+    /// [`chosen_core::Error::InvalidName`] for an empty name or one with a NUL character.
     pub fn elect(manager: &LockManager, lock: impl Into<LockRequest>) -> chosen_core::Result<Self> {
         let election = Election::start(manager, lock)?;
         let mut layer = Self::new(election.leadership());

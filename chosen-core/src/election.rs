@@ -59,7 +59,7 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name.
+    /// [`Error::InvalidName`] for an empty name or one with a NUL character.
     pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
         Self::start_with(manager, lock, ElectionOptions::default())
     }
@@ -80,7 +80,7 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name.
+    /// [`Error::InvalidName`] for an empty name or one with a NUL character.
     // By value, as `Singleton::start` takes its options: more of them are to come.
     #[allow(clippy::needless_pass_by_value)]
     pub fn start_with(

@@ -15,14 +15,32 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The options are invalid; the message names the setting, the value and the fix.
-    #[error("invalid chosen configuration: {0}")]
-    InvalidConfig(String),
+    /// The options are invalid.
+    #[error("invalid chosen configuration ({setting}): {message}")]
+    InvalidConfig {
+        /// The setting at fault, as its builder method is named
+        /// (`"ManagerOptions::lease_timeout"`); for a rule between several settings, the
+        /// one the message suggests changing first.
+        setting: &'static str,
+        /// What is wrong: the value, the bound or rule it breaks, and the fix.
+        message: String,
+    },
 
     /// The connection string could not be parsed.
     #[error("invalid PostgreSQL connection string: {message}")]
     InvalidUrl {
         /// What was wrong, with the password never included.
+        message: String,
+    },
+
+    /// The server answered in a way chosen does not expect (a probe returned no row):
+    /// something between chosen and PostgreSQL (a proxy or pooler) rewrote the
+    /// conversation, or this is a bug in chosen; please report it with the message.
+    #[error(
+        "unexpected answer from the server: {message}; check that nothing between this process and PostgreSQL (a proxy, a pooler) rewrites queries, or report it as a bug"
+    )]
+    Protocol {
+        /// What was unexpected.
         message: String,
     },
 
@@ -88,8 +106,9 @@ pub enum Error {
         limit: usize,
     },
 
-    /// The lock name is not usable.
-    #[error("invalid lock name: {0}")]
+    /// A lock, group, member or fence name is not usable (empty, or with a NUL
+    /// character); the message says which.
+    #[error("invalid name: {0}")]
     InvalidName(String),
 
     /// The poll interval of a request is outside the accepted range.
@@ -173,6 +192,50 @@ pub enum Error {
     LeaseLost(DisconnectReason),
 }
 
+impl Error {
+    /// An [`Error::InvalidConfig`] for `setting`.
+    pub(crate) fn config(setting: &'static str, message: impl Into<String>) -> Self {
+        Self::InvalidConfig {
+            setting,
+            message: message.into(),
+        }
+    }
+
+    /// A failed statement on the lock session: a lost session is
+    /// [`NotConnected`](Self::NotConnected) (or [`Refused`](Self::Refused) when the
+    /// server turned read-only), anything else [`Database`](Self::Database).
+    pub(crate) fn database(error: tokio_postgres::Error) -> Self {
+        match crate::session::classify(error) {
+            crate::session::Fault::Lost(
+                reason @ (DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly),
+            ) => Self::Refused(reason),
+            crate::session::Fault::Lost(reason) => Self::NotConnected(reason),
+            crate::session::Fault::Query(e) => Self::Database(std::sync::Arc::new(e)),
+        }
+    }
+}
+
+/// Checks a lock (or group, member or fence) name: not empty, and no NUL character
+/// (PostgreSQL text cannot hold one, nor can a metric label). `what` names it in the
+/// message (`"the lock name"`).
+pub(crate) fn validate_name(what: &str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::InvalidName(format!(
+            "{what} is empty; use a descriptive name such as \"billing-sync\""
+        )));
+    }
+    if name.contains('\0') {
+        return Err(Error::InvalidName(format!(
+            "{what} {name:?} contains a NUL character; PostgreSQL text cannot hold one"
+        )));
+    }
+    Ok(())
+}
+
+/// The accepted range of a poll interval (a manager's default or a request's own).
+pub(crate) const POLL_INTERVAL_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(10)..=Duration::from_secs(3600);
+
 fn recorded_text(recorded: Option<&FencingToken>) -> String {
     recorded.map_or_else(|| "a greater token".to_owned(), ToString::to_string)
 }
@@ -211,8 +274,9 @@ impl Error {
                 reason,
                 DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly
             ),
-            Self::InvalidConfig(_)
+            Self::InvalidConfig { .. }
             | Self::InvalidUrl { .. }
+            | Self::Protocol { .. }
             | Self::Authentication { .. }
             | Self::TooManyLocks { .. }
             | Self::InvalidName(_)

@@ -447,15 +447,7 @@ fn check_identifier(name: &str, part: &str) -> Result<()> {
 }
 
 pub(crate) fn check_fence_name(name: &str) -> Result<()> {
-    if name.is_empty() {
-        return Err(Error::InvalidName("the fence name is empty".to_owned()));
-    }
-    if name.contains('\0') {
-        return Err(Error::InvalidName(format!(
-            "the fence name {name:?} contains a NUL character, which PostgreSQL text cannot hold"
-        )));
-    }
-    Ok(())
+    crate::error::validate_name("the fence name", name)
 }
 
 #[cfg(test)]

@@ -109,11 +109,10 @@ impl LockRequest {
     /// The name reported for this request: the lock name, or `key(...)` for raw keys.
     pub(crate) fn display_name(&self, _manager: &LockManager) -> Result<String> {
         match &self.target {
-            Target::Name(name) if name.is_empty() => Err(Error::InvalidName(
-                "the lock name is empty; use a descriptive name such as \"billing-sync\""
-                    .to_owned(),
-            )),
-            Target::Name(name) => Ok(name.clone()),
+            Target::Name(name) => {
+                crate::error::validate_name("the lock name", name)?;
+                Ok(name.clone())
+            }
             Target::Key(key) => Ok(format!("key{key}")),
         }
     }
@@ -288,12 +287,7 @@ impl LockManager {
         }
         let (name, key) = match request.target {
             Target::Name(name) => {
-                if name.is_empty() {
-                    return Err(Error::InvalidName(
-                        "the lock name is empty; use a descriptive name such as \"billing-sync\""
-                            .to_owned(),
-                    ));
-                }
+                crate::error::validate_name("the lock name", &name)?;
                 let key = self.key_for(&name);
                 (name, key)
             }
@@ -302,7 +296,7 @@ impl LockManager {
         let poll_interval = request
             .poll_interval
             .unwrap_or(self.shared.options.poll_interval);
-        if poll_interval < Duration::from_millis(10) || poll_interval > Duration::from_secs(3600) {
+        if !crate::error::POLL_INTERVAL_RANGE.contains(&poll_interval) {
             return Err(Error::InvalidPollInterval(poll_interval));
         }
         let (reply, rx) = oneshot::channel();
@@ -355,10 +349,10 @@ impl LockManager {
     /// [`Error::InvalidName`], [`Error::Closed`].
     pub async fn holder(&self, lock: impl Into<LockRequest>) -> Result<Option<HolderInfo>> {
         let key = match lock.into().target {
-            Target::Name(name) if name.is_empty() => {
-                return Err(Error::InvalidName("the lock name is empty".to_owned()));
+            Target::Name(name) => {
+                crate::error::validate_name("the lock name", &name)?;
+                self.key_for(&name)
             }
-            Target::Name(name) => self.key_for(&name),
             Target::Key(key) => key,
         };
         let (reply, rx) = oneshot::channel();

@@ -499,7 +499,7 @@ impl ManagerOptions {
     /// [`Error::InvalidConfig`] naming the setting, the numbers and the fix, or the
     /// bound an absurd value exceeds (never a panic, whatever the values).
     pub fn validate(&self) -> Result<()> {
-        let bad = |msg: String| Err(Error::InvalidConfig(msg));
+        let bad = |setting: &'static str, msg: String| Err(Error::config(setting, msg));
         if self.node_id.is_empty()
             || self.node_id.len() > MAX_NODE_ID_LEN
             || !self
@@ -507,62 +507,106 @@ impl ManagerOptions {
                 .bytes()
                 .all(|b| b.is_ascii_graphic() || b == b' ')
         {
-            return bad(format!(
-                "node_id {:?} must be 1 to {MAX_NODE_ID_LEN} bytes of printable ASCII (it is stored as the session's application_name)",
-                self.node_id
-            ));
+            return bad(
+                "ManagerOptions::node_id",
+                format!(
+                    "node_id {:?} must be 1 to {MAX_NODE_ID_LEN} bytes of printable ASCII (it is stored as the session's application_name)",
+                    self.node_id
+                ),
+            );
         }
         if self.namespace.contains('\0') {
-            return bad("namespace must not contain a NUL character".to_owned());
+            return bad(
+                "ManagerOptions::namespace",
+                "namespace must not contain a NUL character".to_owned(),
+            );
         }
         if self.pg.get_hosts().is_empty() {
             return bad(
+                "connection settings: host",
                 "the connection settings name no host; add host=... or a host to the URL"
                     .to_owned(),
             );
         }
         if self.pg.get_user().is_none() {
             return bad(
+                "connection settings: user",
                 "the connection settings name no user; add user=... or a user to the URL"
                     .to_owned(),
             );
         }
         // Upper bounds first, so that no sum or product below can overflow.
-        for (setting, value) in [
-            ("heartbeat_interval", self.heartbeat_interval),
-            ("lease_timeout", self.lease_timeout),
-            ("stop_budget", self.stop_budget),
-            ("safety_margin", self.safety_margin),
-            ("server_release_after", self.server_release_after),
-            ("takeover_grace", self.takeover_grace),
+        for (setting, name, value) in [
+            (
+                "ManagerOptions::heartbeat_interval",
+                "heartbeat_interval",
+                self.heartbeat_interval,
+            ),
+            (
+                "ManagerOptions::lease_timeout",
+                "lease_timeout",
+                self.lease_timeout,
+            ),
+            (
+                "ManagerOptions::stop_budget",
+                "stop_budget",
+                self.stop_budget,
+            ),
+            (
+                "ManagerOptions::safety_margin",
+                "safety_margin",
+                self.safety_margin,
+            ),
+            (
+                "ManagerOptions::server_release_after",
+                "server_release_after",
+                self.server_release_after,
+            ),
+            (
+                "ManagerOptions::takeover_grace",
+                "takeover_grace",
+                self.takeover_grace,
+            ),
         ] {
             if value > MAX_TIMING {
-                return bad(format!(
-                    "{setting} {value:?} is above the maximum of {MAX_TIMING_TEXT} ({MAX_TIMING:?})"
-                ));
+                return bad(
+                    setting,
+                    format!(
+                        "{name} {value:?} is above the maximum of {MAX_TIMING_TEXT} ({MAX_TIMING:?})"
+                    ),
+                );
             }
         }
         if self.heartbeat_interval < Duration::from_millis(10) {
-            return bad(format!(
-                "heartbeat_interval {:?} is below the minimum of 10 ms",
-                self.heartbeat_interval
-            ));
+            return bad(
+                "ManagerOptions::heartbeat_interval",
+                format!(
+                    "heartbeat_interval {:?} is below the minimum of 10 ms",
+                    self.heartbeat_interval
+                ),
+            );
         }
         if self
             .heartbeat_interval
             .checked_mul(2)
             .is_none_or(|twice| self.lease_timeout < twice)
         {
-            return bad(format!(
-                "lease_timeout {:?} must be at least twice heartbeat_interval {:?}, so that one slow heartbeat does not revoke every lease",
-                self.lease_timeout, self.heartbeat_interval
-            ));
+            return bad(
+                "ManagerOptions::lease_timeout",
+                format!(
+                    "lease_timeout {:?} must be at least twice heartbeat_interval {:?}, so that one slow heartbeat does not revoke every lease",
+                    self.lease_timeout, self.heartbeat_interval
+                ),
+            );
         }
         if self.safety_margin < Duration::from_millis(100) {
-            return bad(format!(
-                "safety_margin {:?} is below the minimum of 100 ms",
-                self.safety_margin
-            ));
+            return bad(
+                "ManagerOptions::safety_margin",
+                format!(
+                    "safety_margin {:?} is below the minimum of 100 ms",
+                    self.safety_margin
+                ),
+            );
         }
         let needed = self
             .lease_timeout
@@ -573,62 +617,92 @@ impl ManagerOptions {
                 || "more than Duration::MAX".to_owned(),
                 |d| format!("{d:?}"),
             );
-            return bad(format!(
-                "timing invariant broken: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {needed} must be less than server_release_after {:?} (at most {MAX_TIMING_TEXT}); raise server_release_after above {needed} or lower the others",
-                self.lease_timeout, self.stop_budget, self.safety_margin, self.server_release_after,
-            ));
+            return bad(
+                "ManagerOptions::server_release_after",
+                format!(
+                    "timing invariant broken: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {needed} must be less than server_release_after {:?} (at most {MAX_TIMING_TEXT}); raise server_release_after above {needed} or lower the others",
+                    self.lease_timeout,
+                    self.stop_budget,
+                    self.safety_margin,
+                    self.server_release_after,
+                ),
+            );
         }
-        if self.poll_interval < Duration::from_millis(10) || self.poll_interval > MAX_WAIT {
-            return bad(format!(
-                "poll_interval {:?} is out of range: use between 10 ms and {MAX_WAIT_TEXT}",
-                self.poll_interval
-            ));
+        if !crate::error::POLL_INTERVAL_RANGE.contains(&self.poll_interval) {
+            return bad(
+                "ManagerOptions::poll_interval",
+                format!(
+                    "poll_interval {:?} is out of range: use between 10 ms and {MAX_WAIT_TEXT}",
+                    self.poll_interval
+                ),
+            );
         }
         if self.connect_timeout.is_zero() || self.connect_timeout > MAX_WAIT {
-            return bad(format!(
-                "connect_timeout {:?} is out of range: use more than zero and at most {MAX_WAIT_TEXT}",
-                self.connect_timeout
-            ));
+            return bad(
+                "ManagerOptions::connect_timeout",
+                format!(
+                    "connect_timeout {:?} is out of range: use more than zero and at most {MAX_WAIT_TEXT}",
+                    self.connect_timeout
+                ),
+            );
         }
         if self.reconnect_min.is_zero()
             || self.reconnect_min > self.reconnect_max
             || self.reconnect_max > MAX_WAIT
         {
-            return bad(format!(
-                "reconnect backoff {:?}..{:?} must satisfy 0 < min <= max <= {MAX_WAIT_TEXT}",
-                self.reconnect_min, self.reconnect_max
-            ));
+            return bad(
+                "ManagerOptions::reconnect_backoff",
+                format!(
+                    "reconnect backoff {:?}..{:?} must satisfy 0 < min <= max <= {MAX_WAIT_TEXT}",
+                    self.reconnect_min, self.reconnect_max
+                ),
+            );
         }
         if self.takeover_grace > self.lease_timeout {
-            return bad(format!(
-                "takeover_grace {:?} must not exceed lease_timeout {:?}",
-                self.takeover_grace, self.lease_timeout
-            ));
+            return bad(
+                "ManagerOptions::takeover_grace",
+                format!(
+                    "takeover_grace {:?} must not exceed lease_timeout {:?}",
+                    self.takeover_grace, self.lease_timeout
+                ),
+            );
         }
         if let Some(delay) = self.term_grant_delay
             && !delay.is_zero()
             && (delay < self.max_stop() || delay > MAX_TIMING)
         {
-            return bad(format!(
-                "term_grant_delay {delay:?} must be zero (unsafe: no delay) or between lease_timeout + stop_budget + safety_margin = {:?} and {MAX_TIMING_TEXT}",
-                self.max_stop()
-            ));
+            return bad(
+                "ManagerOptions::term_grant_delay",
+                format!(
+                    "term_grant_delay {delay:?} must be zero (unsafe: no delay) or between lease_timeout + stop_budget + safety_margin = {:?} and {MAX_TIMING_TEXT}",
+                    self.max_stop()
+                ),
+            );
         }
         if self.token_epoch >= (1 << 15) - 1 {
-            return bad(format!(
-                "token_epoch {} is above the maximum of 32766 (a token carries the timeline, at least 1, plus the epoch in 15 bits)",
-                self.token_epoch
-            ));
+            return bad(
+                "ManagerOptions::token_epoch",
+                format!(
+                    "token_epoch {} is above the maximum of 32766 (a token carries the timeline, at least 1, plus the epoch in 15 bits)",
+                    self.token_epoch
+                ),
+            );
         }
         if self.max_locks == 0 {
-            return bad("max_locks must be at least 1".to_owned());
+            return bad(
+                "ManagerOptions::max_locks",
+                "max_locks must be at least 1".to_owned(),
+            );
         }
         if self.pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require && !self.uses_tls() {
-            return bad(if cfg!(feature = "rustls") {
-                "sslmode=require needs TLS settings: pass a rustls::ClientConfig with ManagerOptions::rustls".to_owned()
-            } else {
-                "sslmode=require needs TLS: enable the `rustls` feature of chosen-core and pass a rustls::ClientConfig with ManagerOptions::rustls".to_owned()
-            });
+            return bad(
+                "connection settings: sslmode",
+                if cfg!(feature = "rustls") {
+                    "sslmode=require needs TLS settings: pass a rustls::ClientConfig with ManagerOptions::rustls".to_owned()
+                } else {
+                    "sslmode=require needs TLS: enable the `rustls` feature of chosen-core and pass a rustls::ClientConfig with ManagerOptions::rustls".to_owned()
+                },
+            );
         }
         Ok(())
     }
@@ -744,7 +818,7 @@ mod tests {
             opts().term_grant_delay(Duration::from_secs(1)),
         ] {
             assert!(
-                matches!(o.validate(), Err(Error::InvalidConfig(_))),
+                matches!(o.validate(), Err(Error::InvalidConfig { .. })),
                 "{o:?}"
             );
         }
@@ -766,7 +840,7 @@ mod tests {
     /// `setting` and contains `bound`.
     fn rejected(o: &ManagerOptions, setting: &str, bound: &str) {
         let err = match o.validate() {
-            Err(Error::InvalidConfig(msg)) => msg,
+            Err(Error::InvalidConfig { message, .. }) => message,
             other => panic!("{setting}: expected InvalidConfig, got {other:?} for {o:?}"),
         };
         assert!(

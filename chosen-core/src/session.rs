@@ -518,7 +518,7 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         _ => None,
     });
     let (Some(row), Some(privilege)) = (rows.next(), rows.next()) else {
-        return Err(Error::InvalidUrl {
+        return Err(Error::Protocol {
             message: "the server answered the term query with no row".to_owned(),
         });
     };
@@ -1686,7 +1686,7 @@ where
             tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
             _ => None,
         })
-        .ok_or_else(|| Error::InvalidUrl {
+        .ok_or_else(|| Error::Protocol {
             message: "the server answered the session probe with no row".to_owned(),
         })?;
     let field = |i: usize| row.get(i).unwrap_or_default();
@@ -1844,16 +1844,4 @@ fn new_marker(options: &ManagerOptions, generation: u64) -> String {
         .take(32)
         .collect();
     format!("{node}.{}.{generation}.{nanos:x}", std::process::id())
-}
-
-impl Error {
-    pub(crate) fn database(error: tokio_postgres::Error) -> Self {
-        match classify(error) {
-            Fault::Lost(
-                reason @ (DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly),
-            ) => Self::Refused(reason),
-            Fault::Lost(reason) => Self::NotConnected(reason),
-            Fault::Query(e) => Self::Database(Arc::new(e)),
-        }
-    }
 }

@@ -166,21 +166,28 @@ impl SingletonOptions {
 
     fn validate_against(&self, budget: Duration) -> Result<()> {
         if self.shutdown_timeout > budget {
-            return Err(Error::InvalidConfig(format!(
-                "singleton shutdown_timeout {:?} exceeds the manager's stop_budget {budget:?}: a child losing its lease could still run when another node starts; lower shutdown_timeout or raise stop_budget (and server_release_after)",
-                self.shutdown_timeout
-            )));
+            return Err(Error::config(
+                "SingletonOptions::shutdown_timeout",
+                format!(
+                    "singleton shutdown_timeout {:?} exceeds the manager's stop_budget {budget:?}: a child losing its lease could still run when another node starts; lower shutdown_timeout or raise stop_budget (and server_release_after)",
+                    self.shutdown_timeout
+                ),
+            ));
         }
         if self.restart_period.is_zero() {
-            return Err(Error::InvalidConfig(
-                "singleton restart period must be greater than zero".to_owned(),
+            return Err(Error::config(
+                "SingletonOptions::intensity",
+                "singleton restart period must be greater than zero",
             ));
         }
         if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
-            return Err(Error::InvalidConfig(format!(
-                "singleton backoff {:?}..{:?} must satisfy 0 < min <= max",
-                self.backoff_min, self.backoff_max
-            )));
+            return Err(Error::config(
+                "SingletonOptions::backoff",
+                format!(
+                    "singleton backoff {:?}..{:?} must satisfy 0 < min <= max",
+                    self.backoff_min, self.backoff_max
+                ),
+            ));
         }
         Ok(())
     }
@@ -566,7 +573,7 @@ impl Singleton {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name, [`Error::InvalidConfig`] when the
+    /// [`Error::InvalidName`] for an empty name or one with a NUL character, [`Error::InvalidConfig`] when the
     /// options are inconsistent (e.g. a shutdown timeout above the manager's stop
     /// budget).
     pub fn start<F, Fut, E>(

@@ -730,7 +730,7 @@ async fn tls_with_verification() {
     let err = LockManager::connect(options(&url, "tls-missing"))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

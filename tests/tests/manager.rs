@@ -470,7 +470,19 @@ async fn bad_input_gives_clear_errors() {
     )
     .await
     .unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+    // The error names the setting to change, as a field and in its text.
+    match &err {
+        Error::InvalidConfig { setting, message } => {
+            assert_eq!(*setting, "ManagerOptions::server_release_after", "{err}");
+            assert!(message.contains("timing invariant"), "{err}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    assert!(
+        err.to_string()
+            .contains("ManagerOptions::server_release_after"),
+        "{err}"
+    );
 
     let pg = PgCluster::start_local().unwrap();
     // Wrong password: an authentication error naming the user, not the password.
@@ -486,6 +498,20 @@ async fn bad_input_gives_clear_errors() {
     // Bad requests on a working manager.
     let m = manager(&pg.url(), "bad-requests").await;
     assert!(matches!(m.acquire("").await, Err(Error::InvalidName(_))));
+    // A NUL character is refused the same way, by every call that takes a name.
+    match m.acquire("a\0b").await {
+        Err(Error::InvalidName(message)) => assert!(message.contains("NUL"), "{message}"),
+        other => panic!("expected InvalidName, got {other:?}"),
+    }
+    assert!(matches!(
+        m.try_acquire("a\0b").await,
+        Err(Error::InvalidName(_))
+    ));
+    assert!(matches!(m.holder("a\0b").await, Err(Error::InvalidName(_))));
+    assert!(matches!(
+        chosen_core::Election::start(&m, "a\0b"),
+        Err(Error::InvalidName(_))
+    ));
     assert!(matches!(
         m.acquire(LockRequest::from("x").poll_interval(Duration::ZERO))
             .await,

@@ -118,7 +118,7 @@ async fn the_token_epoch_raises_the_high_bits() {
     let err = LockManager::connect(options(&pg.url(), "epoch-big").token_epoch(40_000))
         .await
         .expect_err("refused");
-    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
     assert!(err.to_string().contains("token_epoch"), "{err}");
     let err = LockManager::connect(options(&pg.url(), "epoch-edge").token_epoch(32_767))
         .await

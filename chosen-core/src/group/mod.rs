@@ -92,20 +92,27 @@ impl GroupOptions {
 
     fn validate(&self) -> Result<()> {
         if self.interval < Duration::from_millis(10) || self.interval > Duration::from_secs(3600) {
-            return Err(Error::InvalidConfig(format!(
-                "group interval {:?} is out of range: use between 10 ms and 1 h",
-                self.interval
-            )));
+            return Err(Error::config(
+                "GroupOptions::interval",
+                format!(
+                    "group interval {:?} is out of range: use between 10 ms and 1 h",
+                    self.interval
+                ),
+            ));
         }
         if self.max_nodes == 0 || self.max_nodes > 4096 {
-            return Err(Error::InvalidConfig(format!(
-                "group max_nodes {} is out of range: use between 1 and 4096",
-                self.max_nodes
-            )));
+            return Err(Error::config(
+                "GroupOptions::max_nodes",
+                format!(
+                    "group max_nodes {} is out of range: use between 1 and 4096",
+                    self.max_nodes
+                ),
+            ));
         }
         if self.flap_changes == 0 {
-            return Err(Error::InvalidConfig(
-                "group flapping threshold must be at least one change".to_owned(),
+            return Err(Error::config(
+                "GroupOptions::flapping",
+                "group flapping threshold must be at least one change",
             ));
         }
         Ok(())
@@ -193,7 +200,7 @@ impl SingletonGroup {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty group or member name, or a member named
+    /// [`Error::InvalidName`] for an empty group or member name (or one with a NUL character), or a member named
     /// twice; [`Error::InvalidConfig`] for inconsistent options.
     pub fn start<F, Fut, E>(
         manager: &LockManager,
@@ -208,20 +215,12 @@ impl SingletonGroup {
         E: Into<ChildError>,
     {
         let name = name.into();
-        if name.is_empty() {
-            return Err(Error::InvalidName(
-                "the group name is empty; use a descriptive name such as \"orders\"".to_owned(),
-            ));
-        }
+        crate::error::validate_name("the group name", &name)?;
         options.validate()?;
         let members: Vec<String> = members.into_iter().map(Into::into).collect();
         let mut seen = BTreeSet::new();
         for m in &members {
-            if m.is_empty() {
-                return Err(Error::InvalidName(format!(
-                    "group {name:?} has a member with an empty name"
-                )));
-            }
+            crate::error::validate_name(&format!("the name of a member of group {name:?}"), m)?;
             if !seen.insert(m.as_str()) {
                 return Err(Error::InvalidName(format!(
                     "group {name:?} names member {m:?} twice"
