@@ -18,7 +18,7 @@ use apalis_core::task::data::Data;
 use chosen_apalis::{
     Claim, LeaderOnlyJobLayer, Misfire, Schedule, Tick, TickContext, TickLedger, cron_worker,
 };
-use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
+use chosen_core::{ConnectionState, LockManager, ManagerOptions};
 use deadpool_postgres::Pool;
 
 /// The job: one row per tick in `reports`, written in the ledger transaction, so the
@@ -118,7 +118,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     tokio::time::sleep(Duration::from_secs(8)).await;
     if let Some((manager, ..)) = nodes.iter().find(|n| n.1.is_leader())
-        && let ConnectionStatus::Connected { backend_pid, .. } = manager.connection_status()
+        && let ConnectionState::Connected { backend_pid, .. } = manager.connection_status()
     {
         println!("   -- killing {}'s database session --", manager.node_id());
         let admin = chosen_tests::connect_admin(&url).await?;

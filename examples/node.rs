@@ -23,7 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::future::Future;
 
 use chosen_core::{
-    ConnectionStatus, GroupOptions, LeaderContext, LeaderState, LockManager, ManagerOptions,
+    ConnectionState, GroupOptions, LeaderContext, LeaderState, LockManager, ManagerOptions,
     PrometheusMetrics, Singleton, SingletonGroup, SingletonOptions,
 };
 
@@ -504,7 +504,7 @@ fn spawn_status_events(manager: &LockManager, events: Events) {
         loop {
             let current = status.borrow_and_update().clone();
             match current {
-                ConnectionStatus::Connected {
+                ConnectionState::Connected {
                     generation,
                     backend_pid,
                     server,
@@ -520,7 +520,7 @@ fn spawn_status_events(manager: &LockManager, events: Events) {
                         ("server", Field::Str(server)),
                     ],
                 ),
-                ConnectionStatus::Disconnected { reason, .. } => {
+                ConnectionState::Disconnected { reason, .. } => {
                     events.emit(
                         "disconnected",
                         &[("reason", Field::Str(reason.to_string()))],

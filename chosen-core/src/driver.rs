@@ -20,7 +20,7 @@ use crate::lease::{FencingToken, Lease};
 use crate::manager::{HolderInfo, LockInfo, LockState};
 use crate::session::{self, ConnEvent, Fault, Generation, Session, TryFailure, error_text};
 use crate::shared::Shared;
-use crate::status::{ConnectionStatus, DisconnectReason};
+use crate::status::{ConnectionState, SessionDownReason};
 use crate::table::{
     Action, Entry, LockTable, Refusal, Request, RequestId, Rules, TryOutcome, jitter_below,
 };
@@ -57,7 +57,7 @@ pub(crate) type ClusterReply = oneshot::Sender<Result<Vec<(LockKey, HolderInfo)>
 type HolderReply = oneshot::Sender<Result<Option<HolderInfo>>>;
 
 enum Exit {
-    Lost(DisconnectReason),
+    Lost(SessionDownReason),
     Shutdown,
 }
 
@@ -75,7 +75,7 @@ pub(crate) struct Driver {
     shutting_down: bool,
     generations: u64,
     current: Option<Arc<Generation>>,
-    last_reason: DisconnectReason,
+    last_reason: SessionDownReason,
     rng: u64,
     /// The error of the last failed try statement, for the try requests it answers.
     last_error: Option<Arc<tokio_postgres::Error>>,
@@ -97,7 +97,7 @@ impl Drop for Driver {
         // be trusted any more.
         self.shared.invalidate();
         if let Some(generation) = self.current.take() {
-            generation.revoke(DisconnectReason::Shutdown);
+            generation.revoke(SessionDownReason::Shutdown);
         }
     }
 }
@@ -136,7 +136,7 @@ impl Driver {
             shutting_down: false,
             generations: 1,
             current: None,
-            last_reason: DisconnectReason::ConnectFailed {
+            last_reason: SessionDownReason::ConnectFailed {
                 message: "not connected yet".to_owned(),
             },
             rng: seed | 1,
@@ -173,13 +173,11 @@ impl Driver {
         self.current = Some(Arc::clone(&generation));
         self.shared
             .extend_validity(s.proven_at + self.shared.options.lease_timeout);
-        self.shared
-            .status
-            .send_replace(ConnectionStatus::Connected {
-                generation: generation.id,
-                backend_pid: s.backend_pid,
-                server: s.server.clone(),
-            });
+        self.shared.status.send_replace(ConnectionState::Connected {
+            generation: generation.id,
+            backend_pid: s.backend_pid,
+            server: s.server.clone(),
+        });
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), true, generation.id);
         }
@@ -235,7 +233,7 @@ impl Driver {
                     Some(event) => if let Some(exit) = self.on_event(event) {
                         break exit;
                     },
-                    None => break Exit::Lost(DisconnectReason::ConnectionLost {
+                    None => break Exit::Lost(SessionDownReason::ConnectionLost {
                         message: "the connection task ended".to_owned(),
                     }),
                 },
@@ -314,7 +312,7 @@ impl Driver {
                 None
             }
             ConnEvent::Closed(message) => {
-                Some(Exit::Lost(DisconnectReason::ConnectionLost { message }))
+                Some(Exit::Lost(SessionDownReason::ConnectionLost { message }))
             }
         }
     }
@@ -334,7 +332,7 @@ impl Driver {
             }
             result = query => result,
             () = sleep_until(deadline.unwrap_or_else(far_future)), if deadline.is_some() => {
-                Err(Fault::Lost(DisconnectReason::Shutdown))
+                Err(Fault::Lost(SessionDownReason::Shutdown))
             }
         }
     }
@@ -345,12 +343,12 @@ impl Driver {
         &mut self,
         s: &Session,
         deadline: Option<Instant>,
-    ) -> Result<(), DisconnectReason> {
+    ) -> Result<(), SessionDownReason> {
         let generation = Arc::clone(&s.generation);
         // After a freeze the task may run before the heartbeat task's watchdog: a session
         // whose deadline passed grants nothing (the server may have ended it already).
         if deadline.is_none() && !self.shared.is_valid_now() {
-            return Err(DisconnectReason::HeartbeatOverdue {
+            return Err(SessionDownReason::HeartbeatOverdue {
                 lease_timeout: self.shared.options.lease_timeout,
             });
         }
@@ -369,7 +367,7 @@ impl Driver {
             // A freeze during the statement: its results would grant on a session whose
             // deadline passed (the server may have ended it and given the keys away).
             if deadline.is_none() && !self.shared.is_valid_now() {
-                return Err(DisconnectReason::HeartbeatOverdue {
+                return Err(SessionDownReason::HeartbeatOverdue {
                     lease_timeout: self.shared.options.lease_timeout,
                 });
             }
@@ -537,7 +535,7 @@ impl Driver {
         &mut self,
         s: &Session,
         deadline: Option<Instant>,
-    ) -> Result<(), DisconnectReason> {
+    ) -> Result<(), SessionDownReason> {
         self.holder_queries.retain(|(_, reply)| !reply.is_closed());
         self.cluster_queries.retain(|reply| !reply.is_closed());
         if !self.holder_queries.is_empty() {
@@ -706,7 +704,7 @@ impl Driver {
     // ---- ending and reconnecting ---------------------------------------------------
 
     /// Revokes every lease of the generation at once, before anything else happens.
-    fn end_generation(&mut self, generation: &Generation, reason: DisconnectReason) {
+    fn end_generation(&mut self, generation: &Generation, reason: SessionDownReason) {
         self.shared.invalidate();
         generation.revoke(reason.clone());
         self.current = None;
@@ -733,7 +731,7 @@ impl Driver {
         self.answer_releases();
         self.shared
             .status
-            .send_replace(ConnectionStatus::Disconnected {
+            .send_replace(ConnectionState::Disconnected {
                 reason,
                 since: SystemTime::now(),
             });
@@ -745,8 +743,8 @@ impl Driver {
     /// waiting node starts its child only after this node's child stopped.
     async fn graceful_close(&mut self, s: &mut Session, generation: &Generation) {
         self.shared.invalidate();
-        generation.revoke(DisconnectReason::Shutdown);
-        self.last_reason = DisconnectReason::Shutdown;
+        generation.revoke(SessionDownReason::Shutdown);
+        self.last_reason = SessionDownReason::Shutdown;
         self.table.begin_close();
         self.carry_out();
         let budget = self.shared.options.stop_budget;
@@ -811,7 +809,7 @@ impl Driver {
             self.generations += 1;
             self.shared
                 .status
-                .send_replace(ConnectionStatus::Connecting { attempt });
+                .send_replace(ConnectionState::Connecting { attempt });
             let connect = session::connect(&options, self.generations);
             tokio::pin!(connect);
             let result = loop {
@@ -835,7 +833,7 @@ impl Driver {
                     if session.term.first_token.get()
                         <= self.issued.load(std::sync::atomic::Ordering::Relaxed) =>
                 {
-                    Err(Error::Refused(DisconnectReason::ConnectFailed {
+                    Err(Error::Refused(SessionDownReason::ConnectFailed {
                         message: format!(
                             "this server would issue fencing tokens from {} on, not above {} that this manager already issued: tokens would go backwards (a cluster started again on timeline 1 by pg_upgrade, a logical cutover or a restore, or a collided timeline); set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) above the old cluster's last timeline plus its epoch",
                             session.term.first_token.get(),
@@ -857,7 +855,7 @@ impl Driver {
                         && u64::from(session.term.timeline)
                             <= self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48 =>
                 {
-                    Err(Error::Refused(DisconnectReason::ConnectFailed {
+                    Err(Error::Refused(SessionDownReason::ConnectFailed {
                         message: format!(
                             "the server is another cluster (system identifier {}, was {}) whose timeline plus token epoch, {}, is not above the {} of the tokens issued before: tokens would not order after the old cluster's; set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) so that its timeline plus N is above {}",
                             session.term.system_id,
@@ -879,7 +877,7 @@ impl Driver {
             };
             let reason = match &error {
                 Error::Refused(reason) | Error::NotConnected(reason) => reason.clone(),
-                other => DisconnectReason::ConnectFailed {
+                other => SessionDownReason::ConnectFailed {
                     message: error_chain(other),
                 },
             };
@@ -887,7 +885,7 @@ impl Driver {
             self.last_reason = reason.clone();
             self.shared
                 .status
-                .send_replace(ConnectionStatus::Disconnected {
+                .send_replace(ConnectionState::Disconnected {
                     reason,
                     since: SystemTime::now(),
                 });
@@ -914,7 +912,7 @@ impl Driver {
     fn finish(&mut self) {
         self.shared.invalidate();
         if let Some(generation) = self.current.take() {
-            generation.revoke(DisconnectReason::Shutdown);
+            generation.revoke(SessionDownReason::Shutdown);
         }
         self.table.begin_close();
         self.carry_out();
@@ -923,8 +921,8 @@ impl Driver {
         self.answer_releases();
         self.shared
             .status
-            .send_replace(ConnectionStatus::Disconnected {
-                reason: DisconnectReason::Shutdown,
+            .send_replace(ConnectionState::Disconnected {
+                reason: SessionDownReason::Shutdown,
                 since: SystemTime::now(),
             });
         self.rx.close();
@@ -936,21 +934,21 @@ impl Driver {
 
 /// What a failed statement means for the session: a query error the step could not
 /// absorb ends it too.
-fn fault_reason(fault: Fault) -> DisconnectReason {
+fn fault_reason(fault: Fault) -> SessionDownReason {
     match fault {
         Fault::Lost(reason) => reason,
-        Fault::Query(e) => DisconnectReason::ConnectionLost {
+        Fault::Query(e) => SessionDownReason::ConnectionLost {
             message: format!("statement failed: {}", error_text(&e)),
         },
     }
 }
 
-fn revoke_reason(generation: &Generation) -> DisconnectReason {
+fn revoke_reason(generation: &Generation) -> SessionDownReason {
     generation
         .reason
         .get()
         .cloned()
-        .unwrap_or(DisconnectReason::Shutdown)
+        .unwrap_or(SessionDownReason::Shutdown)
 }
 
 fn far_future() -> tokio::time::Instant {

@@ -413,7 +413,7 @@ pub(crate) async fn wait_for_successor(
     let deadline = tokio::time::Instant::now() + STEP_DOWN_WAIT;
     loop {
         let me = match manager.connection_status() {
-            crate::status::ConnectionStatus::Connected { backend_pid, .. } => Some(backend_pid),
+            crate::status::ConnectionState::Connected { backend_pid, .. } => Some(backend_pid),
             _ => None,
         };
         if let Ok(Some(holder)) = manager.holder(request.clone()).await

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::lease::FencingToken;
-use crate::status::DisconnectReason;
+use crate::status::SessionDownReason;
 
 /// A `Result` whose error defaults to [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -72,7 +72,7 @@ pub enum Error {
 
     /// The server is not one chosen can safely hold locks on (standby, too old, pooler).
     #[error("refusing to hold locks on this server: {0}")]
-    Refused(DisconnectReason),
+    Refused(SessionDownReason),
 
     /// A query on the lock session failed (the session itself is still fine, e.g. the
     /// server's lock table is full). Requests made with
@@ -94,7 +94,7 @@ pub enum Error {
     /// The lock session is down right now; requests made with
     /// [`acquire`](crate::LockManager::acquire) wait for it instead.
     #[error("the lock session is not connected ({0}); try again once it reconnects")]
-    NotConnected(DisconnectReason),
+    NotConnected(SessionDownReason),
 
     /// The manager already tracks as many locks as
     /// [`ManagerOptions::max_locks`](crate::ManagerOptions::max_locks) allows.
@@ -189,7 +189,7 @@ pub enum Error {
     #[error(
         "the lease is no longer valid ({0}); roll back the transaction: another node may hold the lock"
     )]
-    LeaseLost(DisconnectReason),
+    LeaseLost(SessionDownReason),
 }
 
 impl Error {
@@ -207,7 +207,7 @@ impl Error {
     pub(crate) fn database(error: tokio_postgres::Error) -> Self {
         match crate::session::classify(error) {
             crate::session::Fault::Lost(
-                reason @ (DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly),
+                reason @ (SessionDownReason::ServerInRecovery | SessionDownReason::ServerReadOnly),
             ) => Self::Refused(reason),
             crate::session::Fault::Lost(reason) => Self::NotConnected(reason),
             crate::session::Fault::Query(e) => Self::Database(std::sync::Arc::new(e)),
@@ -272,7 +272,7 @@ impl Error {
             // A standby may be promoted in a moment, a fenced primary opened again.
             Self::Refused(reason) => matches!(
                 reason,
-                DisconnectReason::ServerInRecovery | DisconnectReason::ServerReadOnly
+                SessionDownReason::ServerInRecovery | SessionDownReason::ServerReadOnly
             ),
             Self::InvalidConfig { .. }
             | Self::InvalidUrl { .. }

@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 
 use crate::session::{self, Generation};
 use crate::shared::Shared;
-use crate::status::DisconnectReason;
+use crate::status::SessionDownReason;
 
 /// However the settings compare, never more heartbeats than this on their way at once
 /// (it bounds memory; with any sane settings the bound from the lease timeout is lower).
@@ -40,7 +40,7 @@ pub(crate) async fn run(
 ) {
     let lease_timeout = shared.options.lease_timeout;
     let mut pulse = Pulse::new(proven_at, shared.options.heartbeat_interval, lease_timeout);
-    let revoke = |reason: DisconnectReason| {
+    let revoke = |reason: SessionDownReason| {
         // Already revoked (the driver ended this generation and may have started the
         // next one, whose validity this must not wipe): nothing to do.
         if generation.revoked.is_cancelled() {
@@ -49,7 +49,7 @@ pub(crate) async fn run(
         shared.invalidate();
         generation.revoke(reason);
     };
-    let overdue = || DisconnectReason::HeartbeatOverdue { lease_timeout };
+    let overdue = || SessionDownReason::HeartbeatOverdue { lease_timeout };
     let session = &session;
     // Declared after `session`, which its futures borrow. Dropping it (the task ends or
     // is aborted) drops the queries' futures; their replies are then discarded.
@@ -142,7 +142,7 @@ pub(crate) enum Verdict {
         slow: Option<SlowWarning>,
     },
     /// End the session.
-    Revoke(DisconnectReason),
+    Revoke(SessionDownReason),
 }
 
 /// A warning about slow heartbeats is due.
@@ -211,7 +211,7 @@ impl Pulse {
     pub(crate) fn answered(
         &mut self,
         beat: Beat,
-        answer: Result<i64, DisconnectReason>,
+        answer: Result<i64, SessionDownReason>,
         epoch: u64,
         now: Instant,
     ) -> Verdict {
@@ -224,7 +224,7 @@ impl Pulse {
             && locks < beat.floor
             && epoch == beat.epoch
         {
-            return Verdict::Revoke(DisconnectReason::PoolerDetected {
+            return Verdict::Revoke(SessionDownReason::PoolerDetected {
                 detail: format!(
                     "the server shows {locks} advisory locks on this session, fewer than the {} it holds: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)",
                     beat.floor
@@ -350,7 +350,7 @@ mod tests {
         let t0 = Instant::now();
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
         let beat = pulse.send(t0 + INTERVAL, (0, 0));
-        let reason = DisconnectReason::ServerInRecovery;
+        let reason = SessionDownReason::ServerInRecovery;
         assert_eq!(
             pulse.answered(beat, Err(reason.clone()), 0, t0 + ms(1_001)),
             Verdict::Revoke(reason)
@@ -366,7 +366,7 @@ mod tests {
         let beat = pulse.send(t0 + INTERVAL, (7, 2));
         assert!(matches!(
             pulse.answered(beat, Ok(1), 7, t0 + ms(1_010)),
-            Verdict::Revoke(DisconnectReason::PoolerDetected { .. })
+            Verdict::Revoke(SessionDownReason::PoolerDetected { .. })
         ));
         // As many or more (a lock won meanwhile) is fine.
         let beat = pulse.send(t0 + 2 * INTERVAL, (7, 2));
@@ -416,7 +416,7 @@ mod tests {
     fn lapses_at(rtt: Duration, beats: u32) -> Option<Duration> {
         let options = crate::ManagerOptions::from_url("postgres://test@localhost/test")
             .expect("BUG: static URL parses");
-        let shared = Shared::new(options, crate::ConnectionStatus::Connecting { attempt: 1 });
+        let shared = Shared::new(options, crate::ConnectionState::Connecting { attempt: 1 });
         let t0 = Instant::now();
         shared.extend_validity(t0 + LEASE);
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
@@ -521,7 +521,7 @@ mod tests {
         options
             .validate()
             .expect("the options keep the timing invariant");
-        let shared = Shared::new(options, crate::ConnectionStatus::Connecting { attempt: 1 });
+        let shared = Shared::new(options, crate::ConnectionState::Connecting { attempt: 1 });
         let t0 = Instant::now();
         shared.extend_validity(t0 + lease);
         let mut pulse = Pulse::new(t0, interval, lease);

@@ -309,7 +309,7 @@ impl ManualLeadership {
         let lease_timeout = options.lease_timeout;
         let shared = Arc::new(crate::shared::Shared::new(
             options,
-            crate::ConnectionStatus::Connecting { attempt: 1 },
+            crate::ConnectionState::Connecting { attempt: 1 },
         ));
         shared.extend_validity(deadline);
         let generation = crate::session::Generation::new(0);
@@ -350,7 +350,7 @@ impl ManualLeadership {
         // The reason a real lease reports once its deadline passed unnoticed.
         lease
             .generation
-            .revoke(crate::DisconnectReason::HeartbeatOverdue {
+            .revoke(crate::SessionDownReason::HeartbeatOverdue {
                 lease_timeout: lease.lease_timeout,
             });
     }

@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::session::Generation;
 use crate::shared::Shared;
-use crate::status::DisconnectReason;
+use crate::status::SessionDownReason;
 
 /// A number that grows with every acquisition of a lock.
 ///
@@ -196,9 +196,9 @@ impl Lease {
 
     /// Why the lease is no longer valid, or `None` while it is. A lease that ended on
     /// this node (released or dropped) while its session was fine reports
-    /// [`DisconnectReason::Shutdown`].
+    /// [`SessionDownReason::Shutdown`].
     #[must_use]
-    pub fn loss_reason(&self) -> Option<DisconnectReason> {
+    pub fn loss_reason(&self) -> Option<SessionDownReason> {
         self.validity().loss_reason()
     }
 
@@ -208,7 +208,7 @@ impl Lease {
     /// # Cancel safety
     ///
     /// Cancel safe: it only observes.
-    pub async fn lost(&self) -> DisconnectReason {
+    pub async fn lost(&self) -> SessionDownReason {
         self.validity().lost().await
     }
 
@@ -374,19 +374,19 @@ impl Validity {
             && self.shared.is_valid_now()
     }
 
-    pub(crate) fn loss_reason(&self) -> Option<DisconnectReason> {
+    pub(crate) fn loss_reason(&self) -> Option<SessionDownReason> {
         if let Some(reason) = self.generation.reason.get() {
             return Some(reason.clone());
         }
         if self.generation.revoked.is_cancelled() || self.ended.is_cancelled() {
-            return Some(DisconnectReason::Shutdown);
+            return Some(SessionDownReason::Shutdown);
         }
-        (!self.shared.is_valid_now()).then(|| DisconnectReason::HeartbeatOverdue {
+        (!self.shared.is_valid_now()).then(|| SessionDownReason::HeartbeatOverdue {
             lease_timeout: self.shared.options.lease_timeout,
         })
     }
 
-    pub(crate) async fn lost(&self) -> DisconnectReason {
+    pub(crate) async fn lost(&self) -> SessionDownReason {
         loop {
             if let Some(reason) = self.loss_reason() {
                 return reason;
@@ -407,7 +407,7 @@ impl Validity {
             .expect("BUG: static URL parses");
         let shared = Arc::new(Shared::new(
             options,
-            crate::ConnectionStatus::Connecting { attempt: 1 },
+            crate::ConnectionState::Connecting { attempt: 1 },
         ));
         shared
             .extend_validity(std::time::Instant::now() + std::time::Duration::from_secs(1_000_000));

@@ -43,4 +43,16 @@ pub use singleton::{
     ChildError, ChildState, LeaderContext, RestartPolicy, Singleton, SingletonOptions,
     SingletonState, SingletonStatus,
 };
-pub use status::{ConnectionStatus, DisconnectReason};
+pub use status::{ConnectionState, SessionDownReason};
+/// The former name of [`ConnectionState`].
+#[deprecated(
+    since = "0.2.0",
+    note = "renamed to ConnectionState (a state, as SingletonState)"
+)]
+pub type ConnectionStatus = ConnectionState;
+/// The former name of [`SessionDownReason`].
+#[deprecated(
+    since = "0.2.0",
+    note = "renamed to SessionDownReason: it also names refusals (a server too old, a failed connect), not only disconnects"
+)]
+pub type DisconnectReason = SessionDownReason;

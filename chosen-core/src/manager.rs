@@ -17,7 +17,7 @@ use crate::lease::{FencingToken, Lease};
 use crate::options::ManagerOptions;
 use crate::session;
 use crate::shared::Shared;
-use crate::status::ConnectionStatus;
+use crate::status::ConnectionState;
 use crate::table::{Mode, Request};
 
 /// One PostgreSQL session holding any number of advisory locks for this process.
@@ -228,7 +228,7 @@ impl LockManager {
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
         options.validate()?;
         let first = session::connect(&options, 1).await?;
-        let status = ConnectionStatus::Connected {
+        let status = ConnectionState::Connected {
             generation: 1,
             backend_pid: first.backend_pid,
             server: first.server.clone(),
@@ -400,13 +400,13 @@ impl LockManager {
 
     /// The state of the lock session right now.
     #[must_use]
-    pub fn connection_status(&self) -> ConnectionStatus {
+    pub fn connection_status(&self) -> ConnectionState {
         self.shared.status.borrow().clone()
     }
 
     /// A receiver that sees every change of [`connection_status`](Self::connection_status).
     #[must_use]
-    pub fn watch_connection_status(&self) -> watch::Receiver<ConnectionStatus> {
+    pub fn watch_connection_status(&self) -> watch::Receiver<ConnectionState> {
         self.shared.status.subscribe()
     }
 

@@ -16,7 +16,7 @@ use crate::key::LockKey;
 use crate::lease::FencingToken;
 use crate::manager::HolderInfo;
 use crate::options::ManagerOptions;
-use crate::status::DisconnectReason;
+use crate::status::SessionDownReason;
 use crate::table::{FenceCheck, Plan, TryOutcome};
 
 /// The channel graceful releases are announced on (payload: up to 200 key tags, see
@@ -531,7 +531,7 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         Some(text) => match text.parse::<u16>() {
             Ok(e) if e < (1 << 15) - 1 => e,
             _ => {
-                return Err(Error::Refused(DisconnectReason::ConnectFailed {
+                return Err(Error::Refused(SessionDownReason::ConnectFailed {
                     message: format!(
                         "the server's chosen.token_epoch setting {text:?} is not a whole number from 0 to 32766; fix it (ALTER DATABASE ... SET chosen.token_epoch = N)"
                     ),
@@ -541,7 +541,7 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
     };
     let epoch = epoch.max(server_epoch);
     if timeline == 0 {
-        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: "the server answered no timeline".to_owned(),
         }));
     }
@@ -551,14 +551,14 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         .ok()
         .filter(|t| *t < 1 << 15)
     else {
-        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: format!(
                 "the server is on timeline {timeline}, with token_epoch {epoch}: fencing tokens carry the timeline plus the epoch in 15 bits (so that they stay positive as a signed 64-bit number), so their sum must stay below 32768"
             ),
         }));
     };
     if privilege.get(0) != Some("t") {
-        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: "this role may not execute pg_logical_emit_message, which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text, boolean) TO the role on PostgreSQL 17 and newer, (boolean, text, text) before 17 (PostgreSQL grants it to PUBLIC by default)".to_owned(),
         }));
     }
@@ -567,7 +567,7 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         .and_then(|ms| ms.parse::<u64>().ok())
         .map(std::time::Duration::from_millis);
     let Some(next_xid) = row.get(4).and_then(|x| x.parse::<u64>().ok()) else {
-        return Err(Error::Refused(DisconnectReason::ConnectFailed {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: "the server answered no next transaction id".to_owned(),
         }));
     };
@@ -598,7 +598,7 @@ pub(crate) enum ConnEvent {
 pub(crate) struct Generation {
     pub(crate) id: u64,
     pub(crate) revoked: tokio_util::sync::CancellationToken,
-    pub(crate) reason: std::sync::OnceLock<DisconnectReason>,
+    pub(crate) reason: std::sync::OnceLock<SessionDownReason>,
 }
 
 impl Generation {
@@ -610,7 +610,7 @@ impl Generation {
         })
     }
 
-    pub(crate) fn revoke(&self, reason: DisconnectReason) {
+    pub(crate) fn revoke(&self, reason: SessionDownReason) {
         let _ = self.reason.set(reason);
         self.revoked.cancel();
     }
@@ -677,8 +677,8 @@ pub(crate) struct HeartbeatSession {
 impl HeartbeatSession {
     /// Proves the session is still ours and writable; answers how many advisory locks
     /// the server shows on it.
-    pub(crate) async fn heartbeat(&self) -> Result<i64, DisconnectReason> {
-        let lost = |message: String| DisconnectReason::ConnectionLost { message };
+    pub(crate) async fn heartbeat(&self) -> Result<i64, SessionDownReason> {
+        let lost = |message: String| SessionDownReason::ConnectionLost { message };
         let row = match self.client.query_one(&self.statement, &[]).await {
             Ok(row) => row,
             Err(e) => {
@@ -703,22 +703,22 @@ impl HeartbeatSession {
             return Err(lost("heartbeat answered NULL".to_owned()));
         };
         if pid == self.backend_pid && marker != self.marker {
-            return Err(DisconnectReason::PoolerDetected {
+            return Err(SessionDownReason::PoolerDetected {
                 detail: "another client changed this session's marker: the backend is shared"
                     .to_owned(),
             });
         }
         if pid != self.backend_pid {
-            return Err(DisconnectReason::BackendChanged {
+            return Err(SessionDownReason::BackendChanged {
                 expected: self.backend_pid,
                 found: pid,
             });
         }
         if in_recovery {
-            return Err(DisconnectReason::ServerInRecovery);
+            return Err(SessionDownReason::ServerInRecovery);
         }
         if read_only {
-            return Err(DisconnectReason::ServerReadOnly);
+            return Err(SessionDownReason::ServerReadOnly);
         }
         Ok(locks)
     }
@@ -902,7 +902,7 @@ impl Session {
             )),
             Ok(_) => Ok(()),
             Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+            Err(Fault::Query(e)) => Err(Fault::Lost(SessionDownReason::ConnectionLost {
                 message: format!(
                     "could not undo a failed acquire ({}); dropping the session to release everything",
                     error_text(&e)
@@ -1030,7 +1030,7 @@ impl Session {
                     .map_err(|e| match classify(e) {
                         Fault::Lost(reason) => Fault::Lost(reason),
                         // Nothing is known: end the session rather than leak a fence.
-                        Fault::Query(e) => Fault::Lost(DisconnectReason::ConnectionLost {
+                        Fault::Query(e) => Fault::Lost(SessionDownReason::ConnectionLost {
                             message: format!(
                                 "could not tell which stop fences a failed statement took ({}); dropping the session to release everything",
                                 error_text(&e)
@@ -1086,7 +1086,7 @@ impl Session {
             Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
             Err(Fault::Query(e)) if !fatal => Err(Fault::Query(e)),
             // Nothing is known: end the session rather than leak what it took.
-            Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+            Err(Fault::Query(e)) => Err(Fault::Lost(SessionDownReason::ConnectionLost {
                 message: format!(
                     "could not release {what} ({}); dropping the session to release everything",
                     error_text(&e)
@@ -1168,14 +1168,14 @@ impl Session {
             .await
         {
             Ok(row) if row.try_get::<_, bool>(0).unwrap_or(false) => {
-                Fault::Lost(DisconnectReason::ServerReadOnly)
+                Fault::Lost(SessionDownReason::ServerReadOnly)
             }
             Ok(_) => pooler(detail),
             // The session already failed its guard: whatever the diagnosis ran into,
             // it is not trusted any more.
             Err(e) => match classify(e) {
                 Fault::Lost(reason) => Fault::Lost(reason),
-                Fault::Query(e) => Fault::Lost(DisconnectReason::ConnectionLost {
+                Fault::Query(e) => Fault::Lost(SessionDownReason::ConnectionLost {
                     message: format!(
                         "{detail}, or the session is read-only; asking which failed: {}",
                         error_text(&e)
@@ -1199,7 +1199,7 @@ impl Session {
         };
         match row.try_get::<_, Option<i64>>(0) {
             Ok(Some(t)) => Ok(self.issue(t)),
-            Ok(None) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+            Ok(None) => Err(Fault::Lost(SessionDownReason::ConnectionLost {
                 message: "the server answered a NULL transaction id".to_owned(),
             })),
             Err(e) => Err(Fault::Query(e)),
@@ -1435,7 +1435,7 @@ fn released(
             "the server says this session did not hold {what} it held"
         ))),
         Err(Fault::Lost(reason)) => Err(Fault::Lost(reason)),
-        Err(Fault::Query(e)) => Err(Fault::Lost(DisconnectReason::ConnectionLost {
+        Err(Fault::Query(e)) => Err(Fault::Lost(SessionDownReason::ConnectionLost {
             message: format!(
                 "could not release {what} ({}); dropping the session to release them",
                 error_text(&e)
@@ -1459,7 +1459,7 @@ fn holder_info(row: &tokio_postgres::Row, at: usize) -> Result<HolderInfo, tokio
 }
 
 fn pooler(detail: &str) -> Fault {
-    Fault::Lost(DisconnectReason::PoolerDetected {
+    Fault::Lost(SessionDownReason::PoolerDetected {
         detail: detail.to_owned(),
     })
 }
@@ -1519,7 +1519,7 @@ fn key_arrays(keys: &[LockKey]) -> KeyArrays {
 #[derive(Debug)]
 pub(crate) enum Fault {
     /// The session can no longer be trusted: end the generation.
-    Lost(DisconnectReason),
+    Lost(SessionDownReason),
     /// The statement failed but the session is fine (e.g. lock table full).
     Query(tokio_postgres::Error),
 }
@@ -1528,7 +1528,7 @@ pub(crate) fn classify(error: tokio_postgres::Error) -> Fault {
     let fatal = match error.code() {
         None => true,
         Some(code) if *code == SqlState::READ_ONLY_SQL_TRANSACTION => {
-            return Fault::Lost(DisconnectReason::ServerInRecovery);
+            return Fault::Lost(SessionDownReason::ServerInRecovery);
         }
         Some(code) => {
             let c = code.code();
@@ -1538,7 +1538,7 @@ pub(crate) fn classify(error: tokio_postgres::Error) -> Fault {
         }
     };
     if fatal || error.is_closed() {
-        Fault::Lost(DisconnectReason::ConnectionLost {
+        Fault::Lost(SessionDownReason::ConnectionLost {
             message: error_text(&error),
         })
     } else {
@@ -1700,16 +1700,16 @@ where
     let server = field(6).to_owned();
     let read_only = field(7) == "on";
     if version < MIN_SERVER_VERSION {
-        return Err(Error::Refused(DisconnectReason::ServerTooOld { version }));
+        return Err(Error::Refused(SessionDownReason::ServerTooOld { version }));
     }
     if in_recovery {
-        return Err(Error::Refused(DisconnectReason::ServerInRecovery));
+        return Err(Error::Refused(SessionDownReason::ServerInRecovery));
     }
     if read_only {
-        return Err(Error::Refused(DisconnectReason::ServerReadOnly));
+        return Err(Error::Refused(SessionDownReason::ServerReadOnly));
     }
     if !found_marker.is_empty() || advisory_locks > 0 {
-        return Err(Error::Refused(DisconnectReason::PoolerDetected {
+        return Err(Error::Refused(SessionDownReason::PoolerDetected {
             detail: format!(
                 "the new session's backend (pid {backend_pid}) already carries another session's state ({} advisory locks{})",
                 advisory_locks,

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::options::ManagerOptions;
-use crate::status::ConnectionStatus;
+use crate::status::ConnectionState;
 
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -18,7 +18,7 @@ pub(crate) struct Shared {
     /// Leases are trusted strictly before this instant (nanoseconds since `epoch`).
     valid_until: AtomicU64,
     next_id: AtomicU64,
-    pub(crate) status: watch::Sender<ConnectionStatus>,
+    pub(crate) status: watch::Sender<ConnectionState>,
     /// How many advisory locks the session holds at least, and an epoch that grows
     /// whenever that number falls (before the statement that lowers it is sent), for the
     /// heartbeat's check that nothing released them behind the manager's back.
@@ -32,7 +32,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(options: ManagerOptions, status: ConnectionStatus) -> Self {
+    pub(crate) fn new(options: ManagerOptions, status: ConnectionState) -> Self {
         Self {
             options,
             epoch: Instant::now(),
@@ -127,7 +127,7 @@ mod tests {
     fn shared() -> Shared {
         let options = ManagerOptions::from_url("postgres://test@localhost/test")
             .expect("BUG: static URL parses");
-        Shared::new(options, ConnectionStatus::Connecting { attempt: 1 })
+        Shared::new(options, ConnectionState::Connecting { attempt: 1 })
     }
 
     fn s(n: u64) -> Duration {

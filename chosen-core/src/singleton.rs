@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::leadership::Leadership;
 use crate::lease::{FencingToken, Lease, Validity};
 use crate::manager::{LockManager, LockRequest};
-use crate::status::DisconnectReason;
+use crate::status::SessionDownReason;
 
 /// The error type a child may return.
 pub type ChildError = Box<dyn std::error::Error + Send + Sync>;
@@ -304,7 +304,7 @@ impl LeaderContext {
             let reason = self
                 .validity
                 .loss_reason()
-                .unwrap_or(DisconnectReason::Shutdown);
+                .unwrap_or(SessionDownReason::Shutdown);
             return Err(Error::LeaseLost(reason));
         }
         table.fence(tx, &self.name, self.token).await
@@ -312,7 +312,7 @@ impl LeaderContext {
 
     /// Why the lease was lost, once it was (`None` for a shutdown that kept it valid).
     #[must_use]
-    pub fn loss_reason(&self) -> Option<DisconnectReason> {
+    pub fn loss_reason(&self) -> Option<SessionDownReason> {
         self.validity.loss_reason()
     }
 }
@@ -465,7 +465,7 @@ impl SingletonInner {
 }
 
 enum Outcome {
-    Lost(DisconnectReason),
+    Lost(SessionDownReason),
     Stop,
     GiveUp,
 }
@@ -947,7 +947,7 @@ async fn supervise<F, Fut, L>(
 where
     F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
-    L: Future<Output = DisconnectReason>,
+    L: Future<Output = SessionDownReason>,
 {
     tokio::pin!(lost);
     // tokio's clock, so the policy is testable with paused time.
@@ -1301,7 +1301,7 @@ mod tests {
             let generation = Arc::clone(&f.generation);
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_secs(2)).await;
-                generation.revoke(DisconnectReason::ConnectionLost {
+                generation.revoke(SessionDownReason::ConnectionLost {
                     message: "test".to_owned(),
                 });
             });

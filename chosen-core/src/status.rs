@@ -3,10 +3,13 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
-/// The state of a [`LockManager`](crate::LockManager)'s database session.
+/// The state of a [`LockManager`](crate::LockManager)'s database session, as
+/// [`connection_status`](crate::LockManager::connection_status) reports it (formerly
+/// `ConnectionStatus`; a *state* enum, as [`SingletonState`](crate::SingletonState),
+/// where `*Status` types are snapshots such as [`SingletonStatus`](crate::SingletonStatus)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum ConnectionStatus {
+pub enum ConnectionState {
     /// A connection attempt is under way.
     Connecting {
         /// 1 for the first attempt after a loss, counting up.
@@ -28,13 +31,13 @@ pub enum ConnectionStatus {
     /// the manager shut down.
     Disconnected {
         /// Why.
-        reason: DisconnectReason,
+        reason: SessionDownReason,
         /// Since when (wall clock).
         since: SystemTime,
     },
 }
 
-impl ConnectionStatus {
+impl ConnectionState {
     /// `true` when the session is up.
     #[must_use]
     pub fn is_connected(&self) -> bool {
@@ -42,11 +45,12 @@ impl ConnectionStatus {
     }
 }
 
-/// Why a session ended or could not be used. Every variant revokes all leases of the
-/// session at once.
+/// Why the lock session is down: it ended (lost, overdue, shut down) or was refused
+/// (a standby, a read-only or too old server, a pooler, a failed connect). Every
+/// variant revokes all leases of the session at once. (Formerly `DisconnectReason`.)
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum DisconnectReason {
+pub enum SessionDownReason {
     /// The connection closed or failed (server shutdown, `pg_terminate_backend`,
     /// `idle_session_timeout`, network error).
     ConnectionLost {
@@ -95,7 +99,7 @@ pub enum DisconnectReason {
     Shutdown,
 }
 
-impl DisconnectReason {
+impl SessionDownReason {
     /// A short, fixed label for metrics: `connection_lost`, `heartbeat_overdue`,
     /// `server_in_recovery`, `server_read_only`, `backend_changed`, `pooler_detected`,
     /// `server_too_old`, `connect_failed`, `shutdown`.
@@ -115,7 +119,7 @@ impl DisconnectReason {
     }
 }
 
-impl fmt::Display for DisconnectReason {
+impl fmt::Display for SessionDownReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::ConnectionLost { message } => write!(f, "connection lost: {message}"),

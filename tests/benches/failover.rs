@@ -14,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
+use chosen_core::{ConnectionState, LockManager, ManagerOptions};
 use chosen_tests::{FaultProxy, PgCluster, ProxyMode, SUPERUSER_PASSWORD, connect_admin};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -98,7 +98,7 @@ async fn failover(partitioned: bool) -> Res<Takeover> {
         .into());
     }
     match b.connection_status() {
-        ConnectionStatus::Connected { server, .. }
+        ConnectionState::Connected { server, .. }
             if server == format!("127.0.0.1:{standby_port}") => {}
         other => {
             return Err(format!("the follower is not on the promoted server: {other:?}").into());

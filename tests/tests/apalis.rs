@@ -10,7 +10,7 @@ use apalis_core::error::BoxDynError;
 use apalis_core::monitor::Monitor;
 use apalis_core::task::data::Data;
 use chosen_apalis::{LeaderGuard, LeaderOnlyJobLayer, Schedule, Tick, cron_worker};
-use chosen_core::{ConnectionStatus, LockManager, ManagerOptions};
+use chosen_core::{ConnectionState, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
 #[derive(Clone)]
@@ -148,7 +148,7 @@ async fn every_tick_runs_once_across_three_nodes_and_a_failover() {
         .position(|n| n.1.is_leader())
         .expect("one leads");
     let pid = match nodes[leader].0.connection_status() {
-        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     let last_before = last_tick(&before);

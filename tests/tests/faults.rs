@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chosen_core::{
-    ConnectionStatus, DisconnectReason, Error, FencingToken, LockManager, ManagerOptions,
-    MetricsSink,
+    ConnectionState, Error, FencingToken, LockManager, ManagerOptions, MetricsSink,
+    SessionDownReason,
 };
 use chosen_tests::{
     FaultProxy, PgBouncer, PgCluster, ProxyMode, connect_admin, signal, unique_name,
@@ -30,7 +30,7 @@ struct Interval {
     token: FencingToken,
     start: Instant,
     end: Option<Instant>,
-    reason: Option<DisconnectReason>,
+    reason: Option<SessionDownReason>,
 }
 
 /// Keeps acquiring `name` on `manager`, recording every holding interval.
@@ -194,7 +194,7 @@ async fn terminated_backend_revokes_at_once_and_another_takes_over() {
     let name = unique_name("terminate");
     let (a, _b, history) = two_contenders(&pg.url(), &pg.url(), &name).await;
     let pid = match a.connection_status() {
-        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     let admin = connect_admin(&pg.url()).await.unwrap();
@@ -209,7 +209,7 @@ async fn terminated_backend_revokes_at_once_and_another_takes_over() {
     history.assert_no_overlap();
     let h = history.snapshot();
     assert!(
-        matches!(h[0].reason, Some(DisconnectReason::ConnectionLost { .. })),
+        matches!(h[0].reason, Some(SessionDownReason::ConnectionLost { .. })),
         "{h:#?}"
     );
     assert!(
@@ -219,7 +219,7 @@ async fn terminated_backend_revokes_at_once_and_another_takes_over() {
     report("pg_terminate_backend", t0, &history);
     // A reconnects in a new generation.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !matches!(a.connection_status(), ConnectionStatus::Connected { generation, .. } if generation >= 2)
+    while !matches!(a.connection_status(), ConnectionState::Connected { generation, .. } if generation >= 2)
     {
         assert!(Instant::now() < deadline, "{:?}", a.connection_status());
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -243,7 +243,10 @@ async fn black_holed_holder_fences_itself_before_the_server_releases() {
     history.assert_no_overlap();
     let h = history.snapshot();
     assert!(
-        matches!(h[0].reason, Some(DisconnectReason::HeartbeatOverdue { .. })),
+        matches!(
+            h[0].reason,
+            Some(SessionDownReason::HeartbeatOverdue { .. })
+        ),
         "{h:#?}"
     );
     let opts = a.options();
@@ -283,7 +286,7 @@ async fn cut_connection_revokes_at_once() {
     // A closed socket is seen at once: the lease is revoked as a lost connection, well
     // before any heartbeat deadline (the lease timeout is 3 s).
     assert!(
-        matches!(h[0].reason, Some(DisconnectReason::ConnectionLost { .. })),
+        matches!(h[0].reason, Some(SessionDownReason::ConnectionLost { .. })),
         "{h:#?}"
     );
     let revoked = h[0].end.unwrap() - t0;
@@ -583,7 +586,7 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::Refused(DisconnectReason::ServerInRecovery)),
+        matches!(err, Error::Refused(SessionDownReason::ServerInRecovery)),
         "{err}"
     );
     assert!(err.to_string().contains("standby"), "{err}");
@@ -600,7 +603,7 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
         .unwrap();
     // The status says which host it is on: the primary's port.
     match m.connection_status() {
-        ConnectionStatus::Connected { server, .. } => assert_eq!(
+        ConnectionState::Connected { server, .. } => assert_eq!(
             server,
             format!("127.0.0.1:{}", pg.port().unwrap()),
             "the session is on the primary"
@@ -641,7 +644,10 @@ async fn transaction_pooler_is_refused() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::Refused(DisconnectReason::PoolerDetected { .. })),
+        matches!(
+            err,
+            Error::Refused(SessionDownReason::PoolerDetected { .. })
+        ),
         "{err}"
     );
     assert!(err.to_string().contains("pooler"), "{err}");
@@ -670,7 +676,7 @@ async fn dba_defaults_do_not_break_a_holder() {
     assert!(lease.is_valid(), "{:?}", lease.loss_reason());
     assert!(matches!(
         m.connection_status(),
-        ConnectionStatus::Connected { generation: 1, .. }
+        ConnectionState::Connected { generation: 1, .. }
     ));
     let many: Vec<_> = (0..200).map(|i| m.acquire(format!("{name}-{i}"))).collect();
     let mut held = Vec::new();
@@ -702,7 +708,7 @@ async fn tls_with_verification() {
         .await
         .unwrap();
     let pid = match m.connection_status() {
-        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     let lease = m.acquire(unique_name("tls")).await.unwrap();

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{ConnectionStatus, Election, LockManager, ManagerOptions};
+use chosen_core::{ConnectionState, Election, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
@@ -104,7 +104,7 @@ async fn a_holder_hidden_by_another_role_is_no_panic() {
     assert!(
         matches!(
             follower.connection_status(),
-            ConnectionStatus::Connected { .. }
+            ConnectionState::Connected { .. }
         ),
         "the follower's manager must survive: {:?}",
         follower.connection_status()
@@ -257,7 +257,7 @@ async fn a_notification_flood_revokes_nothing() {
     assert!(lease.is_valid(), "{:?}", lease.loss_reason());
     assert!(matches!(
         victim.connection_status(),
-        ConnectionStatus::Connected { generation: 1, .. }
+        ConnectionState::Connected { generation: 1, .. }
     ));
     for w in waits {
         w.abort();

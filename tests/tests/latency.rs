@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chosen_core::{
-    ConnectionStatus, DisconnectReason, Error, LockManager, LockState, ManagerOptions,
+    ConnectionState, Error, LockManager, LockState, ManagerOptions, SessionDownReason,
 };
 use chosen_tests::{FaultProxy, PgCluster, ProxyMode, unique_name};
 
@@ -28,7 +28,7 @@ struct Interval {
     node: String,
     start: Instant,
     end: Option<Instant>,
-    reason: Option<DisconnectReason>,
+    reason: Option<SessionDownReason>,
 }
 
 /// Every holding interval of one lock, across nodes.
@@ -91,7 +91,7 @@ impl History {
 
 fn generation(manager: &LockManager) -> Option<u64> {
     match manager.connection_status() {
-        ConnectionStatus::Connected { generation, .. } => Some(generation),
+        ConnectionState::Connected { generation, .. } => Some(generation),
         _ => None,
     }
 }
@@ -159,7 +159,10 @@ async fn a_slow_leader_keeps_its_lease_below_the_bound_and_hands_over_cleanly_ab
     let revoked = h[0].end.expect("A's lease ended before B was granted");
     assert!(revoked <= h[1].start, "overlap: {h:#?}");
     assert!(
-        matches!(h[0].reason, Some(DisconnectReason::HeartbeatOverdue { .. })),
+        matches!(
+            h[0].reason,
+            Some(SessionDownReason::HeartbeatOverdue { .. })
+        ),
         "{h:#?}"
     );
     eprintln!(

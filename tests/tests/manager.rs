@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use chosen_core::{
-    ConnectionStatus, Error, LockKey, LockManager, LockRequest, LockState, ManagerOptions,
+    ConnectionState, Error, LockKey, LockManager, LockRequest, LockState, ManagerOptions,
 };
 use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
 
@@ -401,13 +401,13 @@ async fn shutdown_releases_everything_and_fails_waiters() {
     a.shutdown().await;
     assert_eq!(
         holder.await.unwrap(),
-        chosen_core::DisconnectReason::Shutdown
+        chosen_core::SessionDownReason::Shutdown
     );
     assert!(matches!(waiter.await.unwrap(), Err(Error::Closed)));
     assert!(matches!(a.acquire("x").await, Err(Error::Closed)));
     assert!(matches!(
         a.connection_status(),
-        ConnectionStatus::Disconnected { .. }
+        ConnectionState::Disconnected { .. }
     ));
     // The shutdown announced its releases: B takes over long before its next poll.
     let taken = tokio::time::timeout(Duration::from_secs(10), b_waits).await;
@@ -565,7 +565,7 @@ async fn the_session_identifies_its_node() {
     let pg = PgCluster::start().unwrap();
     let m = manager(&pg.url(), "session-settings").await;
     let pid = match m.connection_status() {
-        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     let admin = connect_admin(&pg.url()).await.unwrap();
@@ -593,7 +593,7 @@ async fn followers_learn_who_holds_a_lock() {
         assert_eq!(holder.client_addr.as_deref(), Some("127.0.0.1"));
     }
     let pid = match a.connection_status() {
-        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     assert_eq!(holder.backend_pid, pid);

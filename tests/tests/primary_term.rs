@@ -343,7 +343,7 @@ async fn a_partitioned_holder_fences_itself_before_a_promoted_standby_grants() {
 
 fn server_of(m: &LockManager) -> String {
     match m.connection_status() {
-        chosen_core::ConnectionStatus::Connected { server, .. } => server,
+        chosen_core::ConnectionState::Connected { server, .. } => server,
         other => panic!("not connected: {other:?}"),
     }
 }

@@ -127,7 +127,7 @@ async fn a_waiting_fence_take_starves_the_heartbeat_of_a_tight_session() {
     terminate(&admin, "starve-a").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let first = match a.connection_status() {
-        chosen_core::ConnectionStatus::Connected { generation, .. } => generation,
+        chosen_core::ConnectionState::Connected { generation, .. } => generation,
         other => panic!("A did not reconnect: {other:?}"),
     };
     // A takes an unrelated free key.
@@ -138,7 +138,7 @@ async fn a_waiting_fence_take_starves_the_heartbeat_of_a_tight_session() {
         .unwrap();
     let took = t.elapsed();
     let now = match a.connection_status() {
-        chosen_core::ConnectionStatus::Connected { generation, .. } => generation,
+        chosen_core::ConnectionState::Connected { generation, .. } => generation,
         other => panic!("A is not connected: {other:?}"),
     };
     assert!(

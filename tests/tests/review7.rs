@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use chosen_core::{DisconnectReason, Error, LockManager, ManagerOptions};
+use chosen_core::{Error, LockManager, ManagerOptions, SessionDownReason};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
@@ -41,7 +41,7 @@ async fn a_read_only_session_is_refused_at_connect() {
         .await
         .expect_err("refused at connect");
     assert!(
-        matches!(refused, Error::Refused(DisconnectReason::ServerReadOnly)),
+        matches!(refused, Error::Refused(SessionDownReason::ServerReadOnly)),
         "{refused:?}"
     );
     assert!(refused.is_transient(), "a fenced primary may open again");
@@ -74,7 +74,7 @@ async fn a_primary_made_read_only_revokes_its_leases() {
         .expect("the lease is revoked within a heartbeat or two");
     assert_eq!(
         reason,
-        DisconnectReason::ServerReadOnly,
+        SessionDownReason::ServerReadOnly,
         "after {:?}",
         t0.elapsed()
     );

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use chosen_core::{ConnectionStatus, DisconnectReason, LockManager, ManagerOptions};
+use chosen_core::{ConnectionState, LockManager, ManagerOptions, SessionDownReason};
 use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
@@ -51,8 +51,8 @@ async fn a_cutover_to_a_cluster_with_smaller_ids_is_refused_until_its_epoch_is_r
     proxy.set(ProxyMode::Pass);
     let deadline = Instant::now() + Duration::from_secs(5);
     let refused = loop {
-        if let ConnectionStatus::Disconnected {
-            reason: DisconnectReason::ConnectFailed { message },
+        if let ConnectionState::Disconnected {
+            reason: SessionDownReason::ConnectFailed { message },
             ..
         } = m.connection_status()
             && message.contains("go backwards")
@@ -203,8 +203,8 @@ async fn another_cluster_needs_higher_high_bits_whatever_its_ids() {
     proxy.set(ProxyMode::Pass);
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        if let ConnectionStatus::Disconnected {
-            reason: DisconnectReason::ConnectFailed { message },
+        if let ConnectionState::Disconnected {
+            reason: SessionDownReason::ConnectFailed { message },
             ..
         } = m.connection_status()
             && message.contains("another cluster")

@@ -175,7 +175,7 @@ async fn one_child_across_three_managers_and_takeovers() {
     // Killed session: the new leader's child is cancelled, another node takes over.
     let second_index = managers.iter().position(|m| m.node_id() == second).unwrap();
     let pid = match managers[second_index].connection_status() {
-        chosen_core::ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        chosen_core::ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     let admin = connect_admin(&pg.url()).await.unwrap();

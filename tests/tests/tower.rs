@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::routing::post;
-use chosen_core::{ConnectionStatus, Election, LockManager, ManagerOptions};
+use chosen_core::{ConnectionState, Election, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 use chosen_tower::{LeaderHealth, LeaderOnlyHttpLayer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -94,7 +94,7 @@ async fn exactly_one_node_serves_the_leader_only_route() {
     // Kill the leader's session: the 200 moves to another node, never two at once.
     let index = nodes.iter().position(|n| n.0 == leader).unwrap();
     let pid = match nodes[index].1.connection_status() {
-        ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+        ConnectionState::Connected { backend_pid, .. } => backend_pid,
         other => panic!("{other:?}"),
     };
     let admin = connect_admin(&pg.url()).await.unwrap();

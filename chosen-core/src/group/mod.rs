@@ -17,7 +17,7 @@ use crate::key::LockKey;
 use crate::lease::Lease;
 use crate::manager::LockManager;
 use crate::singleton::{ChildError, LeaderContext, Singleton, SingletonOptions};
-use crate::status::ConnectionStatus;
+use crate::status::ConnectionState;
 
 /// How a [`SingletonGroup`] places and moves its members.
 #[derive(Clone, Debug)]
@@ -373,7 +373,7 @@ impl Runner {
     async fn step(&mut self) -> Result<()> {
         self.stopping.retain(|(_, t)| !t.is_finished());
         let me = match self.manager.connection_status() {
-            ConnectionStatus::Connected { backend_pid, .. } => backend_pid,
+            ConnectionState::Connected { backend_pid, .. } => backend_pid,
             _ => return Ok(()),
         };
         if self.me != Some(me) {
