@@ -207,12 +207,12 @@ impl<S, P: Clone> Layer<S> for LeaderOnlyJobLayer<P> {
     type Service = LeaderOnlyJob<S, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        LeaderOnlyJob {
+        LeaderOnlyJob::from_parts(
             inner,
-            leadership: self.leadership.clone(),
-            policy: self.policy.clone(),
-            skew_tolerance: self.skew_tolerance,
-            stats: Arc::clone(&self.stats),
-        }
+            self.leadership.clone(),
+            self.policy.clone(),
+            self.skew_tolerance,
+            Arc::clone(&self.stats),
+        )
     }
 }

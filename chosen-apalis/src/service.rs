@@ -98,11 +98,11 @@ pub enum SkipReason {
 /// `inner` on the leader, answers [`Outcome::Skipped`] elsewhere.
 #[derive(Debug, Clone)]
 pub struct LeaderOnlyJob<S, P> {
-    pub(crate) inner: S,
-    pub(crate) leadership: Leadership,
-    pub(crate) policy: P,
-    pub(crate) skew_tolerance: Duration,
-    pub(crate) stats: Arc<GateStats>,
+    inner: S,
+    leadership: Leadership,
+    policy: P,
+    skew_tolerance: Duration,
+    stats: Arc<GateStats>,
 }
 
 /// The name before the tower layer's service got a name of its own: both were
@@ -110,7 +110,58 @@ pub struct LeaderOnlyJob<S, P> {
 #[deprecated(note = "renamed to `LeaderOnlyJob` (chosen-tower's service is `LeaderOnlyHttp`)")]
 pub type LeaderOnly<S, P> = LeaderOnlyJob<S, P>;
 
+impl<S> LeaderOnlyJob<S, crate::AnyTask> {
+    /// Gates `inner` on `leadership`, as
+    /// [`LeaderOnlyJobLayer::new`](crate::LeaderOnlyJobLayer::new)`(leadership).layer(inner)`
+    /// does: every task runs on the leader only, with no stale-tick rule and stats of
+    /// its own. Use the layer to share stats or gate cron ticks.
+    pub fn new(inner: S, leadership: Leadership) -> Self {
+        tower_layer::Layer::layer(&crate::LeaderOnlyJobLayer::new(leadership), inner)
+    }
+}
+
 impl<S, P> LeaderOnlyJob<S, P> {
+    pub(crate) fn from_parts(
+        inner: S,
+        leadership: Leadership,
+        policy: P,
+        skew_tolerance: Duration,
+        stats: Arc<GateStats>,
+    ) -> Self {
+        Self {
+            inner,
+            leadership,
+            policy,
+            skew_tolerance,
+            stats,
+        }
+    }
+
+    /// The gated service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The gated service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The gated service, ungated.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// The leadership the gate checks.
+    pub fn leadership(&self) -> &Leadership {
+        &self.leadership
+    }
+
+    /// What the gate did so far (shared with the layer that built it).
+    pub fn stats(&self) -> Arc<GateStats> {
+        Arc::clone(&self.stats)
+    }
+
     fn report(&self, outcome: &str) {
         if let Some(m) = self.leadership.metrics() {
             m.task_gated(self.leadership.node_id(), self.leadership.name(), outcome);

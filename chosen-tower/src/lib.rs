@@ -1,18 +1,15 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod future;
 mod health;
-mod layer;
+mod leader_only;
 mod responder;
-mod service;
 
-pub use future::ResponseFuture;
 pub use health::LeaderHealth;
-#[allow(deprecated)] // the old name, kept so that existing code still compiles
-pub use layer::{LeaderOnlyHttpLayer, LeaderOnlyLayer};
+#[allow(deprecated)] // the old names, kept so that existing code still compiles
+pub use leader_only::{
+    LeaderOnly, LeaderOnlyHttp, LeaderOnlyHttpLayer, LeaderOnlyLayer, ResponseFuture,
+};
 pub use responder::{
     BoxResponder, FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject,
 };
-#[allow(deprecated)] // the old name, kept so that existing code still compiles
-pub use service::{LeaderOnly, LeaderOnlyHttp};

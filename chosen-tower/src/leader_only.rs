@@ -1,14 +1,27 @@
-//! The layer.
+//! The leader-only HTTP middleware: [`LeaderOnlyHttpLayer`] wraps a service in
+//! [`LeaderOnlyHttp`], whose [`ResponseFuture`] is the inner service's future on the
+//! leader and a ready answer elsewhere.
+//!
+//! On the leader a request goes to the inner service unchanged; on a follower the
+//! layer's [`FollowerResponder`] answers it (by default [`Reject`]: `503` with
+//! `Retry-After`; or [`Redirect`] to the leader, or your own), and the response names
+//! the leader in [`LEADER_HEADER`] when known. Leadership is read in `call`, never in
+//! `poll_ready`, and the error type is the inner service's.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use chosen_core::{Election, Leadership, LockManager, LockRequest};
-use http::Uri;
+use http::header::HeaderValue;
+use http::{Request, Response, Uri};
+use pin_project_lite::pin_project;
 use tower_layer::Layer;
+use tower_service::Service;
 
-use crate::responder::{Redirect, Reject};
-use crate::service::LeaderOnlyHttp;
+use crate::responder::{FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject};
 
 /// Gates HTTP requests on leadership: on the leader, requests reach the inner service;
 /// on a follower, the layer answers itself (by default `503` + `Retry-After: 1`), with
@@ -170,5 +183,141 @@ impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
     fn layer(&self, inner: S) -> Self::Service {
         LeaderOnlyHttp::new(inner, self.leadership.clone(), self.responder.clone())
             .keeping(self.election.clone())
+    }
+}
+
+/// The middleware [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) applies: passes
+/// HTTP requests to `inner` on the leader, answers them with `responder` elsewhere.
+#[derive(Debug, Clone)]
+pub struct LeaderOnlyHttp<S, R> {
+    inner: S,
+    leadership: Leadership,
+    responder: R,
+    /// The layer's own election, if it started one: kept alive while this service is.
+    election: Option<Arc<Election>>,
+}
+
+/// The name before the apalis gate got a service of its own: both were `LeaderOnly`.
+#[deprecated(note = "renamed to `LeaderOnlyHttp` (chosen-apalis' gate service is `LeaderOnlyJob`)")]
+pub type LeaderOnly<S, R> = LeaderOnlyHttp<S, R>;
+
+impl<S, R> LeaderOnlyHttp<S, R> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, leadership: Leadership, responder: R) -> Self {
+        Self {
+            inner,
+            leadership,
+            responder,
+            election: None,
+        }
+    }
+
+    /// Keeps `election` alive as long as this service.
+    pub(crate) fn keeping(mut self, election: Option<Arc<Election>>) -> Self {
+        self.election = election;
+        self
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, R, ReqBody, ResBody> Service<Request<ReqBody>> for LeaderOnlyHttp<S, R>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    R: FollowerResponder<ResBody>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Never gate here: a follower must answer, not stall its caller.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // Checked now, against the lease deadline, not a cached flag.
+        if self.leadership.is_leader() {
+            return ResponseFuture::inner(self.inner.call(req));
+        }
+        if let Some(m) = self.leadership.metrics() {
+            m.follower_response(self.leadership.node_id(), self.leadership.name());
+        }
+        let leader = self.leadership.leader();
+        let ctx = FollowerContext {
+            leader: leader.as_deref(),
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+        };
+        let mut res = self.responder.respond(&ctx);
+        if let Some(value) = leader.and_then(|l| HeaderValue::try_from(l).ok()) {
+            res.headers_mut().entry(LEADER_HEADER).or_insert(value);
+        }
+        ResponseFuture::ready(res)
+    }
+}
+
+pin_project! {
+    /// The future of [`LeaderOnlyHttp`](crate::LeaderOnlyHttp): the inner service's, or a
+    /// follower's ready answer.
+    #[derive(Debug)]
+    pub struct ResponseFuture<F, B> {
+        #[pin]
+        kind: Kind<F, B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<F, B> {
+        Inner { #[pin] future: F },
+        Ready { response: Option<Response<B>> },
+    }
+}
+
+impl<F, B> ResponseFuture<F, B> {
+    pub(crate) fn inner(future: F) -> Self {
+        Self {
+            kind: Kind::Inner { future },
+        }
+    }
+
+    pub(crate) fn ready(response: Response<B>) -> Self {
+        Self {
+            kind: Kind::Ready {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Inner { future } => future.poll(cx),
+            KindProj::Ready { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("BUG: ResponseFuture polled after completion"))),
+        }
     }
 }
