@@ -176,9 +176,31 @@ pub(crate) fn node_hash(node_id: &str) -> u64 {
     })
 }
 
+/// Golden vectors of [`LockKey::derive`], computed independently (Python `hashlib`):
+/// `(namespace, name, key1, key2)`. They freeze the derivation: never change them.
+#[cfg(test)]
+const GOLDEN_KEYS: [(&str, &str, i32, i32); 5] = [
+    ("chosen", "my-job", -790_094_319, -645_757_411),
+    ("chosen", "", 1_564_407_143, -1_276_471_026),
+    ("chosen", "nightly-report", -786_972_525, 1_718_261_010),
+    ("billing", "nightly-report", 1_907_377_311, 1_129_609_294),
+    ("chosen", "ünïcødé ✓", -305_617_263, 1_629_876_428),
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_follow_the_golden_vectors() {
+        for (ns, name, a, b) in GOLDEN_KEYS {
+            assert_eq!(
+                LockKey::derive(ns, name),
+                LockKey::Pair(a, b),
+                "{ns}/{name}"
+            );
+        }
+    }
 
     #[test]
     fn tags_round_trip() {

@@ -232,26 +232,18 @@ async fn a_thousand_locks_share_one_backend() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_follow_the_documented_derivation() {
-    // Golden vectors, computed independently (Python hashlib). Do not change.
-    let golden = [
-        ("chosen", "my-job", -790_094_319, -645_757_411),
-        ("chosen", "", 1_564_407_143, -1_276_471_026),
-        ("chosen", "nightly-report", -786_972_525, 1_718_261_010),
-        ("billing", "nightly-report", 1_907_377_311, 1_129_609_294),
-        ("chosen", "ünïcødé ✓", -305_617_263, 1_629_876_428),
+    // `LockKey::derive` is pinned to golden vectors by chosen-core's unit tests; here
+    // the SQL from the LockKey docs computes the same keys on a real server.
+    let inputs = [
+        ("chosen", "my-job"),
+        ("chosen", ""),
+        ("chosen", "nightly-report"),
+        ("billing", "nightly-report"),
+        ("chosen", "ünïcødé ✓"),
     ];
-    for (ns, name, a, b) in golden {
-        assert_eq!(
-            LockKey::derive(ns, name),
-            LockKey::Pair(a, b),
-            "{ns}/{name}"
-        );
-    }
-
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    // The SQL from the LockKey docs computes the same keys.
-    for (ns, name, a, b) in golden {
+    for (ns, name) in inputs {
         let row = admin
             .query_one(
                 "SELECT ('x' || encode(substr(h, 1, 4), 'hex'))::bit(32)::int4, \
@@ -261,7 +253,11 @@ async fn keys_follow_the_documented_derivation() {
             )
             .await
             .unwrap();
-        assert_eq!((row.get::<_, i32>(0), row.get::<_, i32>(1)), (a, b));
+        assert_eq!(
+            LockKey::Pair(row.get::<_, i32>(0), row.get::<_, i32>(1)),
+            LockKey::derive(ns, name),
+            "{ns}/{name}"
+        );
     }
 
     // And pg_locks shows a held named lock under exactly those columns.
