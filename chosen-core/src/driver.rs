@@ -48,6 +48,9 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<Option<HolderInfo>>>,
     },
     Cluster(ClusterReply),
+    /// A shutdown began: waiting requests are answered `Closed` and new ones refused at
+    /// once, while the supervisors stop (leases stay until released).
+    Closing,
     Shutdown(oneshot::Sender<()>),
 }
 
@@ -653,6 +656,10 @@ impl Driver {
                 } else {
                     let _ = reply.send(Err(Error::NotConnected(self.last_reason.clone())));
                 }
+            }
+            Command::Closing => {
+                self.table.begin_close();
+                self.carry_out();
             }
             Command::Shutdown(reply) => {
                 self.shutdown_replies.push(reply);

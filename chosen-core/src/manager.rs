@@ -474,9 +474,11 @@ impl LockManager {
     /// runtime, e.g. by `futures::executor::block_on` on a thread of its own, it works
     /// too, in the caller's future, without the bound on the supervisors' stop.)
     pub async fn shutdown(&self) {
-        // Refuse new requests and tell every supervisor to stop, synchronously.
+        // Refuse new requests and tell every supervisor to stop, synchronously; waiting
+        // requests are answered `Closed` now, not granted while the supervisors stop.
         self.shared.closing.cancel();
         self.shared.tasks.close();
+        let _ = self.tx.send(Command::Closing);
         let (reply, rx) = oneshot::channel();
         let shared = Arc::clone(&self.shared);
         let tx = self.tx.clone();

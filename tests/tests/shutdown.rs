@@ -331,3 +331,50 @@ async fn a_shutdown_polled_outside_the_runtime_works() {
     assert!(other.holder(name.as_str()).await.unwrap().is_none());
     other.shutdown().await;
 }
+
+// Review finding F1: a request waiting when the shutdown begins is answered `Closed`
+// at once, not granted while the singletons' children stop (step 1 of the shutdown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_when_the_shutdown_begins_is_closed_not_granted() {
+    let pg = PgCluster::start().unwrap();
+    let single = unique_name("f1-single");
+    let lock = unique_name("f1-lock");
+    let lives = Lives::default();
+    let other = LockManager::connect(options(&pg.url(), "f1-other"))
+        .await
+        .unwrap();
+    let held = other.acquire(lock.as_str()).await.unwrap();
+    let m = LockManager::connect(options(&pg.url(), "f1-m"))
+        .await
+        .unwrap();
+    // A child that takes 300 ms to stop: step 1 of the shutdown lasts that long.
+    let _singleton = lives.start(&m, &single, SingletonOptions::default());
+    lives.wait("f1-m", "started").await;
+    let waiter = {
+        let m = m.clone();
+        let lock = lock.clone();
+        tokio::spawn(async move { m.acquire(lock.as_str()).await })
+    };
+    // The request waits behind the other manager's lease.
+    until("the request waits", || !waiter.is_finished()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+
+    let shutdown = {
+        let m = m.clone();
+        tokio::spawn(async move { m.shutdown().await })
+    };
+    lives.wait("f1-m", "cancelled").await;
+    // The lock comes free while the child is still stopping.
+    held.release().await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiting request is answered")
+        .unwrap();
+    assert!(
+        matches!(answer, Err(Error::Closed)),
+        "a request waiting at shutdown must be answered Closed, got {answer:?}"
+    );
+    shutdown.await.unwrap();
+    other.shutdown().await;
+}
