@@ -328,3 +328,53 @@ async fn members_of_two_groups_with_one_name_both_run() {
     one.shutdown().await;
     two.shutdown().await;
 }
+
+// Review finding F4: a node that leaves by `LockManager::shutdown` alone (no
+// `SingletonGroup::shutdown` first) still leaves in order, its membership before its
+// members, so its members go to the others within a few rounds, spread, not after the
+// orphan grace; and no member ever has two children.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_leaving_by_manager_shutdown_alone_hands_its_members_over_at_once() {
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let group = unique_name("f4");
+    let members: Vec<String> = (0..9).map(|i| format!("m{i}")).collect();
+    let children = Children::default();
+    let a = node(&url, "f4-a", &group, &members, &children).await;
+    let b = node(&url, "f4-b", &group, &members, &children).await;
+    let c = node(&url, "f4-c", &group, &members, &children).await;
+    wait_for("3 nodes at 3 each", Duration::from_secs(60), || {
+        children.held() == 9 && children.loads(&ids(&[&a, &b, &c])) == [3, 3, 3]
+    })
+    .await;
+    let t0 = Instant::now();
+    c.manager.shutdown().await;
+    // Orphan grace is 3 s in these nodes: faster than that is the ordered leave.
+    wait_for(
+        "the other two to take every member",
+        Duration::from_secs(30),
+        || {
+            children.held() == 9
+                && children
+                    .loads(&ids(&[&a, &b]))
+                    .iter()
+                    .all(|l| (4..=5).contains(l))
+        },
+    )
+    .await;
+    let took = t0.elapsed();
+    eprintln!(
+        "GROUP a node left by manager.shutdown alone: {:?} after {took:?}",
+        children.loads(&ids(&[&a, &b]))
+    );
+    assert!(
+        took < Duration::from_millis(2500),
+        "its members waited for the orphan grace: {took:?}"
+    );
+    assert_eq!(children.worst(), 1, "a member had two children at once");
+    drop(c.group);
+    for n in [&a, &b] {
+        n.group.shutdown().await;
+        n.manager.shutdown().await;
+    }
+}
