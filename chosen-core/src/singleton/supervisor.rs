@@ -1,0 +1,295 @@
+//! The supervisor of one term of leadership: the child started, restarted by its
+//! policy, and stopped before the lock is released ([`Tenure`]).
+
+use super::*;
+
+pub(super) enum Outcome {
+    Lost(SessionDownReason),
+    Stop,
+    GiveUp,
+}
+
+/// A child running under the lease, and the token that tells it to stop.
+pub(super) struct RunningChild {
+    handle: JoinHandle<Result<(), ChildError>>,
+    cancel: CancellationToken,
+}
+
+/// One term of leadership: the lease and the child running under it.
+///
+/// The orderly paths stop the child and then release (or drop) the lease. If the
+/// tenure is dropped instead, because the supervisor panicked (a panicking
+/// [`MetricsSink`](crate::MetricsSink), say) or its task was aborted (its runtime shut
+/// down), `Drop` still keeps the promise, in this order:
+///
+/// 1. the lease's validity ends, so every [`Leadership`] and [`LeaderContext`] of it
+///    stops reporting leadership at once;
+/// 2. the child is told to stop and aborted;
+/// 3. the lock is released only once the child has stopped (from a small task that
+///    waits for it), so no other node starts a child while this one still runs.
+pub(super) struct Tenure {
+    /// `None` once released.
+    pub(super) lease: Option<Lease>,
+    /// `Some` while a child task exists.
+    pub(super) child: Option<RunningChild>,
+}
+
+impl Tenure {
+    pub(super) fn new(lease: Lease) -> Self {
+        Self {
+            lease: Some(lease),
+            child: None,
+        }
+    }
+
+    /// Releases the lock now; the child must have stopped.
+    pub(super) async fn release(self) {
+        self.release_to(None).await;
+    }
+
+    /// Releases the lock, for the node `to` when given (see [`Lease::hand_over`]).
+    pub(super) async fn release_to(mut self, to: Option<String>) {
+        debug_assert!(self.child.is_none(), "released with a child running");
+        if let Some(lease) = self.lease.take() {
+            let _ = lease.release_to(to).await;
+        }
+    }
+}
+
+impl Drop for Tenure {
+    fn drop(&mut self) {
+        let lease = self.lease.take();
+        if let Some(lease) = &lease {
+            lease.end();
+        }
+        let Some(child) = self.child.take() else {
+            return; // nothing runs: dropping `lease` releases the lock
+        };
+        child.cancel.cancel();
+        if child.handle.is_finished() {
+            return;
+        }
+        child.handle.abort();
+        // Keep the lock until the aborted child has really stopped. Without a runtime
+        // (it is gone), the child went with it.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = child.handle.await;
+                drop(lease);
+            });
+        }
+    }
+}
+
+/// One term of leadership: reports it, supervises the child under the tenure's lease
+/// until the lease is lost, a stop is asked for or the child gives up, and reports the
+/// end. The caller releases or drops the tenure.
+pub(super) async fn lead<F, Fut>(
+    options: &SingletonOptions,
+    inner: &SingletonInner,
+    stop: &CancellationToken,
+    tenure: &mut Tenure,
+    node_id: &Arc<str>,
+    factory: &Arc<F>,
+) -> Outcome
+where
+    F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
+{
+    let Tenure { lease, child } = tenure;
+    let lease = lease
+        .as_ref()
+        .expect("BUG: a tenure holds its lease until released");
+    gained(&inner.leadership, lease);
+    inner.update(|s| {
+        s.state = SingletonState::Leading {
+            since: lease.acquired_at(),
+            token: lease.fencing_token(),
+        };
+    });
+    let name: Arc<str> = inner.leadership.name().into();
+    let validity = lease.validity();
+    let make = |restarts, cancel| LeaderContext {
+        name: Arc::clone(&name),
+        node_id: Arc::clone(node_id),
+        token: lease.fencing_token(),
+        restarts,
+        cancel,
+        validity: validity.clone(),
+    };
+    // Lost from the first instant, for good: a heartbeat that extends the watchdog
+    // deadline while the child is still stopping must not revive the lease.
+    let lost = async {
+        let reason = validity.lost().await;
+        lease.end();
+        reason
+    };
+    let outcome = supervise(options, inner, stop, lost, make, child, factory).await;
+    inner.leadership.set_following(None);
+    inner.update(|s| {
+        s.state = SingletonState::Following { leader: None };
+        s.child = ChildState::NotRunning;
+    });
+    outcome
+}
+
+/// Runs and restarts the child while the lease holds. Independent of the database,
+/// so it is tested with paused time.
+///
+/// The running child lives in `slot`, owned by the caller's [`Tenure`], so that a
+/// supervisor that dies (panics, is aborted) still leaves it to be stopped before the
+/// lock is released.
+pub(super) async fn supervise<F, Fut, L>(
+    options: &SingletonOptions,
+    inner: &SingletonInner,
+    stop: &CancellationToken,
+    lost: L,
+    make_context: impl Fn(u64, CancellationToken) -> LeaderContext,
+    slot: &mut Option<RunningChild>,
+    factory: &Arc<F>,
+) -> Outcome
+where
+    F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
+    L: Future<Output = SessionDownReason>,
+{
+    tokio::pin!(lost);
+    // tokio's clock, so the policy is testable with paused time.
+    let mut recent: VecDeque<tokio::time::Instant> = VecDeque::new();
+    let mut backoff = options.backoff_min;
+    let mut restarts = 0u64;
+    loop {
+        let cancel = CancellationToken::new();
+        let ctx = make_context(restarts, cancel.clone());
+        let make = Arc::clone(factory);
+        // The factory runs inside the child's task: one that panics is a child failure,
+        // restarted by the policy, not the end of the supervisor.
+        *slot = Some(RunningChild {
+            handle: tokio::spawn(async move { make(ctx).await }),
+            cancel,
+        });
+        let started = tokio::time::Instant::now();
+        inner.update(|s| {
+            s.child = ChildState::Running {
+                since: SystemTime::now(),
+            };
+        });
+        inner.report_running(true);
+        let child = &mut slot
+            .as_mut()
+            .expect("BUG: the child was just spawned")
+            .handle;
+        let ended = tokio::select! {
+            biased;
+            reason = &mut lost => {
+                stop_child(options, inner, slot).await;
+                inner.report_running(false);
+                return Outcome::Lost(reason);
+            }
+            () = stop.cancelled() => {
+                stop_child(options, inner, slot).await;
+                inner.report_running(false);
+                return Outcome::Stop;
+            }
+            ended = child => ended,
+        };
+        *slot = None;
+        inner.report_running(false);
+        let failure = match ended {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) if e.is_panic() => Some(panic_message(e.into_panic())),
+            Err(e) => Some(e.to_string()),
+        };
+        let name = inner.leadership.name();
+        match &failure {
+            Some(f) => warn!(singleton = %name, failure = %f, "child failed"),
+            None => info!(singleton = %name, "child returned"),
+        }
+        if failure.is_some() {
+            inner.update(|s| s.last_failure.clone_from(&failure));
+        }
+        let restart = match options.restart {
+            RestartPolicy::Always => true,
+            RestartPolicy::OnFailure => failure.is_some(),
+            RestartPolicy::Never => false,
+        };
+        if !restart {
+            // Keep the lock so no other node runs the child again while we live.
+            inner.update(|s| s.child = ChildState::Finished);
+            tokio::select! {
+                reason = &mut lost => return Outcome::Lost(reason),
+                () = stop.cancelled() => return Outcome::Stop,
+            }
+        }
+        let now = tokio::time::Instant::now();
+        if now.duration_since(started) > options.restart_period {
+            backoff = options.backoff_min;
+        }
+        recent.push_back(now);
+        while recent
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > options.restart_period)
+        {
+            recent.pop_front();
+        }
+        if recent.len() > options.max_restarts as usize {
+            return Outcome::GiveUp;
+        }
+        inner.update(|s| {
+            s.child = ChildState::Restarting {
+                at: wall_clock_after(backoff),
+            };
+        });
+        tokio::select! {
+            biased;
+            reason = &mut lost => return Outcome::Lost(reason),
+            () = stop.cancelled() => return Outcome::Stop,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = backoff.saturating_mul(2).min(options.backoff_max);
+        restarts += 1;
+        inner.update(|s| s.restarts += 1);
+        if let Some(m) = inner.leadership.metrics() {
+            m.singleton_restart(inner.leadership.node_id(), inner.leadership.name());
+        }
+    }
+}
+
+/// Cancels the child, waits the shutdown timeout, then aborts it and waits until it
+/// has stopped. The child stays in `slot` until then, so that if this future is
+/// dropped half-way the [`Tenure`] still stops it before releasing.
+pub(super) async fn stop_child(
+    options: &SingletonOptions,
+    inner: &SingletonInner,
+    slot: &mut Option<RunningChild>,
+) {
+    let Some(child) = slot.as_mut() else {
+        return;
+    };
+    inner.update(|s| s.child = ChildState::Stopping);
+    child.cancel.cancel();
+    if tokio::time::timeout(options.shutdown_timeout, &mut child.handle)
+        .await
+        .is_err()
+    {
+        warn!(
+            singleton = %inner.leadership.name(),
+            timeout = ?options.shutdown_timeout,
+            "child ignored cancellation; aborting it"
+        );
+        child.handle.abort();
+        let _ = (&mut child.handle).await;
+    }
+    *slot = None;
+}
+
+pub(super) fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(s) => format!("panicked: {s}"),
+        Err(payload) => match payload.downcast::<&'static str>() {
+            Ok(s) => format!("panicked: {s}"),
+            Err(_) => "panicked".to_owned(),
+        },
+    }
+}

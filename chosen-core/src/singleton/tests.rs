@@ -1,0 +1,482 @@
+//! The supervisor, tested without a database (paused time, hand-made leases).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::supervisor::*;
+use super::*;
+
+struct Fixture {
+    inner: SingletonInner,
+    stop: CancellationToken,
+    validity: Validity,
+    generation: Arc<crate::session::Generation>,
+}
+
+fn fixture() -> Fixture {
+    fixture_with(None)
+}
+
+fn fixture_with(metrics: Option<Arc<dyn crate::MetricsSink>>) -> Fixture {
+    let (validity, generation) = Validity::for_tests();
+    Fixture {
+        inner: SingletonInner {
+            leadership: Leadership::new("test", "node", metrics),
+            status: Mutex::new(SingletonStatus {
+                name: "test".to_owned(),
+                state: SingletonState::Following { leader: None },
+                child: ChildState::NotRunning,
+                restarts: 0,
+                give_ups: 0,
+                last_failure: None,
+            }),
+            tenure: Mutex::new(None),
+            hand_to: Mutex::new(None),
+        },
+        stop: CancellationToken::new(),
+        validity,
+        generation,
+    }
+}
+
+impl Fixture {
+    fn context(&self) -> impl Fn(u64, CancellationToken) -> LeaderContext + '_ {
+        move |restarts, cancel| LeaderContext {
+            name: "test".into(),
+            node_id: "node".into(),
+            token: FencingToken::new(1),
+            restarts,
+            cancel,
+            validity: self.validity.clone(),
+        }
+    }
+
+    fn status(&self) -> SingletonStatus {
+        self.inner.status.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn restarts_back_off_and_give_up_past_the_intensity() {
+    let f = fixture();
+    let options = SingletonOptions::default()
+        .intensity(3, Duration::from_secs(10))
+        .backoff(Duration::from_millis(100), Duration::from_secs(5));
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let factory = {
+        let starts = Arc::clone(&starts);
+        move |_ctx: LeaderContext| {
+            starts.lock().unwrap().push(tokio::time::Instant::now());
+            async { Err::<(), ChildError>("boom".into()) }
+        }
+    };
+    let t0 = tokio::time::Instant::now();
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+    )
+    .await;
+    assert!(matches!(outcome, Outcome::GiveUp));
+    let gaps: Vec<u128> = starts
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|t| (*t - t0).as_millis())
+        .collect();
+    // Started, then restarted after 100, 200, 400 ms; the 4th failure within 10 s gives up.
+    assert_eq!(gaps, vec![0, 100, 300, 700]);
+    let status = f.status();
+    assert_eq!(status.restarts, 3);
+    assert_eq!(status.last_failure.as_deref(), Some("boom"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_healthy_run_resets_the_backoff_and_spreads_restarts() {
+    let f = fixture();
+    let options = SingletonOptions::default()
+        .intensity(1, Duration::from_secs(5))
+        .backoff(Duration::from_millis(100), Duration::from_secs(5));
+    let runs = Arc::new(AtomicU64::new(0));
+    let factory = {
+        let runs = Arc::clone(&runs);
+        move |_ctx: LeaderContext| {
+            let n = runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                // Each run lasts longer than the period: never too many restarts.
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                if n == 4 {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<(), ChildError>(())
+            }
+        }
+    };
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        stop.cancel();
+    });
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+    )
+    .await;
+    let what = match outcome {
+        Outcome::Stop => "stop".to_owned(),
+        Outcome::GiveUp => "give up".to_owned(),
+        Outcome::Lost(r) => r.to_string(),
+    };
+    assert_eq!(what, "stop", "after {} runs", runs.load(Ordering::SeqCst));
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn on_failure_keeps_the_lock_after_success_and_counts_panics() {
+    let f = fixture();
+    let options = SingletonOptions::default().restart(RestartPolicy::OnFailure);
+    let runs = Arc::new(AtomicU64::new(0));
+    let factory = {
+        let runs = Arc::clone(&runs);
+        move |_ctx: LeaderContext| {
+            let n = runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                assert!(n != 0, "first run panics");
+                Ok::<(), ChildError>(())
+            }
+        }
+    };
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        stop.cancel();
+    });
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+    )
+    .await;
+    assert!(matches!(outcome, Outcome::Stop));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "restarted after the panic only"
+    );
+    let status = f.status();
+    assert_eq!(status.child, ChildState::Finished);
+    assert!(
+        status
+            .last_failure
+            .unwrap()
+            .contains("panicked: first run panics")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_loss_cancels_the_child_and_aborts_one_that_ignores_it() {
+    for ignores in [false, true] {
+        let f = fixture();
+        let options = SingletonOptions::default().shutdown_timeout(Duration::from_secs(1));
+        let saw_cancel = Arc::new(AtomicU64::new(0));
+        let factory = {
+            let saw_cancel = Arc::clone(&saw_cancel);
+            move |ctx: LeaderContext| {
+                let saw_cancel = Arc::clone(&saw_cancel);
+                async move {
+                    ctx.cancelled().await;
+                    assert!(!ctx.is_valid());
+                    saw_cancel.fetch_add(1, Ordering::SeqCst);
+                    if ignores {
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        saw_cancel.fetch_add(100, Ordering::SeqCst);
+                    }
+                    Ok::<(), ChildError>(())
+                }
+            }
+        };
+        let generation = Arc::clone(&f.generation);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            generation.revoke(SessionDownReason::ConnectionLost {
+                message: "test".to_owned(),
+            });
+        });
+        let t0 = tokio::time::Instant::now();
+        let outcome = supervise(
+            &options,
+            &f.inner,
+            &f.stop,
+            f.validity.lost(),
+            f.context(),
+            &mut None,
+            &Arc::new(factory),
+        )
+        .await;
+        let took = t0.elapsed();
+        assert!(matches!(outcome, Outcome::Lost(_)));
+        assert_eq!(saw_cancel.load(Ordering::SeqCst), 1, "ignores={ignores}");
+        let expected = if ignores { 3 } else { 2 };
+        assert_eq!(took.as_secs(), expected, "ignores={ignores}: {took:?}");
+    }
+}
+
+// ---- leadership never outlives the lease -----------------------------------
+
+/// Fails in `singleton_running(.., true)`, or in `singleton_restart`.
+#[derive(Debug)]
+struct PanickingSink {
+    on_running: bool,
+}
+
+impl crate::MetricsSink for PanickingSink {
+    fn singleton_running(&self, _: &str, _: &str, running: bool) {
+        assert!(!(running && self.on_running), "sink fails on purpose");
+    }
+    fn singleton_restart(&self, _: &str, _: &str) {
+        assert!(self.on_running, "sink fails on purpose");
+    }
+}
+
+/// What a child saw: started, still running (decremented even when aborted), and
+/// whether its context was still valid when it stopped.
+#[derive(Clone, Default)]
+struct Probe {
+    started: Arc<AtomicU64>,
+    running: Arc<AtomicU64>,
+}
+
+struct Stops(Arc<AtomicU64>);
+
+impl Drop for Stops {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Probe {
+    /// A child that runs until cancelled, or, with `fail`, fails at once.
+    fn factory(
+        &self,
+        fail: bool,
+    ) -> impl Fn(
+        LeaderContext,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), ChildError>> + Send>>
+    + Send
+    + Sync
+    + 'static {
+        let probe = self.clone();
+        move |_ctx| {
+            let probe = probe.clone();
+            Box::pin(async move {
+                probe.started.fetch_add(1, Ordering::SeqCst);
+                probe.running.fetch_add(1, Ordering::SeqCst);
+                let _stops = Stops(Arc::clone(&probe.running));
+                if fail {
+                    return Err("child fails".into());
+                }
+                // Ignores cancellation: only an abort stops it.
+                std::future::pending::<()>().await;
+                Ok(())
+            })
+        }
+    }
+}
+
+/// Holds `lease` and supervises the child under it, as `run` does between
+/// `campaign` and the release; spawned, so a test can kill it.
+fn hold<F, Fut>(
+    f: Arc<Fixture>,
+    lease: crate::Lease,
+    options: SingletonOptions,
+    factory: F,
+) -> JoinHandle<()>
+where
+    F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), ChildError>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let _stopped = MarkStopped(&f.inner);
+        let mut tenure = Tenure::new(lease);
+        let factory = Arc::new(factory);
+        let _ = lead(
+            &options,
+            &f.inner,
+            &f.stop,
+            &mut tenure,
+            &"node".into(),
+            &factory,
+        )
+        .await;
+        drop(tenure);
+    })
+}
+
+/// Waits for the release the lease sends to its manager, and checks what was true
+/// at that moment: the leadership had ended and the child had stopped.
+async fn release_seen(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<crate::driver::Command>,
+    f: &Fixture,
+    probe: &Probe,
+) {
+    let cmd = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+        .await
+        .expect("the lease is released");
+    assert!(matches!(cmd, Some(crate::driver::Command::Release { .. })));
+    assert!(
+        !f.inner.leadership.is_leader(),
+        "still leader at the release"
+    );
+    assert_eq!(
+        probe.running.load(Ordering::SeqCst),
+        0,
+        "child runs at the release"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sink_panicking_in_the_supervisor_stops_child_and_leadership() {
+    let f = Arc::new(fixture_with(Some(Arc::new(PanickingSink {
+        on_running: true,
+    }))));
+    let (lease, mut rx, _generation) = crate::Lease::for_tests();
+    let probe = Probe::default();
+    let task = hold(
+        Arc::clone(&f),
+        lease,
+        SingletonOptions::default(),
+        probe.factory(false),
+    );
+    assert!(task.await.unwrap_err().is_panic());
+    assert_eq!(f.inner.leadership.state(), crate::LeaderState::Stopped);
+    assert_eq!(f.status().state, SingletonState::Stopped);
+    release_seen(&mut rx, &f, &probe).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(probe.running.load(Ordering::SeqCst), 0);
+    assert!(!f.inner.leadership.is_leader());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sink_panicking_between_restarts_stops_leadership() {
+    let f = Arc::new(fixture_with(Some(Arc::new(PanickingSink {
+        on_running: false,
+    }))));
+    let (lease, mut rx, _generation) = crate::Lease::for_tests();
+    let probe = Probe::default();
+    let task = hold(
+        Arc::clone(&f),
+        lease,
+        SingletonOptions::default(),
+        probe.factory(true),
+    );
+    assert!(task.await.unwrap_err().is_panic());
+    release_seen(&mut rx, &f, &probe).await;
+    assert_eq!(probe.started.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_aborted_supervisor_stops_child_and_leadership() {
+    let f = Arc::new(fixture());
+    let (lease, mut rx, _generation) = crate::Lease::for_tests();
+    let probe = Probe::default();
+    let task = hold(
+        Arc::clone(&f),
+        lease,
+        SingletonOptions::default(),
+        probe.factory(false),
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(f.inner.leadership.is_leader());
+    assert_eq!(probe.running.load(Ordering::SeqCst), 1);
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    assert_eq!(f.inner.leadership.state(), crate::LeaderState::Stopped);
+    assert_eq!(f.status().state, SingletonState::Stopped);
+    release_seen(&mut rx, &f, &probe).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_factory_panic_is_a_child_failure() {
+    let f = Arc::new(fixture());
+    let (lease, _rx, _generation) = crate::Lease::for_tests();
+    let calls = Arc::new(AtomicU64::new(0));
+    let probe = Probe::default();
+    let factory = {
+        let calls = Arc::clone(&calls);
+        let child = probe.factory(false);
+        move |ctx| {
+            assert!(calls.fetch_add(1, Ordering::SeqCst) > 0, "factory fails");
+            child(ctx)
+        }
+    };
+    let task = hold(Arc::clone(&f), lease, SingletonOptions::default(), factory);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !task.is_finished(),
+        "the supervisor survives a factory panic"
+    );
+    assert!(f.inner.leadership.is_leader());
+    assert_eq!(probe.running.load(Ordering::SeqCst), 1);
+    let status = f.status();
+    assert_eq!(status.restarts, 1);
+    assert!(status.last_failure.unwrap().contains("factory fails"));
+    task.abort();
+}
+
+/// The watchdog deadline passed (a late heartbeat), then a heartbeat extended it
+/// again while the child was still being stopped: the lease must stay lost.
+/// Real time, because the deadline is on the std clock.
+#[tokio::test]
+async fn a_lease_once_lost_stays_lost_while_the_child_stops() {
+    let f = Arc::new(fixture());
+    let (lease, _rx, _generation) = crate::Lease::for_tests();
+    let shared = Arc::clone(&lease.shared);
+    shared.invalidate();
+    shared.extend_validity(std::time::Instant::now() + Duration::from_millis(300));
+    let probe = Probe::default();
+    let options = SingletonOptions::default().shutdown_timeout(Duration::from_secs(2));
+    let task = hold(Arc::clone(&f), lease, options, probe.factory(false));
+    f.inner.leadership.wait_leading().await;
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        f.inner.leadership.wait_not_leading(),
+    )
+    .await
+    .expect("the deadline passes");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(f.status().child, ChildState::Stopping);
+    // A heartbeat that lands now must not revive the lost lease.
+    shared.extend_validity(std::time::Instant::now() + Duration::from_secs(3600));
+    assert!(!f.inner.leadership.is_leader());
+    task.abort();
+}
+
+#[test]
+fn shutdown_timeout_must_fit_the_stop_budget() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Validation needs only the options; no connection.
+    let options = crate::ManagerOptions::from_url("postgres://u@localhost/db").unwrap();
+    let budget = options.get_stop_budget();
+    rt.block_on(async {
+        let err = SingletonOptions::default()
+            .shutdown_timeout(budget + Duration::from_secs(1))
+            .validate_against(budget)
+            .unwrap_err();
+        assert!(err.to_string().contains("stop_budget"), "{err}");
+    });
+}
