@@ -213,6 +213,7 @@ impl<S, P: Clone> Layer<S> for LeaderOnlyJobLayer<P> {
             self.policy.clone(),
             self.skew_tolerance,
             Arc::clone(&self.stats),
+            self._election.clone(),
         )
     }
 }

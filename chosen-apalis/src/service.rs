@@ -103,6 +103,10 @@ pub struct LeaderOnlyJob<S, P> {
     policy: P,
     skew_tolerance: Duration,
     stats: Arc<GateStats>,
+    /// The election of the layer that built this service, if it started one
+    /// ([`LeaderOnlyJobLayer::elect`](crate::LeaderOnlyJobLayer::elect)): kept alive
+    /// while this service is, as chosen-tower's service does.
+    _election: Option<Arc<chosen_core::Election>>,
 }
 
 /// The name before the tower layer's service got a name of its own: both were
@@ -115,6 +119,12 @@ impl<S> LeaderOnlyJob<S, crate::AnyTask> {
     /// [`LeaderOnlyJobLayer::new`](crate::LeaderOnlyJobLayer::new)`(leadership).layer(inner)`
     /// does: every task runs on the leader only, with no stale-tick rule and stats of
     /// its own. Use the layer to share stats or gate cron ticks.
+    ///
+    /// A [`Leadership`] does not keep its election going: keep the
+    /// [`Election`](chosen_core::Election) (or `Singleton`) it came from alive as long
+    /// as this service, or use
+    /// [`LeaderOnlyJobLayer::elect`](crate::LeaderOnlyJobLayer::elect), whose services
+    /// keep its election alive.
     pub fn new(inner: S, leadership: Leadership) -> Self {
         tower_layer::Layer::layer(&crate::LeaderOnlyJobLayer::new(leadership), inner)
     }
@@ -127,6 +137,7 @@ impl<S, P> LeaderOnlyJob<S, P> {
         policy: P,
         skew_tolerance: Duration,
         stats: Arc<GateStats>,
+        election: Option<Arc<chosen_core::Election>>,
     ) -> Self {
         Self {
             inner,
@@ -134,6 +145,7 @@ impl<S, P> LeaderOnlyJob<S, P> {
             policy,
             skew_tolerance,
             stats,
+            _election: election,
         }
     }
 

@@ -94,7 +94,7 @@ impl Election {
             fail_back_after,
         } = options;
         let request = lock.into();
-        let name = request.display_name(manager)?;
+        let name = request.validated_name()?;
         let prefer = preferred_lock(&name);
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());

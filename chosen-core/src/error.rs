@@ -19,8 +19,10 @@ pub enum Error {
     #[error("invalid chosen configuration ({setting}): {message}")]
     InvalidConfig {
         /// The setting at fault, as its builder method is named
-        /// (`"ManagerOptions::lease_timeout"`); for a rule between several settings, the
-        /// one the message suggests changing first.
+        /// (`"ManagerOptions::lease_timeout"`, `"SingletonOptions::poll_interval"`), or,
+        /// for a connection parameter of the URL or `tokio_postgres::Config`,
+        /// `"connection settings: <parameter>"` (`host`, `user`, `sslmode`); for a rule
+        /// between several settings, the one the message suggests changing first.
         setting: &'static str,
         /// What is wrong: the value, the bound or rule it breaks, and the fix.
         message: String,
@@ -221,12 +223,12 @@ impl Error {
 pub(crate) fn validate_name(what: &str, name: &str) -> Result<()> {
     if name.is_empty() {
         return Err(Error::InvalidName(format!(
-            "{what} is empty; use a descriptive name such as \"billing-sync\""
+            "{what} is empty; give it a name that says what it guards"
         )));
     }
     if name.contains('\0') {
         return Err(Error::InvalidName(format!(
-            "{what} {name:?} contains a NUL character; PostgreSQL text cannot hold one"
+            "{what} contains a NUL character ({name:?}); PostgreSQL text cannot hold one"
         )));
     }
     Ok(())

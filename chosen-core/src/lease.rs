@@ -303,6 +303,11 @@ impl Lease {
     /// not know this (an older version) or did not hear the announcement contends as
     /// usual. Waits as [`release`](Self::release) does.
     ///
+    /// A `node_id` no node can have (empty, longer than 63 bytes, or not printable
+    /// ASCII: see [`ManagerOptions::node_id`](crate::ManagerOptions::node_id)) is
+    /// logged as a warning and the lock released as by [`release`](Self::release), so
+    /// that nobody holds off for a node that cannot come.
+    ///
     /// # Errors
     ///
     /// As [`release`](Self::release).
@@ -315,6 +320,17 @@ impl Lease {
     }
 
     pub(crate) async fn release_to(mut self, to: Option<String>) -> Result<()> {
+        let to = to.filter(|node| {
+            let valid = crate::options::is_valid_node_id(node);
+            if !valid {
+                tracing::warn!(
+                    lock = %self.name,
+                    to = ?node,
+                    "hand-over to a node id no node can have (empty, over 63 bytes or not printable ASCII); releasing to anyone instead"
+                );
+            }
+            valid
+        });
         // Stop trusting the lease before anyone else can get the lock.
         self.ended.cancel();
         let Some(tx) = self.tx.take() else {

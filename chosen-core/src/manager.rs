@@ -106,8 +106,16 @@ impl LockRequest {
 }
 
 impl LockRequest {
-    /// The name reported for this request: the lock name, or `key(...)` for raw keys.
-    pub(crate) fn display_name(&self, _manager: &LockManager) -> Result<String> {
+    /// Checks the request as [`LockManager::acquire`] would (the name, and its own poll
+    /// interval if it has one), so that a supervisor started on it fails at once rather
+    /// than retry for ever; returns the name reported for it: the lock name, or
+    /// `key(...)` for raw keys.
+    pub(crate) fn validated_name(&self) -> Result<String> {
+        if let Some(interval) = self.poll_interval
+            && !crate::error::POLL_INTERVAL_RANGE.contains(&interval)
+        {
+            return Err(Error::InvalidPollInterval(interval));
+        }
         match &self.target {
             Target::Name(name) => {
                 crate::error::validate_name("the lock name", name)?;
@@ -221,10 +229,12 @@ impl LockManager {
     ///
     /// # Errors
     ///
-    /// * [`Error::InvalidConfig`]: the options break a rule (the message says which).
+    /// * [`Error::InvalidConfig`]: the options break a rule (its `setting` names which).
     /// * [`Error::Connect`], [`Error::ConnectTimeout`], [`Error::Authentication`]: the
     ///   first connection failed. Later losses are retried in the background instead.
     /// * [`Error::Refused`]: the server is a standby or read-only, or older than PostgreSQL 14.
+    /// * [`Error::Protocol`]: the server answered a probe in a way chosen does not
+    ///   expect (something between rewrites the conversation).
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
         options.validate()?;
         let first = session::connect(&options, 1).await?;

@@ -12,6 +12,14 @@ use crate::key::DEFAULT_NAMESPACE;
 /// PostgreSQL truncates `application_name` to 63 bytes; the node id is stored there.
 const MAX_NODE_ID_LEN: usize = 63;
 
+/// Whether `id` may be a node id: 1 to 63 bytes of printable ASCII (it is stored as
+/// the session's `application_name`).
+pub(crate) fn is_valid_node_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_NODE_ID_LEN
+        && id.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+}
+
 /// The largest `server_release_after`, and so of every term of the timing invariant.
 /// Checking each term against it first keeps every sum and product in validation (and
 /// in the manager, which adds them to `Instant`s) far from overflowing.
@@ -500,13 +508,7 @@ impl ManagerOptions {
     /// bound an absurd value exceeds (never a panic, whatever the values).
     pub fn validate(&self) -> Result<()> {
         let bad = |setting: &'static str, msg: String| Err(Error::config(setting, msg));
-        if self.node_id.is_empty()
-            || self.node_id.len() > MAX_NODE_ID_LEN
-            || !self
-                .node_id
-                .bytes()
-                .all(|b| b.is_ascii_graphic() || b == b' ')
-        {
+        if !is_valid_node_id(&self.node_id) {
             return bad(
                 "ManagerOptions::node_id",
                 format!(
@@ -840,7 +842,17 @@ mod tests {
     /// `setting` and contains `bound`.
     fn rejected(o: &ManagerOptions, setting: &str, bound: &str) {
         let err = match o.validate() {
-            Err(Error::InvalidConfig { message, .. }) => message,
+            Err(Error::InvalidConfig {
+                setting: field,
+                message,
+            }) => {
+                assert!(
+                    field.starts_with("ManagerOptions::")
+                        || field.starts_with("connection settings: "),
+                    "{setting}: the setting field names a builder method or a connection parameter: {field}"
+                );
+                message
+            }
             other => panic!("{setting}: expected InvalidConfig, got {other:?} for {o:?}"),
         };
         assert!(

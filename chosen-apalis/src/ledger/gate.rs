@@ -247,6 +247,7 @@ where
             max_runtime: self.max_runtime,
             turn: Arc::clone(&self.turn),
             template: std::sync::Mutex::new(None),
+            _election: self.gate._election.clone(),
             worker: std::sync::Mutex::new(None),
             low: AtomicU64::new(0),
         });
@@ -293,6 +294,9 @@ struct Shared {
     /// The latest task that reached the gate: what a catch-up run on gaining
     /// leadership is built from (so it carries the worker's data).
     template: std::sync::Mutex<Option<Task<Tick>>>,
+    /// The election of the layer this came from, if it started one: kept alive while
+    /// any service of it is.
+    _election: Option<Arc<chosen_core::Election>>,
     /// The apalis worker of the latest task that carried one: whether it is stopping
     /// is what a run built by the gate (a catch-up on gaining leadership, which may
     /// carry none) looks at too.

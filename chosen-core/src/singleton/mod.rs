@@ -161,7 +161,7 @@ impl Singleton {
         if let Some(interval) = options.poll_interval {
             request = request.poll_interval(interval);
         }
-        let name = request.display_name(manager)?;
+        let name = request.validated_name()?;
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         if let Some(m) = leadership.metrics() {

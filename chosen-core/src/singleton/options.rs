@@ -150,6 +150,14 @@ impl SingletonOptions {
     }
 
     pub(super) fn validate_against(&self, budget: Duration) -> Result<()> {
+        if let Some(interval) = self.poll_interval
+            && !crate::error::POLL_INTERVAL_RANGE.contains(&interval)
+        {
+            return Err(Error::config(
+                "SingletonOptions::poll_interval",
+                format!("poll interval {interval:?} is out of range: use between 10 ms and 1 hour"),
+            ));
+        }
         if self.shutdown_timeout > budget {
             return Err(Error::config(
                 "SingletonOptions::shutdown_timeout",
