@@ -160,14 +160,7 @@ impl NodeProcess {
     ///
     /// When the binary is missing or stale, or does not start.
     pub fn spawn_example(example: &str, url: &str, args: &[&str]) -> std::io::Result<Self> {
-        let mut child = std::process::Command::new(example_binary(example)?)
-            .args(args)
-            .env("DATABASE_URL", url)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()?;
-        let stdout = child.stdout.take().expect("BUG: stdout is piped");
+        let (child, stdout) = spawn_piped(example, url, args)?;
         let (tx, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             use std::io::BufRead;
@@ -220,6 +213,24 @@ impl NodeProcess {
     }
 }
 
+/// Starts `example` with `args` against `url` (as `DATABASE_URL`), stdout piped,
+/// stderr inherited.
+fn spawn_piped(
+    example: &str,
+    url: &str,
+    args: &[&str],
+) -> std::io::Result<(std::process::Child, std::process::ChildStdout)> {
+    let mut child = std::process::Command::new(example_binary(example)?)
+        .args(args)
+        .env("DATABASE_URL", url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("BUG: stdout is piped");
+    Ok((child, stdout))
+}
+
 /// Events of several `node` processes, parsed into one history (in arrival order).
 pub type History = std::sync::Arc<std::sync::Mutex<Vec<checker::Event>>>;
 
@@ -244,14 +255,7 @@ impl LoggedNode {
         history: &History,
         instance: u32,
     ) -> std::io::Result<Self> {
-        let mut child = std::process::Command::new(example_binary("node")?)
-            .args(args)
-            .env("DATABASE_URL", url)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()?;
-        let stdout = child.stdout.take().expect("BUG: stdout is piped");
+        let (child, stdout) = spawn_piped("node", url, args)?;
         let history = std::sync::Arc::clone(history);
         std::thread::spawn(move || {
             use std::io::BufRead;
