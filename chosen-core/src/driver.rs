@@ -462,6 +462,16 @@ impl Driver {
         generation_id: u64,
         waited: Duration,
     ) {
+        if self.shared.closing.is_cancelled() {
+            // A shutdown began while this grant's statement was in flight (commands,
+            // `Closing` among them, are read between steps): the request is answered
+            // `Closed` as every waiting one is, and the key released, announced.
+            if let Some(reply) = self.replies.remove(&id) {
+                let _ = reply.send(Err(Error::Closed));
+            }
+            self.table.release(key, id, Instant::now());
+            return;
+        }
         let (Some(reply), Some(generation), Some(tx)) = (
             self.replies.remove(&id),
             self.current.clone(),

@@ -59,7 +59,9 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name or one with a NUL character.
+    /// [`Error::InvalidName`] for an empty name or one with a NUL character;
+    /// [`Error::InvalidPollInterval`] for a request whose poll interval is outside
+    /// 10 ms to 1 h.
     pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
         Self::start_with(manager, lock, ElectionOptions::default())
     }
@@ -80,7 +82,9 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name or one with a NUL character.
+    /// [`Error::InvalidName`] for an empty name or one with a NUL character;
+    /// [`Error::InvalidPollInterval`] for a request whose poll interval is outside
+    /// 10 ms to 1 h.
     // By value, as `Singleton::start` takes its options: more of them are to come.
     #[allow(clippy::needless_pass_by_value)]
     pub fn start_with(

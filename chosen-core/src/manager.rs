@@ -452,14 +452,15 @@ impl LockManager {
     ///    waiting node takes over within about a round trip, and only after the child
     ///    stopped. This waits at most `stop_budget + lease_timeout` (a `warn` event
     ///    names how many were still stopping; the next step still keeps the order);
-    /// 2. every other lock is released at the server (announced), every lease revoked,
-    ///    and waiting requests fail with [`Error::Closed`];
+    /// 2. every other lock is released at the server (announced) and every lease
+    ///    revoked;
     /// 3. the session closes.
     ///
-    /// One call is enough on SIGTERM; calling the singletons' and elections' own
-    /// `shutdown` first is fine too. Idempotent. Afterwards, requests fail with
-    /// [`Error::Closed`], and a singleton or election started on this manager stops at
-    /// once.
+    /// Requests still waiting when it begins fail with [`Error::Closed`] at once (none
+    /// is granted while the singletons stop). One call is enough on SIGTERM; calling
+    /// the singletons' and elections' own `shutdown` first is fine too. Idempotent.
+    /// Afterwards, requests fail with [`Error::Closed`], and a singleton or election
+    /// started on this manager stops at once.
     ///
     /// ```no_run
     /// use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOptions};
@@ -484,8 +485,11 @@ impl LockManager {
     /// runtime, e.g. by `futures::executor::block_on` on a thread of its own, it works
     /// too, in the caller's future, without the bound on the supervisors' stop.)
     pub async fn shutdown(&self) {
-        // Refuse new requests and tell every supervisor to stop, synchronously; waiting
-        // requests are answered `Closed` now, not granted while the supervisors stop.
+        // Refuse new requests and tell every supervisor to stop, synchronously. From
+        // here on no grant is delivered (the driver checks `closing` before it hands
+        // out a lease, whatever statement was in flight), and waiting requests are
+        // answered `Closed` as soon as the driver reads this, not when the supervisors
+        // have stopped.
         self.shared.closing.cancel();
         self.shared.tasks.close();
         let _ = self.tx.send(Command::Closing);

@@ -378,3 +378,75 @@ async fn a_request_waiting_when_the_shutdown_begins_is_closed_not_granted() {
     shutdown.await.unwrap();
     other.shutdown().await;
 }
+
+// Review finding (round 11): a request whose try is already on its way to the server
+// when the shutdown begins is answered `Closed` too, not granted once the try wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_try_is_in_flight_when_the_shutdown_begins_is_closed_not_granted() {
+    use chosen_core::{LockRequest, LockState};
+    use chosen_tests::{FaultProxy, ProxyMode};
+
+    let pg = PgCluster::start_local().unwrap();
+    let port = pg.port().unwrap();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
+        .await
+        .unwrap();
+    let lock = unique_name("f1-inflight");
+    let other = LockManager::connect(options(&pg.url(), "f1b-other"))
+        .await
+        .unwrap();
+    let held = other.acquire(lock.as_str()).await.unwrap();
+    let m = LockManager::connect(
+        options(&proxy.url(&pg.url(), port), "f1b-m").term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
+    // It polls every 30 s: only the release's announcement makes it try again.
+    let waiter = {
+        let m = m.clone();
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            m.acquire(LockRequest::from(lock.as_str()).poll_interval(Duration::from_secs(30)))
+                .await
+        })
+    };
+    until("the request waits", || !waiter.is_finished()).await;
+    let t0 = Instant::now();
+    while !m
+        .locks()
+        .await
+        .unwrap()
+        .iter()
+        .any(|l| l.name == lock && matches!(l.state, LockState::Waiting { .. }))
+    {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Its first try has been answered; from now on every round trip takes 600 ms.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.set(ProxyMode::Latency(Duration::from_millis(600)));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The announced release makes it try again: the try is on the wire when the
+    // shutdown begins.
+    held.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let shutdown = {
+        let m = m.clone();
+        tokio::spawn(async move { m.shutdown().await })
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiting request is answered")
+        .unwrap();
+    let granted = format!("{answer:?}");
+    drop(answer);
+    tokio::time::timeout(Duration::from_secs(30), shutdown)
+        .await
+        .expect("the shutdown ends")
+        .unwrap();
+    assert!(
+        granted.starts_with("Err(Closed"),
+        "a request answered after the shutdown began must be Closed, got {granted}"
+    );
+    other.shutdown().await;
+}
