@@ -4,20 +4,21 @@
 //!
 //! *Live* is what the nemesis did, not what the library believed: a node is live while
 //! one of its processes runs and no fault aimed at it (or at the server) is in effect; a
-//! slow database (`latency`) does not count. The library learns of a change only after a
-//! while (a frozen node's session lasts until the server releases it, a promoted server
-//! grants nothing for its term hold, hand-overs take a round each), so a change is judged
-//! by the fewest nodes that were live over the last `settle`: after a node leaves, the
+//! slow database (`latency`) does not count. The library learns of a join only after a
+//! while (a node back from a freeze or a cut reconnects and takes a membership lock, a
+//! promoted server grants nothing for its term hold, hand-overs take a round each), and
+//! of a leave at once (a dead session's locks are free), so the bound counts the
+//! *steady* nodes: those live throughout the last `settle`. After a node leaves, the
 //! bound loosens at once; after one joins, it tightens `settle` later.
 //!
 //! * **Load over time.** At every moment (judged at each member's start, and at each
 //!   moment a bound tightens), no node runs more than `ceil(M / N) + 1` of the `M`
-//!   members, `N` the fewest live nodes over the last `settle`; nothing is judged while
-//!   that is 0 (a server outage, or the fleet starting). A moment over the bound fails
-//!   the judgement when the whole fleet had been live for `settle`; with part of it out
-//!   it is reported only: a 300 s nemesis run under dense faults found nodes at 7 where
-//!   4 of 5 live nodes allow 6, not yet explained (the library's view of the live nodes
-//!   may lag the nemesis's by more than `settle` after some faults).
+//!   members, `N` the steady nodes; nothing is judged while that is 0 (a server outage,
+//!   or the fleet starting). A moment over the bound fails the judgement when the whole
+//!   fleet was steady; with part of it out it is reported. (Counting nodes as soon as
+//!   they came back, a 300 s run found a node at 7 of 20 where 4 live nodes allow 6:
+//!   one node was back from a freeze the others had not seen yet, another had just
+//!   been killed, so the fleet rightly placed over 3.)
 //! * **Moves per membership change.** A *move* is a member whose next run is on another
 //!   node after its run ended gracefully on a node that stayed up (a hand-over to
 //!   rebalance; runs ended by a lost lease, a kill or the node's own shutdown are forced,
@@ -60,9 +61,10 @@ pub struct Placement {
     pub over_partial: Vec<String>,
     /// How many such moments.
     pub over_partial_count: usize,
-    /// Moments judged (with at least one node live throughout the last `settle`).
+    /// Moments judged (with at least one steady node: live throughout the last
+    /// `settle`).
     pub judged: usize,
-    /// Per fewest-live-nodes count `N`: the most members one node ran at a judged moment.
+    /// Per steady-node count `N`: the most members one node ran at a judged moment.
     pub peak_by_live: BTreeMap<usize, usize>,
     /// The most members one node ran at any moment (judged or not).
     pub peak: usize,
@@ -178,17 +180,24 @@ pub(super) fn judge(
             edges.insert(b.saturating_add(1));
         }
     }
-    // (moment, live count from then on), and each node's liveness, for joins.
-    let mut steps: Vec<(u64, usize)> = Vec::new();
+    // Each node's liveness from each edge on (`transitions`), and the joins.
+    let mut steps: Vec<u64> = Vec::new();
+    let mut transitions: HashMap<&str, Vec<(u64, bool)>> = HashMap::new();
     let mut was_live: HashMap<&str, bool> = HashMap::new();
     for &t in &edges {
         let mut count = 0;
         let mut joined = 0;
+        let mut changed = false;
         for n in &spec.nodes {
             let live = live_at(n, t);
             count += usize::from(live);
-            if live && !was_live.get(n.as_str()).copied().unwrap_or(false) {
+            let before = was_live.get(n.as_str()).copied().unwrap_or(false);
+            if live && !before {
                 joined += 1;
+            }
+            if live != before {
+                changed = true;
+                transitions.entry(n.as_str()).or_default().push((t, live));
             }
             was_live.insert(n.as_str(), live);
         }
@@ -196,32 +205,37 @@ pub(super) fn judge(
             p.joins += joined;
             p.move_bound += joined * spec.members.div_ceil(count);
         }
-        if steps.last().is_none_or(|(_, c)| *c != count) {
-            steps.push((t, count));
+        if changed {
+            steps.push(t);
         }
     }
-    let live_count = |t: u64| {
-        steps
-            .iter()
-            .take_while(|(at, _)| *at <= t)
-            .last()
-            .map_or(0, |(_, c)| *c)
-    };
-    // The fewest live nodes over [t - settle, t].
-    let fewest = |t: u64| {
+    // The nodes live throughout [t - settle, t]: a node that left counts no more at
+    // once; one that joined (or came back) counts once it has been live for `settle`,
+    // the time the others take to see it and hand it members.
+    let steady = |t: u64| {
         let from = t.saturating_sub(settle_us);
-        let mut least = live_count(from);
-        for (at, c) in &steps {
-            if *at > from && *at <= t {
-                least = least.min(*c);
-            }
-        }
-        least
+        spec.nodes
+            .iter()
+            .filter(|n| {
+                let Some(list) = transitions.get(n.as_str()) else {
+                    return false;
+                };
+                let live_at_from = list
+                    .iter()
+                    .take_while(|(at, _)| *at <= from)
+                    .last()
+                    .is_some_and(|(_, live)| *live);
+                live_at_from
+                    && !list
+                        .iter()
+                        .any(|(at, live)| *at > from && *at <= t && !*live)
+            })
+            .count()
     };
 
     // The moments to judge: every member's start, and every moment a bound tightens.
     let mut moments: BTreeSet<u64> = members.iter().map(|r| r.start_us).collect();
-    moments.extend(steps.iter().map(|(at, _)| at.saturating_add(settle_us)));
+    moments.extend(steps.iter().map(|at| at.saturating_add(settle_us)));
     for &t in moments.range(..=spec.until_us) {
         let mut load: BTreeMap<&str, usize> = BTreeMap::new();
         for r in members.iter().filter(|r| r.start_us <= t && t < r.end_us) {
@@ -232,7 +246,7 @@ pub(super) fn judge(
             .max_by_key(|(_, k)| **k)
             .map_or(("", 0), |(n, k)| (*n, *k));
         p.peak = p.peak.max(worst);
-        let n = fewest(t);
+        let n = steady(t);
         if n == 0 {
             continue;
         }
@@ -249,7 +263,7 @@ pub(super) fn judge(
             *count += 1;
             if list.len() < DESCRIBED {
                 list.push(format!(
-                    "at {t}: {worst_node} ran {worst} of {} members; at least {n} nodes were live for {:?}, bound {bound}; loads {load:?}",
+                    "at {t}: {worst_node} ran {worst} of {} members; {n} nodes had been live for {:?}, bound {bound}; loads {load:?}",
                     spec.members, spec.settle
                 ));
             }
@@ -451,6 +465,47 @@ mod tests {
         assert!(p.ok(), "{p}");
         assert!(p.over_partial_count > 0, "{p}");
         assert!(p.over_partial[0].contains("a ran 5 of 6"), "{p}");
+    }
+
+    #[test]
+    fn a_node_back_from_a_freeze_counts_only_once_it_has_settled() {
+        // d is frozen from 10 s to 20 s; c is killed at 21 s. At 21.5 s a runs five of
+        // eight members: d is back but not yet seen by the others (it counts after the
+        // settle time), c is gone: two steady nodes, bound ceil(8 / 2) + 1 = 5.
+        let mut h = [
+            alive("a", 0, 100_000),
+            alive("b", 0, 100_000),
+            alive("c", 0, 21_000),
+            alive("d", 0, 100_000),
+        ]
+        .concat();
+        for m in 0..2 {
+            h.extend(member("a", m, 1_000, 99_000, 1));
+        }
+        for m in 2..5 {
+            h.extend(member("a", m, 21_500, 99_000, 2));
+        }
+        for m in 5..8 {
+            h.extend(member("b", m, 1_000, 99_000, 1));
+        }
+        let faults = [
+            FaultRecord {
+                kind: "sigstop_long",
+                target: Some(("d".to_owned(), 0)),
+                at_us: 10_000_000,
+                healed_us: 20_000_000,
+            },
+            FaultRecord {
+                kind: "sigkill",
+                target: Some(("c".to_owned(), 0)),
+                at_us: 21_000_000,
+                healed_us: 21_010_000,
+            },
+        ];
+        let p = judge_history(&h, &faults, &spec(8, &["a", "b", "c", "d"], 25_000));
+        assert!(p.ok(), "{p}");
+        assert_eq!(p.over_partial_count, 0, "{p}");
+        assert_eq!(p.peak_by_live.get(&2), Some(&5), "{p}");
     }
 
     #[test]
