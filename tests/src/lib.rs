@@ -213,6 +213,84 @@ impl NodeProcess {
     }
 }
 
+/// An HTTP/1.1 response read by [`http_request`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpResponse {
+    /// The status code.
+    pub status: u16,
+    /// The status line and headers, as sent.
+    pub head: String,
+    /// The body.
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// The value of header `name` (case-insensitive), if sent.
+    #[must_use]
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// A plain HTTP/1.1 request with an empty body on loopback (`Connection: close`), for
+/// the tests of the examples' and layers' HTTP endpoints: connecting, writing and
+/// reading each give up after 5 s.
+///
+/// # Errors
+///
+/// When the connection or the exchange fails, or the answer is not HTTP.
+pub fn http_request(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+) -> std::io::Result<HttpResponse> {
+    use std::io::{Read, Write};
+    let limit = std::time::Duration::from_secs(5);
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, limit)?;
+    stream.set_read_timeout(Some(limit))?;
+    stream.set_write_timeout(Some(limit))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut buf = Vec::new();
+    stream.read_to_end(&mut buf)?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP answer: {text:?}")))?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no status in {head:?}")))?;
+    Ok(HttpResponse {
+        status,
+        head: head.to_owned(),
+        body: body.to_owned(),
+    })
+}
+
+/// [`http_request`] from async code, on a blocking thread (so that a server in the
+/// same runtime keeps its workers).
+///
+/// # Errors
+///
+/// As [`http_request`].
+pub async fn http_request_async(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+) -> std::io::Result<HttpResponse> {
+    let (method, path) = (method.to_owned(), path.to_owned());
+    tokio::task::spawn_blocking(move || http_request(addr, &method, &path))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
 /// Starts `example` with `args` against `url` (as `DATABASE_URL`), stdout piped,
 /// stderr inherited.
 fn spawn_piped(

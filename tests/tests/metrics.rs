@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use chosen_core::{LockManager, ManagerOptions};
 use chosen_tests::{NodeProcess, PgCluster, connect_admin, unique_name};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Node {
     id: String,
@@ -48,15 +47,11 @@ fn spawn(url: &str, id: &str, singleton: &str) -> Node {
 
 /// `metric{labels}` -> value, from the Prometheus text format.
 async fn scrape(addr: SocketAddr) -> HashMap<String, f64> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    let r = chosen_tests::http_request_async(addr, "GET", "/metrics")
         .await
         .unwrap();
-    let mut buf = String::new();
-    stream.read_to_string(&mut buf).await.unwrap();
-    let body = buf.split_once("\r\n\r\n").unwrap().1;
-    body.lines()
+    r.body
+        .lines()
         .filter(|l| !l.starts_with('#') && !l.is_empty())
         .filter_map(|l| {
             let (series, value) = l.rsplit_once(' ')?;

@@ -4,8 +4,7 @@
 //! exits 0 soon after SIGTERM.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chosen_tests::{NodeProcess, PgCluster, monotonic_us, signal};
@@ -25,30 +24,9 @@ fn text<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     Some(&rest[..rest.find('"')?])
 }
 
-/// A plain HTTP/1.1 GET on loopback: the status (0 when the request failed) and body.
+/// A GET on loopback: the status (0 when the request failed) and body.
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let attempt = || -> std::io::Result<(u16, String)> {
-        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut buf = Vec::new();
-        stream.read_to_end(&mut buf)?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
-    };
-    attempt().unwrap_or((0, String::new()))
+    chosen_tests::http_request(addr, "GET", path).map_or((0, String::new()), |r| (r.status, r.body))
 }
 
 struct Service {

@@ -8,28 +8,15 @@ use axum::routing::post;
 use chosen_core::{ConnectionState, Election, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 use chosen_tower::{LeaderHealth, LeaderOnlyHttpLayer};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::Layer;
 
 /// A minimal HTTP/1.1 client: (status, x-chosen-leader).
 async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, Option<String>) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf))
+    let r = chosen_tests::http_request_async(addr, method, path)
         .await
-        .unwrap()
         .unwrap();
-    let text = String::from_utf8_lossy(&buf);
-    let status = text.split(' ').nth(1).unwrap().parse().unwrap();
-    let leader = text
-        .lines()
-        .find_map(|l| l.strip_prefix("x-chosen-leader: "))
-        .map(str::to_owned);
-    (status, leader)
+    let leader = r.header("x-chosen-leader").map(str::to_owned);
+    (r.status, leader)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
