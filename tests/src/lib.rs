@@ -30,6 +30,19 @@ pub use tokio_postgres::Config as PgConfig;
 /// Re-exported for examples that inspect connection settings.
 pub use tokio_postgres::config::Host as PgHost;
 
+/// The options every test manager starts from: `url` (a test URL, so a parse failure
+/// is a bug in the test) and `node` as the node id; each test adds its own timings.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn manager_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    chosen_core::ManagerOptions::from_url(url)
+        .expect("a valid test URL")
+        .node_id(node)
+}
+
 /// `true` when running in CI (`CI=true`, as `.ci/run` is run): there no test may skip
 /// itself for a missing tool.
 #[must_use]

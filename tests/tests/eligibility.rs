@@ -14,9 +14,7 @@ use chosen_core::{
 use chosen_tests::{PgCluster, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
         .poll_interval(Duration::from_millis(100))
         .term_grant_delay(Duration::ZERO)
 }

@@ -13,9 +13,7 @@ use chosen_tests::{PgCluster, connect_admin, unique_name};
 const MEMBERS: usize = 30;
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
         .poll_interval(Duration::from_millis(200))
         .term_grant_delay(Duration::ZERO)
 }

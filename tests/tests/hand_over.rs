@@ -12,9 +12,7 @@ use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOpt
 use chosen_tests::{PgCluster, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
         // The default poll: a node that did not hold off would take the lock within
         // 300 ms of a release.
         .poll_interval(Duration::from_millis(300))

@@ -10,10 +10,7 @@ use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid test URL")
-        .node_id(node)
-        .poll_interval(Duration::from_millis(50))
+    chosen_tests::manager_options(url, node).poll_interval(Duration::from_millis(50))
 }
 
 /// A connection that LISTENs on the release channel; payloads arrive on the receiver.

@@ -18,9 +18,7 @@ use chosen_tests::{FaultProxy, PgCluster, ProxyMode, unique_name};
 
 /// Default settings: only the node id is set.
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
 }
 
 #[derive(Debug, Clone)]

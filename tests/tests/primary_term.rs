@@ -9,9 +9,7 @@ use chosen_core::{FencingToken, LockManager, ManagerOptions};
 use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
         .poll_interval(Duration::from_millis(100))
         .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
 }

@@ -7,9 +7,7 @@ use chosen_core::{LockKey, LockManager, ManagerOptions};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid test URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
         .poll_interval(Duration::from_millis(50))
         .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
 }

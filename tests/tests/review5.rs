@@ -11,10 +11,7 @@ use chosen_core::{LockKey, LockManager, ManagerOptions, MetricsSink};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid test URL")
-        .node_id(node)
-        .poll_interval(Duration::from_millis(50))
+    chosen_tests::manager_options(url, node).poll_interval(Duration::from_millis(50))
 }
 
 fn tag(key: LockKey) -> String {

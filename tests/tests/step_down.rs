@@ -11,9 +11,7 @@ use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOpt
 use chosen_tests::{PgCluster, unique_name};
 
 fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .expect("valid URL")
-        .node_id(node)
+    chosen_tests::manager_options(url, node)
         // Only the release announcement can explain a hand-over within a second.
         .poll_interval(Duration::from_secs(30))
         .term_grant_delay(Duration::ZERO)
