@@ -465,11 +465,12 @@ impl Driver {
         if self.shared.closing.is_cancelled() {
             // A shutdown began while this grant's statement was in flight (commands,
             // `Closing` among them, are read between steps): the request is answered
-            // `Closed` as every waiting one is, and the key released, announced.
+            // `Closed` as every waiting one is, and the key unlocked quietly (nothing
+            // ran under it; see `LockTable::undelivered`).
             if let Some(reply) = self.replies.remove(&id) {
                 let _ = reply.send(Err(Error::Closed));
             }
-            self.table.release(key, id, Instant::now());
+            self.table.undelivered(key, id, Instant::now());
             return;
         }
         let (Some(reply), Some(generation), Some(tx)) = (
@@ -477,7 +478,7 @@ impl Driver {
             self.current.clone(),
             self.weak_tx.upgrade(),
         ) else {
-            self.table.release(key, id, Instant::now());
+            self.table.undelivered(key, id, Instant::now());
             return;
         };
         debug_assert_eq!(generation.id, generation_id);
@@ -508,7 +509,7 @@ impl Driver {
                 if let Ok(Some(mut lease)) = returned {
                     lease.disarm();
                 }
-                self.table.release(key, id, Instant::now());
+                self.table.undelivered(key, id, Instant::now());
             }
         }
     }

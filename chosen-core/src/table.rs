@@ -644,8 +644,10 @@ impl LockTable {
         self.forget_if_unused(key);
     }
 
-    /// The holder of lease `id` released it (or its grant could not be delivered). A
+    /// The holder of lease `id` released it (a grant never delivered goes to
+    /// [`undelivered`](Self::undelivered) instead). A
     /// lease of an ended generation, or one already released, is ignored.
+    #[cfg(test)]
     pub(crate) fn release(&mut self, key: LockKey, id: RequestId, now: Instant) {
         self.release_to(key, id, None, now);
     }
@@ -713,6 +715,35 @@ impl LockTable {
             Server::Unlocking {
                 sent: false,
                 announce: true,
+            }
+        } else {
+            Server::NeedsToken { asked: false }
+        };
+    }
+
+    /// Grant `id` never reached its request (the caller stopped waiting, or a shutdown
+    /// began while its statement was in flight): nobody ran anything under it, so the
+    /// key goes to the next local waiter, or is unlocked *quietly*, as a win refused
+    /// before it was granted is. An announcement would let other nodes skip the
+    /// takeover grace, although whoever held the key before this win may still be
+    /// stopping.
+    pub(crate) fn undelivered(&mut self, key: LockKey, id: RequestId, _now: Instant) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        if slot.holder.as_ref().map(|h| h.id) != Some(id) {
+            return;
+        }
+        let holder = slot.holder.take().expect("BUG: holder checked");
+        self.actions.push_back(Action::Released {
+            key,
+            name: holder.name,
+        });
+        slot.hand_to = None;
+        slot.server = if slot.waiters.is_empty() {
+            Server::Unlocking {
+                sent: false,
+                announce: false,
             }
         } else {
             Server::NeedsToken { asked: false }

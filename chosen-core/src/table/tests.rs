@@ -1794,3 +1794,36 @@ fn the_unlock_statement_groups_announcements_as_the_payload_limit_allows() {
     let longest = LockKey::Pair(i32::MIN, i32::MIN).announcement(Some(u64::MAX));
     assert!((longest.len() + 1) * per < 8000, "{}", longest.len());
 }
+
+// Review round 12: a grant refused because the shutdown began while its try was in
+// flight (or whose caller left) is unlocked quietly, as a win refused before it was
+// granted is: an announcement would let another node skip the takeover grace although
+// whoever held the key before may still be stopping. The same in either order.
+#[test]
+fn review12_a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() {
+    // (a) The shutdown is read first, then the try's result.
+    let mut f = Fixture::new();
+    f.wait(key(1));
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)]);
+    f.table.begin_close();
+    f.table
+        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+    assert!(f.granted().is_empty());
+    let plan = f.plan();
+    assert_eq!((plan.unlock, plan.unlock_quiet), (vec![], vec![key(1)]));
+
+    // (b) The try's result is read first (a grant), then the driver refuses it.
+    let mut f = Fixture::new();
+    let w = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(w, token(10))]);
+    f.table.undelivered(key(1), w, f.now);
+    let plan = f.plan();
+    assert_eq!(
+        (plan.unlock.clone(), plan.unlock_quiet.clone()),
+        (vec![], vec![key(1)])
+    );
+    f.table.unlocked(&plan.unlock_quiet, f.now);
+    assert_eq!(f.table.held(), 0);
+}
