@@ -1595,7 +1595,20 @@ fn setup_sql(options: &ManagerOptions) -> String {
 /// Opens and proves a new session.
 pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
     let timeout = options.connect_timeout * (options.pg.get_hosts().len().max(1) as u32 + 1);
-    match tokio::time::timeout(timeout, connect_inner(options, generation)).await {
+    let attempt = async {
+        match connect_inner(options, generation).await {
+            // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
+            // the first statement of each message, before our settings override it:
+            // under load, even a `BEGIN` can overrun it. The next connection very
+            // likely gets through; nothing of the first one is kept.
+            Err(Error::Database(e)) if e.code() == Some(&SqlState::QUERY_CANCELED) => {
+                debug!(error = %e, "a statement of the new session was cancelled (a short statement_timeout?); connecting again");
+                connect_inner(options, generation).await
+            }
+            other => other,
+        }
+    };
+    match tokio::time::timeout(timeout, attempt).await {
         Ok(result) => result,
         Err(_) => Err(Error::ConnectTimeout {
             target: options.target_description(),
