@@ -1578,8 +1578,8 @@ fn setup_sql(options: &ManagerOptions) -> String {
     // Our statements are few and always the same: plan them once (a custom plan per
     // execution of the try statement cost more than the statement itself).
     format!(
-        "SET plan_cache_mode = force_generic_plan; \
-         SET statement_timeout = {statement_ms}; \
+        "SET statement_timeout = {statement_ms}; \
+         SET plan_cache_mode = force_generic_plan; \
          SET lock_timeout = 0; \
          SET idle_in_transaction_session_timeout = 0; \
          SET idle_session_timeout = {release_ms}; \
@@ -1596,16 +1596,24 @@ fn setup_sql(options: &ManagerOptions) -> String {
 pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
     let timeout = options.connect_timeout * (options.pg.get_hosts().len().max(1) as u32 + 1);
     let attempt = async {
-        match connect_inner(options, generation).await {
-            // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
-            // the first statement of each message, before our settings override it:
-            // under load, even a `BEGIN` can overrun it. The next connection very
-            // likely gets through; nothing of the first one is kept.
-            Err(Error::Database(e)) if e.code() == Some(&SqlState::QUERY_CANCELED) => {
-                debug!(error = %e, "a statement of the new session was cancelled (a short statement_timeout?); connecting again");
-                connect_inner(options, generation).await
+        // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
+        // every statement of a new session until our own `SET statement_timeout` has
+        // run (the server starts the timer anew for each statement of a message), and
+        // a short idle_session_timeout to the pause between our first two round trips:
+        // under load, even a `BEGIN` can overrun the one, a descheduled client the
+        // other. Another connection very likely gets through; nothing of a failed one
+        // is kept (it holds no lock, and its socket is closed). At most three, within
+        // the connect timeout.
+        let mut tries = 1;
+        loop {
+            match connect_inner(options, generation).await {
+                Err(e) if tries < 3 && cut_short_by_dba_settings(&e) => {
+                    warn!(error = %e, "the new lock session was cut short, likely by a very short statement_timeout or idle_session_timeout set for the role or database; connecting again (consider ALTER ROLE ... RESET for this role)");
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                other => break other,
             }
-            other => other,
         }
     };
     match tokio::time::timeout(timeout, attempt).await {
@@ -1614,6 +1622,18 @@ pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result
             target: options.target_description(),
             after: timeout,
         }),
+    }
+}
+
+/// A new session's statement cancelled (57014), or the session lost while it was
+/// being proven (e.g. ended by `idle_session_timeout`, 57P05, whose notice may arrive
+/// as a plain close): worth another connection at once. A server that refuses
+/// connections is not this (`Error::Connect`).
+fn cut_short_by_dba_settings(error: &Error) -> bool {
+    match error {
+        Error::Database(e) => e.code() == Some(&SqlState::QUERY_CANCELED),
+        Error::NotConnected(SessionDownReason::ConnectionLost { .. }) => true,
+        _ => false,
     }
 }
 
@@ -1683,7 +1703,9 @@ where
     // From here on, dropping `guard` (on any error) closes the connection.
     let guard = AbortOnDrop(Some(conn_task));
     // A DBA's statement_timeout could cancel even the probe: override it in the same
-    // round trip, first (these settings exist on every server version). Only for this
+    // round trip, as early as a `SET LOCAL` can be (it still covers the `BEGIN` and the
+    // `SET` itself; `connect` tries once more if one of them is cancelled; these
+    // settings exist on every server version). Only for this
     // transaction: a backend that turns out not to be ours alone (a pooler's) keeps
     // nothing of ours.
     let messages = client
