@@ -236,17 +236,9 @@ impl Election {
     /// The stop is requested before the first await; dropping the future only stops
     /// waiting for it.
     pub async fn shutdown(&self) {
-        self.stop.cancel();
-        // The handle stays in place until the task is done: a caller that stops
-        // waiting (its future dropped) leaves it for the next call to wait on.
-        let mut task = self.task.lock().await;
-        let Some(handle) = task.as_mut() else {
-            return;
-        };
-        let result = handle.await;
-        *task = None;
-        if let Err(e) = result
-            && e.is_panic()
+        if crate::manager::stop_supervisor(&self.stop, &self.task)
+            .await
+            .is_some()
         {
             error!(lock = %self.leadership.name(), "the election's task had panicked; the lock was released");
         }

@@ -543,6 +543,24 @@ impl LockManager {
     }
 }
 
+/// Asks a supervisor to stop and waits until its task is done: the `shutdown` of an
+/// `Election`, a `Singleton` and a `SingletonGroup`. The handle stays in place until
+/// the task is done, so a caller that stops waiting (its future dropped) leaves it for
+/// the next call to wait on. Returns the task's panic, if it panicked (once).
+pub(crate) async fn stop_supervisor(
+    stop: &CancellationToken,
+    task: &tokio::sync::Mutex<Option<JoinHandle<()>>>,
+) -> Option<Box<dyn std::any::Any + Send>> {
+    stop.cancel();
+    let mut task = task.lock().await;
+    let result = task.as_mut()?.await;
+    *task = None;
+    match result {
+        Err(e) if e.is_panic() => Some(e.into_panic()),
+        _ => None,
+    }
+}
+
 /// Withdraws a request whose caller stopped waiting.
 struct WithdrawOnDrop<'a> {
     tx: &'a mpsc::UnboundedSender<Command>,

@@ -283,14 +283,7 @@ impl SingletonGroup {
     /// this node), then stops every member's child and releases its lock, announced,
     /// so the other nodes take over at once. Idempotent; waits until done.
     pub async fn shutdown(&self) {
-        self.stop.cancel();
-        // The handle stays in place until the task is done: a caller that stops
-        // waiting (its future dropped) leaves it for the next call to wait on.
-        let mut task = self.task.lock().await;
-        if let Some(handle) = task.as_mut() {
-            let _ = handle.await;
-            *task = None;
-        }
+        let _ = crate::manager::stop_supervisor(&self.stop, &self.task).await;
     }
 }
 

@@ -294,21 +294,10 @@ impl Singleton {
     /// The stop is requested before the first await; dropping the future only stops
     /// waiting for it.
     pub async fn shutdown(&self) {
-        self.stop.cancel();
-        // The handle stays in place until the task is done: a caller that stops
-        // waiting (its future dropped) leaves it for the next call to wait on.
-        let mut task = self.task.lock().await;
-        let Some(handle) = task.as_mut() else {
-            return;
-        };
-        let result = handle.await;
-        *task = None;
-        if let Err(e) = result
-            && e.is_panic()
-        {
+        if let Some(panic) = crate::manager::stop_supervisor(&self.stop, &self.task).await {
             error!(
                 singleton = %self.inner.leadership.name(),
-                panic = %panic_message(e.into_panic()),
+                panic = %panic_message(panic),
                 "the singleton's supervisor had panicked; its child was stopped and the lock released"
             );
         }
@@ -339,13 +328,13 @@ async fn run<F, Fut>(
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
     let presence = crate::election::preferred_lock(&name);
-    let presence = options.preferred.then_some(presence.as_str());
+    let presence = options.election.preferred.then_some(presence.as_str());
     while let Some(lease) = campaign(
         &manager,
         &request,
         &leadership,
         &stop,
-        options.eligible,
+        options.election.eligible,
         presence,
     )
     .await
@@ -363,8 +352,13 @@ async fn run<F, Fut>(
         // for a hand-over asked for).
         let prefer = crate::election::preferred_lock(&name);
         let fail_back = async {
-            crate::election::fail_back(&manager, &prefer, options.fail_back_after, &inner.hand_to)
-                .await;
+            crate::election::fail_back(
+                &manager,
+                &prefer,
+                options.election.fail_back_after,
+                &inner.hand_to,
+            )
+            .await;
             tenure_stop.cancel();
             std::future::pending::<()>().await;
         };

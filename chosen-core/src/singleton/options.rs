@@ -33,9 +33,8 @@ pub struct SingletonOptions {
     pub(super) shutdown_timeout: Duration,
     pub(super) give_up_cooldown: Duration,
     pub(super) poll_interval: Option<Duration>,
-    pub(super) eligible: bool,
-    pub(super) preferred: bool,
-    pub(super) fail_back_after: Duration,
+    /// Who may run it and who is preferred: the same choices as an election's.
+    pub(super) election: crate::ElectionOptions,
 }
 
 impl Default for SingletonOptions {
@@ -49,9 +48,7 @@ impl Default for SingletonOptions {
             shutdown_timeout: Duration::from_secs(1),
             give_up_cooldown: Duration::from_secs(30),
             poll_interval: None,
-            eligible: true,
-            preferred: false,
-            fail_back_after: crate::election::DEFAULT_FAIL_BACK_AFTER,
+            election: crate::ElectionOptions::default(),
         }
     }
 }
@@ -65,7 +62,7 @@ impl SingletonOptions {
     /// singleton on it so.
     #[must_use]
     pub fn eligible(mut self, eligible: bool) -> Self {
-        self.eligible = eligible;
+        self.election = self.election.eligible(eligible);
         self
     }
 
@@ -76,7 +73,7 @@ impl SingletonOptions {
     /// [`ElectionOptions::preferred`](crate::ElectionOptions::preferred).
     #[must_use]
     pub fn preferred(mut self, preferred: bool) -> Self {
-        self.preferred = preferred;
+        self.election = self.election.preferred(preferred);
         self
     }
 
@@ -85,14 +82,14 @@ impl SingletonOptions {
     /// [`ElectionOptions::fail_back_after`](crate::ElectionOptions::fail_back_after).
     #[must_use]
     pub fn fail_back_after(mut self, after: Duration) -> Self {
-        self.fail_back_after = after;
+        self.election = self.election.fail_back_after(after);
         self
     }
 
     /// Whether this node may run the singleton: see [`eligible`](Self::eligible).
     #[must_use]
     pub fn is_eligible(&self) -> bool {
-        self.eligible
+        self.election.eligible
     }
 
     /// The restart policy (default [`RestartPolicy::Always`]).
