@@ -44,6 +44,20 @@ pub use singleton::{
     SingletonState, SingletonStatus,
 };
 pub use status::{ConnectionState, SessionDownReason};
+
+/// The exact single-key statements of an uncontended acquire and release, for the
+/// itemizing benchmark (which runs them on a raw connection to tell their cost from
+/// the cost of the manager's task). Not a stable API.
+#[cfg(feature = "test-util")]
+#[doc(hidden)]
+pub mod bench_sql {
+    /// The single-key try (parameters as in the session's `try_keys`).
+    pub const TRY_ONE: &str = crate::session::TRY_ONE_SQL;
+    /// The single-key unlock (parameters as in the session's `unlock_announcing`).
+    pub const UNLOCK_ONE: &str = crate::session::UNLOCK_ONE_SQL;
+    /// The part of [`TRY_ONE`] that takes the durable fencing token.
+    pub const TOKEN: &str = "f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8";
+}
 /// The former name of [`ConnectionState`].
 #[deprecated(
     since = "0.2.0",

@@ -141,7 +141,7 @@ FROM f";
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
 /// to build or unnest). Same semantics, same guard; the fence is probed once the key is
 /// won, and the lock table is read only when the key was not won or the probe failed.
-const TRY_ONE_SQL: &str = "
+pub(crate) const TRY_ONE_SQL: &str = "
 WITH t AS MATERIALIZED (
     SELECT CASE WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
                            ELSE pg_try_advisory_lock($3::int8) END) THEN 1
@@ -301,7 +301,7 @@ SELECT u.i, u.ok, (SELECT count(*) FROM n) FROM u";
 /// message to each of their clients. Nor on a read-only session: a `NOTIFY` commits
 /// even there, and a primary fenced read-only must not write WAL (a switchover may have
 /// checked its last position); no waiter can win on it anyway.
-const UNLOCK_ONE_SQL: &str = "
+pub(crate) const UNLOCK_ONE_SQL: &str = "
 WITH u AS MATERIALIZED (
     SELECT CASE WHEN $3::int8 IS NULL THEN pg_advisory_unlock($1::int4, $2::int4)
                 ELSE pg_advisory_unlock($3::int8) END AS ok

@@ -2,6 +2,11 @@
 //! taken apart, on one raw tokio-postgres connection, against the bare pair and against
 //! chosen itself. Every round runs every variant once, in a rotated order.
 //!
+//! Three more rows tell the statements from the manager's task: chosen's *exact*
+//! single-key statements on the raw connection (with and without the durable token),
+//! and the bare pair sent through a relay task (one task hop each way per statement,
+//! as a request through the manager's task has).
+//!
 //! ```text
 //! cargo bench -p chosen-tests --bench itemize               # fsync and synchronous_commit off
 //! cargo bench -p chosen-tests --bench itemize -- --durable  # both on
@@ -48,7 +53,7 @@ async fn run() -> Res<()> {
     }
     let cluster = builder.start()?;
     let url = cluster.url();
-    let raw = connect_admin(&url).await?;
+    let raw = std::sync::Arc::new(connect_admin(&url).await?);
     raw.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         .await?;
     raw.batch_execute("SET chosen.session = 'itemize'").await?;
@@ -115,6 +120,42 @@ async fn run() -> Res<()> {
             unlock: "SELECT pg_advisory_unlock(1, 2), pg_notify('chosen_release', 'x')::text WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2",
         },
     ];
+    // chosen's own statements, with the plan cache mode chosen's session sets (the
+    // bare pair's plan is the same either way).
+    raw.batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await?;
+    let database_oid: i64 = raw
+        .query_one(
+            "SELECT oid::int8 FROM pg_database WHERE datname = current_database()",
+            &[],
+        )
+        .await?
+        .get(0);
+    let exact_try = chosen_core::bench_sql::TRY_ONE;
+    if !exact_try.contains(chosen_core::bench_sql::TOKEN) {
+        return Err("the try statement no longer contains bench_sql::TOKEN: update it".into());
+    }
+    let exact = [
+        raw.prepare(exact_try).await?,
+        raw.prepare(&exact_try.replace(chosen_core::bench_sql::TOKEN, "f.won THEN 0::int8"))
+            .await?,
+    ];
+    let exact_unlock = raw.prepare(chosen_core::bench_sql::UNLOCK_ONE).await?;
+    // A relay task that runs the bare pair for the caller, one request at a time.
+    let (relay, mut relay_rx) = tokio::sync::mpsc::unbounded_channel::<(
+        tokio_postgres::Statement,
+        tokio::sync::oneshot::Sender<Result<(), tokio_postgres::Error>>,
+    )>();
+    {
+        let raw = std::sync::Arc::clone(&raw);
+        let (pid, marker) = (pid, marker.clone());
+        tokio::spawn(async move {
+            while let Some((statement, reply)) = relay_rx.recv().await {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&pid, &marker];
+                let _ = reply.send(raw.query(&statement, &params).await.map(drop));
+            }
+        });
+    }
     let mut prepared = Vec::new();
     for v in &variants {
         prepared.push((raw.prepare(v.lock).await?, raw.prepare(v.unlock).await?));
@@ -126,33 +167,81 @@ async fn run() -> Res<()> {
             .term_grant_delay(Duration::ZERO),
     )
     .await?;
-    let n = variants.len() + 1;
+    // After the variants: chosen, its exact statements (with, without the token), the
+    // relayed bare pair.
+    let extra = [
+        "chosen (acquire + release)",
+        "chosen's exact statements on the raw connection",
+        "chosen's exact statements without the durable token",
+        "bare pair through a relay task",
+    ];
+    let n = variants.len() + extra.len();
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); n];
     let warm_up = (rounds / 10).max(5);
     // A fresh random order every round (a fixed generator: runs are comparable), so no
     // variant always follows another and pays for its after-effects.
-    let mut order: Vec<usize> = (0..n).collect();
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-    // `CHOSEN_ITEMIZE_ONLY=i`: run variant i alone (the last one is chosen), to see it
-    // without the others' after-effects.
-    let only: Option<usize> = std::env::var("CHOSEN_ITEMIZE_ONLY")
+    // `CHOSEN_ITEMIZE_ONLY=i` runs row i of the table alone (counting from 0), to see it
+    // without the others' after-effects; `CHOSEN_ITEMIZE_ONLY=i,j,k` runs those rows,
+    // interleaved as the full run does.
+    let only: Vec<usize> = std::env::var("CHOSEN_ITEMIZE_ONLY")
         .ok()
-        .and_then(|v| v.parse().ok());
+        .map(|v| {
+            v.split(',')
+                .filter_map(|i| i.trim().parse().ok())
+                .map(|i: usize| i.min(n - 1))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut order: Vec<usize> = match only.as_slice() {
+        [] => (0..n).collect(),
+        [one] => vec![*one; n],
+        some => some.to_vec(),
+    };
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     for round in 0..warm_up + rounds {
-        for i in (1..n).rev() {
+        for i in (1..order.len()).rev() {
             seed = seed
                 .wrapping_mul(6_364_136_223_846_793_005)
                 .wrapping_add(1_442_695_040_888_963_407);
             order.swap(i, (seed >> 33) as usize % (i + 1));
-        }
-        if let Some(only) = only {
-            order.iter_mut().for_each(|o| *o = only.min(n - 1));
         }
         for &which in &order {
             let t = Instant::now();
             if which == variants.len() {
                 let lease = manager.acquire("itemize").await?;
                 lease.release().await?;
+            } else if (variants.len() + 1..variants.len() + 3).contains(&which) {
+                let (a, b, big): (i32, i32, Option<i64>) = (1, 3, None);
+                let (fence, interest) = ((7i32, 9i32), (7i32, 11i32));
+                let tag = "itemize".to_owned();
+                raw.query(
+                    &exact[which - variants.len() - 1],
+                    &[
+                        &a,
+                        &b,
+                        &big,
+                        &pid,
+                        &marker,
+                        &database_oid,
+                        &fence.0,
+                        &fence.1,
+                        &true,
+                        &interest.0,
+                        &interest.1,
+                    ],
+                )
+                .await?;
+                raw.query(
+                    &exact_unlock,
+                    &[&a, &b, &big, &tag, &pid, &marker, &interest.0, &interest.1],
+                )
+                .await?;
+            } else if which == variants.len() + 3 {
+                for statement in [&prepared[0].0, &prepared[0].1] {
+                    let (reply, answer) = tokio::sync::oneshot::channel();
+                    relay.send((statement.clone(), reply))?;
+                    answer.await??;
+                }
             } else {
                 let (lock, unlock) = &prepared[which];
                 raw.query(lock, &[&pid, &marker]).await?;
@@ -199,7 +288,7 @@ async fn run() -> Res<()> {
     for (i, t) in times.iter_mut().enumerate().filter(|(_, t)| !t.is_empty()) {
         let name = variants
             .get(i)
-            .map_or("chosen (acquire + release)", |v| v.name);
+            .map_or_else(|| extra[i - variants.len()], |v| v.name);
         let m = p50(t);
         println!(
             "| {name} | {} µs | {:.2} |",
