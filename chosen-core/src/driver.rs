@@ -934,6 +934,9 @@ impl Driver {
         }
         self.table.begin_close();
         self.carry_out();
+        // Waiters reported while connected are gone now, also when the manager ends
+        // between sessions (no step reports it then).
+        self.report_waiting();
         // Dropping the remaining reply senders answers them with `Error::Closed`.
         self.replies.clear();
         self.answer_releases();

@@ -59,7 +59,7 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name or one with a NUL character;
+    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or one beginning with the reserved `chosen.`;
     /// [`Error::InvalidPollInterval`] for a request whose poll interval is outside
     /// 10 ms to 1 h.
     pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
@@ -82,7 +82,7 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name or one with a NUL character;
+    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or one beginning with the reserved `chosen.`;
     /// [`Error::InvalidPollInterval`] for a request whose poll interval is outside
     /// 10 ms to 1 h.
     // By value, as `Singleton::start` takes its options: more of them are to come.
@@ -465,7 +465,7 @@ pub(crate) async fn campaign(
     // cooldown, or pausing after a loss). Dropped (released) when the campaign ends.
     let mut want_presence = eligible && preferred.is_some();
     let presence_lock = preferred.unwrap_or_default().to_owned();
-    let presence = manager.acquire(presence_lock.as_str());
+    let presence = manager.acquire(LockRequest::internal(presence_lock.clone()));
     tokio::pin!(presence);
     let mut _present: Option<Lease> = None;
     // On the manager's shared grid: the look-ups of every election following on this

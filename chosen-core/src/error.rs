@@ -108,8 +108,9 @@ pub enum Error {
         limit: usize,
     },
 
-    /// A lock, group, member or fence name is not usable (empty, or with a NUL
-    /// character); the message says which.
+    /// A lock, group, member or fence name is not usable (empty, with a NUL character,
+    /// a lock name beginning with the reserved `chosen.`, a group name with `/`); the
+    /// message says which.
     #[error("invalid name: {0}")]
     InvalidName(String),
 
@@ -229,6 +230,24 @@ pub(crate) fn validate_name(what: &str, name: &str) -> Result<()> {
     if name.contains('\0') {
         return Err(Error::InvalidName(format!(
             "{what} contains a NUL character ({name:?}); PostgreSQL text cannot hold one"
+        )));
+    }
+    Ok(())
+}
+
+/// The beginning of the names of the library's own locks (`chosen.prefer/<name>`, an
+/// election's preferred-node lock; `chosen.group/...`, a group's slots and members) and
+/// key namespaces (`chosen.stop-fence`, `chosen.interest`, ...). A lock name or a
+/// namespace beginning with it is refused, so that no lock of yours can be one of them.
+pub(crate) const RESERVED_PREFIX: &str = "chosen.";
+
+/// [`validate_name`] for the name of a lock to acquire, which must not begin with
+/// [`RESERVED_PREFIX`] unless it is one of the library's own (`internal`).
+pub(crate) fn validate_lock_name(name: &str, internal: bool) -> Result<()> {
+    validate_name("the lock name", name)?;
+    if !internal && name.starts_with(RESERVED_PREFIX) {
+        return Err(Error::InvalidName(format!(
+            "the lock name {name:?} begins with {RESERVED_PREFIX:?}, which is reserved for the library's own locks (an election's preferred-node lock `chosen.prefer/<name>`, a group's `chosen.group/...`); choose a name without that prefix"
         )));
     }
     Ok(())

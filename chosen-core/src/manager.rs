@@ -87,6 +87,9 @@ pub struct LockManager {
 pub struct LockRequest {
     target: Target,
     poll_interval: Option<Duration>,
+    /// One of the library's own locks, whose name may begin with
+    /// [`RESERVED_PREFIX`](crate::error::RESERVED_PREFIX).
+    internal: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -106,6 +109,16 @@ impl LockRequest {
 }
 
 impl LockRequest {
+    /// One of the library's own locks (an election's preferred-node lock): its name may
+    /// begin with the reserved prefix.
+    pub(crate) fn internal(name: String) -> Self {
+        Self {
+            target: Target::Name(name),
+            poll_interval: None,
+            internal: true,
+        }
+    }
+
     /// Checks the request as [`LockManager::acquire`] would (the name, and its own poll
     /// interval if it has one), so that a supervisor started on it fails at once rather
     /// than retry for ever; returns the name reported for it: the lock name, or
@@ -118,7 +131,7 @@ impl LockRequest {
         }
         match &self.target {
             Target::Name(name) => {
-                crate::error::validate_name("the lock name", name)?;
+                crate::error::validate_lock_name(name, self.internal)?;
                 Ok(name.clone())
             }
             Target::Key(key) => Ok(format!("key{key}")),
@@ -131,6 +144,7 @@ impl From<&str> for LockRequest {
         Self {
             target: Target::Name(name.to_owned()),
             poll_interval: None,
+            internal: false,
         }
     }
 }
@@ -140,6 +154,7 @@ impl From<String> for LockRequest {
         Self {
             target: Target::Name(name),
             poll_interval: None,
+            internal: false,
         }
     }
 }
@@ -155,6 +170,7 @@ impl From<LockKey> for LockRequest {
         Self {
             target: Target::Key(key),
             poll_interval: None,
+            internal: false,
         }
     }
 }
@@ -297,7 +313,7 @@ impl LockManager {
         }
         let (name, key) = match request.target {
             Target::Name(name) => {
-                crate::error::validate_name("the lock name", &name)?;
+                crate::error::validate_lock_name(&name, request.internal)?;
                 let key = self.key_for(&name);
                 (name, key)
             }

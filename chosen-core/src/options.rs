@@ -288,7 +288,8 @@ impl ManagerOptions {
 
     /// The namespace lock names are derived in (default `"chosen"`); see
     /// [`LockKey`](crate::LockKey). Applications sharing a database use different
-    /// namespaces to keep equal names apart.
+    /// namespaces to keep equal names apart. A namespace beginning with `chosen.` is
+    /// refused: the library derives its own keys in such namespaces.
     #[must_use]
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = namespace.into();
@@ -521,6 +522,16 @@ impl ManagerOptions {
             return bad(
                 "ManagerOptions::namespace",
                 "namespace must not contain a NUL character".to_owned(),
+            );
+        }
+        if self.namespace.starts_with(crate::error::RESERVED_PREFIX) {
+            return bad(
+                "ManagerOptions::namespace",
+                format!(
+                    "namespace {:?} begins with {:?}, which is reserved for the library's own keys (stop fences, interest keys); choose a namespace without that prefix",
+                    self.namespace,
+                    crate::error::RESERVED_PREFIX
+                ),
             );
         }
         if self.pg.get_hosts().is_empty() {

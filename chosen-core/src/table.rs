@@ -726,7 +726,8 @@ impl LockTable {
     /// key goes to the next local waiter, or is unlocked *quietly*, as a win refused
     /// before it was granted is. An announcement would let other nodes skip the
     /// takeover grace, although whoever held the key before this win may still be
-    /// stopping.
+    /// stopping. No [`Action::Released`] either: the lease was never delivered, so no
+    /// acquisition was reported that a release would end.
     pub(crate) fn undelivered(&mut self, key: LockKey, id: RequestId, _now: Instant) {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
@@ -734,11 +735,7 @@ impl LockTable {
         if slot.holder.as_ref().map(|h| h.id) != Some(id) {
             return;
         }
-        let holder = slot.holder.take().expect("BUG: holder checked");
-        self.actions.push_back(Action::Released {
-            key,
-            name: holder.name,
-        });
+        slot.holder = None;
         slot.hand_to = None;
         slot.server = if slot.waiters.is_empty() {
             Server::Unlocking {

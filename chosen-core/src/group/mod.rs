@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lease::Lease;
-use crate::manager::LockManager;
+use crate::manager::{LockManager, LockRequest};
 use crate::singleton::{ChildError, LeaderContext, Singleton, SingletonOptions};
 use crate::status::ConnectionState;
 
@@ -200,7 +200,7 @@ impl SingletonGroup {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty group or member name (or one with a NUL character), or a member named
+    /// [`Error::InvalidName`] for an empty group or member name (or one with a NUL character), a group name with `/`, or a member named
     /// twice; [`Error::InvalidConfig`] for inconsistent options.
     pub fn start<F, Fut, E>(
         manager: &LockManager,
@@ -216,6 +216,14 @@ impl SingletonGroup {
     {
         let name = name.into();
         crate::error::validate_name("the group name", &name)?;
+        if name.contains('/') {
+            // The group's locks are `chosen.group/<group>/node-slot/<i>` and
+            // `chosen.group/<group>/member/<member>`: with a `/` in group names, group
+            // "a" member "b/member/c" and group "a/member/b" member "c" would share one.
+            return Err(Error::InvalidName(format!(
+                "the group name {name:?} contains '/', which separates the parts of the group's lock names; use another character (e.g. '-' or ':')"
+            )));
+        }
         options.validate()?;
         let members: Vec<String> = members.into_iter().map(Into::into).collect();
         let mut seen = BTreeSet::new();
@@ -539,9 +547,9 @@ impl Runner {
             }
             let factory = Arc::clone(&self.factory);
             let member = self.members[i].clone();
-            let started = Singleton::start(
+            let started = Singleton::start_request(
                 &self.manager,
-                member_lock(&self.name, &member),
+                LockRequest::internal(member_lock(&self.name, &member)),
                 self.options.singleton.clone(),
                 move |ctx| factory(member.clone(), ctx),
             );

@@ -141,7 +141,7 @@ impl Singleton {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name or one with a NUL character, [`Error::InvalidConfig`] when the
+    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or one beginning with the reserved `chosen.`, [`Error::InvalidConfig`] when the
     /// options are inconsistent (e.g. a shutdown timeout above the manager's stop
     /// budget).
     pub fn start<F, Fut, E>(
@@ -155,9 +155,23 @@ impl Singleton {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: Into<ChildError>,
     {
-        let name = name.into();
+        Self::start_request(manager, LockRequest::from(name.into()), options, factory)
+    }
+
+    /// [`start`](Self::start) on a request built by the caller: a group starts its
+    /// members on its own (`internal`) lock names this way.
+    pub(crate) fn start_request<F, Fut, E>(
+        manager: &LockManager,
+        mut request: LockRequest,
+        options: SingletonOptions,
+        factory: F,
+    ) -> Result<Self>
+    where
+        F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<ChildError>,
+    {
         options.validate(manager)?;
-        let mut request = LockRequest::from(name.as_str());
         if let Some(interval) = options.poll_interval {
             request = request.poll_interval(interval);
         }

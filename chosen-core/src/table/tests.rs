@@ -1826,4 +1826,12 @@ fn review12_a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() 
     );
     f.table.unlocked(&plan.unlock_quiet, f.now);
     assert_eq!(f.table.held(), 0);
+    // Nothing was delivered, so nothing is reported released (a metrics sink counting
+    // acquisitions and releases stays balanced).
+    let released: Vec<Action> = f
+        .actions()
+        .into_iter()
+        .filter(|a| matches!(a, Action::Released { .. }))
+        .collect();
+    assert!(released.is_empty(), "{released:?}");
 }
