@@ -99,7 +99,7 @@ impl Election {
         } = options;
         let request = lock.into();
         let name = request.validated_name()?;
-        let prefer = preferred_lock(&name);
+        let prefer = request.presence_lock();
         let leadership =
             Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
         // A child of the manager's: its shutdown stops this election too.
@@ -287,7 +287,8 @@ impl ElectionOptions {
     }
 
     /// Makes this node the preferred leader (default `false`): while it contends for
-    /// the lock it holds a presence lock (`chosen.prefer/<lock>`), and a leader that is
+    /// the lock it holds a presence lock (`chosen.prefer/<lock>`, or
+    /// `chosen.prefer-key/<key>` for a raw [`LockKey`](crate::LockKey)), and a leader that is
     /// not it hands the leadership over to it ([`Election::hand_over_to`]) once it has
     /// been there for the leader's [`fail_back_after`](Self::fail_back_after): after a
     /// failover to another node, the leadership comes back once the preferred node is

@@ -119,6 +119,18 @@ impl LockRequest {
         }
     }
 
+    /// The lock a preferred node holds while it contends for this one (see
+    /// [`ElectionOptions::preferred`](crate::ElectionOptions::preferred)):
+    /// `chosen.prefer/<name>`, or for a raw key `chosen.prefer-key/<its tag>`, which no
+    /// name can produce (an election on the string `"key(1, 2)"` must not see the
+    /// preferred node of the one on the key `(1, 2)`).
+    pub(crate) fn presence_lock(&self) -> String {
+        match &self.target {
+            Target::Name(name) => crate::election::preferred_lock(name),
+            Target::Key(key) => format!("chosen.prefer-key/{}", key.tag()),
+        }
+    }
+
     /// Checks the request as [`LockManager::acquire`] would (the name, and its own poll
     /// interval if it has one), so that a supervisor started on it fails at once rather
     /// than retry for ever; returns the name reported for it: the lock name, or

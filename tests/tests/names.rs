@@ -244,3 +244,58 @@ async fn a_manager_ending_while_disconnected_reports_no_waiters_left() {
     drop(lease);
     holder.shutdown().await;
 }
+
+/// Review finding: an election on a raw key is reported as `key(a, b)`, and its
+/// preferred node's presence lock used to be `chosen.prefer/key(a, b)`: the same as
+/// that of an election on the *string* `"key(a, b)"`, whose leader then handed over to
+/// a node that was not contending there (a leaderless gap). The key's presence lock now
+/// has a name no string election's can have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_election_s_preferred_node_is_not_seen_by_an_election_named_like_it() {
+    use chosen_core::LockKey;
+    let pg = PgCluster::start().unwrap();
+    let l = LockManager::connect(options(&pg.url(), "names-l"))
+        .await
+        .unwrap();
+    let p = LockManager::connect(options(&pg.url(), "names-p"))
+        .await
+        .unwrap();
+    let key = LockKey::derive("names-test", &unique_name("k"));
+    let plain = ElectionOptions::default().fail_back_after(Duration::from_secs(1));
+    let on_key = Election::start_with(&l, key, plain.clone()).unwrap();
+    let like_key = format!("key{key}");
+    let on_name = Election::start_with(&l, like_key.as_str(), plain).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(on_key.leadership().is_leader() && on_name.leadership().is_leader()) {
+        assert!(Instant::now() < deadline, "l never led both");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // p contends for the key only, as a preferred node: the key election fails back to
+    // it, the election named like the key must stay with l.
+    let preferred =
+        Election::start_with(&p, key, ElectionOptions::default().preferred(true)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut settled: Option<Instant> = None;
+    loop {
+        assert!(
+            on_name.leadership().is_leader(),
+            "the election named {like_key:?} left l for p's presence in the key election"
+        );
+        if preferred.leadership().is_leader() && settled.is_none() {
+            settled = Some(Instant::now());
+        }
+        if settled.is_some_and(|t| t.elapsed() > Duration::from_secs(2)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the key election never failed back to p"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    preferred.shutdown().await;
+    on_name.shutdown().await;
+    on_key.shutdown().await;
+    p.shutdown().await;
+    l.shutdown().await;
+}

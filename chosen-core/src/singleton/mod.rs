@@ -341,7 +341,7 @@ async fn run<F, Fut>(
     let leadership = inner.leadership.clone();
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
-    let presence = crate::election::preferred_lock(&name);
+    let presence = request.presence_lock();
     let presence = options.election.preferred.then_some(presence.as_str());
     while let Some(lease) = campaign(
         &manager,
@@ -364,7 +364,7 @@ async fn run<F, Fut>(
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
         // A preferred node back for long enough: hand over to it (the tenure stops as
         // for a hand-over asked for).
-        let prefer = crate::election::preferred_lock(&name);
+        let prefer = request.presence_lock();
         let fail_back = async {
             crate::election::fail_back(
                 &manager,
