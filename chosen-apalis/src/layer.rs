@@ -152,7 +152,8 @@ impl LeaderOnlyJobLayer {
     ///
     /// # Errors
     ///
-    /// [`chosen_core::Error::InvalidName`] for an empty name or one with a NUL character.
+    /// [`chosen_core::Error::InvalidName`] for an empty name, one with a NUL character, or
+    /// a reserved one (beginning with `chosen.`, or named as a raw key's lease is: `key(a, b)`).
     pub fn elect(manager: &LockManager, lock: impl Into<LockRequest>) -> chosen_core::Result<Self> {
         let election = Election::start(manager, lock)?;
         let mut layer = Self::new(election.leadership());

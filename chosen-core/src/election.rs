@@ -59,7 +59,7 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or one beginning with the reserved `chosen.`;
+    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or a reserved one (beginning with `chosen.`, or named as a raw key's lease is: `key(a, b)`);
     /// [`Error::InvalidPollInterval`] for a request whose poll interval is outside
     /// 10 ms to 1 h.
     pub fn start(manager: &LockManager, lock: impl Into<LockRequest>) -> Result<Self> {
@@ -82,7 +82,7 @@ impl Election {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or one beginning with the reserved `chosen.`;
+    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or a reserved one (beginning with `chosen.`, or named as a raw key's lease is: `key(a, b)`);
     /// [`Error::InvalidPollInterval`] for a request whose poll interval is outside
     /// 10 ms to 1 h.
     // By value, as `Singleton::start` takes its options: more of them are to come.

@@ -109,8 +109,8 @@ pub enum Error {
     },
 
     /// A lock, group, member or fence name is not usable (empty, with a NUL character,
-    /// a lock name beginning with the reserved `chosen.`, a group name with `/`); the
-    /// message says which.
+    /// a lock name beginning with the reserved `chosen.` or named as a raw key's lease
+    /// is, `key(a, b)`; a group name with `/`); the message says which.
     #[error("invalid name: {0}")]
     InvalidName(String),
 
@@ -250,7 +250,25 @@ pub(crate) fn validate_lock_name(name: &str, internal: bool) -> Result<()> {
             "the lock name {name:?} begins with {RESERVED_PREFIX:?}, which is reserved for the library's own locks (an election's preferred-node lock `chosen.prefer/<name>`, a group's `chosen.group/...`); choose a name without that prefix"
         )));
     }
+    if names_a_raw_key(name) {
+        return Err(Error::InvalidName(format!(
+            "the lock name {name:?} is reserved: it is how a raw LockKey's lease, election or singleton is named (and fenced), and another lock under it would share that key's fence row; lock the key itself with LockRequest::from(LockKey::..), or choose another name"
+        )));
+    }
     Ok(())
+}
+
+/// Whether `name` is the name a raw key's lease gets, `key(k)` or `key(a, b)`
+/// (`format!("key{key}")`).
+fn names_a_raw_key(name: &str) -> bool {
+    let Some(inner) = name
+        .strip_prefix("key(")
+        .and_then(|rest| rest.strip_suffix(')'))
+    else {
+        return false;
+    };
+    let parts: Vec<&str> = inner.split(", ").collect();
+    matches!(parts.len(), 1 | 2) && parts.iter().all(|p| p.parse::<i64>().is_ok())
 }
 
 /// The accepted range of a poll interval (a manager's default or a request's own).

@@ -245,13 +245,15 @@ async fn a_manager_ending_while_disconnected_reports_no_waiters_left() {
     holder.shutdown().await;
 }
 
-/// Review finding: an election on a raw key is reported as `key(a, b)`, and its
-/// preferred node's presence lock used to be `chosen.prefer/key(a, b)`: the same as
-/// that of an election on the *string* `"key(a, b)"`, whose leader then handed over to
-/// a node that was not contending there (a leaderless gap). The key's presence lock now
-/// has a name no string election's can have.
+/// Review findings: a raw key's lease, election or singleton is named `key(a, b)`
+/// (`key(k)` for a one-integer key). A lock *named* that way was another advisory lock
+/// under the same name: it wrote to the raw key's fence row (so the rightful holder
+/// with the older token got `StaleToken` for as long as it held its lock), and its
+/// election shared the key election's presence lock (its leader handed over to a node
+/// that was not contending there). Such names are refused now, and a raw key's
+/// presence lock is `chosen.prefer-key/<key>`, which no name can produce.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_election_s_preferred_node_is_not_seen_by_an_election_named_like_it() {
+async fn a_name_like_a_raw_key_s_is_refused_and_key_elections_still_fail_back() {
     use chosen_core::LockKey;
     let pg = PgCluster::start().unwrap();
     let l = LockManager::connect(options(&pg.url(), "names-l"))
@@ -261,41 +263,83 @@ async fn a_key_election_s_preferred_node_is_not_seen_by_an_election_named_like_i
         .await
         .unwrap();
     let key = LockKey::derive("names-test", &unique_name("k"));
-    let plain = ElectionOptions::default().fail_back_after(Duration::from_secs(1));
-    let on_key = Election::start_with(&l, key, plain.clone()).unwrap();
     let like_key = format!("key{key}");
-    let on_name = Election::start_with(&l, like_key.as_str(), plain).unwrap();
+    reserved(l.acquire(like_key.as_str()).await);
+    reserved(l.try_acquire("key(7)").await);
+    reserved(l.try_acquire("key(-1, 2)").await);
+    reserved(Election::start(&l, like_key.as_str()));
+    // Names that only look a little like one are names like any other.
+    for name in [
+        "key",
+        "key()",
+        "key(a)",
+        "key(1, 2, 3)",
+        "mykey(1)",
+        "key(1)x",
+    ] {
+        let lease = l.try_acquire(name).await.unwrap();
+        assert!(lease.is_some(), "{name}");
+    }
+
+    // The key election fails back to its preferred node through the new presence lock.
+    let on_key = Election::start_with(
+        &l,
+        key,
+        ElectionOptions::default().fail_back_after(Duration::from_secs(1)),
+    )
+    .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !(on_key.leadership().is_leader() && on_name.leadership().is_leader()) {
-        assert!(Instant::now() < deadline, "l never led both");
+    while !on_key.leadership().is_leader() {
+        assert!(Instant::now() < deadline, "l never led");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // p contends for the key only, as a preferred node: the key election fails back to
-    // it, the election named like the key must stay with l.
     let preferred =
         Election::start_with(&p, key, ElectionOptions::default().preferred(true)).unwrap();
+    let presence = format!("chosen.prefer-key/{}", tag(key));
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut settled: Option<Instant> = None;
-    loop {
-        assert!(
-            on_name.leadership().is_leader(),
-            "the election named {like_key:?} left l for p's presence in the key election"
-        );
-        if preferred.leadership().is_leader() && settled.is_none() {
-            settled = Some(Instant::now());
-        }
-        if settled.is_some_and(|t| t.elapsed() > Duration::from_secs(2)) {
-            break;
-        }
+    while !preferred.leadership().is_leader() {
         assert!(
             Instant::now() < deadline,
             "the key election never failed back to p"
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // The presence lock was taken under its new name (p let it go once it led).
+    assert!(
+        p.holder(presence.as_str()).await.unwrap().is_none(),
+        "p still holds {presence} after it led"
+    );
     preferred.shutdown().await;
-    on_name.shutdown().await;
     on_key.shutdown().await;
     p.shutdown().await;
     l.shutdown().await;
+}
+
+/// A key's tag, as the library derives stop fences and presence locks from it.
+fn tag(key: chosen_core::LockKey) -> String {
+    match key {
+        chosen_core::LockKey::Pair(a, b) => format!("pair:{a}:{b}"),
+        chosen_core::LockKey::Int(k) => format!("int:{k}"),
+    }
+}
+
+/// Review finding (the fence half of the one above): a raw key's lease fences under
+/// its name, `key(a, b)`; no lock named that way can share that fence row any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_lease_does_not_share_its_fence_with_a_lock_named_like_it() {
+    use chosen_core::{LockKey, fenced};
+    let pg = PgCluster::start().unwrap();
+    let mut client = chosen_tests::connect_admin(&pg.url()).await.unwrap();
+    fenced::install(&client).await.unwrap();
+    let m = LockManager::connect(options(&pg.url(), "names-f"))
+        .await
+        .unwrap();
+    let key = LockKey::derive("names-test", &unique_name("k"));
+    let on_key = m.acquire(key).await.unwrap();
+    reserved(m.acquire(format!("key{key}")).await);
+    let tx = client.transaction().await.unwrap();
+    on_key.fence(&tx).await.unwrap();
+    tx.commit().await.unwrap();
+    drop(on_key);
+    m.shutdown().await;
 }

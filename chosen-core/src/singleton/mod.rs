@@ -141,7 +141,7 @@ impl Singleton {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or one beginning with the reserved `chosen.`, [`Error::InvalidConfig`] when the
+    /// [`Error::InvalidName`] for an empty name, one with a NUL character, or a reserved one (beginning with `chosen.`, or named as a raw key's lease is: `key(a, b)`), [`Error::InvalidConfig`] when the
     /// options are inconsistent (e.g. a shutdown timeout above the manager's stop
     /// budget).
     pub fn start<F, Fut, E>(
