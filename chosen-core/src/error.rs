@@ -267,8 +267,18 @@ fn names_a_raw_key(name: &str) -> bool {
     else {
         return false;
     };
-    let parts: Vec<&str> = inner.split(", ").collect();
-    matches!(parts.len(), 1 | 2) && parts.iter().all(|p| p.parse::<i64>().is_ok())
+    // Exactly the names keys produce: parsed back into a key, it must print the same.
+    let key = match inner.split_once(", ") {
+        Some((a, b)) => match (a.parse::<i32>(), b.parse::<i32>()) {
+            (Ok(a), Ok(b)) => crate::key::LockKey::Pair(a, b),
+            _ => return false,
+        },
+        None => match inner.parse::<i64>() {
+            Ok(k) => crate::key::LockKey::Int(k),
+            Err(_) => return false,
+        },
+    };
+    format!("key{key}") == name
 }
 
 /// The accepted range of a poll interval (a manager's default or a request's own).
@@ -326,6 +336,49 @@ impl Error {
             | Self::InvalidTableName(_)
             | Self::FenceNotInstalled { .. }
             | Self::LeaseLost(_) => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod reserved_name_tests {
+    use super::*;
+    use crate::key::LockKey;
+
+    #[test]
+    fn exactly_the_names_of_raw_keys_are_reserved() {
+        for key in [
+            LockKey::Int(0),
+            LockKey::Int(-7),
+            LockKey::Int(i64::MIN),
+            LockKey::Int(i64::MAX),
+            LockKey::Pair(1, 2),
+            LockKey::Pair(i32::MIN, -1),
+            LockKey::Pair(0, i32::MAX),
+        ] {
+            let name = format!("key{key}");
+            assert!(names_a_raw_key(&name), "{name}");
+            assert!(validate_lock_name(&name, false).is_err(), "{name}");
+        }
+        for name in [
+            "key",
+            "key(",
+            "key)",
+            "key()",
+            "key(a)",
+            "key(+5)",
+            "key(007)",
+            "key(-0)",
+            "key(1,2)",
+            "key(1,  2)",
+            "key(3000000000, 1)",
+            "key(1, 2, 3)",
+            "key(1)x",
+            "mykey(1)",
+            "Key(1)",
+        ] {
+            assert!(!names_a_raw_key(name), "{name}");
+            assert!(validate_lock_name(name, false).is_ok(), "{name}");
         }
     }
 }

@@ -131,6 +131,13 @@
 //! )
 //! ```
 //!
+//! Rows are keyed by the fence name alone, not by the manager's
+//! [`namespace`](crate::ManagerOptions::namespace): two applications that share a
+//! database in different namespaces and both lock `jobs` hold two different locks,
+//! but fence under one row, and the one with the older token gets
+//! [`StaleToken`](crate::Error::StaleToken) while the other writes. Give such
+//! applications distinct lock names, or their own table ([`FenceTable`]).
+//!
 //! One row per fence name, never deleted by chosen. The role that fences needs
 //! `SELECT, INSERT, UPDATE` on it. Another name or schema:
 //! [`FenceTable::new`]`("ops.chosen_fence")`.

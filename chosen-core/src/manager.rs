@@ -379,7 +379,9 @@ impl LockManager {
 
     /// Who holds a lock right now, on any node, from `pg_locks` ⨝ `pg_stat_activity`
     /// on this manager's own session (no second connection): `Ok(None)` when nobody
-    /// does. Costs one query (about 0.4 ms with few locks in the cluster).
+    /// does. Costs one query (about 0.4 ms with few locks in the cluster). A name is
+    /// looked up by its derived key, reserved names included (`holder("key(1, 2)")`
+    /// looks up the name, not the raw key `(1, 2)`: pass the `LockKey` for that).
     ///
     /// # Errors
     ///
