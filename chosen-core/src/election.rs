@@ -328,12 +328,6 @@ impl ElectionOptions {
     }
 }
 
-/// The lock a preferred node holds while it runs an election or a singleton named
-/// `name`: the leader looks for its holder.
-pub(crate) fn preferred_lock(name: &str) -> String {
-    format!("chosen.prefer/{name}")
-}
-
 /// Ends when `term` is cancelled (a step-down or a hand-over) or `fail_back` ends (it
 /// set the node to hand over to).
 pub(crate) async fn stepped_down(term: &CancellationToken, fail_back: impl Future<Output = ()>) {

@@ -119,14 +119,13 @@ impl LockRequest {
         }
     }
 
-    /// The lock a preferred node holds while it contends for this one (see
-    /// [`ElectionOptions::preferred`](crate::ElectionOptions::preferred)):
-    /// `chosen.prefer/<name>`, or for a raw key `chosen.prefer-key/<its tag>`, which no
-    /// name can produce (an election on the string `"key(1, 2)"` must not see the
-    /// preferred node of the one on the key `(1, 2)`).
+    /// The lock a preferred node holds while it contends for this one, in an election
+    /// or a singleton (see [`ElectionOptions::preferred`](crate::ElectionOptions::preferred));
+    /// the leader looks for its holder: `chosen.prefer/<name>`, or for a raw key
+    /// `chosen.prefer-key/<its tag>`, which no name can produce.
     pub(crate) fn presence_lock(&self) -> String {
         match &self.target {
-            Target::Name(name) => crate::election::preferred_lock(name),
+            Target::Name(name) => format!("chosen.prefer/{name}"),
             Target::Key(key) => format!("chosen.prefer-key/{}", key.tag()),
         }
     }

@@ -288,8 +288,9 @@ impl ManagerOptions {
 
     /// The namespace lock names are derived in (default `"chosen"`); see
     /// [`LockKey`](crate::LockKey). Applications sharing a database use different
-    /// namespaces to keep equal names apart. A namespace beginning with `chosen.` is
-    /// refused: the library derives its own keys in such namespaces.
+    /// namespaces to keep equal names apart (their locks; not their fence rows, which
+    /// are keyed by name alone: see [`fenced`](crate::fenced)). A namespace beginning
+    /// with `chosen.` is refused: the library derives its own keys in such namespaces.
     #[must_use]
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = namespace.into();

@@ -341,8 +341,8 @@ async fn run<F, Fut>(
     let leadership = inner.leadership.clone();
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
-    let presence = request.presence_lock();
-    let presence = options.election.preferred.then_some(presence.as_str());
+    let presence_lock = request.presence_lock();
+    let presence = options.election.preferred.then_some(presence_lock.as_str());
     while let Some(lease) = campaign(
         &manager,
         &request,
@@ -364,11 +364,10 @@ async fn run<F, Fut>(
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
         // A preferred node back for long enough: hand over to it (the tenure stops as
         // for a hand-over asked for).
-        let prefer = request.presence_lock();
         let fail_back = async {
             crate::election::fail_back(
                 &manager,
-                &prefer,
+                &presence_lock,
                 options.election.fail_back_after,
                 &inner.hand_to,
             )
