@@ -14,50 +14,17 @@ use tokio::sync::oneshot;
 use tokio::time::sleep_until;
 use tracing::{debug, info, warn};
 
+use crate::command::{ClusterReply, Command, Grant, HolderReply};
 use crate::error::{Error, Result};
+use crate::fault::{Fault, error_text};
+use crate::generation::Generation;
+use crate::info::{LockInfo, LockState};
 use crate::key::LockKey;
-use crate::lease::{FencingToken, Lease};
-use crate::manager::{HolderInfo, LockInfo, LockState};
-use crate::session::{self, ConnEvent, Fault, Generation, Session, TryFailure, error_text};
+use crate::session::{self, ConnEvent, Session, TryFailure};
 use crate::shared::Shared;
 use crate::status::{ConnectionState, SessionDownReason};
-use crate::table::{
-    Action, Entry, LockTable, Refusal, Request, RequestId, Rules, TryOutcome, jitter_below,
-};
-
-pub(crate) enum Command {
-    Acquire {
-        request: Request,
-        reply: oneshot::Sender<Result<Option<Lease>>>,
-    },
-    /// The caller stopped waiting for request `id`.
-    Withdraw {
-        key: LockKey,
-        id: RequestId,
-    },
-    Release {
-        key: LockKey,
-        lease_id: u64,
-        /// Hand the lock over to this node (its id).
-        to: Option<String>,
-        reply: Option<oneshot::Sender<Result<()>>>,
-    },
-    Locks(oneshot::Sender<Vec<LockInfo>>),
-    Holder {
-        key: LockKey,
-        reply: oneshot::Sender<Result<Option<HolderInfo>>>,
-    },
-    Cluster(ClusterReply),
-    /// A shutdown began: waiting requests are answered `Closed` and new ones refused at
-    /// once, while the supervisors stop (leases stay until released).
-    Closing,
-    Shutdown(oneshot::Sender<()>),
-}
-
-/// Where the rows of a cluster view go.
-pub(crate) type ClusterReply = oneshot::Sender<Result<Vec<(LockKey, HolderInfo)>>>;
-
-type HolderReply = oneshot::Sender<Result<Option<HolderInfo>>>;
+use crate::table::{Action, Entry, LockTable, Refusal, RequestId, Rules, TryOutcome, jitter_below};
+use crate::token::FencingToken;
 
 enum Exit {
     Lost(SessionDownReason),
@@ -70,7 +37,7 @@ pub(crate) struct Driver {
     weak_tx: WeakUnboundedSender<Command>,
     table: LockTable,
     /// Reply channels of requests the table still has (waiting or in a statement).
-    replies: HashMap<RequestId, oneshot::Sender<Result<Option<Lease>>>>,
+    replies: HashMap<RequestId, oneshot::Sender<Result<Option<Grant>>>>,
     release_replies: Vec<oneshot::Sender<Result<()>>>,
     holder_queries: Vec<(LockKey, HolderReply)>,
     cluster_queries: Vec<ClusterReply>,
@@ -487,18 +454,16 @@ impl Driver {
             .name_of(key)
             .cloned()
             .unwrap_or_else(|| Arc::from(format!("key{key}")));
-        let lease = Lease {
+        let grant = Grant::new(
             id,
-            name: Arc::clone(&name),
+            Arc::clone(&name),
             key,
             token,
-            acquired_at: SystemTime::now(),
             generation,
-            shared: Arc::clone(&self.shared),
-            tx: Some(tx),
-            ended: tokio_util::sync::CancellationToken::new(),
-        };
-        match reply.send(Ok(Some(lease))) {
+            Arc::clone(&self.shared),
+            Some(tx),
+        );
+        match reply.send(Ok(Some(grant))) {
             Ok(()) => {
                 if let Some(m) = self.metrics() {
                     m.lock_acquired(self.node(), &name, waited);
@@ -506,8 +471,8 @@ impl Driver {
                 debug!(lock = %name, key = %key, token = token.get(), "acquired");
             }
             Err(returned) => {
-                if let Ok(Some(mut lease)) = returned {
-                    lease.disarm();
+                if let Ok(Some(mut grant)) = returned {
+                    grant.disarm();
                 }
                 self.table.undelivered(key, id, Instant::now());
             }

@@ -148,7 +148,7 @@ use tokio_postgres::{Client, Transaction};
 
 use crate::error::{Error, Result};
 use crate::key::LockKey;
-use crate::lease::FencingToken;
+use crate::token::FencingToken;
 
 /// The table name used unless another is configured.
 pub const DEFAULT_TABLE: &str = "chosen_fence";
@@ -454,7 +454,7 @@ fn check_identifier(name: &str, part: &str) -> Result<()> {
 }
 
 pub(crate) fn check_fence_name(name: &str) -> Result<()> {
-    crate::error::validate_name("the fence name", name)
+    crate::names::validate_name("the fence name", name)
 }
 
 #[cfg(test)]

@@ -17,7 +17,8 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
-use crate::session::{self, Generation};
+use crate::generation::Generation;
+use crate::session;
 use crate::shared::Shared;
 use crate::status::SessionDownReason;
 

@@ -6,8 +6,9 @@ use std::time::SystemTime;
 
 use tokio::sync::watch;
 
-use crate::lease::{FencingToken, Lease, Validity};
+use crate::lease::{Lease, Validity};
 use crate::metrics::MetricsSink;
+use crate::token::FencingToken;
 
 /// Who leads a name, as this node sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -273,7 +274,7 @@ pub struct ManualLeadership {
 #[cfg(any(test, feature = "test-util"))]
 #[derive(Debug)]
 struct ManualLease {
-    generation: Arc<crate::session::Generation>,
+    generation: Arc<crate::generation::Generation>,
     lease_timeout: std::time::Duration,
     /// Kept alive: a dropped lease ends its validity.
     _lease: Lease,
@@ -312,20 +313,18 @@ impl ManualLeadership {
             crate::ConnectionState::Connecting { attempt: 1 },
         ));
         shared.extend_validity(deadline);
-        let generation = crate::session::Generation::new(0);
+        let generation = crate::generation::Generation::new(0);
         let name = self.leadership.name();
-        let lease = Lease {
-            id: 0,
-            name: Arc::from(name),
-            key: crate::LockKey::derive("manual", name),
-            token: FencingToken::new(token),
-            acquired_at: SystemTime::now(),
-            generation: Arc::clone(&generation),
+        // Unarmed: dropping it releases nothing.
+        let lease = Lease::new(crate::command::Grant::new(
+            0,
+            Arc::from(name),
+            crate::LockKey::derive("manual", name),
+            FencingToken::new(token),
+            Arc::clone(&generation),
             shared,
-            // Unarmed: dropping it releases nothing.
-            tx: None,
-            ended: tokio_util::sync::CancellationToken::new(),
-        };
+            None,
+        ));
         self.leadership.set_leading(&lease);
         *self.lease_slot() = Some(ManualLease {
             generation,

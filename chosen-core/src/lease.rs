@@ -4,106 +4,18 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use tokio::sync::{mpsc, oneshot};
+#[cfg(test)]
+use tokio::sync::mpsc;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::driver::Command;
+use crate::command::Grant;
 use crate::error::{Error, Result};
+use crate::generation::Generation;
 use crate::key::LockKey;
-use crate::session::Generation;
 use crate::shared::Shared;
 use crate::status::SessionDownReason;
-
-/// A number that grows with every acquisition of a lock.
-///
-/// Each acquisition gets a token strictly greater than the token of every earlier
-/// holder of the same lock, on any node, also across a server crash and a failover.
-/// Pass it to systems your guarded work writes to, and have them reject writes carrying
-/// a token lower than one they have already seen: that stops a holder which was frozen
-/// past the server's release time and wakes up believing it still holds the lock.
-///
-/// # Layout
-///
-/// ```text
-///  63          48 47                                            0
-/// +--------------+-----------------------------------------------+
-/// |   timeline   |     transaction id (low 48 bits of xid8)      |
-/// +--------------+-----------------------------------------------+
-/// ```
-///
-/// * The low 48 bits are the PostgreSQL transaction id (`pg_current_xact_id()`, the
-///   64-bit `xid8` with its epoch) of the statement that won the lock, assigned only
-///   when a lock is actually won and committed durably (a small WAL record and
-///   `synchronous_commit = local` for that statement, whatever the server's setting),
-///   so a crash cannot hand the same id out again. 2<sup>48</sup> transactions are 89 years at 100,000 per
-///   second; past that the low bits would wrap and tokens go backwards (PostgreSQL's
-///   own epoch runs out at 2<sup>64</sup>).
-/// * The high 16 bits are the server's timeline (`pg_walfile_name(pg_current_wal_lsn())`),
-///   which a promotion raises: after an asynchronous failover the promoted standby may
-///   hand out transaction ids the old primary already handed out without replicating
-///   them, and the timeline keeps its tokens above every token of the old primary. A
-///   server on timeline 32,768 or later is refused, so that bit 63 stays clear and a
-///   token stored in a signed 64-bit column (`bigint`) stays positive.
-///   This needs timelines that do not collide: two standbys promoted one after the
-///   other without a shared WAL archive (the second never saw the first's timeline)
-///   both take the same timeline number, and the second's ids start from the old
-///   primary's, below the first's; so does a base backup restored without
-///   `recovery.signal`. Then tokens go backwards (downstream systems refuse the new,
-///   legitimate holder: a stall, not two writers). Keep a shared WAL archive, or let
-///   the failover tool rebuild standbys after a promotion.
-/// * Some operations start a cluster on timeline 1 again: `pg_upgrade` (transaction
-///   ids carry over, the timeline does not), a logical-replication or blue/green
-///   cutover and a dump and restore (transaction ids restart as well). Tokens would go
-///   backwards after them: set `chosen.token_epoch` on the new cluster before it takes
-///   connections (the crate documentation, "Moving to another cluster", has the
-///   procedure; [`ManagerOptions::token_epoch`](crate::ManagerOptions::token_epoch) is
-///   the client-side form): the high bits are the timeline plus the epoch. A running
-///   manager refuses a server whose tokens would not order after the ones it issued.
-///
-/// Tokens of the same lock compare as plain numbers (`u64`).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
-pub struct FencingToken(u64);
-
-impl FencingToken {
-    /// Wraps a raw token value (for tests and for comparing stored tokens).
-    #[must_use]
-    pub const fn new(value: u64) -> Self {
-        Self(value)
-    }
-
-    /// The token of transaction id `xid` (its low 48 bits) on `timeline`.
-    #[must_use]
-    pub const fn from_parts(timeline: u16, xid: u64) -> Self {
-        Self(((timeline as u64) << 48) | (xid & Self::XID_MASK))
-    }
-
-    const XID_MASK: u64 = (1 << 48) - 1;
-
-    /// The token as a number.
-    #[must_use]
-    pub const fn get(self) -> u64 {
-        self.0
-    }
-
-    /// The server timeline the token was issued on, plus the
-    /// [token epoch](crate::ManagerOptions::token_epoch) (its high 16 bits).
-    #[must_use]
-    pub const fn timeline(self) -> u16 {
-        (self.0 >> 48) as u16
-    }
-
-    /// The low 48 bits of the transaction id that issued the token.
-    #[must_use]
-    pub const fn xact_id(self) -> u64 {
-        self.0 & Self::XID_MASK
-    }
-}
-
-impl fmt::Display for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
+use crate::token::FencingToken;
 
 /// A held lock. Dropping it releases the lock.
 ///
@@ -128,56 +40,59 @@ impl fmt::Display for FencingToken {
 /// leads.
 #[must_use = "dropping a Lease releases the lock at once"]
 pub struct Lease {
-    pub(crate) id: u64,
-    pub(crate) name: Arc<str>,
-    pub(crate) key: LockKey,
-    pub(crate) token: FencingToken,
-    pub(crate) acquired_at: SystemTime,
-    pub(crate) generation: Arc<Generation>,
-    pub(crate) shared: Arc<Shared>,
-    /// `None` once released (or never armed), so `Drop` and `release` don't both act.
-    pub(crate) tx: Option<mpsc::UnboundedSender<Command>>,
+    /// What the task granted; dropping it asks the task to release.
+    grant: Grant,
+    acquired_at: SystemTime,
     /// Cancelled when the lease ends on this node (dropped, released, or ended by its
     /// owner), always *before* the release is sent: every [`Validity`] of this lease
     /// checks it. A new, uncancelled token for each lease.
-    pub(crate) ended: CancellationToken,
+    ended: CancellationToken,
 }
 
 impl fmt::Debug for Lease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lease")
-            .field("name", &self.name)
-            .field("key", &self.key)
-            .field("token", &self.token)
-            .field("generation", &self.generation.id)
+            .field("name", &self.grant.name)
+            .field("key", &self.grant.key)
+            .field("token", &self.grant.token)
+            .field("generation", &self.grant.generation.id)
             .field("valid", &self.is_valid())
             .finish()
     }
 }
 
 impl Lease {
+    /// The lease of a grant that reached its requester: granted now (wall clock).
+    pub(crate) fn new(grant: Grant) -> Self {
+        Self {
+            grant,
+            acquired_at: SystemTime::now(),
+            ended: CancellationToken::new(),
+        }
+    }
+
     /// The lock's name (for raw keys, `key(...)`).
     #[must_use]
     pub fn name(&self) -> &str {
-        &self.name
+        &self.grant.name
     }
 
     /// The advisory-lock key.
     #[must_use]
     pub fn key(&self) -> LockKey {
-        self.key
+        self.grant.key
     }
 
     /// The fencing token of this acquisition.
     #[must_use]
     pub fn fencing_token(&self) -> FencingToken {
-        self.token
+        self.grant.token
     }
 
     /// The session generation the lease belongs to.
     #[must_use]
     pub fn generation(&self) -> u64 {
-        self.generation.id
+        self.grant.generation.id
     }
 
     /// When the lease was granted (wall clock).
@@ -214,8 +129,8 @@ impl Lease {
 
     pub(crate) fn validity(&self) -> Validity {
         Validity {
-            generation: Arc::clone(&self.generation),
-            shared: Arc::clone(&self.shared),
+            generation: Arc::clone(&self.grant.generation),
+            shared: Arc::clone(&self.grant.shared),
             ended: self.ended.clone(),
         }
     }
@@ -277,7 +192,7 @@ impl Lease {
         if let Some(reason) = self.loss_reason() {
             return Err(Error::LeaseLost(reason));
         }
-        table.fence(tx, &self.name, self.token).await
+        table.fence(tx, &self.grant.name, self.grant.token).await
     }
 
     /// Releases the lock and waits until the server confirmed it (or the lock passed
@@ -324,7 +239,7 @@ impl Lease {
             let valid = crate::options::is_valid_node_id(node);
             if !valid {
                 tracing::warn!(
-                    lock = %self.name,
+                    lock = %self.grant.name,
                     to = ?node,
                     "hand-over to a node id no node can have (empty, over 63 bytes or not printable ASCII); releasing to anyone instead"
                 );
@@ -333,23 +248,19 @@ impl Lease {
         });
         // Stop trusting the lease before anyone else can get the lock.
         self.ended.cancel();
-        let Some(tx) = self.tx.take() else {
-            return Ok(());
-        };
         let (reply, rx) = oneshot::channel();
-        tx.send(Command::Release {
-            key: self.key,
-            lease_id: self.id,
-            to,
-            reply: Some(reply),
-        })
-        .map_err(|_| Error::Closed)?;
+        match self.grant.release(to, Some(reply)) {
+            None => return Ok(()),
+            Some(false) => return Err(Error::Closed),
+            Some(true) => {}
+        }
         rx.await.map_err(|_| Error::Closed)?
     }
 
-    /// Makes `Drop` a no-op (used when the lease never reached its owner).
-    pub(crate) fn disarm(&mut self) {
-        self.tx = None;
+    /// The state the lease's validity reads (for tests of code above the manager).
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.grant.shared
     }
 }
 
@@ -357,17 +268,9 @@ impl Drop for Lease {
     fn drop(&mut self) {
         // Stop trusting the lease before anyone else can get the lock: a `Leadership`
         // or `LeaderContext` kept by others turns invalid here, whoever drops the lease
-        // and however (a task that panicked or was aborted included).
+        // and however (a task that panicked or was aborted included). The grant, dropped
+        // after this, sends the release.
         self.ended.cancel();
-        if let Some(tx) = self.tx.take() {
-            // If the task is gone, so is the session and the lock with it.
-            let _ = tx.send(Command::Release {
-                key: self.key,
-                lease_id: self.id,
-                to: None,
-                reply: None,
-            });
-        }
     }
 }
 
@@ -442,27 +345,30 @@ impl Validity {
 #[cfg(test)]
 impl Lease {
     /// A lease of a fake manager: the receiver sees the commands the lease sends.
-    pub(crate) fn for_tests() -> (Self, mpsc::UnboundedReceiver<Command>, Arc<Generation>) {
+    pub(crate) fn for_tests() -> (
+        Self,
+        mpsc::UnboundedReceiver<crate::command::Command>,
+        Arc<Generation>,
+    ) {
         let (validity, generation) = Validity::for_tests();
         let (tx, rx) = mpsc::unbounded_channel();
-        let lease = Self {
-            id: 1,
-            name: "test".into(),
-            key: LockKey::derive("chosen", "test"),
-            token: FencingToken::new(7),
-            acquired_at: SystemTime::now(),
-            generation: Arc::clone(&generation),
-            shared: Arc::clone(&validity.shared),
-            tx: Some(tx),
-            ended: CancellationToken::new(),
-        };
-        (lease, rx, generation)
+        let grant = Grant::new(
+            1,
+            "test".into(),
+            LockKey::derive("chosen", "test"),
+            FencingToken::new(7),
+            Arc::clone(&generation),
+            Arc::clone(&validity.shared),
+            Some(tx),
+        );
+        (Self::new(grant), rx, generation)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::command::Command;
 
     fn is_release(cmd: Option<&Command>) -> bool {
         matches!(cmd, Some(Command::Release { lease_id: 1, .. }))

@@ -1,36 +1,43 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod command;
 mod driver;
 mod election;
 mod error;
+mod fault;
 mod group;
 // Public as a module: its docs (the guarantee, the SQL) are the reference for fenced
 // writes, and its free functions read best qualified (`fenced::fence`).
 pub mod fenced;
+mod generation;
 mod heartbeat;
+mod info;
 mod key;
 mod leadership;
 mod lease;
 mod manager;
 mod metrics;
+mod names;
 mod options;
 mod session;
 mod shared;
 mod singleton;
 mod status;
 mod table;
+mod token;
 
 pub use election::{DEFAULT_FAIL_BACK_AFTER, Election, ElectionOptions};
 pub use error::{Error, Result};
 pub use group::{GroupOptions, GroupStatus, SingletonGroup};
+pub use info::{ClusterLock, HolderInfo, LockInfo, LockState};
 pub use key::{DEFAULT_NAMESPACE, LockKey};
 #[cfg(any(test, feature = "test-util"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use leadership::ManualLeadership;
 pub use leadership::{LeaderState, Leadership};
-pub use lease::{FencingToken, Lease};
-pub use manager::{ClusterLock, HolderInfo, LockInfo, LockManager, LockRequest, LockState};
+pub use lease::Lease;
+pub use manager::{LockManager, LockRequest};
 pub use metrics::MetricsSink;
 #[cfg(feature = "opentelemetry")]
 #[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
@@ -44,6 +51,7 @@ pub use singleton::{
     SingletonState, SingletonStatus,
 };
 pub use status::{ConnectionState, SessionDownReason};
+pub use token::FencingToken;
 
 /// The exact single-key statements of an uncontended acquire and release, for the
 /// itemizing benchmark (which runs them on a raw connection to tell their cost from

@@ -10,10 +10,12 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::driver::{Command, Driver};
+use crate::command::Command;
+use crate::driver::Driver;
 use crate::error::{Error, Result};
+use crate::info::{ClusterLock, HolderInfo, LockInfo};
 use crate::key::LockKey;
-use crate::lease::{FencingToken, Lease};
+use crate::lease::Lease;
 use crate::options::ManagerOptions;
 use crate::session;
 use crate::shared::Shared;
@@ -44,7 +46,7 @@ use crate::table::{Mode, Request};
 /// * Only the oldest waiter of each lock contends at the server, and all due locks are
 ///   tried in **one statement per poll tick**. A graceful release is announced with
 ///   `NOTIFY`, so waiting managers on other nodes retry at once.
-/// * Every acquisition carries a [`FencingToken`].
+/// * Every acquisition carries a [`FencingToken`](crate::FencingToken).
 ///
 /// The handle is cheap to clone. The task (and the session) ends when
 /// [`shutdown`](Self::shutdown) is called (which first stops every singleton and election
@@ -88,7 +90,7 @@ pub struct LockRequest {
     target: Target,
     poll_interval: Option<Duration>,
     /// One of the library's own locks, whose name may begin with
-    /// [`RESERVED_PREFIX`](crate::error::RESERVED_PREFIX).
+    /// [`RESERVED_PREFIX`](crate::names::RESERVED_PREFIX).
     internal: bool,
 }
 
@@ -136,13 +138,13 @@ impl LockRequest {
     /// `key(...)` for raw keys.
     pub(crate) fn validated_name(&self) -> Result<String> {
         if let Some(interval) = self.poll_interval
-            && !crate::error::POLL_INTERVAL_RANGE.contains(&interval)
+            && !crate::names::POLL_INTERVAL_RANGE.contains(&interval)
         {
             return Err(Error::InvalidPollInterval(interval));
         }
         match &self.target {
             Target::Name(name) => {
-                crate::error::validate_lock_name(name, self.internal)?;
+                crate::names::validate_lock_name(name, self.internal)?;
                 Ok(name.clone())
             }
             Target::Key(key) => Ok(format!("key{key}")),
@@ -184,71 +186,6 @@ impl From<LockKey> for LockRequest {
             internal: false,
         }
     }
-}
-
-/// One lock this manager holds or waits for, as [`LockManager::locks`] reports it.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct LockInfo {
-    /// The lock's name (for raw keys, `key(...)`).
-    pub name: String,
-    /// The advisory-lock key.
-    pub key: LockKey,
-    /// Held or waiting.
-    pub state: LockState,
-    /// The identity of the lease or request inside this manager.
-    pub request_id: u64,
-    /// The node id of this manager.
-    pub node_id: String,
-    /// When the lease was granted, or when the request started waiting.
-    pub since: SystemTime,
-}
-
-/// The session holding a lock, as the database reports it
-/// ([`LockManager::holder`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct HolderInfo {
-    /// The holder's `application_name`: for chosen managers, their node id
-    /// (PostgreSQL keeps at most 63 bytes of it).
-    pub node_id: String,
-    /// The holder's backend process id.
-    pub backend_pid: i32,
-    /// The holder's client address (`None` for Unix-socket connections).
-    pub client_addr: Option<String>,
-    /// When the holder's session started (PostgreSQL does not record when a lock was
-    /// granted).
-    pub session_start: Option<SystemTime>,
-}
-
-/// One advisory lock held in the database, as [`LockManager::cluster_locks`] reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ClusterLock {
-    /// The lock's name, when known to the caller.
-    pub name: Option<String>,
-    /// The key.
-    pub key: LockKey,
-    /// The session holding it.
-    pub holder: HolderInfo,
-}
-
-/// Whether a [`LockInfo`] entry holds or waits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LockState {
-    /// Held by a lease of this manager.
-    Held {
-        /// The lease's fencing token.
-        token: FencingToken,
-        /// The session generation it belongs to.
-        generation: u64,
-    },
-    /// Waiting; `position` 0 is next in line within this process.
-    Waiting {
-        /// Place in this process's FIFO queue for the lock.
-        position: usize,
-    },
 }
 
 impl LockManager {
@@ -324,7 +261,7 @@ impl LockManager {
         }
         let (name, key) = match request.target {
             Target::Name(name) => {
-                crate::error::validate_lock_name(&name, request.internal)?;
+                crate::names::validate_lock_name(&name, request.internal)?;
                 let key = self.key_for(&name);
                 (name, key)
             }
@@ -333,7 +270,7 @@ impl LockManager {
         let poll_interval = request
             .poll_interval
             .unwrap_or(self.shared.options.poll_interval);
-        if !crate::error::POLL_INTERVAL_RANGE.contains(&poll_interval) {
+        if !crate::names::POLL_INTERVAL_RANGE.contains(&poll_interval) {
             return Err(Error::InvalidPollInterval(poll_interval));
         }
         let (reply, rx) = oneshot::channel();
@@ -360,7 +297,7 @@ impl LockManager {
         };
         let answer = rx.await;
         withdraw.armed = false;
-        answer.map_err(|_| Error::Closed)?
+        Ok(answer.map_err(|_| Error::Closed)??.map(Lease::new))
     }
 
     /// Every lock this manager holds or waits for.
@@ -389,7 +326,7 @@ impl LockManager {
     pub async fn holder(&self, lock: impl Into<LockRequest>) -> Result<Option<HolderInfo>> {
         let key = match lock.into().target {
             Target::Name(name) => {
-                crate::error::validate_name("the lock name", &name)?;
+                crate::names::validate_name("the lock name", &name)?;
                 self.key_for(&name)
             }
             Target::Key(key) => key,

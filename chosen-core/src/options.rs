@@ -525,13 +525,13 @@ impl ManagerOptions {
                 "namespace must not contain a NUL character".to_owned(),
             );
         }
-        if self.namespace.starts_with(crate::error::RESERVED_PREFIX) {
+        if self.namespace.starts_with(crate::names::RESERVED_PREFIX) {
             return bad(
                 "ManagerOptions::namespace",
                 format!(
                     "namespace {:?} begins with {:?}, which is reserved for the library's own keys (stop fences, interest keys); choose a namespace without that prefix",
                     self.namespace,
-                    crate::error::RESERVED_PREFIX
+                    crate::names::RESERVED_PREFIX
                 ),
             );
         }
@@ -642,7 +642,7 @@ impl ManagerOptions {
                 ),
             );
         }
-        if !crate::error::POLL_INTERVAL_RANGE.contains(&self.poll_interval) {
+        if !crate::names::POLL_INTERVAL_RANGE.contains(&self.poll_interval) {
             return bad(
                 "ManagerOptions::poll_interval",
                 format!(

@@ -12,12 +12,14 @@ use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
+use crate::fault::{Fault, classify, error_text};
+use crate::generation::Generation;
+use crate::info::HolderInfo;
 use crate::key::LockKey;
-use crate::lease::FencingToken;
-use crate::manager::HolderInfo;
 use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
 use crate::table::{FenceCheck, Plan, TryOutcome};
+use crate::token::FencingToken;
 
 /// The channel graceful releases are announced on (payload: up to 200 key tags, see
 /// `LockKey::tag`, joined by commas).
@@ -591,29 +593,6 @@ pub(crate) enum ConnEvent {
         payload: String,
     },
     Closed(String),
-}
-
-/// Shared by every lease of one generation: revoked all at once.
-#[derive(Debug)]
-pub(crate) struct Generation {
-    pub(crate) id: u64,
-    pub(crate) revoked: tokio_util::sync::CancellationToken,
-    pub(crate) reason: std::sync::OnceLock<SessionDownReason>,
-}
-
-impl Generation {
-    pub(crate) fn new(id: u64) -> Arc<Self> {
-        Arc::new(Self {
-            id,
-            revoked: tokio_util::sync::CancellationToken::new(),
-            reason: std::sync::OnceLock::new(),
-        })
-    }
-
-    pub(crate) fn revoke(&self, reason: SessionDownReason) {
-        let _ = self.reason.set(reason);
-        self.revoked.cancel();
-    }
 }
 
 pub(crate) struct Statements {
@@ -1513,46 +1492,6 @@ fn key_arrays(keys: &[LockKey]) -> KeyArrays {
         }
     }
     (a, b, big)
-}
-
-/// A classified failure of a query on the session.
-#[derive(Debug)]
-pub(crate) enum Fault {
-    /// The session can no longer be trusted: end the generation.
-    Lost(SessionDownReason),
-    /// The statement failed but the session is fine (e.g. lock table full).
-    Query(tokio_postgres::Error),
-}
-
-pub(crate) fn classify(error: tokio_postgres::Error) -> Fault {
-    let fatal = match error.code() {
-        None => true,
-        Some(code) if *code == SqlState::READ_ONLY_SQL_TRANSACTION => {
-            return Fault::Lost(SessionDownReason::ServerInRecovery);
-        }
-        Some(code) => {
-            let c = code.code();
-            c.starts_with("08") // connection exception
-                || c.starts_with("57P") // admin/crash shutdown, cannot connect now, idle session timeout
-                || c.starts_with("XX") // internal error
-        }
-    };
-    if fatal || error.is_closed() {
-        Fault::Lost(SessionDownReason::ConnectionLost {
-            message: error_text(&error),
-        })
-    } else {
-        Fault::Query(error)
-    }
-}
-
-/// The error with its database message, if any (tokio-postgres' Display of a
-/// database error is only "db error").
-pub(crate) fn error_text(error: &tokio_postgres::Error) -> String {
-    match error.as_db_error() {
-        Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => error.to_string(),
-    }
 }
 
 /// The server's `tcp_user_timeout`: how long the server keeps a connection whose sent

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::key::LockKey;
-use crate::lease::FencingToken;
+use crate::token::FencingToken;
 
 /// Identifies one acquire request (and the lease it becomes).
 pub(crate) type RequestId = u64;

@@ -215,7 +215,7 @@ impl SingletonGroup {
         E: Into<ChildError>,
     {
         let name = name.into();
-        crate::error::validate_name("the group name", &name)?;
+        crate::names::validate_name("the group name", &name)?;
         if name.contains('/') {
             // The group's locks are `chosen.group/<group>/node-slot/<i>` and
             // `chosen.group/<group>/member/<member>`: with a `/` in group names, group
@@ -228,7 +228,7 @@ impl SingletonGroup {
         let members: Vec<String> = members.into_iter().map(Into::into).collect();
         let mut seen = BTreeSet::new();
         for m in &members {
-            crate::error::validate_name(&format!("the name of a member of group {name:?}"), m)?;
+            crate::names::validate_name(&format!("the name of a member of group {name:?}"), m)?;
             if !seen.insert(m.as_str()) {
                 return Err(Error::InvalidName(format!(
                     "group {name:?} names member {m:?} twice"

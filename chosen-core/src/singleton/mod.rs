@@ -13,9 +13,10 @@ use tracing::{error, info, warn};
 use crate::election::{campaign, gained, rejoin_pause, wait_for_successor};
 use crate::error::{Error, Result};
 use crate::leadership::Leadership;
-use crate::lease::{FencingToken, Lease, Validity};
+use crate::lease::{Lease, Validity};
 use crate::manager::{LockManager, LockRequest};
 use crate::status::SessionDownReason;
+use crate::token::FencingToken;
 
 mod context;
 mod options;

@@ -148,7 +148,7 @@ impl SingletonOptions {
 
     pub(super) fn validate_against(&self, budget: Duration) -> Result<()> {
         if let Some(interval) = self.poll_interval
-            && !crate::error::POLL_INTERVAL_RANGE.contains(&interval)
+            && !crate::names::POLL_INTERVAL_RANGE.contains(&interval)
         {
             return Err(Error::config(
                 "SingletonOptions::poll_interval",

@@ -9,7 +9,7 @@ struct Fixture {
     inner: SingletonInner,
     stop: CancellationToken,
     validity: Validity,
-    generation: Arc<crate::session::Generation>,
+    generation: Arc<crate::generation::Generation>,
 }
 
 fn fixture() -> Fixture {
@@ -327,14 +327,14 @@ where
 /// Waits for the release the lease sends to its manager, and checks what was true
 /// at that moment: the leadership had ended and the child had stopped.
 async fn release_seen(
-    rx: &mut tokio::sync::mpsc::UnboundedReceiver<crate::driver::Command>,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<crate::command::Command>,
     f: &Fixture,
     probe: &Probe,
 ) {
     let cmd = tokio::time::timeout(Duration::from_secs(60), rx.recv())
         .await
         .expect("the lease is released");
-    assert!(matches!(cmd, Some(crate::driver::Command::Release { .. })));
+    assert!(matches!(cmd, Some(crate::command::Command::Release { .. })));
     assert!(
         !f.inner.leadership.is_leader(),
         "still leader at the release"
@@ -442,7 +442,7 @@ async fn a_factory_panic_is_a_child_failure() {
 async fn a_lease_once_lost_stays_lost_while_the_child_stops() {
     let f = Arc::new(fixture());
     let (lease, _rx, _generation) = crate::Lease::for_tests();
-    let shared = Arc::clone(&lease.shared);
+    let shared = Arc::clone(lease.shared());
     shared.invalidate();
     shared.extend_validity(std::time::Instant::now() + Duration::from_millis(300));
     let probe = Probe::default();

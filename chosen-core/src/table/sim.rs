@@ -35,11 +35,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::key::LockKey;
-use crate::lease::FencingToken;
 use crate::table::{
     Action, FenceCheck, LockTable, Mode, Plan, Refusal, Request, RequestId, Rules, TryOutcome,
     next_random,
 };
+use crate::token::FencingToken;
 
 /// Virtual microseconds since the start of a run.
 type T = u64;
