@@ -1521,6 +1521,7 @@ fn setup_sql(options: &ManagerOptions) -> String {
          SET plan_cache_mode = force_generic_plan; \
          SET lock_timeout = 0; \
          SET idle_in_transaction_session_timeout = 0; \
+         {TRANSACTION_TIMEOUT_OFF_SESSION} \
          SET idle_session_timeout = {release_ms}; \
          SET tcp_keepalives_idle = {keepalive_idle_s}; \
          SET tcp_keepalives_interval = 1; \
@@ -1530,6 +1531,19 @@ fn setup_sql(options: &ManagerOptions) -> String {
          LISTEN {RELEASE_CHANNEL};"
     )
 }
+
+/// PostgreSQL 17's `transaction_timeout` ends the *session* (FATAL 25P04) when a
+/// transaction, or outside one a statement, runs longer: a DBA's short default for the
+/// role or database would end the lock session whenever a statement of ours ran long.
+/// Turned off as the other DBA timeouts are, only where the setting exists (`SET` of an
+/// unknown setting is an error on older servers). The `CASE` orders the evaluation, so
+/// `set_config` never sees another setting's name; no row is returned (the probe reads
+/// the first row of its message as its own). Setting it inside a transaction stops that
+/// transaction's timer too.
+const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 FROM pg_catalog.pg_settings WHERE CASE WHEN name = 'transaction_timeout' THEN set_config(name, '0', true) IS NULL ELSE false END;";
+
+/// [`TRANSACTION_TIMEOUT_OFF_LOCAL`] for the whole session.
+const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 FROM pg_catalog.pg_settings WHERE CASE WHEN name = 'transaction_timeout' THEN set_config(name, '0', false) IS NULL ELSE false END;";
 
 /// Opens and proves a new session.
 pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
@@ -1649,7 +1663,7 @@ where
     // nothing of ours.
     let messages = client
         .simple_query(&format!(
-            "BEGIN; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {PROBE_SQL}; COMMIT;",
+            "BEGIN; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {TRANSACTION_TIMEOUT_OFF_LOCAL} {PROBE_SQL}; COMMIT;",
             options.lease_timeout.as_millis()
         ))
         .await

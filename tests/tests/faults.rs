@@ -656,7 +656,8 @@ async fn transaction_pooler_is_refused() {
 async fn dba_defaults_do_not_break_a_holder() {
     let pg = PgCluster::start_local().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    // Settings that would kill or break our session if we did not override them.
+    // Settings that would kill or break our session if we did not override them;
+    // `transaction_timeout` (PostgreSQL 17 on) ends the session itself.
     admin
         .batch_execute(
             "ALTER ROLE postgres SET idle_session_timeout = '300ms'; \
@@ -665,6 +666,17 @@ async fn dba_defaults_do_not_break_a_holder() {
         )
         .await
         .unwrap();
+    let version: i32 = admin
+        .query_one("SELECT current_setting('server_version_num')::int4", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if version >= 170_000 {
+        admin
+            .batch_execute("ALTER ROLE postgres SET transaction_timeout = '1ms'")
+            .await
+            .unwrap();
+    }
     let m = LockManager::connect(options(&pg.url(), "dba-defaults"))
         .await
         .unwrap();
