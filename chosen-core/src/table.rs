@@ -183,6 +183,11 @@ const MAX_QUICK_REGISTERS: u8 = 5;
 /// per second (none at poll intervals below it).
 pub(crate) const UNVERIFIED_CUE: Duration = Duration::from_secs(1);
 
+/// How many announcements of one key arriving during its try are kept for it (the
+/// latest of each sender, the oldest senders dropped first): enough for the real one
+/// among a few forged ones; a flood keeps the latest.
+const MAX_IN_FLIGHT_ANNOUNCEMENTS: usize = 4;
+
 /// How long the other nodes hold off after a release handed over to one node, so that
 /// it takes the lock: it tries at once on the announcement, within a round trip; past
 /// this, every node contends as usual (the named node was gone, or not waiting).
@@ -302,6 +307,10 @@ struct Slot {
     hold_until: Option<Instant>,
     /// The node (hash) the key's next announced unlock hands it over to.
     hand_to: Option<u64>,
+    /// Announcements (sender pid, hand-over target) that arrived while this key's try
+    /// was in flight: what they are worth is known only once the try answers who held
+    /// the key (see [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
+    announced_in_flight: Vec<(i32, Option<u64>)>,
 }
 
 impl Slot {
@@ -318,6 +327,7 @@ impl Slot {
             stopping: None,
             hold_until: None,
             hand_to: None,
+            announced_in_flight: Vec::new(),
         }
     }
 
@@ -462,6 +472,7 @@ impl LockTable {
                 });
             }
             slot.server = Server::Free;
+            slot.announced_in_flight.clear();
             // Whatever happens to the key while we are away is unknown.
             slot.evidence = Evidence {
                 contended: true,
@@ -781,6 +792,16 @@ impl LockTable {
             if *by == Some(sender) {
                 *next = now.max(*not_before);
             }
+            return;
+        }
+        if slot.server == Server::Trying && !slot.waiters.is_empty() {
+            // The try in flight may answer that the sender held the key: the
+            // announcement is verified against that answer, not the one before.
+            slot.announced_in_flight.retain(|(pid, _)| *pid != sender);
+            if slot.announced_in_flight.len() == MAX_IN_FLIGHT_ANNOUNCEMENTS {
+                slot.announced_in_flight.remove(0);
+            }
+            slot.announced_in_flight.push((sender, to));
             return;
         }
         if slot.server != Server::Free || slot.waiters.is_empty() {
@@ -1163,6 +1184,7 @@ impl LockTable {
             // A try ends a hold: what it found is what the next announcement is
             // verified against.
             slot.hold_until = None;
+            let in_flight = std::mem::take(&mut slot.announced_in_flight);
             match outcome {
                 TryOutcome::Won(token) => {
                     slot.unregistered = 0;
@@ -1218,6 +1240,14 @@ impl LockTable {
                         announced: false,
                     };
                     self.not_acquired(key, Refusal::Busy, now);
+                    // The holder this try saw announced its release while the try was
+                    // on its way: it counts as if it came now. Others' announcements
+                    // were verified against nothing: dropped (a cue at most).
+                    if let Some(sender) = by
+                        && let Some(&(_, to)) = in_flight.iter().find(|(pid, _)| *pid == sender)
+                    {
+                        self.announced_for(key, sender, to, now);
+                    }
                     // Waiting without interest registered, a release would not be
                     // announced to us: try again at once (a few times), registering.
                     if let Some(slot) = self.slots.get_mut(&key)
@@ -1254,6 +1284,7 @@ impl LockTable {
         for key in stuck {
             if let Some(slot) = self.slots.get_mut(&key) {
                 slot.server = Server::Free;
+                slot.announced_in_flight.clear();
             }
             self.not_acquired(key, Refusal::Failed, now);
         }

@@ -1538,6 +1538,65 @@ fn a_verified_hand_over_to_this_node_tries_at_once() {
 }
 
 #[test]
+fn a_hand_over_announced_while_the_named_node_s_try_is_in_flight_is_kept() {
+    // The holder (backend 4242) hands the key to this node (hash 0) while this node's
+    // try is on its way and finds 4242 still holding it: the announcement counts once
+    // the try answers, and this node tries at once (not a poll interval later, when the
+    // hold for it would have ended and anyone could take the key).
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)]);
+    f.table.announced_for(key(1), 4242, Some(0), f.now);
+    f.table.registered(&plan.register);
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: Some(4242) })], f.now);
+    f.advance(ms(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    // Announced by the holder the try saw: no grace.
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn an_announcement_in_flight_from_a_backend_the_try_did_not_see_is_only_a_cue() {
+    // While the try is in flight, backend 5151 announces a hand-over to this node, but
+    // the try finds 4242 holding the key: 5151's word is worth nothing, and a later win
+    // keeps the grace.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    let plan = f.plan();
+    f.table.announced_for(key(1), 5151, Some(0), f.now);
+    f.table.registered(&plan.register);
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: Some(4242) })], f.now);
+    assert!(f.plan().try_keys.is_empty(), "tried again at once");
+    // The next poll (an hour, with its jitter).
+    f.advance(Duration::from_secs(2 * 3600));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "granted without the grace");
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_hand_over_to_another_node_announced_during_the_try_holds_this_one_off() {
+    // The sibling rule: handed to node 9 while our try is in flight, and the try saw
+    // the sender holding: we hold off for node 9 as if the announcement came after.
+    let mut f = Fixture::new();
+    let _a = f.request(key(1), Mode::Wait, Duration::from_millis(100));
+    let plan = f.plan();
+    f.table.announced_for(key(1), 4242, Some(9), f.now);
+    f.table.registered(&plan.register);
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: Some(4242) })], f.now);
+    f.advance(HAND_OVER_HOLD - ms(1));
+    assert!(f.plan().try_keys.is_empty(), "tried within the hold");
+    f.advance(ms(1));
+    assert_eq!(f.plan().try_keys, vec![key(1)]);
+}
+
+#[test]
 fn an_unverified_hand_over_holds_nobody_off() {
     // A forged hand-over (not from the backend our last try saw) must not keep us out:
     // it is only a cue, like any unverified announcement.
