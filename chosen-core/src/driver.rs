@@ -15,15 +15,16 @@ use tokio::time::sleep_until;
 use tracing::{debug, info, warn};
 
 use crate::command::{ClusterReply, Command, Grant, HolderReply};
+use crate::engine::{Engine, Overdue, Timing};
 use crate::error::{Error, Result};
 use crate::fault::{Fault, error_text};
 use crate::generation::Generation;
 use crate::info::{LockInfo, LockState};
 use crate::key::LockKey;
-use crate::session::{self, ConnEvent, Session, TryFailure};
+use crate::session::{self, ConnEvent, Session};
 use crate::shared::Shared;
 use crate::status::{ConnectionState, SessionDownReason};
-use crate::table::{Action, Entry, LockTable, Refusal, RequestId, Rules, TryOutcome, jitter_below};
+use crate::table::{Action, Entry, Refusal, RequestId, Rules};
 use crate::token::FencingToken;
 
 enum Exit {
@@ -35,7 +36,7 @@ pub(crate) struct Driver {
     shared: Arc<Shared>,
     rx: UnboundedReceiver<Command>,
     weak_tx: WeakUnboundedSender<Command>,
-    table: LockTable,
+    engine: Engine,
     /// Reply channels of requests the table still has (waiting or in a statement).
     replies: HashMap<RequestId, oneshot::Sender<Result<Option<Grant>>>>,
     release_replies: Vec<oneshot::Sender<Result<()>>>,
@@ -46,19 +47,10 @@ pub(crate) struct Driver {
     generations: u64,
     current: Option<Arc<Generation>>,
     last_reason: SessionDownReason,
-    rng: u64,
     /// The error of the last failed try statement, for the try requests it answers.
     last_error: Option<Arc<tokio_postgres::Error>>,
     /// Waiter counts last reported to the metrics sink, per key.
     reported_waiting: HashMap<LockKey, (Arc<str>, usize)>,
-    /// A server term whose start the server could not tell, and when this process
-    /// first saw it.
-    term_first_seen: Option<(String, Instant)>,
-    /// The highest token a session of this manager issued: a new session that could
-    /// issue one below it is refused.
-    issued: Arc<std::sync::atomic::AtomicU64>,
-    /// The system identifier of the cluster this manager's last session was on.
-    last_system: Option<String>,
 }
 
 impl Drop for Driver {
@@ -93,8 +85,13 @@ impl Driver {
                 .saturating_add(shared.options.stop_budget)
                 .saturating_add(shared.options.safety_margin),
         };
+        let timing = Timing {
+            term_grant_delay: shared.options.get_term_grant_delay(),
+            reconnect_min: shared.options.reconnect_min,
+            reconnect_max: shared.options.reconnect_max,
+        };
         Self {
-            table: LockTable::new(rules, seed),
+            engine: Engine::new(rules, timing, seed),
             shared,
             rx,
             weak_tx,
@@ -109,12 +106,8 @@ impl Driver {
             last_reason: SessionDownReason::ConnectFailed {
                 message: "not connected yet".to_owned(),
             },
-            rng: seed | 1,
             last_error: None,
             reported_waiting: HashMap::new(),
-            term_first_seen: None,
-            issued: Arc::default(),
-            last_system: None,
         }
     }
 
@@ -157,10 +150,18 @@ impl Driver {
             backend_pid = s.backend_pid,
             "lock session connected"
         );
-        self.table.session_started(generation.id, Instant::now());
-        s.issued = Arc::clone(&self.issued);
-        self.last_system = Some(s.term.system_id.clone());
-        self.hold_grants_for_term(&s.term);
+        if let Some(grants_in) = self
+            .engine
+            .session_started(generation.id, &s.term, Instant::now())
+        {
+            info!(
+                node_id = %self.shared.options.node_id,
+                timeline = s.term.timeline,
+                term_age = ?s.term.age,
+                ?grants_in,
+                "the server's term as primary began recently; no lock is granted before the term grant delay passed"
+            );
+        }
         self.shared.set_server_floor(0);
         let heartbeat = tokio::spawn(crate::heartbeat::run(
             s.heartbeat_handle(),
@@ -189,7 +190,7 @@ impl Driver {
                 break Exit::Lost(reason);
             }
             let wakeup = self
-                .table
+                .engine
                 .next_wakeup(Instant::now())
                 .map(tokio::time::Instant::from_std);
             tokio::select! {
@@ -224,40 +225,6 @@ impl Driver {
         }
     }
 
-    /// A server whose current term as primary (start, crash restart, promotion) began
-    /// less than `term_grant_delay` ago grants nothing before that much time passed: a
-    /// holder of the previous term that went silent may still trust its lease.
-    fn hold_grants_for_term(&mut self, term: &session::Term) {
-        let delay = self.shared.options.get_term_grant_delay();
-        if delay.is_zero() {
-            return;
-        }
-        let not_before = match term.age {
-            Some(age) => term.read_at + delay.saturating_sub(age),
-            None => {
-                // Promoted, and the server cannot tell when yet: the term began before
-                // this process first saw it.
-                let first = match &self.term_first_seen {
-                    Some((identity, at)) if *identity == term.identity => *at,
-                    _ => term.read_at,
-                };
-                self.term_first_seen = Some((term.identity.clone(), first));
-                first + delay
-            }
-        };
-        let now = Instant::now();
-        if not_before > now {
-            info!(
-                node_id = %self.shared.options.node_id,
-                timeline = term.timeline,
-                term_age = ?term.age,
-                grants_in = ?(not_before - now),
-                "the server's term as primary began recently; no lock is granted before the term grant delay passed"
-            );
-            self.table.hold_grants_until(not_before);
-        }
-    }
-
     /// Takes the notifications already received, in one go (at most 10,000, so that a
     /// flood of them cannot hold up the step).
     fn drain_events(&mut self, s: &mut Session) -> Option<Exit> {
@@ -277,7 +244,7 @@ impl Driver {
             ConnEvent::Notification { sender, payload } => {
                 let now = Instant::now();
                 for (key, to) in payload.split(',').filter_map(LockKey::from_announcement) {
-                    self.table.announced_for(key, sender, to, now);
+                    self.engine.table_mut().announced_for(key, sender, to, now);
                 }
                 None
             }
@@ -316,59 +283,38 @@ impl Driver {
     ) -> Result<(), SessionDownReason> {
         let generation = Arc::clone(&s.generation);
         // After a freeze the task may run before the heartbeat task's watchdog: a session
-        // whose deadline passed grants nothing (the server may have ended it already).
-        if deadline.is_none() && !self.shared.is_valid_now() {
-            return Err(SessionDownReason::HeartbeatOverdue {
-                lease_timeout: self.shared.options.lease_timeout,
-            });
-        }
-        let plan = self.table.plan(Instant::now());
+        // whose deadline passed grants nothing (the engine's validity gate).
+        let closing = deadline.is_some();
+        let lease_timeout = self.shared.options.lease_timeout;
+        let overdue = |Overdue| SessionDownReason::HeartbeatOverdue { lease_timeout };
+        let plan = self
+            .engine
+            .plan(Instant::now(), self.shared.is_valid_now(), closing)
+            .map_err(overdue)?;
         // Lowered before the statements that release locks are sent.
-        self.shared.set_server_floor(self.table.server_floor());
+        self.shared.set_server_floor(self.engine.server_floor());
         self.carry_out();
         if !plan.is_empty() {
             if let (Some(m), false) = (self.metrics(), plan.try_keys.is_empty()) {
                 m.poll_query(self.node(), plan.try_keys.len());
             }
-            let done = self
+            let (done, try_error) = self
                 .guarded(&generation, deadline, s.perform(&plan))
                 .await
                 .map_err(fault_reason)?;
+            self.last_error = try_error.map(Arc::new);
             // A freeze during the statement: its results would grant on a session whose
             // deadline passed (the server may have ended it and given the keys away).
-            if deadline.is_none() && !self.shared.is_valid_now() {
-                return Err(SessionDownReason::HeartbeatOverdue {
-                    lease_timeout: self.shared.options.lease_timeout,
-                });
-            }
-            let now = Instant::now();
-            self.table.unlocked(&plan.unlock, now);
-            self.table.unlocked(&plan.unlock_quiet, now);
-            self.table.unfenced(&plan.unfence, now);
-            self.table.fenced(&done.fenced, now);
-            self.table.checked(&done.checked, now);
-            self.table.tokens(&plan.token_for, done.token, now);
-            self.table.registered(&done.registered);
-            self.table.seen_held(&done.seen_held);
-            match done.tried {
-                Ok(outcomes) => {
-                    self.last_error = None;
-                    self.table.tried(&outcomes, now);
-                }
-                Err(TryFailure { full, error }) => {
-                    // A full lock table is contention, not a failure of the request.
-                    self.last_error = (!full).then(|| Arc::new(error));
-                    let outcome = if full {
-                        TryOutcome::Held { by: None }
-                    } else {
-                        TryOutcome::Failed
-                    };
-                    let failed: Vec<(LockKey, TryOutcome)> =
-                        plan.try_keys.iter().map(|k| (*k, outcome)).collect();
-                    self.table.tried(&failed, now);
-                }
-            }
-            self.shared.set_server_floor(self.table.server_floor());
+            self.engine
+                .done(
+                    &plan,
+                    &done,
+                    self.shared.is_valid_now(),
+                    closing,
+                    Instant::now(),
+                )
+                .map_err(overdue)?;
+            self.shared.set_server_floor(self.engine.server_floor());
             self.carry_out();
         }
         self.answer_releases();
@@ -378,7 +324,7 @@ impl Driver {
 
     /// Carries out the table's actions: leases granted, requests answered, metrics.
     fn carry_out(&mut self) {
-        while let Some(action) = self.table.poll_action() {
+        while let Some(action) = self.engine.poll_action() {
             match action {
                 Action::Grant {
                     id,
@@ -386,6 +332,7 @@ impl Driver {
                     token,
                     generation,
                     waited,
+                    ..
                 } => self.deliver(id, key, token, generation, waited),
                 Action::Refuse { id, why } => {
                     let Some(reply) = self.replies.remove(&id) else {
@@ -437,7 +384,7 @@ impl Driver {
             if let Some(reply) = self.replies.remove(&id) {
                 let _ = reply.send(Err(Error::Closed));
             }
-            self.table.undelivered(key, id, Instant::now());
+            self.engine.table_mut().undelivered(key, id, Instant::now());
             return;
         }
         let (Some(reply), Some(generation), Some(tx)) = (
@@ -445,12 +392,13 @@ impl Driver {
             self.current.clone(),
             self.weak_tx.upgrade(),
         ) else {
-            self.table.undelivered(key, id, Instant::now());
+            self.engine.table_mut().undelivered(key, id, Instant::now());
             return;
         };
         debug_assert_eq!(generation.id, generation_id);
         let name = self
-            .table
+            .engine
+            .table_mut()
             .name_of(key)
             .cloned()
             .unwrap_or_else(|| Arc::from(format!("key{key}")));
@@ -474,7 +422,7 @@ impl Driver {
                 if let Ok(Some(mut grant)) = returned {
                     grant.disarm();
                 }
-                self.table.undelivered(key, id, Instant::now());
+                self.engine.table_mut().undelivered(key, id, Instant::now());
             }
         }
     }
@@ -494,7 +442,7 @@ impl Driver {
         };
         let node = &self.shared.options.node_id;
         let mut seen = HashMap::new();
-        for (key, name, n) in self.table.waiting() {
+        for (key, name, n) in self.engine.table_mut().waiting() {
             if self.reported_waiting.get(&key).map(|(_, c)| *c) != Some(n) {
                 m.lock_waiting(node, name, n);
             }
@@ -582,11 +530,11 @@ impl Driver {
             Command::Acquire { request, reply } => {
                 let key = request.key;
                 let name = Arc::clone(&request.name);
-                let unknown = self.table.name_of(key).is_none();
+                let unknown = self.engine.table_mut().name_of(key).is_none();
                 self.replies.insert(request.id, reply);
-                self.table.acquire(request, now);
+                self.engine.table_mut().acquire(request, now);
                 if unknown
-                    && self.table.name_of(key).is_some()
+                    && self.engine.table_mut().name_of(key).is_some()
                     && let Some(m) = self.metrics()
                 {
                     // A lock new to the table is neither held nor waited for here: its
@@ -597,7 +545,7 @@ impl Driver {
             }
             Command::Withdraw { key, id } => {
                 self.replies.remove(&id);
-                self.table.withdraw(key, id, now);
+                self.engine.table_mut().withdraw(key, id, now);
             }
             Command::Release {
                 key,
@@ -605,8 +553,12 @@ impl Driver {
                 to,
                 reply,
             } => {
-                self.table
-                    .release_to(key, lease_id, to.map(|n| crate::key::node_hash(&n)), now);
+                self.engine.table_mut().release_to(
+                    key,
+                    lease_id,
+                    to.map(|n| crate::key::node_hash(&n)),
+                    now,
+                );
                 self.carry_out();
                 if let Some(reply) = reply {
                     self.release_replies.push(reply);
@@ -634,7 +586,7 @@ impl Driver {
                 }
             }
             Command::Closing => {
-                self.table.begin_close();
+                self.engine.table_mut().begin_close();
                 self.carry_out();
             }
             Command::Shutdown(reply) => {
@@ -647,7 +599,8 @@ impl Driver {
     fn snapshot(&self) -> Vec<LockInfo> {
         let node_id = &self.shared.options.node_id;
         let mut out: Vec<LockInfo> = self
-            .table
+            .engine
+            .table()
             .snapshot()
             .into_iter()
             .map(|(key, entry)| match entry {
@@ -695,11 +648,11 @@ impl Driver {
         warn!(
             node_id = %self.shared.options.node_id,
             generation = generation.id,
-            revoked_leases = self.table.held(),
+            revoked_leases = self.engine.table_mut().held(),
             %reason,
             "lock session lost; every lease revoked"
         );
-        self.table.session_ended(Instant::now());
+        self.engine.session_ended(Instant::now());
         self.carry_out();
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), false, generation.id);
@@ -728,19 +681,19 @@ impl Driver {
         self.shared.invalidate();
         generation.revoke(SessionDownReason::Shutdown);
         self.last_reason = SessionDownReason::Shutdown;
-        self.table.begin_close();
+        self.engine.table_mut().begin_close();
         self.carry_out();
         let budget = self.shared.options.stop_budget;
         let deadline = Instant::now() + budget;
         let statement_deadline = Some(deadline + self.shared.options.lease_timeout);
         let mut failed = false;
-        while self.table.held() > 0 && Instant::now() < deadline && !failed {
+        while self.engine.table_mut().held() > 0 && Instant::now() < deadline && !failed {
             if let Err(reason) = self.step(s, statement_deadline).await {
                 debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
                 failed = true;
                 break;
             }
-            if self.table.held() == 0 {
+            if self.engine.table_mut().held() == 0 {
                 break;
             }
             tokio::select! {
@@ -753,15 +706,15 @@ impl Driver {
                 self.handle(cmd);
             }
         }
-        if self.table.held() > 0 {
+        if self.engine.table_mut().held() > 0 {
             warn!(
                 node_id = %self.shared.options.node_id,
-                leases = self.table.held(),
+                leases = self.engine.table_mut().held(),
                 budget = ?budget,
                 "leases still held at shutdown after the stop budget; releasing them anyway"
             );
         }
-        self.table.close_now();
+        self.engine.table_mut().close_now();
         self.carry_out();
         if !failed && let Err(reason) = self.step(s, statement_deadline).await {
             debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
@@ -773,7 +726,7 @@ impl Driver {
         {
             debug!(error = ?e, "resetting the session at shutdown failed");
         }
-        self.table.session_ended(Instant::now());
+        self.engine.session_ended(Instant::now());
         self.carry_out();
         self.answer_releases();
         self.current = None;
@@ -785,7 +738,6 @@ impl Driver {
 
     async fn reconnect(&mut self) -> Option<Session> {
         let options = self.shared.options.clone();
-        let mut delay = options.reconnect_min;
         let mut attempt = 0u32;
         loop {
             attempt = attempt.saturating_add(1);
@@ -807,50 +759,15 @@ impl Driver {
                     return None;
                 }
             };
-            let result = match result {
-                // A server whose next token is not above every token this manager
-                // already issued would make tokens go backwards: a cluster started on
-                // timeline 1 again (pg_upgrade, a cutover, a restore) or a collided
-                // timeline. Refused until the epoch is raised.
-                Ok(session)
-                    if session.term.first_token.get()
-                        <= self.issued.load(std::sync::atomic::Ordering::Relaxed) =>
-                {
-                    Err(Error::Refused(SessionDownReason::ConnectFailed {
-                        message: format!(
-                            "this server would issue fencing tokens from {} on, not above {} that this manager already issued: tokens would go backwards (a cluster started again on timeline 1 by pg_upgrade, a logical cutover or a restore, or a collided timeline); set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) above the old cluster's last timeline plus its epoch",
-                            session.term.first_token.get(),
-                            self.issued.load(std::sync::atomic::Ordering::Relaxed)
-                        ),
-                    }))
-                }
-                // Another cluster altogether (pg_upgrade, a restore, a logical copy: a
-                // new system identifier): its transaction ids tell nothing about the old
-                // cluster's, and other nodes may have issued tokens there above this
-                // one's, so only higher high bits (timeline plus epoch) order its tokens
-                // after the old cluster's.
-                Ok(session)
-                    if self.issued.load(std::sync::atomic::Ordering::Relaxed) > 0
-                        && self
-                            .last_system
-                            .as_ref()
-                            .is_some_and(|id| *id != session.term.system_id)
-                        && u64::from(session.term.timeline)
-                            <= self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48 =>
-                {
-                    Err(Error::Refused(SessionDownReason::ConnectFailed {
-                        message: format!(
-                            "the server is another cluster (system identifier {}, was {}) whose timeline plus token epoch, {}, is not above the {} of the tokens issued before: tokens would not order after the old cluster's; set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) so that its timeline plus N is above {}",
-                            session.term.system_id,
-                            self.last_system.as_deref().unwrap_or_default(),
-                            session.term.timeline,
-                            self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48,
-                            self.issued.load(std::sync::atomic::Ordering::Relaxed) >> 48,
-                        ),
-                    }))
-                }
-                other => other,
-            };
+            // A server whose tokens would not order after those this manager was
+            // issued is refused until its epoch is raised (the engine's token floor).
+            let result =
+                result.and_then(|session| match self.engine.check_session(&session.term) {
+                    Ok(()) => Ok(session),
+                    Err(refused) => Err(Error::Refused(SessionDownReason::ConnectFailed {
+                        message: refused.to_string(),
+                    })),
+                });
             if let Some(m) = self.metrics() {
                 m.reconnect_attempt(self.node(), result.is_ok());
             }
@@ -872,8 +789,7 @@ impl Driver {
                     reason,
                     since: SystemTime::now(),
                 });
-            let wait = delay / 2 + jitter_below(&mut self.rng, delay / 2);
-            delay = delay.saturating_mul(2).min(options.reconnect_max);
+            let wait = self.engine.connect_failed();
             let until = tokio::time::Instant::now()
                 .checked_add(wait)
                 .unwrap_or_else(far_future);
@@ -897,7 +813,7 @@ impl Driver {
         if let Some(generation) = self.current.take() {
             generation.revoke(SessionDownReason::Shutdown);
         }
-        self.table.begin_close();
+        self.engine.table_mut().begin_close();
         self.carry_out();
         // Waiters reported while connected are gone now, also when the manager ends
         // between sessions (no step reports it then).

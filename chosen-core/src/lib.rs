@@ -4,6 +4,7 @@
 mod command;
 mod driver;
 mod election;
+mod engine;
 mod error;
 mod fault;
 mod group;

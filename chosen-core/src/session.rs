@@ -11,6 +11,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 use tracing::{debug, warn};
 
+use crate::engine::{Done, Term, TryFailed};
 use crate::error::{Error, Result};
 use crate::fault::{Fault, classify, error_text};
 use crate::generation::Generation;
@@ -488,25 +489,6 @@ FROM pg_control_checkpoint() c,
 /// is resolved with `to_regprocedure` (NULL for a missing one: refused as well).
 const EMIT_PRIVILEGE_SQL: &str = "SELECT has_function_privilege(coalesce(to_regprocedure('pg_catalog.pg_logical_emit_message(boolean, text, text, boolean)'), to_regprocedure('pg_catalog.pg_logical_emit_message(boolean, text, text)')), 'EXECUTE')";
 
-/// What [`TERM_SQL`] found.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Term {
-    /// The server's timeline plus the token epoch: the high bits of every token of
-    /// this session.
-    pub(crate) timeline: u16,
-    /// How long before `read_at` the term began; `None` when unknown.
-    pub(crate) age: Option<std::time::Duration>,
-    /// Tells terms apart when the age is unknown.
-    pub(crate) identity: String,
-    /// The smallest token this session can issue (its high bits and the server's next
-    /// transaction id).
-    pub(crate) first_token: FencingToken,
-    /// The cluster's system identifier (`pg_control_system()`).
-    pub(crate) system_id: String,
-    /// When the answer arrived (so the age is at least this old then).
-    pub(crate) read_at: Instant,
-}
-
 /// Reads the server's current term (see [`TERM_SQL`]).
 async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
     // With it, in the same round trip: may this role write the token's WAL record?
@@ -631,9 +613,6 @@ pub(crate) struct Session {
     pub(crate) proven_at: Instant,
     /// The server's current term as primary.
     pub(crate) term: Term,
-    /// The highest token any session of this manager issued (the driver shares one
-    /// across its sessions).
-    pub(crate) issued: Arc<std::sync::atomic::AtomicU64>,
     conn_task: JoinHandle<()>,
 }
 
@@ -1126,12 +1105,10 @@ impl Session {
             .map_err(classify)
     }
 
-    /// The token of transaction id `xid` on this session, remembered as issued.
+    /// The token of transaction id `xid` on this session (the engine keeps the floor
+    /// of the tokens issued).
     fn issue(&self, xid: i64) -> FencingToken {
-        let token = FencingToken::from_parts(self.term.timeline, xid as u64);
-        self.issued
-            .fetch_max(token.get(), std::sync::atomic::Ordering::Relaxed);
-        token
+        FencingToken::from_parts(self.term.timeline, xid as u64)
     }
 
     /// Why a guarded statement answered nothing: the session turned read-only (a
@@ -1247,19 +1224,6 @@ impl Session {
     }
 }
 
-/// The answers to one [`Plan`]'s statements, the session being fine.
-pub(crate) struct Done {
-    /// The hand-off token, `None` when it could not be had (the keys are released).
-    pub(crate) token: Option<FencingToken>,
-    pub(crate) tried: Result<Vec<(LockKey, TryOutcome)>, TryFailure>,
-    /// Keys whose bucket's interest key the try statement took.
-    pub(crate) registered: Vec<LockKey>,
-    /// Keys won after the try statement's first try of them found them held.
-    pub(crate) seen_held: Vec<LockKey>,
-    pub(crate) fenced: Vec<(LockKey, bool)>,
-    pub(crate) checked: Vec<(LockKey, FenceCheck)>,
-}
-
 /// What a try statement answered.
 pub(crate) struct Tried {
     pub(crate) outcomes: Vec<(LockKey, TryOutcome)>,
@@ -1269,18 +1233,16 @@ pub(crate) struct Tried {
     pub(crate) seen_held: Vec<LockKey>,
 }
 
-/// The try statement failed; the session is fine and the keys are not held.
-pub(crate) struct TryFailure {
-    /// The server's lock table is full (SQLSTATE 53200).
-    pub(crate) full: bool,
-    pub(crate) error: tokio_postgres::Error,
-}
-
 impl Session {
     /// Runs a plan's statements, issued together: tokio-postgres pipelines them on the
     /// one connection, so a step costs one round trip. A failure that ends the session
-    /// is an `Err`; a statement that failed with the session intact is in [`Done`].
-    pub(crate) async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
+    /// is an `Err`; a statement that failed with the session intact is in [`Done`],
+    /// and a failed try statement's error is returned beside it (the requests that
+    /// asked once are answered with it).
+    pub(crate) async fn perform(
+        &self,
+        plan: &Plan,
+    ) -> Result<(Done, Option<tokio_postgres::Error>), Fault> {
         let unlocking = async {
             if plan.unlock.is_empty() && plan.unlock_quiet.is_empty() {
                 return Ok(());
@@ -1324,10 +1286,10 @@ impl Session {
         };
         let trying = async {
             if plan.try_keys.is_empty() {
-                return Ok((Ok(Vec::new()), Vec::new(), Vec::new()));
+                return Ok(((Ok(Vec::new()), None), Vec::new(), Vec::new()));
             }
             match self.try_keys(&plan.try_keys, &plan.register).await {
-                Ok(t) => Ok((Ok(t.outcomes), t.registered, t.seen_held)),
+                Ok(t) => Ok(((Ok(t.outcomes), None), t.registered, t.seen_held)),
                 Err(Fault::Query(error)) => {
                     let full = error.code() == Some(&SqlState::OUT_OF_MEMORY);
                     let keys = plan.try_keys.len();
@@ -1336,7 +1298,12 @@ impl Session {
                     } else {
                         warn!(keys, error = %error_text(&error), "acquire statement failed; will retry");
                     }
-                    Ok((Err(TryFailure { full, error }), Vec::new(), Vec::new()))
+                    let (failed, error) = if full {
+                        (TryFailed::LockTableFull, None)
+                    } else {
+                        (TryFailed::Failed, Some(error))
+                    };
+                    Ok(((Err(failed), error), Vec::new(), Vec::new()))
                 }
                 Err(lost) => Err(lost),
             }
@@ -1388,15 +1355,16 @@ impl Session {
         unlocked?;
         unfenced?;
         unregistered?;
-        let (tried, registered, seen_held) = tried?;
-        Ok(Done {
+        let ((tried, try_error), registered, seen_held) = tried?;
+        let done = Done {
             token: token?,
             tried,
             registered,
             seen_held,
             fenced: fenced?,
             checked: checked?,
-        })
+        };
+        Ok((done, try_error))
     }
 }
 
@@ -1739,7 +1707,6 @@ where
         events,
         proven_at,
         term,
-        issued: Arc::default(),
         conn_task: guard.disarm(),
     })
 }

@@ -91,6 +91,8 @@ pub(crate) enum Action {
         generation: u64,
         /// Wait time of the request, for metrics.
         waited: Duration,
+        /// How the key came to be granted.
+        via: Via,
     },
     /// Answer request `id` without a lease.
     Refuse { id: RequestId, why: Refusal },
@@ -100,9 +102,22 @@ pub(crate) enum Action {
     Lost { key: LockKey, name: Arc<str> },
 }
 
+/// How a grant came about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Via {
+    /// In the answer to a try (a free key, an announced release, a held term over).
+    Won,
+    /// After the grace, on a clear stop-fence check.
+    Checked,
+    /// The old holder's stop fence outlived the longest fence wait.
+    FenceExpired,
+    /// A local hand-off, with a fresh token.
+    HandOff,
+}
+
 /// The statements one step needs. Every key in it has been moved to an in-flight state:
 /// the task must report each list's outcome back before it asks for the next plan.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Plan {
     /// Unlock these keys at the server and announce their release: work under them
     /// ran here and has stopped.
@@ -951,7 +966,7 @@ impl LockTable {
         }
         for (key, token) in grants {
             // The old holder's fence outlived any stop budget: it is broken or gone.
-            self.grant(key, token, generation, now, false);
+            self.grant(key, token, generation, now, Via::FenceExpired);
         }
         // Interest: a key that waits for another session's release registers its bucket
         // (once per bucket per statement); a bucket no waiting key needs is released.
@@ -1105,7 +1120,7 @@ impl LockTable {
             };
             let by = match outcome {
                 FenceCheck::Clear => {
-                    self.grant(key, token, generation, now, false);
+                    self.grant(key, token, generation, now, Via::Checked);
                     continue;
                 }
                 FenceCheck::Held { by } => by,
@@ -1157,7 +1172,7 @@ impl LockTable {
             }
             match token {
                 // A holder here released it: its work stopped, so a release is announced.
-                Some(token) => self.grant(key, token, generation, now, true),
+                Some(token) => self.grant(key, token, generation, now, Via::HandOff),
                 None => {
                     slot.server = Server::Unlocking {
                         sent: false,
@@ -1199,7 +1214,7 @@ impl LockTable {
                     } else if let Some(at) = held_until {
                         slot.server = Server::Granting { token, at };
                     } else {
-                        self.grant(key, token, generation, now, false);
+                        self.grant(key, token, generation, now, Via::Won);
                     }
                 }
                 TryOutcome::WonFenced { token, by } => {
@@ -1407,16 +1422,17 @@ impl LockTable {
 
     /// Gives a lock the session holds to the oldest waiter, or unlocks it when nobody
     /// waits any more.
-    /// `announce`: when nobody takes it, is its release announced (only when a holder
-    /// here released it, so that work under it has stopped).
+    /// When nobody takes it, its release is announced only after a hand-off (a holder
+    /// here released it, so work under it has stopped).
     fn grant(
         &mut self,
         key: LockKey,
         token: FencingToken,
         generation: u64,
         now: Instant,
-        announce: bool,
+        via: Via,
     ) {
+        let announce = via == Via::HandOff;
         debug_assert!(
             self.grants_not_before.is_none_or(|at| now >= at),
             "BUG: a grant before the term's grant delay ended"
@@ -1441,6 +1457,7 @@ impl LockTable {
                     token,
                     generation,
                     waited: now.saturating_duration_since(w.enqueued),
+                    via,
                 });
             }
             None => {

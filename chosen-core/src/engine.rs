@@ -1,0 +1,486 @@
+//! The lock session's rules without I/O, in the quinn-proto style: the lock table plus
+//! everything the task used to decide around it. Inputs carry their `Instant`; outputs
+//! are plans of statements, actions (grants, answers, metrics) and the next wake-up.
+//! The task ([`driver`](crate::driver)) carries them out against PostgreSQL, and the
+//! simulation against a simulated server: both run this code.
+//!
+//! The rules kept here, beyond the table's own:
+//!
+//! 1. **The validity gate.** A session whose validity deadline has passed (the task was
+//!    frozen or starved past it) plans nothing, and the answers to statements that
+//!    come back after it are not applied: the session ends instead. The server may
+//!    have ended it and given its keys away meanwhile.
+//! 2. **One order of results.** A plan's answers are fed to the table in one order
+//!    (unlocks, fences, fence checks, the hand-off token, interest, the tries), and a
+//!    full server lock table counts as contention, not as a failure of the request.
+//! 3. **The term hold.** A server whose term as primary (start, crash restart,
+//!    promotion) began less than `term_grant_delay` ago grants nothing before that much
+//!    time has passed since it began: a holder of the previous term that went silent
+//!    may still trust its lease.
+//! 4. **The token floor.** A new session whose first token is not above every token
+//!    this manager was issued, or that is another cluster whose tokens would not order
+//!    after the old one's, is refused: tokens never go backwards.
+//! 5. **Reconnect backoff.** Doubling from `reconnect_min` to `reconnect_max`, each wait
+//!    drawn from its upper half, so a fleet does not reconnect in step.
+
+use std::time::{Duration, Instant};
+
+use crate::key::LockKey;
+use crate::table::{Action, FenceCheck, LockTable, Plan, Rules, TryOutcome, jitter_below};
+use crate::token::FencingToken;
+
+/// The options the engine's own rules need (the table's are [`Rules`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timing {
+    /// See [`ManagerOptions::term_grant_delay`](crate::ManagerOptions::term_grant_delay);
+    /// zero turns the term hold off.
+    pub(crate) term_grant_delay: Duration,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+}
+
+/// What a new session found out about the server's current term as primary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Term {
+    /// The server's timeline plus the token epoch: the high bits of every token of
+    /// this session.
+    pub(crate) timeline: u16,
+    /// How long before `read_at` the term began; `None` when unknown.
+    pub(crate) age: Option<Duration>,
+    /// Tells terms apart when the age is unknown.
+    pub(crate) identity: String,
+    /// The smallest token this session can issue.
+    pub(crate) first_token: FencingToken,
+    /// The cluster's system identifier.
+    pub(crate) system_id: String,
+    /// When the answer arrived (so the age is at least this old then).
+    pub(crate) read_at: Instant,
+}
+
+/// The answers to one [`Plan`]'s statements, the session being fine. A statement
+/// whose failure ends the session is not here: the backend ends the session instead.
+#[derive(Clone, Debug)]
+pub(crate) struct Done {
+    /// The hand-off token, `None` when it could not be had (the keys are released).
+    pub(crate) token: Option<FencingToken>,
+    /// The try statement's answers, or how it failed.
+    pub(crate) tried: Result<Vec<(LockKey, TryOutcome)>, TryFailed>,
+    /// Keys whose bucket's interest key the try statement took.
+    pub(crate) registered: Vec<LockKey>,
+    /// Keys won after the try statement's first try of them found them held.
+    pub(crate) seen_held: Vec<LockKey>,
+    /// Stop fences taken (`true`) or not.
+    pub(crate) fenced: Vec<(LockKey, bool)>,
+    /// Stop-fence checks.
+    pub(crate) checked: Vec<(LockKey, FenceCheck)>,
+}
+
+impl Default for Done {
+    fn default() -> Self {
+        Self {
+            token: None,
+            tried: Ok(Vec::new()),
+            registered: Vec::new(),
+            seen_held: Vec::new(),
+            fenced: Vec::new(),
+            checked: Vec::new(),
+        }
+    }
+}
+
+/// How a try statement failed, the session being fine (no key of it is held).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TryFailed {
+    /// The server's lock table is full (SQLSTATE 53200): contention, not a failure.
+    LockTableFull,
+    /// Any other failure (cancelled, timed out, refused): the requests that asked
+    /// once are answered with it, the waiting ones tried again.
+    Failed,
+}
+
+/// The session can no longer be trusted: its validity deadline passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Overdue;
+
+/// Why a new session was refused before it was used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Its tokens would start at `first`, not above `issued`.
+    TokensBackwards { first: u64, issued: u64 },
+    /// Another cluster (`system_id`, was `was`) whose high bits (`timeline`) are not
+    /// above those of the tokens issued before (`issued_high`).
+    OtherCluster {
+        system_id: String,
+        was: String,
+        timeline: u16,
+        issued_high: u64,
+    },
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::TokensBackwards { first, issued } => write!(
+                f,
+                "this server would issue fencing tokens from {first} on, not above {issued} that this manager already issued: tokens would go backwards (a cluster started again on timeline 1 by pg_upgrade, a logical cutover or a restore, or a collided timeline); set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) above the old cluster's last timeline plus its epoch"
+            ),
+            Self::OtherCluster {
+                system_id,
+                was,
+                timeline,
+                issued_high,
+            } => write!(
+                f,
+                "the server is another cluster (system identifier {system_id}, was {was}) whose timeline plus token epoch, {timeline}, is not above the {issued_high} of the tokens issued before: tokens would not order after the old cluster's; set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) so that its timeline plus N is above {issued_high}"
+            ),
+        }
+    }
+}
+
+/// The lock table and the session rules around it. See the module docs.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    table: LockTable,
+    timing: Timing,
+    /// A server term whose start the server could not tell, and when this process
+    /// first saw it.
+    term_first_seen: Option<(String, Instant)>,
+    /// The highest token a session of this manager was issued.
+    issued: u64,
+    /// The system identifier of the cluster the last session was on.
+    last_system: Option<String>,
+    /// The next reconnect wait's upper bound.
+    backoff: Duration,
+    rng: u64,
+}
+
+impl Engine {
+    pub(crate) fn new(rules: Rules, timing: Timing, seed: u64) -> Self {
+        Self {
+            table: LockTable::new(rules, seed),
+            timing,
+            term_first_seen: None,
+            issued: 0,
+            last_system: None,
+            backoff: timing.reconnect_min,
+            rng: seed.rotate_left(17) | 1,
+        }
+    }
+
+    /// The lock table, for what the handles ask (requests, releases, snapshots).
+    pub(crate) fn table(&self) -> &LockTable {
+        &self.table
+    }
+
+    /// The lock table, for what the handles ask (requests, releases, withdrawals).
+    pub(crate) fn table_mut(&mut self) -> &mut LockTable {
+        &mut self.table
+    }
+
+    /// The next thing the task must do, if any.
+    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+        self.table.poll_action()
+    }
+
+    // ---- the session's life ---------------------------------------------------------
+
+    /// A new session was opened and proven, on a server in `term`: may it be used?
+    /// Refused when its tokens could go backwards (rule 4).
+    pub(crate) fn check_session(&self, term: &Term) -> Result<(), Refused> {
+        if term.first_token.get() <= self.issued {
+            return Err(Refused::TokensBackwards {
+                first: term.first_token.get(),
+                issued: self.issued,
+            });
+        }
+        // Another cluster altogether (pg_upgrade, a restore, a logical copy: a new system
+        // identifier): its transaction ids tell nothing about the old cluster's, and
+        // other nodes may have issued tokens there above this one's, so only higher high
+        // bits (timeline plus epoch) order its tokens after the old cluster's.
+        if self.issued > 0
+            && let Some(was) = &self.last_system
+            && *was != term.system_id
+            && u64::from(term.timeline) <= self.issued >> 48
+        {
+            return Err(Refused::OtherCluster {
+                system_id: term.system_id.clone(),
+                was: was.clone(),
+                timeline: term.timeline,
+                issued_high: self.issued >> 48,
+            });
+        }
+        Ok(())
+    }
+
+    /// The session checked by [`check_session`](Self::check_session) is up as
+    /// `generation`. Returns how long grants are held for the server's young term
+    /// (rule 3), if they are.
+    pub(crate) fn session_started(
+        &mut self,
+        generation: u64,
+        term: &Term,
+        now: Instant,
+    ) -> Option<Duration> {
+        self.backoff = self.timing.reconnect_min;
+        self.last_system = Some(term.system_id.clone());
+        self.table.session_started(generation, now);
+        let delay = self.timing.term_grant_delay;
+        if delay.is_zero() {
+            return None;
+        }
+        let not_before = match term.age {
+            Some(age) => term.read_at + delay.saturating_sub(age),
+            None => {
+                // Promoted, and the server cannot tell when yet: the term began before
+                // this process first saw it.
+                let first = match &self.term_first_seen {
+                    Some((identity, at)) if *identity == term.identity => *at,
+                    _ => term.read_at,
+                };
+                self.term_first_seen = Some((term.identity.clone(), first));
+                first + delay
+            }
+        };
+        (not_before > now).then(|| {
+            self.table.hold_grants_until(not_before);
+            not_before - now
+        })
+    }
+
+    /// The session ended (lost, or closed at shutdown): every lease of it is lost.
+    pub(crate) fn session_ended(&mut self, now: Instant) {
+        self.table.session_ended(now);
+    }
+
+    /// A connect attempt failed: how long to wait before the next (rule 5).
+    pub(crate) fn connect_failed(&mut self) -> Duration {
+        let delay = self.backoff;
+        self.backoff = delay.saturating_mul(2).min(self.timing.reconnect_max);
+        delay / 2 + jitter_below(&mut self.rng, delay / 2)
+    }
+
+    // ---- steps ----------------------------------------------------------------------
+
+    /// The statements of the next step (grants whose grace has passed are made first).
+    /// `valid`: the session's validity deadline has not passed; `false` ends it (rule 1),
+    /// except while it closes (`closing`), when validity was given up on purpose.
+    pub(crate) fn plan(
+        &mut self,
+        now: Instant,
+        valid: bool,
+        closing: bool,
+    ) -> Result<Plan, Overdue> {
+        if !valid && !closing {
+            return Err(Overdue);
+        }
+        Ok(self.table.plan(now))
+    }
+
+    /// The answers to `plan`'s statements (rule 2). Tokens count for the floor even
+    /// when the answers come too late to be applied (rule 1).
+    pub(crate) fn done(
+        &mut self,
+        plan: &Plan,
+        done: &Done,
+        valid: bool,
+        closing: bool,
+        now: Instant,
+    ) -> Result<(), Overdue> {
+        let tokens = done
+            .token
+            .into_iter()
+            .chain(
+                done.tried
+                    .iter()
+                    .flatten()
+                    .filter_map(|(_, outcome)| match outcome {
+                        TryOutcome::Won(token) | TryOutcome::WonFenced { token, .. } => {
+                            Some(*token)
+                        }
+                        TryOutcome::Held { .. } | TryOutcome::Failed => None,
+                    }),
+            );
+        for token in tokens {
+            self.issued = self.issued.max(token.get());
+        }
+        if !valid && !closing {
+            return Err(Overdue);
+        }
+        let table = &mut self.table;
+        table.unlocked(&plan.unlock, now);
+        table.unlocked(&plan.unlock_quiet, now);
+        table.unfenced(&plan.unfence, now);
+        table.fenced(&done.fenced, now);
+        table.checked(&done.checked, now);
+        table.tokens(&plan.token_for, done.token, now);
+        table.registered(&done.registered);
+        table.seen_held(&done.seen_held);
+        match &done.tried {
+            Ok(outcomes) => table.tried(outcomes, now),
+            Err(failed) => {
+                let outcome = match failed {
+                    TryFailed::LockTableFull => TryOutcome::Held { by: None },
+                    TryFailed::Failed => TryOutcome::Failed,
+                };
+                let outcomes: Vec<(LockKey, TryOutcome)> =
+                    plan.try_keys.iter().map(|k| (*k, outcome)).collect();
+                table.tried(&outcomes, now);
+            }
+        }
+        Ok(())
+    }
+
+    /// The next instant something is due, if any.
+    pub(crate) fn next_wakeup(&self, now: Instant) -> Option<Instant> {
+        self.table.next_wakeup(now)
+    }
+
+    /// How many locks the session must hold at least, for the heartbeat's pooler guard.
+    pub(crate) fn server_floor(&self) -> usize {
+        self.table.server_floor()
+    }
+
+    /// The highest token issued to this manager so far.
+    #[cfg(test)]
+    pub(crate) fn issued(&self) -> u64 {
+        self.issued
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine() -> Engine {
+        Engine::new(
+            Rules {
+                node: 0,
+                max_locks: 100,
+                takeover_grace: Duration::from_millis(100),
+                max_fence_wait: Duration::from_secs(6),
+            },
+            Timing {
+                term_grant_delay: Duration::from_secs(6),
+                reconnect_min: Duration::from_millis(100),
+                reconnect_max: Duration::from_secs(5),
+            },
+            7,
+        )
+    }
+
+    fn term(system: &str, timeline: u16, xid: u64, age: Option<Duration>, at: Instant) -> Term {
+        Term {
+            timeline,
+            age,
+            identity: format!("{timeline}/{system}"),
+            first_token: FencingToken::from_parts(timeline, xid),
+            system_id: system.to_owned(),
+            read_at: at,
+        }
+    }
+
+    #[test]
+    fn a_session_whose_tokens_would_go_backwards_is_refused() {
+        let mut e = engine();
+        let now = Instant::now();
+        let old = term("a", 1, 1_000, Some(Duration::from_secs(60)), now);
+        e.check_session(&old).unwrap();
+        e.session_started(1, &old, now);
+        let plan = e.plan(now, true, false).unwrap();
+        let done = Done {
+            tried: Ok(Vec::new()),
+            token: Some(FencingToken::from_parts(1, 5_000)),
+            ..Done::default()
+        };
+        e.done(&plan, &done, true, false, now).unwrap();
+        e.session_ended(now);
+        // The same cluster, restored to before token 5,000.
+        let restored = term("a", 1, 4_000, Some(Duration::from_secs(60)), now);
+        assert!(matches!(
+            e.check_session(&restored),
+            Err(Refused::TokensBackwards { .. })
+        ));
+        // Another cluster whose timeline is not above the tokens' high bits.
+        let other = term("b", 1, 9_000, Some(Duration::from_secs(60)), now);
+        assert!(matches!(
+            e.check_session(&other),
+            Err(Refused::OtherCluster { .. })
+        ));
+        // Another cluster on a higher timeline (plus epoch): fine.
+        let raised = term("b", 2, 10, Some(Duration::from_secs(60)), now);
+        e.check_session(&raised).unwrap();
+    }
+
+    #[test]
+    fn tokens_answered_too_late_still_raise_the_floor() {
+        let mut e = engine();
+        let now = Instant::now();
+        let t = term("a", 1, 1_000, Some(Duration::from_secs(60)), now);
+        e.session_started(1, &t, now);
+        let plan = e.plan(now, true, false).unwrap();
+        let done = Done {
+            tried: Ok(vec![(
+                LockKey::Int(1),
+                TryOutcome::Won(FencingToken::from_parts(1, 2_000)),
+            )]),
+            ..Done::default()
+        };
+        assert_eq!(e.done(&plan, &done, false, false, now), Err(Overdue));
+        assert_eq!(e.issued(), FencingToken::from_parts(1, 2_000).get());
+    }
+
+    #[test]
+    fn an_overdue_session_plans_nothing_unless_it_is_closing() {
+        let mut e = engine();
+        let now = Instant::now();
+        assert_eq!(e.plan(now, false, false).err(), Some(Overdue));
+        assert!(e.plan(now, false, true).is_ok());
+    }
+
+    #[test]
+    fn a_young_term_holds_grants_until_its_delay_has_passed() {
+        let mut e = engine();
+        let now = Instant::now();
+        let young = term("a", 1, 10, Some(Duration::from_secs(2)), now);
+        assert_eq!(
+            e.session_started(1, &young, now),
+            Some(Duration::from_secs(4))
+        );
+        e.session_ended(now);
+        let old = term("a", 1, 10, Some(Duration::from_secs(60)), now);
+        assert_eq!(e.session_started(2, &old, now), None);
+        // A term of unknown age counts from when this process first saw it.
+        e.session_ended(now);
+        let unknown = term("a", 2, 10, None, now);
+        assert_eq!(
+            e.session_started(3, &unknown, now),
+            Some(Duration::from_secs(6))
+        );
+        e.session_ended(now);
+        let later = now + Duration::from_secs(5);
+        let again = Term {
+            read_at: later,
+            ..unknown
+        };
+        assert_eq!(
+            e.session_started(4, &again, later),
+            Some(Duration::from_secs(1))
+        );
+    }
+
+    #[test]
+    fn reconnect_waits_double_within_their_bounds_and_reset_on_success() {
+        let mut e = engine();
+        let mut bounds = Vec::new();
+        for _ in 0..8 {
+            let wait = e.connect_failed();
+            bounds.push(wait);
+        }
+        assert!(bounds[0] >= Duration::from_millis(50) && bounds[0] <= Duration::from_millis(100));
+        assert!(bounds[7] >= Duration::from_millis(2_500) && bounds[7] <= Duration::from_secs(5));
+        let now = Instant::now();
+        e.session_started(1, &term("a", 1, 10, None, now), now);
+        let wait = e.connect_failed();
+        assert!(wait <= Duration::from_millis(100), "{wait:?}");
+    }
+}
