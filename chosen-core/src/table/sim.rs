@@ -2418,7 +2418,7 @@ fn simulation_holds_over_many_seeds() {
         Some(seed) => (seed, 1),
         None => (
             env_u64("CHOSEN_SIM_FIRST").unwrap_or(0),
-            env_u64("CHOSEN_SIM_SEEDS").unwrap_or(600),
+            env_u64("CHOSEN_SIM_SEEDS").unwrap_or(10_000),
         ),
     };
     let started = std::time::Instant::now();
@@ -2426,12 +2426,41 @@ fn simulation_holds_over_many_seeds() {
     let mut failures: Vec<(u64, Vec<String>)> = Vec::new();
     let mut past_fence: Vec<(u64, String)> = Vec::new();
     let mut stale: Vec<(u64, String)> = Vec::new();
-    for seed in first..first + count {
-        let out = Sim::new(Config {
-            trace: replay.is_some(),
-            ..Config::random(seed)
-        })
-        .run();
+    // Seeds are independent: spread over the cores (each seed is still one exact,
+    // replayable history), in seed order in the report.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let next = std::sync::atomic::AtomicU64::new(first);
+    let results: Vec<(u64, Outcome)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if seed >= first + count {
+                            break mine;
+                        }
+                        let mut out = Sim::new(Config {
+                            trace: replay.is_some(),
+                            ..Config::random(seed)
+                        })
+                        .run();
+                        // Only what the report needs is kept across seeds.
+                        out.runs = Vec::new();
+                        out.tries = Vec::new();
+                        mine.push((seed, out));
+                    }
+                })
+            })
+            .collect();
+        let mut all: Vec<(u64, Outcome)> = workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("BUG: a simulation thread panicked"))
+            .collect();
+        all.sort_by_key(|(seed, _)| *seed);
+        all
+    });
+    for (seed, out) in results {
         if replay.is_some() {
             print_trace(seed, &out.trace, true);
         }
