@@ -26,7 +26,9 @@
 use std::time::{Duration, Instant};
 
 use crate::key::LockKey;
-use crate::table::{Action, FenceCheck, LockTable, Plan, Rules, TryOutcome, jitter_below};
+use crate::table::{
+    Action, FenceCheck, LockTable, Plan, Protection, Rules, TryOutcome, jitter_below,
+};
 use crate::token::FencingToken;
 
 /// The options the engine's own rules need (the table's are [`Rules`]).
@@ -152,6 +154,9 @@ pub(crate) struct Engine {
     /// The next reconnect wait's upper bound.
     backoff: Duration,
     rng: u64,
+    /// Protections switched off (tests only).
+    #[cfg(test)]
+    switched_off: Vec<Protection>,
 }
 
 impl Engine {
@@ -164,7 +169,29 @@ impl Engine {
             last_system: None,
             backoff: timing.reconnect_min,
             rng: seed.rotate_left(17) | 1,
+            #[cfg(test)]
+            switched_off: Vec::new(),
         }
+    }
+
+    /// Switches a protection off (the engine's or the table's), to show that the
+    /// simulation fails without it.
+    #[cfg(test)]
+    pub(crate) fn switch_off(&mut self, protection: Protection) {
+        self.switched_off.push(protection);
+        self.table.switch_off(protection);
+    }
+
+    /// Is this protection switched off? Never outside tests.
+    #[cfg(test)]
+    fn off(&self, protection: Protection) -> bool {
+        self.switched_off.contains(&protection)
+    }
+
+    #[cfg(not(test))]
+    #[expect(clippy::unused_self, reason = "the test build reads the switches")]
+    fn off(&self, _protection: Protection) -> bool {
+        false
     }
 
     /// The lock table, for what the handles ask (requests, releases, snapshots).
@@ -187,6 +214,9 @@ impl Engine {
     /// A new session was opened and proven, on a server in `term`: may it be used?
     /// Refused when its tokens could go backwards (rule 4).
     pub(crate) fn check_session(&self, term: &Term) -> Result<(), Refused> {
+        if self.off(Protection::TokenFloor) {
+            return Ok(());
+        }
         if term.first_token.get() <= self.issued {
             return Err(Refused::TokensBackwards {
                 first: term.first_token.get(),
@@ -225,7 +255,7 @@ impl Engine {
         self.last_system = Some(term.system_id.clone());
         self.table.session_started(generation, now);
         let delay = self.timing.term_grant_delay;
-        if delay.is_zero() {
+        if delay.is_zero() || self.off(Protection::TermHold) {
             return None;
         }
         let not_before = match term.age {
@@ -270,6 +300,7 @@ impl Engine {
         valid: bool,
         closing: bool,
     ) -> Result<Plan, Overdue> {
+        let valid = valid || self.off(Protection::ValidityGate);
         if !valid && !closing {
             return Err(Overdue);
         }
@@ -303,6 +334,7 @@ impl Engine {
         for token in tokens {
             self.issued = self.issued.max(token.get());
         }
+        let valid = valid || self.off(Protection::ValidityGate);
         if !valid && !closing {
             return Err(Overdue);
         }

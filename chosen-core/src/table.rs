@@ -102,6 +102,27 @@ pub(crate) enum Action {
     Lost { key: LockKey, name: Arc<str> },
 }
 
+/// A protection that a test may switch off ([`LockTable::switch_off`],
+/// [`Engine::switch_off`](crate::engine::Engine::switch_off)), to show that the
+/// simulation fails without it: each one is load-bearing. Never off outside tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Protection {
+    /// An unannounced takeover waits `takeover_grace` before its fence check.
+    TakeoverGrace,
+    /// A won key whose stop fence is held (in the try, or in a check) waits for it.
+    StopFence,
+    /// An announcement counts only from the backend the last try saw holding the key.
+    AnnouncementCheck,
+    /// A grant that never reached its requester is unlocked without an announcement.
+    QuietUnlock,
+    /// A young server term holds grants (the engine's rule 3).
+    TermHold,
+    /// A session past its validity deadline plans and grants nothing (rule 1).
+    ValidityGate,
+    /// A session whose tokens could go backwards is refused (rule 4).
+    TokenFloor,
+}
+
 /// How a grant came about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Via {
@@ -412,6 +433,9 @@ pub(crate) struct LockTable {
     /// An unverified hand-over naming this node brings no try forward before this (one
     /// for the whole table, so that a flood over many keys costs one statement).
     quick_cue: Option<Instant>,
+    /// Protections switched off (tests only).
+    #[cfg(test)]
+    switched_off: Vec<Protection>,
 }
 
 impl LockTable {
@@ -427,7 +451,27 @@ impl LockTable {
             actions: VecDeque::new(),
             grants_not_before: None,
             quick_cue: None,
+            #[cfg(test)]
+            switched_off: Vec::new(),
         }
+    }
+
+    /// Switches a protection off, to show that the simulation fails without it.
+    #[cfg(test)]
+    pub(crate) fn switch_off(&mut self, protection: Protection) {
+        self.switched_off.push(protection);
+    }
+
+    /// Is this protection switched off? Never outside tests.
+    #[cfg(test)]
+    fn off(&self, protection: Protection) -> bool {
+        self.switched_off.contains(&protection)
+    }
+
+    #[cfg(not(test))]
+    #[expect(clippy::unused_self, reason = "the test build reads the switches")]
+    fn off(&self, _protection: Protection) -> bool {
+        false
     }
 
     /// The next thing the task must do, if any.
@@ -763,10 +807,15 @@ impl LockTable {
         }
         slot.holder = None;
         slot.hand_to = None;
+        let announce = self.off(Protection::QuietUnlock);
+        let slot = self
+            .slots
+            .get_mut(&key)
+            .expect("BUG: the slot was just seen");
         slot.server = if slot.waiters.is_empty() {
             Server::Unlocking {
                 sent: false,
-                announce: false,
+                announce,
             }
         } else {
             Server::NeedsToken { asked: false }
@@ -792,6 +841,7 @@ impl LockTable {
         now: Instant,
     ) {
         let me = self.rules.node;
+        let trust_any = self.off(Protection::AnnouncementCheck);
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
@@ -823,7 +873,7 @@ impl LockTable {
             return;
         }
         let holding_off = slot.hold_until.is_some_and(|h| h > now);
-        if slot.evidence.holder_pid == Some(sender) {
+        if slot.evidence.holder_pid == Some(sender) || trust_any {
             match to {
                 // Handed to another node: give it the time to take it, then try. Not an
                 // announced release for this node: the named node may take the key and
@@ -1111,12 +1161,17 @@ impl LockTable {
         let Some(generation) = self.generation else {
             return;
         };
+        let no_fence = self.off(Protection::StopFence);
         for &(key, outcome) in outcomes {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
             let Server::Checking { token, until } = slot.server else {
                 continue;
+            };
+            let outcome = match outcome {
+                FenceCheck::Held { .. } if no_fence => FenceCheck::Clear,
+                other => other,
             };
             let by = match outcome {
                 FenceCheck::Clear => {
@@ -1189,7 +1244,15 @@ impl LockTable {
         let Some(generation) = self.generation else {
             return;
         };
+        let (no_grace, no_fence) = (
+            self.off(Protection::TakeoverGrace),
+            self.off(Protection::StopFence),
+        );
         for &(key, outcome) in outcomes {
+            let outcome = match outcome {
+                TryOutcome::WonFenced { token, .. } if no_fence => TryOutcome::Won(token),
+                other => other,
+            };
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
@@ -1206,7 +1269,7 @@ impl LockTable {
                     let evidence = std::mem::take(&mut slot.evidence);
                     let unannounced = evidence.contended && !evidence.announced;
                     let held_until = self.grants_not_before.filter(|at| *at > now);
-                    if unannounced && !self.rules.takeover_grace.is_zero() {
+                    if unannounced && !self.rules.takeover_grace.is_zero() && !no_grace {
                         slot.server = Server::Granting {
                             token,
                             at: (now + self.rules.takeover_grace).max(held_until.unwrap_or(now)),
@@ -1228,7 +1291,7 @@ impl LockTable {
                         .map_or(Duration::from_millis(100), |w| {
                             w.poll_interval.min(Duration::from_millis(500))
                         });
-                    let wait = if unannounced {
+                    let wait = if unannounced && !no_grace {
                         interval.max(self.rules.takeover_grace)
                     } else {
                         interval
@@ -1239,7 +1302,7 @@ impl LockTable {
                         next: (now + wait).max(held_until),
                         until: (now + self.rules.max_fence_wait).max(held_until),
                         by,
-                        not_before: if unannounced {
+                        not_before: if unannounced && !no_grace {
                             now + self.rules.takeover_grace
                         } else {
                             now
