@@ -345,7 +345,8 @@ struct Slot {
     hand_to: Option<u64>,
     /// Announcements (sender pid, hand-over target) that arrived while this key's try
     /// was in flight: what they are worth is known only once the try answers who held
-    /// the key (see [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
+    /// the key, so they are applied right after its answer, in the order they came (see
+    /// [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
     announced_in_flight: Vec<(i32, Option<u64>)>,
 }
 
@@ -861,7 +862,8 @@ impl LockTable {
         }
         if slot.server == Server::Trying && !slot.waiters.is_empty() {
             // The try in flight may answer that the sender held the key: the
-            // announcement is verified against that answer, not the one before.
+            // announcement is verified against that answer, not the one before; the
+            // result is as if it had arrived right after the answer.
             slot.announced_in_flight.retain(|(pid, _)| *pid != sender);
             if slot.announced_in_flight.len() == MAX_IN_FLIGHT_ANNOUNCEMENTS {
                 slot.announced_in_flight.remove(0);
@@ -1318,14 +1320,6 @@ impl LockTable {
                         announced: false,
                     };
                     self.not_acquired(key, Refusal::Busy, now);
-                    // The holder this try saw announced its release while the try was
-                    // on its way: it counts as if it came now. Others' announcements
-                    // were verified against nothing: dropped (a cue at most).
-                    if let Some(sender) = by
-                        && let Some(&(_, to)) = in_flight.iter().find(|(pid, _)| *pid == sender)
-                    {
-                        self.announced_for(key, sender, to, now);
-                    }
                     // Waiting without interest registered, a release would not be
                     // announced to us: try again at once (a few times), registering.
                     if let Some(slot) = self.slots.get_mut(&key)
@@ -1349,6 +1343,11 @@ impl LockTable {
                     slot.server = Server::Free;
                     self.not_acquired(key, Refusal::Failed, now);
                 }
+            }
+            // Announcements that came while the try was on its way, as if they came now,
+            // after its answer: what the answer says is what they are verified against.
+            for (sender, to) in in_flight {
+                self.announced_for(key, sender, to, now);
             }
         }
         // Keys the statement did not answer for (it cannot happen with our statements,
