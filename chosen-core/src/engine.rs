@@ -18,8 +18,11 @@
 //!    time has passed since it began: a holder of the previous term that went silent
 //!    may still trust its lease.
 //! 4. **The token floor.** A new session whose first token is not above every token
-//!    this manager was issued, or that is another cluster whose tokens would not order
-//!    after the old one's, is refused: tokens never go backwards.
+//!    answered to this manager (in a plan's answers, also answers that came too late to
+//!    be applied), or that is another cluster whose tokens would not order after the
+//!    old one's, is refused: tokens never go backwards. A token of a step whose session
+//!    was lost before it answered never reached anyone (its locks ended with the
+//!    session) and does not count.
 //! 5. **Reconnect backoff.** Doubling from `reconnect_min` to `reconnect_max`, each wait
 //!    drawn from its upper half, so a fleet does not reconnect in step.
 

@@ -25,6 +25,8 @@ pub(crate) fn classify(error: tokio_postgres::Error) -> Fault {
             let c = code.code();
             c.starts_with("08") // connection exception
                 || c.starts_with("57P") // admin/crash shutdown, cannot connect now, idle session timeout
+                || c == "25P03" // idle_in_transaction_session_timeout ended the session
+                || c == "25P04" // transaction_timeout (PostgreSQL 17) ended the session
                 || c.starts_with("XX") // internal error
         }
     };

@@ -1486,10 +1486,10 @@ fn setup_sql(options: &ManagerOptions) -> String {
     // execution of the try statement cost more than the statement itself).
     format!(
         "SET statement_timeout = {statement_ms}; \
+         {TRANSACTION_TIMEOUT_OFF_SESSION} \
          SET plan_cache_mode = force_generic_plan; \
          SET lock_timeout = 0; \
          SET idle_in_transaction_session_timeout = 0; \
-         {TRANSACTION_TIMEOUT_OFF_SESSION} \
          SET idle_session_timeout = {release_ms}; \
          SET tcp_keepalives_idle = {keepalive_idle_s}; \
          SET tcp_keepalives_interval = 1; \
@@ -1504,14 +1504,16 @@ fn setup_sql(options: &ManagerOptions) -> String {
 /// transaction, or outside one a statement, runs longer: a DBA's short default for the
 /// role or database would end the lock session whenever a statement of ours ran long.
 /// Turned off as the other DBA timeouts are, only where the setting exists (`SET` of an
-/// unknown setting is an error on older servers). The `CASE` orders the evaluation, so
-/// `set_config` never sees another setting's name; no row is returned (the probe reads
-/// the first row of its message as its own). Setting it inside a transaction stops that
-/// transaction's timer too.
-const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 FROM pg_catalog.pg_settings WHERE CASE WHEN name = 'transaction_timeout' THEN set_config(name, '0', true) IS NULL ELSE false END;";
+/// unknown setting is an error on older servers), right after `statement_timeout` and
+/// in constant time (the timer runs from the start of the message, so a short one may
+/// already be close). The `CASE` orders the evaluation, so `set_config` runs only where
+/// the setting exists; no row is returned (the probe reads the first row of its message
+/// as its own). Setting it inside a transaction stops that transaction's timer too. If
+/// it fires before (25P04), the session is lost and `connect` tries once more.
+const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', true) IS NULL END;";
 
 /// [`TRANSACTION_TIMEOUT_OFF_LOCAL`] for the whole session.
-const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 FROM pg_catalog.pg_settings WHERE CASE WHEN name = 'transaction_timeout' THEN set_config(name, '0', false) IS NULL ELSE false END;";
+const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', false) IS NULL END;";
 
 /// Opens and proves a new session.
 pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
@@ -1548,7 +1550,8 @@ pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result
 
 /// A new session's statement cancelled (57014), or the session lost while it was
 /// being proven (e.g. ended by `idle_session_timeout`, 57P05, whose notice may arrive
-/// as a plain close): worth another connection at once. A server that refuses
+/// as a plain close, or by `transaction_timeout`, 25P04): worth another connection at
+/// once. A server that refuses
 /// connections is not this (`Error::Connect`).
 fn cut_short_by_dba_settings(error: &Error) -> bool {
     match error {
@@ -1631,7 +1634,7 @@ where
     // nothing of ours.
     let messages = client
         .simple_query(&format!(
-            "BEGIN; SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {TRANSACTION_TIMEOUT_OFF_LOCAL} {PROBE_SQL}; COMMIT;",
+            "BEGIN; SET LOCAL statement_timeout = {}; {TRANSACTION_TIMEOUT_OFF_LOCAL} SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {PROBE_SQL}; COMMIT;",
             options.lease_timeout.as_millis()
         ))
         .await

@@ -2841,7 +2841,7 @@ fn every_protection_is_load_bearing() {
         .without_time()
         .with_target(false)
         .try_init();
-    let budget = env_u64("CHOSEN_SIM_PROOF_SEEDS").unwrap_or(2_000);
+    let budget = env_u64("CHOSEN_SIM_PROOF_SEEDS").unwrap_or(1_000);
     let blind: &[(Protection, &str)] = &[
         (
             Protection::QuietUnlock,
