@@ -44,6 +44,8 @@ pub(crate) struct Driver {
     cluster_queries: Vec<ClusterReply>,
     shutdown_replies: Vec<oneshot::Sender<()>>,
     shutting_down: bool,
+    /// Lost sessions kept open until the engine lets them close (its rule 6).
+    retiring: std::collections::VecDeque<Session>,
     generations: u64,
     current: Option<Arc<Generation>>,
     last_reason: SessionDownReason,
@@ -101,6 +103,7 @@ impl Driver {
             cluster_queries: Vec::new(),
             shutdown_replies: Vec::new(),
             shutting_down: false,
+            retiring: std::collections::VecDeque::new(),
             generations: 1,
             current: None,
             last_reason: SessionDownReason::ConnectFailed {
@@ -189,9 +192,12 @@ impl Driver {
             if let Err(reason) = self.step(&s, None).await {
                 break Exit::Lost(reason);
             }
-            let wakeup = self
-                .engine
-                .next_wakeup(Instant::now())
+            self.close_retired();
+            let now = Instant::now();
+            let wakeup = [self.engine.next_wakeup(now), self.engine.retired_until()]
+                .into_iter()
+                .flatten()
+                .min()
                 .map(tokio::time::Instant::from_std);
             tokio::select! {
                 biased;
@@ -213,8 +219,15 @@ impl Driver {
         };
         match exit {
             Exit::Lost(reason) => {
-                self.end_generation(&generation, reason.clone());
-                drop(s);
+                // Kept open until the next session fences what is still stopping (the
+                // engine's rule 6), unless it is a pooler's: nothing of it is ours.
+                let keep_open = !matches!(reason, SessionDownReason::PoolerDetected { .. });
+                self.end_generation(&generation, reason.clone(), keep_open);
+                if keep_open {
+                    self.retiring.push_back(s);
+                } else {
+                    drop(s);
+                }
                 Exit::Lost(reason)
             }
             Exit::Shutdown => {
@@ -640,7 +653,12 @@ impl Driver {
     // ---- ending and reconnecting ---------------------------------------------------
 
     /// Revokes every lease of the generation at once, before anything else happens.
-    fn end_generation(&mut self, generation: &Generation, reason: SessionDownReason) {
+    fn end_generation(
+        &mut self,
+        generation: &Generation,
+        reason: SessionDownReason,
+        keep_open: bool,
+    ) {
         self.shared.invalidate();
         generation.revoke(reason.clone());
         self.current = None;
@@ -652,7 +670,7 @@ impl Driver {
             %reason,
             "lock session lost; every lease revoked"
         );
-        self.engine.session_ended(Instant::now());
+        self.engine.session_lost(Instant::now(), keep_open);
         self.carry_out();
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), false, generation.id);
@@ -736,6 +754,25 @@ impl Driver {
         info!(node_id = %self.shared.options.node_id, "lock manager shut down");
     }
 
+    /// Closes the lost sessions that the engine says may close (rule 6).
+    fn close_retired(&mut self) {
+        for _ in 0..self.engine.close_retired(Instant::now()) {
+            if let Some(old) = self.retiring.pop_front() {
+                debug!(
+                    backend_pid = old.backend_pid,
+                    "closing the lost lock session"
+                );
+            }
+        }
+    }
+
+    /// When the oldest lost session kept open must be closed, if there is one.
+    fn retired_deadline(&self) -> Option<tokio::time::Instant> {
+        self.engine
+            .retired_until()
+            .map(tokio::time::Instant::from_std)
+    }
+
     async fn reconnect(&mut self) -> Option<Session> {
         let options = self.shared.options.clone();
         let mut attempt = 0u32;
@@ -748,12 +785,14 @@ impl Driver {
             let connect = session::connect(&options, self.generations);
             tokio::pin!(connect);
             let result = loop {
+                let retire = self.retired_deadline();
                 tokio::select! {
                     result = &mut connect => break result,
                     cmd = self.rx.recv() => match cmd {
                         Some(cmd) => self.handle(cmd),
                         None => return None,
                     },
+                    () = sleep_until(retire.unwrap_or_else(far_future)), if retire.is_some() => self.close_retired(),
                 }
                 if self.shutting_down {
                     return None;
@@ -794,12 +833,14 @@ impl Driver {
                 .checked_add(wait)
                 .unwrap_or_else(far_future);
             loop {
+                let retire = self.retired_deadline();
                 tokio::select! {
                     () = sleep_until(until) => break,
                     cmd = self.rx.recv() => match cmd {
                         Some(cmd) => self.handle(cmd),
                         None => return None,
                     },
+                    () = sleep_until(retire.unwrap_or_else(far_future)), if retire.is_some() => self.close_retired(),
                 }
                 if self.shutting_down {
                     return None;
@@ -809,6 +850,7 @@ impl Driver {
     }
 
     fn finish(&mut self) {
+        self.retiring.clear();
         self.shared.invalidate();
         if let Some(generation) = self.current.take() {
             generation.revoke(SessionDownReason::Shutdown);

@@ -25,6 +25,15 @@
 //!    session) and does not count.
 //! 5. **Reconnect backoff.** Doubling from `reconnect_min` to `reconnect_max`, each wait
 //!    drawn from its upper half, so a fleet does not reconnect in step.
+//! 6. **A lost session is closed last.** A session this node gave up on (its validity
+//!    deadline passed, a heartbeat failed) may still be alive at the server, holding
+//!    its keys. Closing it frees them: a node that takes one over then checks the stop
+//!    fence of the work still stopping here, which only the *next* session can hold. So
+//!    the lost session stays open until every lease it had is fenced on the next one
+//!    (or `max_fence_wait` has passed, when that work is over or aborted): the fence is
+//!    in place before the key is free, however long the reconnect takes. The server's
+//!    `idle_session_timeout` ends it anyway by `server_release_after`, which the timing
+//!    invariant puts after `max_fence_wait`.
 
 use std::time::{Duration, Instant};
 
@@ -156,6 +165,9 @@ pub(crate) struct Engine {
     last_system: Option<String>,
     /// The next reconnect wait's upper bound.
     backoff: Duration,
+    /// Lost sessions kept open (rule 6), oldest first: until when at most.
+    retiring: std::collections::VecDeque<Instant>,
+    max_fence_wait: Duration,
     rng: u64,
     /// Protections switched off (tests only).
     #[cfg(test)]
@@ -171,6 +183,8 @@ impl Engine {
             issued: 0,
             last_system: None,
             backoff: timing.reconnect_min,
+            retiring: std::collections::VecDeque::new(),
+            max_fence_wait: rules.max_fence_wait,
             rng: seed.rotate_left(17) | 1,
             #[cfg(test)]
             switched_off: Vec::new(),
@@ -283,6 +297,37 @@ impl Engine {
     /// The session ended (lost, or closed at shutdown): every lease of it is lost.
     pub(crate) fn session_ended(&mut self, now: Instant) {
         self.table.session_ended(now);
+    }
+
+    /// The session was lost: every lease of it is lost, and the session is kept open
+    /// while rule 6 says so (`keep_open`: it may still hold its keys at the server).
+    /// [`close_retired`](Self::close_retired) tells when to close it.
+    pub(crate) fn session_lost(&mut self, now: Instant, keep_open: bool) {
+        self.table.session_ended(now);
+        if keep_open {
+            self.retiring.push_back(now + self.max_fence_wait);
+        }
+    }
+
+    /// How many of the lost sessions kept open (oldest first) may be closed now: all of
+    /// them once this session holds every stop fence, else those whose time is up.
+    pub(crate) fn close_retired(&mut self, now: Instant) -> usize {
+        let fenced = self.table.connected() && !self.table.fences_pending();
+        let n = if fenced {
+            self.retiring.len()
+        } else {
+            self.retiring
+                .iter()
+                .take_while(|until| **until <= now)
+                .count()
+        };
+        self.retiring.drain(..n);
+        n
+    }
+
+    /// When the oldest lost session kept open must be closed at the latest.
+    pub(crate) fn retired_until(&self) -> Option<Instant> {
+        self.retiring.front().copied()
     }
 
     /// A connect attempt failed: how long to wait before the next (rule 5).

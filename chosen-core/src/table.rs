@@ -554,6 +554,25 @@ impl LockTable {
         self.slots.retain(|_, slot| !slot.unused());
     }
 
+    /// A session is up.
+    pub(crate) fn connected(&self) -> bool {
+        self.generation.is_some()
+    }
+
+    /// Some lease of an ended session is out whose stop fence this session does not
+    /// hold yet (absent, or being taken).
+    pub(crate) fn fences_pending(&self) -> bool {
+        self.slots.values().any(|slot| {
+            matches!(
+                slot.stopping,
+                Some(Stopping {
+                    fence: Fence::Absent | Fence::Taking { released: false },
+                    ..
+                })
+            )
+        })
+    }
+
     /// A graceful shutdown begins: waiting requests are answered `Closed`; holders keep
     /// their leases until they release them (see [`Self::close_now`]).
     pub(crate) fn begin_close(&mut self) {

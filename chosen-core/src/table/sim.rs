@@ -295,6 +295,11 @@ enum Ev {
         n: usize,
         inst: u32,
     },
+    /// A lost session kept open may have to be closed now.
+    Retire {
+        n: usize,
+        inst: u32,
+    },
     ConnectTimeout {
         n: usize,
         inst: u32,
@@ -334,6 +339,7 @@ impl Ev {
             | Ev::Resign { n, .. }
             | Ev::Reacquire { n, .. }
             | Ev::Reconnect { n, .. }
+            | Ev::Retire { n, .. }
             | Ev::ConnectTimeout { n, .. } => Some(*n),
             _ => None,
         }
@@ -424,6 +430,8 @@ struct Node {
     last_down: T,
     wake_at: Option<T>,
     next_req: RequestId,
+    /// Backends of lost sessions kept open (the engine's rule 6), oldest first.
+    retiring: std::collections::VecDeque<i32>,
 }
 
 /// How a grant came about.
@@ -661,6 +669,7 @@ impl Sim {
                 last_down: 0,
                 wake_at: None,
                 next_req: 1,
+                retiring: std::collections::VecDeque::new(),
             })
             .collect::<Vec<_>>();
         let mut nodes = nodes;
@@ -940,6 +949,11 @@ impl Sim {
                     self.push(t, Ev::ConnectTimeout { n, inst, attempt });
                 }
             }
+            Ev::Retire { n, inst } => {
+                if self.current(n, inst) {
+                    self.close_retired(n);
+                }
+            }
             Ev::ConnectTimeout { n, inst, attempt } => {
                 if self.current(n, inst) {
                     self.connect_failed(n, attempt);
@@ -1049,7 +1063,19 @@ impl Sim {
         self.schedule_wake(n, self.now);
     }
 
+    /// Closes the lost sessions the engine lets close (rule 6).
+    fn close_retired(&mut self, n: usize) {
+        let now = self.at(self.now);
+        for _ in 0..self.nodes[n].engine.close_retired(now) {
+            if let Some(pid) = self.nodes[n].retiring.pop_front() {
+                self.log(|| format!("n{n} closes its lost session's backend {pid}"));
+                self.send_up(n, Up::Close { pid });
+            }
+        }
+    }
+
     fn node_loop(&mut self, n: usize) {
+        self.close_retired(n);
         let node = &self.nodes[n];
         if node.down || node.busy.is_some() || !matches!(node.conn, Conn::Up { .. }) {
             return;
@@ -1534,13 +1560,18 @@ impl Sim {
             return self.finish_shutdown(n);
         }
         self.log(|| format!("n{n} LOSES generation {gn} (pid {pid}): {why}"));
-        self.send_up(n, Up::Close { pid });
+        // Kept open until the next session fences what is still stopping (rule 6).
         let node = &mut self.nodes[n];
+        node.retiring.push_back(pid);
         node.conn = Conn::Down;
         node.busy = None;
         node.valid_until = 0;
         let at = self.at(self.now);
-        self.nodes[n].engine.session_ended(at);
+        self.nodes[n].engine.session_lost(at, true);
+        if let Some(until) = self.nodes[n].engine.retired_until() {
+            let (until, inst) = (self.t_of(until), self.nodes[n].inst);
+            self.push(until, Ev::Retire { n, inst });
+        }
         self.carry_out(n, self.now);
         for s in 0..self.nodes[n].singles.len() {
             match self.nodes[n].singles[s].state {
@@ -1650,6 +1681,10 @@ impl Sim {
 
     fn finish_shutdown(&mut self, n: usize) {
         if let Conn::Up { pid, .. } = self.nodes[n].conn {
+            self.send_up(n, Up::Close { pid });
+        }
+        // The process exits: every connection of it closes.
+        for pid in std::mem::take(&mut self.nodes[n].retiring) {
             self.send_up(n, Up::Close { pid });
         }
         self.log(|| format!("n{n} shut down"));

@@ -1,0 +1,121 @@
+//! A session the client gave up on (its heartbeat went unanswered) may still be alive at
+//! the server, holding its keys. It stays open until the next session holds the stop
+//! fences of the work still stopping, so that no other node can take a key before the
+//! fence that makes it wait is in place.
+
+use std::time::{Duration, Instant};
+
+use chosen_core::{ConnectionState, LockKey, LockManager};
+use chosen_tests::{PgCluster, connect_admin, signal, unique_name};
+
+/// Whether this process has an established TCP connection from local port `port`
+/// (read from `/proc/net/tcp` and `/proc/net/tcp6`: state `01` is ESTABLISHED).
+fn established_from(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+        std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let local_port = fields
+                    .get(1)
+                    .and_then(|a| a.rsplit(':').next())
+                    .and_then(|p| u16::from_str_radix(p, 16).ok());
+                local_port == Some(port) && fields.get(3) == Some(&"01")
+            })
+    })
+}
+
+/// The stop fence of `key` (as chosen-core derives it), as the two int4 halves.
+fn stop_fence(key: LockKey) -> (i32, i32) {
+    let tag = match key {
+        LockKey::Pair(a, b) => format!("pair:{a}:{b}"),
+        LockKey::Int(k) => format!("int:{k}"),
+    };
+    match LockKey::derive("chosen.stop-fence", &tag) {
+        LockKey::Pair(a, b) => (a, b),
+        LockKey::Int(_) => unreachable!("derived keys are pairs"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_session_stays_open_until_the_next_session_fences_the_stopping_work() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let manager = LockManager::connect(chosen_tests::manager_options(&pg.url(), "retiring"))
+        .await
+        .unwrap();
+    let ConnectionState::Connected { backend_pid, .. } = manager.connection_status() else {
+        panic!("not connected");
+    };
+    let lease = manager.acquire(unique_name("retire")).await.unwrap();
+    let port: i32 = admin
+        .query_one(
+            "SELECT client_port FROM pg_stat_activity WHERE pid = $1",
+            &[&backend_pid],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let port = u16::try_from(port).expect("the harness connects over TCP");
+    assert!(established_from(port), "the lock session's socket is found");
+    // Something else holds the stop fence exclusively for now: the next session cannot
+    // take it (its shared take times out and is retried).
+    let (fa, fb) = stop_fence(lease.key());
+    admin
+        .execute("SELECT pg_advisory_lock($1, $2)", &[&fa, &fb])
+        .await
+        .unwrap();
+
+    // The backend freezes: heartbeats go unanswered, the client gives the session up
+    // while the server still has it (and the key).
+    signal(backend_pid as u32, "STOP").unwrap();
+    let lost = tokio::time::timeout(Duration::from_secs(15), lease.lost()).await;
+    let outcome = async {
+        lost.map_err(|_| "the lease was not lost".to_owned())?;
+        // The next session connects, but cannot fence: the old one stays open.
+        let until = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < until {
+            if !established_from(port) {
+                return Err(
+                    "the lost session was closed before the next session held the stop fence"
+                        .to_owned(),
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Once the fence can be had, the next session takes it, and only then is the
+        // lost session closed.
+        admin
+            .execute("SELECT pg_advisory_unlock($1, $2)", &[&fa, &fb])
+            .await
+            .map_err(|e| e.to_string())?;
+        let until = Instant::now() + Duration::from_secs(10);
+        while established_from(port) {
+            if Instant::now() > until {
+                return Err("the lost session was never closed".to_owned());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let fenced: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                 AND mode = 'ShareLock' AND classid::int8 = ($1::int4::int8 & 4294967295) \
+                 AND objid::int8 = ($2::int4::int8 & 4294967295) AND objsubid = 2 AND pid <> $3",
+                &[&fa, &fb, &backend_pid],
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if fenced == 0 {
+            return Err("closed, but the next session holds no stop fence".to_owned());
+        }
+        Ok(())
+    }
+    .await;
+    // Whatever happened, let the backend go on (it then sees its client gone).
+    signal(backend_pid as u32, "CONT").unwrap();
+    drop(lease);
+    outcome.unwrap();
+}
