@@ -83,6 +83,9 @@ pub(crate) struct Done {
     pub(crate) registered: Vec<LockKey>,
     /// Keys won after the try statement's first try of them found them held.
     pub(crate) seen_held: Vec<LockKey>,
+    /// Keys of [`Plan::verify`] won, with the start of the backend that has the
+    /// announcer's pid now (see `LockTable::senders`).
+    pub(crate) senders: Vec<(LockKey, Option<i64>)>,
     /// Stop fences taken (`true`) or not.
     pub(crate) fenced: Vec<(LockKey, bool)>,
     /// Stop-fence checks.
@@ -96,6 +99,7 @@ impl Default for Done {
             tried: Ok(Vec::new()),
             registered: Vec::new(),
             seen_held: Vec::new(),
+            senders: Vec::new(),
             fenced: Vec::new(),
             checked: Vec::new(),
         }
@@ -395,6 +399,7 @@ impl Engine {
         table.tokens(&plan.token_for, done.token, now);
         table.registered(&done.registered);
         table.seen_held(&done.seen_held);
+        table.senders(&done.senders);
         match &done.tried {
             Ok(outcomes) => table.tried(outcomes, now),
             Err(failed) => {

@@ -393,7 +393,12 @@ impl ManagerOptions {
     /// it, usually within a millisecond. A lock released gracefully is announced and
     /// granted at once, a lock free on the first try too; any other takeover waits
     /// this grace so that a reachable old holder has stopped first. Crash failover is
-    /// slower by this much.
+    /// slower by this much. An announcement counts only when the waiter's next try
+    /// finds the releasing session (its pid *and* `backend_start`) still connected, and
+    /// its role's sessions visible (the same role, or `pg_read_all_stats`): pids are
+    /// reused, and a session that left cannot be told from a new one on its pid (a
+    /// shutting-down node's session usually outlives its last announcement by a
+    /// round trip, its reset).
     #[must_use]
     pub fn takeover_grace(mut self, grace: Duration) -> Self {
         self.takeover_grace = grace;

@@ -19,7 +19,7 @@ use crate::info::HolderInfo;
 use crate::key::LockKey;
 use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
-use crate::table::{FenceCheck, Plan, TryOutcome};
+use crate::table::{Backend, FenceCheck, Plan, TryOutcome};
 use crate::token::FencingToken;
 
 /// The channel graceful releases are announced on (payload: up to 200 key tags, see
@@ -85,13 +85,26 @@ SELECT pg_backend_pid(), pg_is_in_recovery(),
 ///   after a failed first try (3, 4) was held a moment before: a takeover.
 /// * The lock table (`pg_lock_status()`, the function behind `pg_locks`, readable by
 ///   every role) is read only when needed: for a key not won (the backend pid of its
-///   holder: release announcements are trusted only from that backend), or a fence
-///   probe that failed (the backend pid of the fence's holder, 0 when it let go
+///   holder: release announcements are trusted only from that backend's session), or a
+///   fence probe that failed (the backend pid of the fence's holder, 0 when it let go
 ///   meanwhile). Once, into a map of other backends' advisory locks, after every try of
 ///   the statement (the lateral reference to `done` orders it).
+/// * A session is its pid and its start: pids are reused. For a key not won, the sixth
+///   column is the start of its holder's backend (`backend_start` from
+///   `pg_stat_get_activity(pid)`, in microseconds since the Unix epoch); for a key won
+///   whose `$12` is set (the pid of the holder the last failed try saw, which announced
+///   its release since), the seventh is the start of the backend that has that pid now,
+///   read after the key was won: the announcement is trusted only if it is the start
+///   the last try saw (see `LockTable::senders`). Both are NULL when the server hides
+///   them (another role's session, without `pg_read_all_stats`) or no backend has the
+///   pid. The holder's pid is computed once per row, in `h` (`OFFSET 0` keeps it from
+///   being inlined into two columns). `pg_stat_get_activity(NULL)` lists every backend,
+///   hence the `CASE`s; given a pid, it returns that backend's row only, from one copy
+///   of the backend status table per transaction, taken at its first call (after every
+///   try here).
 const TRY_KEYS_SQL: &str = "
 WITH t AS MATERIALIZED (
-    SELECT k.i, k.a, k.b, k.big, k.fa, k.fb,
+    SELECT k.i, k.a, k.b, k.big, k.fa, k.fb, k.ap,
            CASE WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
                            ELSE pg_try_advisory_lock(k.big) END) THEN 1
                 WHEN NOT k.reg THEN 0
@@ -102,8 +115,8 @@ WITH t AS MATERIALIZED (
                            ELSE pg_try_advisory_lock(k.big) END) THEN 4
                 ELSE 0 END AS r
     FROM unnest($1::int4[], $2::int4[], $3::int8[], $7::int4[], $8::int4[],
-                $9::bool[], $10::int4[], $11::int4[])
-         WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, i)
+                $9::bool[], $10::int4[], $11::int4[], $12::int4[])
+         WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, ap, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
       AND current_setting('transaction_read_only') = 'off'
 ),
@@ -129,21 +142,32 @@ holders AS (
 )
 SELECT f.i,
        CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
-       CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
-           CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2:x'
-                ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1:x' END
-       ))::int4 END,
+       h.pid,
        CASE WHEN f.won AND NOT f.fence_clear THEN coalesce(
            ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:s'))::int4,
            ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:x'))::int4,
            0
        ) END,
-       f.r
-FROM f";
+       f.r,
+       CASE WHEN h.pid IS NOT NULL THEN (
+           SELECT (extract(epoch FROM a.backend_start) * 1000000)::int8
+           FROM pg_stat_get_activity(h.pid) a) END,
+       CASE WHEN f.won AND f.ap IS NOT NULL THEN (
+           SELECT (extract(epoch FROM a.backend_start) * 1000000)::int8
+           FROM pg_stat_get_activity(f.ap) a) END
+FROM f, LATERAL (
+    SELECT CASE WHEN NOT f.won THEN ((SELECT m FROM holders) ->> (
+               CASE WHEN f.big IS NULL THEN (f.a::int8 & 4294967295)::text || ':' || (f.b::int8 & 4294967295)::text || ':2:x'
+                    ELSE ((f.big >> 32) & 4294967295)::text || ':' || (f.big & 4294967295)::text || ':1:x' END
+           ))::int4 END AS pid
+    OFFSET 0
+) h";
 
 /// The single-key form of [`TRY_KEYS_SQL`], for the common uncontended case (no arrays
-/// to build or unnest). Same semantics, same guard; the fence is probed once the key is
-/// won, and the lock table is read only when the key was not won or the probe failed.
+/// to build or unnest). Same semantics, same guard, same columns but the first; the
+/// fence is probed once the key is won, the lock table is read only when the key was not
+/// won or the probe failed, and the backend status only when the key was not won
+/// (its holder's start) or it was won with `$12` set (the announcer's start now).
 pub(crate) const TRY_ONE_SQL: &str = "
 WITH t AS MATERIALIZED (
     SELECT CASE WHEN (CASE WHEN $3::int8 IS NULL THEN pg_try_advisory_lock($1::int4, $2::int4)
@@ -167,17 +191,7 @@ f AS MATERIALIZED (
     FROM k
 )
 SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
-       CASE WHEN NOT f.won THEN (
-           SELECT l.pid FROM pg_lock_status() l
-           WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
-             AND l.pid <> pg_backend_pid() AND l.mode = 'ExclusiveLock'
-             AND l.database = $6::int8::oid
-             AND l.classid::int8 = CASE WHEN $3::int8 IS NULL THEN $1::int4::int8 & 4294967295
-                                        ELSE ($3::int8 >> 32) & 4294967295 END
-             AND l.objid::int8 = CASE WHEN $3::int8 IS NULL THEN $2::int4::int8 & 4294967295
-                                      ELSE $3::int8 & 4294967295 END
-             AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
-           LIMIT 1) END,
+       h.pid,
        CASE WHEN f.won AND NOT f.fence_clear THEN coalesce((
            SELECT l.pid FROM pg_lock_status() l
            WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
@@ -187,8 +201,27 @@ SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'lo
              AND l.objid::int8 = $8::int4::int8 & 4294967295
              AND l.objsubid = 2
            LIMIT 1), 0) END,
-       f.r
-FROM f";
+       f.r,
+       CASE WHEN h.pid IS NOT NULL THEN (
+           SELECT (extract(epoch FROM a.backend_start) * 1000000)::int8
+           FROM pg_stat_get_activity(h.pid) a) END,
+       CASE WHEN f.won AND $12::int4 IS NOT NULL THEN (
+           SELECT (extract(epoch FROM a.backend_start) * 1000000)::int8
+           FROM pg_stat_get_activity($12::int4) a) END
+FROM f, LATERAL (
+    SELECT CASE WHEN NOT f.won THEN (
+               SELECT l.pid FROM pg_lock_status() l
+               WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL
+                 AND l.pid <> pg_backend_pid() AND l.mode = 'ExclusiveLock'
+                 AND l.database = $6::int8::oid
+                 AND l.classid::int8 = CASE WHEN $3::int8 IS NULL THEN $1::int4::int8 & 4294967295
+                                            ELSE ($3::int8 >> 32) & 4294967295 END
+                 AND l.objid::int8 = CASE WHEN $3::int8 IS NULL THEN $2::int4::int8 & 4294967295
+                                          ELSE $3::int8 & 4294967295 END
+                 AND l.objsubid = CASE WHEN $3::int8 IS NULL THEN 2 ELSE 1 END
+               LIMIT 1) END AS pid
+    OFFSET 0
+) h";
 
 /// Is anyone stopping work under these keys? Each stop fence (always a two-int4 key) is
 /// probed as in [`TRY_KEYS_SQL`]: taken exclusively and released at once, never held
@@ -702,18 +735,33 @@ impl Session {
         &self,
         keys: &[LockKey],
         register: &[LockKey],
+        verify: &[(LockKey, i32)],
     ) -> Result<Tried, Fault> {
-        type Row = (i64, Option<i64>, Option<i32>, Option<i32>, Option<i32>);
+        type Row = (
+            i64,
+            Option<i64>,
+            Option<i32>,
+            Option<i32>,
+            Option<i32>,
+            Option<i64>,
+            Option<i64>,
+        );
         let (fa, fb) = fence_arrays(keys);
         let reg: Vec<bool> = keys.iter().map(|k| register.contains(k)).collect();
         let (ia, ib) = interest_arrays(keys);
-        let result = if let ([key], [fa], [fb], [reg], [ia], [ib]) = (
+        // The announcer's pid per key, for the start of its backend once won.
+        let ap: Vec<Option<i32>> = keys
+            .iter()
+            .map(|k| verify.iter().find(|(v, _)| v == k).map(|(_, pid)| *pid))
+            .collect();
+        let result = if let ([key], [fa], [fb], [reg], [ia], [ib], [ap]) = (
             keys,
             fa.as_slice(),
             fb.as_slice(),
             reg.as_slice(),
             ia.as_slice(),
             ib.as_slice(),
+            ap.as_slice(),
         ) {
             let (a, b, big) = key_params(*key);
             self.client
@@ -731,6 +779,7 @@ impl Session {
                         reg,
                         ia,
                         ib,
+                        ap,
                     ],
                 )
                 .await
@@ -743,6 +792,8 @@ impl Session {
                                 r.try_get(1)?,
                                 r.try_get(2)?,
                                 r.try_get(3)?,
+                                r.try_get(4)?,
+                                r.try_get(5)?,
                             ))
                         })
                         .collect::<Result<Vec<Row>, _>>()
@@ -764,6 +815,7 @@ impl Session {
                         &reg,
                         &ia,
                         &ib,
+                        &ap,
                     ],
                 )
                 .await
@@ -776,6 +828,8 @@ impl Session {
                                 r.try_get(2)?,
                                 r.try_get(3)?,
                                 r.try_get(4)?,
+                                r.try_get(5)?,
+                                r.try_get(6)?,
                             ))
                         })
                         .collect::<Result<Vec<Row>, _>>()
@@ -810,15 +864,20 @@ impl Session {
             .collect();
         let mut registered = Vec::new();
         let mut seen_held = Vec::new();
-        for (i, token, holder, fence_holder, how) in rows {
-            let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
+        let mut senders = Vec::new();
+        for (i, token, holder, fence_holder, how, holder_start, sender_start) in rows {
+            let Some(at) = usize::try_from(i - 1).ok().filter(|at| *at < out.len()) else {
                 continue;
             };
+            let entry = &mut out[at];
             if matches!(how, Some(2 | 3)) {
                 registered.push(entry.0);
             }
             if matches!(how, Some(3 | 4)) {
                 seen_held.push(entry.0);
+            }
+            if token.is_some() && ap[at].is_some() {
+                senders.push((entry.0, sender_start));
             }
             entry.1 = match (token, fence_holder) {
                 (Some(t), Some(by)) => TryOutcome::WonFenced {
@@ -827,13 +886,19 @@ impl Session {
                     by: (by != 0).then_some(by),
                 },
                 (Some(t), _) => TryOutcome::Won(self.issue(t)),
-                (None, _) => TryOutcome::Held { by: holder },
+                (None, _) => TryOutcome::Held {
+                    by: holder.map(|pid| Backend {
+                        pid,
+                        start: holder_start,
+                    }),
+                },
             };
         }
         Ok(Tried {
             outcomes: out,
             registered,
             seen_held,
+            senders,
         })
     }
 
@@ -1231,6 +1296,8 @@ pub(crate) struct Tried {
     pub(crate) registered: Vec<LockKey>,
     /// Keys won after the statement's first try of them found them held.
     pub(crate) seen_held: Vec<LockKey>,
+    /// Keys of [`Plan::verify`] won, with the start of the announcer pid's backend now.
+    pub(crate) senders: Vec<(LockKey, Option<i64>)>,
 }
 
 impl Session {
@@ -1286,10 +1353,13 @@ impl Session {
         };
         let trying = async {
             if plan.try_keys.is_empty() {
-                return Ok(((Ok(Vec::new()), None), Vec::new(), Vec::new()));
+                return Ok(((Ok(Vec::new()), None), Vec::new(), Vec::new(), Vec::new()));
             }
-            match self.try_keys(&plan.try_keys, &plan.register).await {
-                Ok(t) => Ok(((Ok(t.outcomes), None), t.registered, t.seen_held)),
+            match self
+                .try_keys(&plan.try_keys, &plan.register, &plan.verify)
+                .await
+            {
+                Ok(t) => Ok(((Ok(t.outcomes), None), t.registered, t.seen_held, t.senders)),
                 Err(Fault::Query(error)) => {
                     let full = error.code() == Some(&SqlState::OUT_OF_MEMORY);
                     let keys = plan.try_keys.len();
@@ -1303,7 +1373,7 @@ impl Session {
                     } else {
                         (TryFailed::Failed, Some(error))
                     };
-                    Ok(((Err(failed), error), Vec::new(), Vec::new()))
+                    Ok(((Err(failed), error), Vec::new(), Vec::new(), Vec::new()))
                 }
                 Err(lost) => Err(lost),
             }
@@ -1355,12 +1425,13 @@ impl Session {
         unlocked?;
         unfenced?;
         unregistered?;
-        let ((tried, try_error), registered, seen_held) = tried?;
+        let ((tried, try_error), registered, seen_held, senders) = tried?;
         let done = Done {
             token: token?,
             tried,
             registered,
             seen_held,
+            senders,
             fenced: fenced?,
             checked: checked?,
         };

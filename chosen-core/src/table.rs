@@ -19,9 +19,18 @@
 //!   *without* a verified release announcement may have a holder that does not know yet
 //!   that its session ended (terminated or cut by the server). The grant waits
 //!   `takeover_grace`, giving that holder time to learn of its loss. An announcement is
-//!   verified when it was sent by the backend the last failed try saw holding the key
-//!   (the server stamps every notification with its sender's pid, which no role can
-//!   forge). Anything else is ignored.
+//!   verified when it was sent by the *session* the last failed try saw holding the key,
+//!   not merely by its pid: the server stamps every notification with its sender's pid,
+//!   which no role can forge, but a pid is reused once its backend is gone (the holder's
+//!   backend dies, its work may still be stopping, and the OS gives the pid to a new
+//!   backend, whose notifications would then be believed). A session is its pid and its
+//!   start (`backend_start`): an announcement from the holder's pid only brings the try
+//!   forward, and the win that follows skips the grace only if that try finds the same
+//!   session (pid *and* start) still alive. Pids are unique among live backends, so the
+//!   notification came from the session the last try saw. A start the payload carried
+//!   could be replayed by any listener; a start the server reports cannot. Unknown starts
+//!   (another role's session, without `pg_read_all_stats`) verify nothing. Anything else
+//!   is a cue only.
 //! * **Generations.** When the session ends every holder is lost at once, and nothing the
 //!   table knew about the server survives, except the evidence that a key was contended:
 //!   after a reconnect, a key is won with the grace, because what happened to it while
@@ -113,6 +122,9 @@ pub(crate) enum Protection {
     StopFence,
     /// An announcement counts only from the backend the last try saw holding the key.
     AnnouncementCheck,
+    /// ... and only from its *session*: the try that follows finds that backend, with
+    /// the start the last try saw, still alive (a pid is reused once its backend died).
+    SessionCheck,
     /// A grant that never reached its requester is unlocked without an announcement.
     QuietUnlock,
     /// A young server term holds grants (the engine's rule 3).
@@ -159,6 +171,10 @@ pub(crate) struct Plan {
     pub(crate) unfence: Vec<LockKey>,
     /// Won after an unannounced takeover: is the old holder still stopping?
     pub(crate) check: Vec<LockKey>,
+    /// Keys of `try_keys` whose last failed try's holder (this pid) announced its release
+    /// since: when such a key is won, the try reports the start of the backend that has
+    /// the pid now (see [`LockTable::senders`]).
+    pub(crate) verify: Vec<(LockKey, i32)>,
     /// Keys of `try_keys` that, when not won, take their bucket's interest key (shared)
     /// and are tried once more in the same statement (at most one per bucket).
     pub(crate) register: Vec<LockKey>,
@@ -191,6 +207,15 @@ pub(crate) enum FenceCheck {
     Failed,
 }
 
+/// A backend session as a statement saw it: its pid and, when the server showed it,
+/// its start (`backend_start`, in microseconds since the Unix epoch; NULL for another
+/// role's session without `pg_read_all_stats`). Pids are reused; (pid, start) is not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Backend {
+    pub(crate) pid: i32,
+    pub(crate) start: Option<i64>,
+}
+
 /// What one try of one key found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum TryOutcome {
@@ -202,8 +227,8 @@ pub(crate) enum TryOutcome {
         token: FencingToken,
         by: Option<i32>,
     },
-    /// Another session holds it (its backend pid, when the server told).
-    Held { by: Option<i32> },
+    /// Another session holds it (its backend, when the server told).
+    Held { by: Option<Backend> },
     /// The statement failed; nothing is known about the key.
     Failed,
 }
@@ -291,9 +316,26 @@ struct Evidence {
     /// nothing is known): the next win is an unannounced takeover unless `announced`.
     contended: bool,
     /// The backend the last failed try saw holding the key.
-    holder_pid: Option<i32>,
-    /// That backend announced its release since the last try.
+    holder: Option<Backend>,
+    /// A backend with that pid announced its release since the last try: the key is tried
+    /// at once, and the win skips the grace only if that try finds the holder's session
+    /// still alive (`confirmed`; see the module docs).
     announced: bool,
+    /// The try that follows `announced` found the holder's session, with its start,
+    /// still alive: the announcement came from it.
+    confirmed: bool,
+}
+
+impl Evidence {
+    /// What is known when the key may have been held meanwhile by a session no try saw
+    /// (this session ended, a hand-over to another node, a take seen held first): it
+    /// was contended, by nobody known.
+    fn unknown() -> Self {
+        Self {
+            contended: true,
+            ..Self::default()
+        }
+    }
 }
 
 /// A lease of an ended session that its owner has not dropped yet: its work may still
@@ -534,11 +576,7 @@ impl LockTable {
             slot.server = Server::Free;
             slot.announced_in_flight.clear();
             // Whatever happens to the key while we are away is unknown.
-            slot.evidence = Evidence {
-                contended: true,
-                holder_pid: None,
-                announced: false,
-            };
+            slot.evidence = Evidence::unknown();
             let actions = &mut self.actions;
             slot.waiters.retain(|w| {
                 let keep = w.mode == Mode::Wait;
@@ -795,11 +833,7 @@ impl LockTable {
             // contended win, with the grace and the fence check.
             slot.hold_until = Some(now + HAND_OVER_HOLD);
             slot.next_try = slot.next_try.max(now + HAND_OVER_HOLD);
-            slot.evidence = Evidence {
-                contended: true,
-                holder_pid: None,
-                announced: false,
-            };
+            slot.evidence = Evidence::unknown();
         }
         slot.server = if slot.waiters.is_empty() || to.is_some() {
             Server::Unlocking {
@@ -873,7 +907,9 @@ impl LockTable {
         } = &mut slot.server
         {
             // The old holder's new session announces that its work stopped: look again
-            // (not before the grace ends, though: another holder may not know yet).
+            // (not before the grace ends, though: another holder may not know yet). The
+            // pid alone suffices: this only brings the fence check forward, and the
+            // check, not the announcement, decides (a reused pid costs one check).
             if *by == Some(sender) {
                 *next = now.max(*not_before);
             }
@@ -894,7 +930,11 @@ impl LockTable {
             return;
         }
         let holding_off = slot.hold_until.is_some_and(|h| h > now);
-        if slot.evidence.holder_pid == Some(sender) || trust_any {
+        // The pid alone: whether the session that sent it is the one the last try saw is
+        // known only at the next try (see `Plan::verify`). A hold for another node on a
+        // reused pid delays this node's tries by `HAND_OVER_HOLD`, once per try, and
+        // skips nothing.
+        if slot.evidence.holder.map(|h| h.pid) == Some(sender) || trust_any {
             match to {
                 // Handed to another node: give it the time to take it, then try. Not an
                 // announced release for this node: the named node may take the key and
@@ -909,6 +949,7 @@ impl LockTable {
                 }
                 _ => {
                     slot.evidence.announced = true;
+                    slot.evidence.confirmed = false;
                     slot.hold_until = None;
                     slot.next_try = now;
                 }
@@ -940,6 +981,7 @@ impl LockTable {
             return plan;
         };
         let mut grants: Vec<(LockKey, FencingToken)> = Vec::new();
+        let check_sessions = !self.off(Protection::SessionCheck);
         for (key, slot) in &mut self.slots {
             if let Some(st) = slot.stopping {
                 let given_up = now >= st.since + self.rules.max_fence_wait;
@@ -1031,6 +1073,15 @@ impl LockTable {
                     {
                         slot.server = Server::Trying;
                         plan.try_keys.push(*key);
+                        if let Some(Backend {
+                            pid,
+                            start: Some(_),
+                        }) = slot.evidence.holder
+                            && slot.evidence.announced
+                            && check_sessions
+                        {
+                            plan.verify.push((*key, pid));
+                        }
                     }
                 }
             }
@@ -1062,6 +1113,7 @@ impl LockTable {
         plan.fence.sort_unstable();
         plan.unfence.sort_unstable();
         plan.check.sort_unstable();
+        plan.verify.sort_unstable();
         plan.register.sort_unstable();
         plan.unregister.sort_unstable();
         plan
@@ -1103,6 +1155,23 @@ impl LockTable {
         }
     }
 
+    /// The try statement of the last plan won these keys of [`Plan::verify`] and found
+    /// the backend with the announcer's pid started at this instant (`None`: no such
+    /// backend, or its start hidden). The announcement is verified if that is the start
+    /// the last failed try saw: the holder's session is still alive, so it sent it.
+    pub(crate) fn senders(&mut self, found: &[(LockKey, Option<i64>)]) {
+        for &(key, start) in found {
+            if let Some(slot) = self.slots.get_mut(&key)
+                && slot.server == Server::Trying
+                && slot.evidence.announced
+                && start.is_some()
+                && slot.evidence.holder.and_then(|h| h.start) == start
+            {
+                slot.evidence.confirmed = true;
+            }
+        }
+    }
+
     /// The try statement of the last plan found these keys held at its first try and
     /// won them at a later one: the holder's session ended in between, so the win is a
     /// takeover (the grace applies), whatever the table knew before.
@@ -1111,11 +1180,7 @@ impl LockTable {
             if let Some(slot) = self.slots.get_mut(key)
                 && slot.server == Server::Trying
             {
-                slot.evidence = Evidence {
-                    contended: true,
-                    holder_pid: None,
-                    announced: false,
-                };
+                slot.evidence = Evidence::unknown();
             }
         }
     }
@@ -1269,6 +1334,7 @@ impl LockTable {
             self.off(Protection::TakeoverGrace),
             self.off(Protection::StopFence),
         );
+        let check_sessions = !self.off(Protection::SessionCheck);
         for &(key, outcome) in outcomes {
             let outcome = match outcome {
                 TryOutcome::WonFenced { token, .. } if no_fence => TryOutcome::Won(token),
@@ -1288,7 +1354,7 @@ impl LockTable {
                 TryOutcome::Won(token) => {
                     slot.unregistered = 0;
                     let evidence = std::mem::take(&mut slot.evidence);
-                    let unannounced = evidence.contended && !evidence.announced;
+                    let unannounced = evidence.contended && !verified(&evidence, check_sessions);
                     let held_until = self.grants_not_before.filter(|at| *at > now);
                     if unannounced && !self.rules.takeover_grace.is_zero() && !no_grace {
                         slot.server = Server::Granting {
@@ -1305,7 +1371,7 @@ impl LockTable {
                     // Whatever we knew, someone's work under the key is still stopping:
                     // wait for its fence (and at least the grace, when unannounced).
                     let evidence = std::mem::take(&mut slot.evidence);
-                    let unannounced = evidence.contended && !evidence.announced;
+                    let unannounced = evidence.contended && !verified(&evidence, check_sessions);
                     let interval = slot
                         .waiters
                         .front()
@@ -1335,8 +1401,8 @@ impl LockTable {
                     slot.server = Server::Free;
                     slot.evidence = Evidence {
                         contended: true,
-                        holder_pid: by,
-                        announced: false,
+                        holder: by,
+                        ..Evidence::default()
                     };
                     self.not_acquired(key, Refusal::Busy, now);
                     // Waiting without interest registered, a release would not be
@@ -1571,6 +1637,13 @@ impl LockTable {
             self.slots.remove(&key);
         }
     }
+}
+
+/// Does `evidence` prove that the last holder seen released the key (so that a win
+/// skips the takeover grace)? `check_sessions`: unless [`Protection::SessionCheck`] is
+/// switched off (tests only).
+fn verified(evidence: &Evidence, check_sessions: bool) -> bool {
+    evidence.announced && (evidence.confirmed || !check_sessions)
 }
 
 /// The next shared tick for `interval`: the one already planned if it lies ahead

@@ -213,6 +213,8 @@ async fn run() -> Res<()> {
             } else if (variants.len() + 1..variants.len() + 3).contains(&which) {
                 let (a, b, big): (i32, i32, Option<i64>) = (1, 3, None);
                 let (fence, interest) = ((7i32, 9i32), (7i32, 11i32));
+                // No announcer to verify (the key is free).
+                let announcer: Option<i32> = None;
                 let tag = "itemize".to_owned();
                 raw.query(
                     &exact[which - variants.len() - 1],
@@ -228,6 +230,7 @@ async fn run() -> Res<()> {
                         &true,
                         &interest.0,
                         &interest.1,
+                        &announcer,
                     ],
                 )
                 .await?;

@@ -9,9 +9,11 @@
 //! answers do, at most `ceil(lease / interval) + 1` on their way), reconnects with backoff, a graceful shutdown, and one "child" per
 //! granted lease that acts until the node learns the lease is lost and then takes up to
 //! `stop_budget` to stop before it drops the lease. The server models what our SQL
-//! relies on: exclusive and shared advisory locks per backend, backend pids, one
-//! transaction-id counter (tokens assigned after every lock of a try statement), NOTIFY
-//! stamped with the sender's pid, `idle_session_timeout` (`server_release_after`),
+//! relies on: exclusive and shared advisory locks per backend, backend pids and starts
+//! (a try reports its holder's, and the start of the backend that has an announcer's pid
+//! now), one transaction-id counter (tokens assigned after every lock of a try
+//! statement), NOTIFY stamped with the sender's pid, pid reuse (a forger gets a dead
+//! backend's pid), `idle_session_timeout` (`server_release_after`),
 //! termination, restart, and per-connection FIFO delivery with latency (a partition
 //! holds messages until it heals, as TCP does).
 //!
@@ -39,8 +41,8 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::engine::{Done, Engine, Term, Timing as EngineTiming};
 use crate::key::LockKey;
 use crate::table::{
-    Action, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId, Rules, TryOutcome,
-    Via, next_random,
+    Action, Backend as Seen, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId,
+    Rules, TryOutcome, Via, next_random, verified,
 };
 use crate::token::FencingToken;
 
@@ -215,6 +217,8 @@ struct Reply {
     tried: Vec<(LockKey, TryOutcome)>,
     /// Keys whose interest bucket the try statement registered.
     registered: Vec<LockKey>,
+    /// Keys of `verify` won, with the start of the backend that has the pid now.
+    senders: Vec<(LockKey, Option<i64>)>,
     fenced: Vec<(LockKey, bool)>,
     checked: Vec<(LockKey, FenceCheck)>,
 }
@@ -244,6 +248,9 @@ enum Down {
     Notify {
         to: i32,
         sender: i32,
+        /// The sender's start: not in the message (the table never sees it), for the
+        /// checks only.
+        sender_start: T,
         keys: Vec<LockKey>,
         hand: Vec<(LockKey, u64)>,
     },
@@ -321,6 +328,18 @@ enum Ev {
     },
     IdleCheck {
         pid: i32,
+    },
+    /// A new backend, of no node, gets `pid` (of a backend that died) and sends the
+    /// announcement `keys`, `hand`, then leaves at `leave`.
+    PidReuse {
+        pid: i32,
+        keys: Vec<LockKey>,
+        hand: Vec<(LockKey, u64)>,
+        leave: T,
+    },
+    ForeignLeaves {
+        pid: i32,
+        start: T,
     },
     ServerUp,
     FaultTick,
@@ -481,6 +500,8 @@ struct Backend {
     n: usize,
     inst: u32,
     last: T,
+    /// `backend_start`.
+    start: T,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -507,6 +528,18 @@ struct Server {
     interest: BTreeMap<u16, BTreeSet<i32>>,
     next_pid: i32,
     xid: u64,
+    /// Backends of no node (a forger on a reused pid): their starts.
+    foreign: BTreeMap<i32, T>,
+    /// The last announcement each backend sent (what a forger replays).
+    last_payload: BTreeMap<i32, Payload>,
+}
+
+/// An announcement: its keys, and the targets of those handed over.
+type Payload = (Vec<LockKey>, Vec<(LockKey, u64)>);
+
+/// `backend_start` as the SQL reports it (microseconds since the Unix epoch).
+fn epoch_us(start: T) -> i64 {
+    1_700_000_000_000_000 + start as i64
 }
 
 /// What a run counted.
@@ -600,6 +633,11 @@ struct Sim {
     freezes: Vec<Freeze>,
     fences: Vec<FenceHold>,
     pid_owners: BTreeMap<i32, (usize, u32)>,
+    /// The start of the backend that last sent each node an announcement of a key, per
+    /// sender pid (kept whatever the table made of it: an announcement that arrives
+    /// during a try counts once the try answers): the checks compare it with the start
+    /// of the holder the table believes released the key.
+    announcers: BTreeMap<(usize, LockKey, i32), T>,
     last_token: BTreeMap<LockKey, FencingToken>,
     last_grantee: BTreeMap<LockKey, usize>,
     stats: Stats,
@@ -699,11 +737,14 @@ impl Sim {
                 interest: BTreeMap::new(),
                 next_pid: 1000,
                 xid: 700,
+                foreign: BTreeMap::new(),
+                last_payload: BTreeMap::new(),
             },
             runs: Vec::new(),
             freezes: Vec::new(),
             fences: Vec::new(),
             pid_owners: BTreeMap::new(),
+            announcers: BTreeMap::new(),
             last_token: BTreeMap::new(),
             last_grantee: BTreeMap::new(),
             stats: Stats::default(),
@@ -990,6 +1031,32 @@ impl Sim {
                     self.terminate(pid, true, "idle_session_timeout");
                 }
             }
+            Ev::PidReuse {
+                pid,
+                keys,
+                hand,
+                leave,
+            } => {
+                if self.server.backends.contains_key(&pid)
+                    || self.server.foreign.contains_key(&pid)
+                    || !self.server.up
+                {
+                    return;
+                }
+                self.fault("pid_reuse");
+                let start = self.now;
+                self.log(|| {
+                    format!("PID REUSE: a foreign backend gets pid {pid}, announces {keys:?}")
+                });
+                self.server.foreign.insert(pid, start);
+                self.notify_for(pid, &keys, &hand);
+                self.push(leave.max(self.now), Ev::ForeignLeaves { pid, start });
+            }
+            Ev::ForeignLeaves { pid, start } => {
+                if self.server.foreign.get(&pid) == Some(&start) {
+                    self.server.foreign.remove(&pid);
+                }
+            }
             Ev::ServerUp => {
                 self.server.up = true;
                 self.server.started = Some(self.now);
@@ -1197,6 +1264,7 @@ impl Sim {
             Down::Notify {
                 to,
                 sender,
+                sender_start,
                 keys,
                 hand,
             } => {
@@ -1221,6 +1289,7 @@ impl Sim {
                             .engine
                             .table_mut()
                             .announced_for(*k, sender, to, now);
+                        self.announcers.insert((n, *k, sender), sender_start);
                         // No backend of the server sent it: it must not be believed (a
                         // skipped grace, or a hold for another node).
                         if sender >= FORGED_PIDS && trusted(self) != before {
@@ -1260,18 +1329,38 @@ impl Sim {
             .iter()
             .filter(|(_, c)| matches!(c, FenceCheck::Held { .. }))
             .count() as u64;
+        // The sessions the try found alive (applied again, to the same effect, with the
+        // rest of the answer): the checks below judge with them.
+        self.nodes[n].engine.table_mut().senders(&reply.senders);
         // What the table knew before the answer: a won key it had seen held, with no
         // verified announcement since, must wait the grace (the table's own rule).
-        let unannounced: Vec<LockKey> = reply
+        let check_sessions = !self.nodes[n].engine.table().off(Protection::SessionCheck);
+        let unannounced: Vec<LockKey> =
+            reply
+                .tried
+                .iter()
+                .filter(|(k, _)| {
+                    self.nodes[n].engine.table().slots.get(k).is_some_and(|s| {
+                        s.evidence.contended && !verified(&s.evidence, check_sessions)
+                    })
+                })
+                .map(|(k, _)| *k)
+                .collect();
+        // And the truth: a release believed, but announced by another session than the
+        // holder the last try saw (a reused pid), must not skip the grace either.
+        let forged: Vec<LockKey> = reply
             .tried
             .iter()
-            .filter(|(k, _)| {
-                self.nodes[n]
-                    .engine
-                    .table()
-                    .slots
-                    .get(k)
-                    .is_some_and(|s| s.evidence.contended && !s.evidence.announced)
+            .filter(|(k, o)| {
+                !matches!(o, TryOutcome::Held { .. } | TryOutcome::Failed)
+                    && self.nodes[n].engine.table().slots.get(k).is_some_and(|s| {
+                        s.evidence.contended
+                            && verified(&s.evidence, check_sessions)
+                            && s.evidence.holder.and_then(|h| h.start)
+                                != s.evidence.holder.and_then(|h| {
+                                    self.announcers.get(&(n, *k, h.pid)).map(|t| epoch_us(*t))
+                                })
+                    })
             })
             .map(|(k, _)| *k)
             .collect();
@@ -1280,6 +1369,7 @@ impl Sim {
             tried: Ok(reply.tried.clone()),
             registered: reply.registered.clone(),
             seen_held: Vec::new(),
+            senders: reply.senders.clone(),
             fenced: reply.fenced.clone(),
             checked: reply.checked.clone(),
         };
@@ -1304,6 +1394,17 @@ impl Sim {
             {
                 self.violation(format!(
                     "n{n} granted {k} on an unannounced takeover without the grace"
+                ));
+            }
+        }
+        for k in forged {
+            if self.runs[granted_before..]
+                .iter()
+                .any(|r| r.n == n && r.key == k)
+            {
+                self.violation(format!(
+                    "n{n} granted {k} without the grace, believing an announcement from \
+                     another session on its holder's pid (pid reuse)"
                 ));
             }
         }
@@ -1797,6 +1898,7 @@ impl Sim {
                         n,
                         inst,
                         last: ready,
+                        start: self.now,
                     },
                 );
                 self.push(ready + self.t.release, Ev::IdleCheck { pid });
@@ -1845,6 +1947,7 @@ impl Sim {
             token: None,
             tried: Vec::new(),
             registered: Vec::new(),
+            senders: Vec::new(),
             fenced: Vec::new(),
             checked: Vec::new(),
         };
@@ -1906,9 +2009,13 @@ impl Sim {
                             }
                             reply.registered.push(*k);
                         }
-                        reply
-                            .tried
-                            .push((*k, TryOutcome::Held { by: Some(holder) }));
+                        let start = self.start_of(holder).map(epoch_us);
+                        reply.tried.push((
+                            *k,
+                            TryOutcome::Held {
+                                by: Some(Seen { pid: holder, start }),
+                            },
+                        ));
                     }
                     None => {
                         self.server.excl.insert(*k, pid);
@@ -1931,6 +2038,10 @@ impl Sim {
                         None => TryOutcome::Won(token),
                     };
                     reply.tried.push((k, outcome));
+                    // The start of the backend that has the announcer's pid, now.
+                    if let Some((_, ap)) = stmts.verify.iter().find(|(v, _)| *v == k) {
+                        reply.senders.push((k, self.start_of(*ap).map(epoch_us)));
+                    }
                 }
             }
         }
@@ -2014,6 +2125,14 @@ impl Sim {
     }
 
     fn notify_for(&mut self, sender: i32, keys: &[LockKey], hand: &[(LockKey, u64)]) {
+        // A sender of no backend here is a foreign one: started just now, as far as the
+        // checks care (a flood's forger never held anything).
+        let sender_start = self.start_of(sender).unwrap_or(self.now);
+        if self.server.backends.contains_key(&sender) {
+            self.server
+                .last_payload
+                .insert(sender, (keys.to_vec(), hand.to_vec()));
+        }
         let listeners: Vec<(i32, Backend)> =
             self.server.backends.iter().map(|(p, b)| (*p, *b)).collect();
         for (to, b) in listeners {
@@ -2023,12 +2142,70 @@ impl Sim {
                 Down::Notify {
                     to,
                     sender,
+                    sender_start,
                     keys: keys.to_vec(),
                     hand: hand.to_vec(),
                 },
                 self.now,
             );
         }
+    }
+
+    /// The start of the live backend with `pid`, if any.
+    fn start_of(&self, pid: i32) -> Option<T> {
+        self.server
+            .backends
+            .get(&pid)
+            .map(|b| b.start)
+            .or_else(|| self.server.foreign.get(&pid).copied())
+    }
+
+    /// The backend of the holder of a key dies (terminated), and its pid goes at once
+    /// to a foreign backend, which announces what the dead one held (its earlier
+    /// payload, when it sent one, plus those keys) and then stays a while or leaves.
+    fn pid_reuse(&mut self) {
+        let Some((n, pid)) = self.pick_node(true) else {
+            return;
+        };
+        let mut keys: Vec<LockKey> = self
+            .server
+            .excl
+            .iter()
+            .filter(|(k, p)| **p == pid && self.keys.contains(k))
+            .map(|(k, _)| *k)
+            .collect();
+        let (earlier, hand) = self
+            .server
+            .last_payload
+            .get(&pid)
+            .cloned()
+            .unwrap_or_default();
+        for k in earlier {
+            if !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+        if keys.is_empty() {
+            return;
+        }
+        self.fault("terminate");
+        self.log(|| format!("FAULT terminate n{n}, then its pid {pid} is reused"));
+        self.terminate(pid, true, "pg_terminate_backend");
+        let at = self.now + self.rng.range(0, 20 * MS);
+        let leave = if self.rng.chance(50) {
+            at
+        } else {
+            at + self.rng.range(MS, 2 * SEC)
+        };
+        self.push(
+            at,
+            Ev::PidReuse {
+                pid,
+                keys,
+                hand,
+                leave,
+            },
+        );
     }
 
     fn terminate(&mut self, pid: i32, tell: bool, why: &'static str) {
@@ -2203,11 +2380,12 @@ impl Sim {
                     self.begin_shutdown(n);
                 }
             }
-            _ => {
+            80..90 => {
                 let key = self.keys[self.rng.below(self.keys.len() as u64) as usize];
                 let count = self.rng.range(1, 50) as u32;
                 self.forged(key, count);
             }
+            _ => self.pid_reuse(),
         }
     }
 
@@ -2893,6 +3071,7 @@ fn every_protection_is_load_bearing() {
         Protection::TakeoverGrace,
         Protection::StopFence,
         Protection::AnnouncementCheck,
+        Protection::SessionCheck,
         Protection::QuietUnlock,
         Protection::TermHold,
         Protection::ValidityGate,
@@ -2919,4 +3098,56 @@ fn every_protection_is_load_bearing() {
             "with {p:?} switched off, {budget} seeds found no violation: the simulation cannot see what it protects"
         );
     }
+}
+
+/// Pid reuse: a holder's backend dies and a foreign backend that gets its pid announces
+/// the keys it held. Verified by pid alone (`Protection::SessionCheck` off), waiters skip
+/// the grace on its word, and the checks see it; verified by session, never.
+#[test]
+fn a_reused_pid_is_believed_only_without_session_verification() {
+    let seeds = env_u64("CHOSEN_SIM_PID_REUSE_SEEDS").unwrap_or(100);
+    let run = |check_sessions: bool| -> (Stats, Vec<(u64, String)>) {
+        let mut total = Stats::default();
+        let mut found = Vec::new();
+        for seed in 0..seeds {
+            let out = Sim::new(Config {
+                off: if check_sessions {
+                    Vec::new()
+                } else {
+                    vec![Protection::SessionCheck]
+                },
+                ..Config::random(seed)
+            })
+            .run();
+            total.add(&out.stats);
+            if !out.violations.is_empty() {
+                found.push((seed, out.violations.join("; ")));
+            }
+        }
+        (total, found)
+    };
+    let (off, wrong) = run(false);
+    assert!(
+        off.faults.get("pid_reuse").copied().unwrap_or(0) > 0,
+        "no pid reuse in {seeds} seeds"
+    );
+    assert!(
+        wrong.iter().any(|(_, v)| v.contains("pid reuse")),
+        "pid-only verification was never fooled in {seeds} seeds: {wrong:?}"
+    );
+    let (on, right) = run(true);
+    // (The histories part where a verdict differs, so the counts differ too.)
+    assert!(on.faults.get("pid_reuse").copied().unwrap_or(0) > 0);
+    assert!(right.is_empty(), "with session verification: {right:?}");
+    eprintln!(
+        "pid reuse over {seeds} seeds: verified by pid only, {} faults, {} seeds wrong \
+         ({} with children overlapping; first: {:?}); by session, {} faults, none wrong",
+        off.faults["pid_reuse"],
+        wrong.len(),
+        wrong.iter().filter(|(_, v)| v.contains("overlap")).count(),
+        wrong.first(),
+        on.faults["pid_reuse"],
+    );
+    eprintln!("by pid only: {}", summary(&off));
+    eprintln!("by session: {}", summary(&on));
 }

@@ -26,6 +26,20 @@ fn token(n: u64) -> FencingToken {
     FencingToken::new(n)
 }
 
+/// When the backend with `pid` started, in the tests (one session per pid unless a
+/// test says otherwise).
+fn start_of(pid: i32) -> i64 {
+    1_700_000_000_000_000 + i64::from(pid)
+}
+
+/// The backend a try saw holding a key: `pid`, started at [`start_of`].
+fn by(pid: i32) -> Option<Backend> {
+    Some(Backend {
+        pid,
+        start: Some(start_of(pid)),
+    })
+}
+
 /// A table with a connected session (generation 1) and a hand-moved clock.
 struct Fixture {
     table: LockTable,
@@ -93,12 +107,32 @@ impl Fixture {
     }
 
     /// Plans, expects exactly `keys` to be tried, and answers `outcome` for each (a key
-    /// flagged to register interest and not won registers it, as the server would).
+    /// flagged to register interest and not won registers it, as the server would; an
+    /// announcer to verify is found alive, started at [`start_of`] its pid).
     fn try_round(&mut self, keys: &[LockKey], outcome: TryOutcome) {
+        self.try_round_finding(keys, outcome, |pid| Some(start_of(pid)));
+    }
+
+    /// [`Self::try_round`], the backend that has an announcer's pid now having started
+    /// at `sender(pid)` (`None`: no such backend, or its start hidden).
+    fn try_round_finding(
+        &mut self,
+        keys: &[LockKey],
+        outcome: TryOutcome,
+        sender: impl Fn(i32) -> Option<i64>,
+    ) {
         let plan = self.plan();
         assert_eq!(plan.try_keys, keys, "tried keys");
         if matches!(outcome, TryOutcome::Held { .. }) {
             self.table.registered(&plan.register);
+        }
+        if matches!(outcome, TryOutcome::Won(_) | TryOutcome::WonFenced { .. }) {
+            let found: Vec<_> = plan
+                .verify
+                .iter()
+                .map(|(k, pid)| (*k, sender(*pid)))
+                .collect();
+            self.table.senders(&found);
         }
         let outcomes: Vec<_> = keys.iter().map(|k| (*k, outcome)).collect();
         self.table.tried(&outcomes, self.now);
@@ -181,7 +215,7 @@ fn a_release_with_nobody_waiting_unlocks_and_forgets_the_key() {
 fn an_unannounced_takeover_waits_the_grace() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(POLL * 2);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     assert!(f.granted().is_empty(), "granted before the grace");
@@ -201,11 +235,123 @@ fn an_unannounced_takeover_waits_the_grace() {
 fn a_verified_announcement_skips_the_grace_and_polls_at_once() {
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     assert!(f.plan().is_empty(), "next poll is an hour away");
     f.table.announced(key(1), 4242, f.now);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+/// A waiter whose last try saw backend 4242 (started at `start_of(4242)`) holding key 1
+/// hears 4242 announce its release, and wins at the next try, which finds the backend
+/// with pid 4242 now started at `found`: is the grant immediate?
+fn announced_win_when_the_sender_is(found: Option<i64>, holder_start: Option<i64>) -> bool {
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(
+        &[key(1)],
+        TryOutcome::Held {
+            by: Some(Backend {
+                pid: 4242,
+                start: holder_start,
+            }),
+        },
+    );
+    f.advance(ms(5));
+    f.table.announced(key(1), 4242, f.now);
+    // Tried at once either way: from the holder's pid, it is at least a good cue.
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)], "not tried at once");
+    let expected: Vec<(LockKey, i32)> = if holder_start.is_some() {
+        vec![(key(1), 4242)]
+    } else {
+        Vec::new()
+    };
+    assert_eq!(plan.verify, expected, "announcer to verify");
+    let found: Vec<_> = plan.verify.iter().map(|(k, _)| (*k, found)).collect();
+    f.table.senders(&found);
+    f.table
+        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+    let immediate = f.granted() == vec![(a, token(10))];
+    if !immediate {
+        assert!(f.granted().is_empty());
+        f.advance(GRACE);
+        let plan = f.plan();
+        assert_eq!(plan.check, vec![key(1)], "the grace ends in a fence check");
+        f.table.checked(&[(key(1), FenceCheck::Clear)], f.now);
+        assert_eq!(f.granted(), vec![(a, token(10))]);
+    }
+    immediate
+}
+
+#[test]
+fn an_announcement_is_verified_only_from_the_holders_session() {
+    let start = start_of(4242);
+    // The holder's session, still alive: verified, the grace is skipped.
+    assert!(announced_win_when_the_sender_is(Some(start), Some(start)));
+    // The pid now belongs to another session (the holder's backend died and the pid
+    // was reused, the new backend announcing what it never held): not verified.
+    assert!(!announced_win_when_the_sender_is(
+        Some(start + 1),
+        Some(start)
+    ));
+    assert!(!announced_win_when_the_sender_is(
+        Some(start - 1),
+        Some(start)
+    ));
+    // No backend has the pid any more (or its start is hidden): not verified.
+    assert!(!announced_win_when_the_sender_is(None, Some(start)));
+    // The holder's start was hidden (another role's session, without
+    // pg_read_all_stats): nothing can be verified, whatever the try finds.
+    assert!(!announced_win_when_the_sender_is(Some(start), None));
+    assert!(!announced_win_when_the_sender_is(None, None));
+}
+
+#[test]
+fn without_session_verification_a_reused_pid_is_believed() {
+    // What `Protection::SessionCheck` prevents (the simulation's pid-reuse faults show it
+    // in whole histories): pid-only verification skips the grace on any backend's word.
+    let mut f = Fixture::new();
+    f.table.switch_off(Protection::SessionCheck);
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
+    f.table.announced(key(1), 4242, f.now);
+    f.try_round_finding(&[key(1)], TryOutcome::Won(token(10)), |_| {
+        panic!("nothing to verify")
+    });
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_confirmed_sender_does_not_outlive_its_try() {
+    // A sender found alive verifies the announcement of the try that found it only: a
+    // try that does not win (the key was taken meanwhile) starts over.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
+    f.table.announced(key(1), 100, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.verify, vec![(key(1), 100)]);
+    // (The statement reports senders for keys won only; a stray report is ignored.)
+    f.table.senders(&[(key(1), Some(start_of(100)))]);
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: by(200) })], f.now);
+    f.table.announced(key(1), 100, f.now);
+    f.advance(POLL * 2);
+    let plan = f.plan();
+    assert!(
+        plan.verify.is_empty(),
+        "verifying an announcer the last try did not see"
+    );
+    f.table
+        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+    assert!(
+        f.granted().is_empty(),
+        "an old confirmation skipped the grace"
+    );
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
 
@@ -217,7 +363,7 @@ fn an_announcement_from_another_backend_is_only_a_cue() {
     // at most one try per `UNVERIFIED_CUE` however many arrive, and skips nothing.
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     for forged in [1, 4241, 4243, -4242] {
         f.table.announced(key(1), forged, f.now);
@@ -233,7 +379,7 @@ fn an_announcement_from_another_backend_is_only_a_cue() {
     }
     assert!(f.plan().is_empty(), "a flood moved the cue forward");
     f.advance(UNVERIFIED_CUE * 3 / 10);
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4243) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4243) });
     for forged in 0..1000 {
         f.table.announced(key(1), forged + 5000, f.now);
     }
@@ -255,9 +401,9 @@ fn an_announcement_does_not_outlive_a_lost_race() {
     // by the server. Our next win is unannounced again.
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(100) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.table.announced(key(1), 100, f.now);
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(200) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(200) });
     f.advance(POLL * 2);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     assert!(
@@ -340,7 +486,7 @@ fn the_hold_ends_with_its_session() {
 fn after_a_reconnect_the_first_win_waits_the_grace() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(100) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.table.session_ended(f.now);
     f.table.session_started(2, f.now);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
@@ -406,9 +552,9 @@ fn a_try_is_busy_while_anyone_here_holds_or_waits() {
             why: Refusal::Busy
         }]
     );
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     let t = f.try_(key(2));
-    f.try_round(&[key(2)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(2)], TryOutcome::Held { by: by(9) });
     assert!(f.actions().contains(&Action::Refuse {
         id: t,
         why: Refusal::Busy
@@ -420,7 +566,7 @@ fn a_withdrawn_head_does_not_delay_the_next_request() {
     // An hourly waiter withdrawn: a later try of the same key runs in the next step.
     let mut f = Fixture::new();
     let hourly = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     f.advance(ms(10));
     f.table.withdraw(key(1), hourly, f.now);
     let t = f.try_(key(1));
@@ -433,10 +579,10 @@ fn a_withdrawn_head_does_not_delay_the_next_request() {
     let mut f = Fixture::new();
     let hourly = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
     let quick = f.request(key(1), Mode::Wait, ms(50));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     f.advance(ms(10));
     f.table.withdraw(key(1), hourly, f.now);
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     f.advance(ms(60));
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     f.advance(GRACE);
@@ -461,7 +607,7 @@ fn withdrawn_waiters_behind_a_local_holder_leave_at_once() {
 fn a_grant_nobody_takes_any_more_is_unlocked() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     f.advance(POLL * 2);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     f.table.withdraw(key(1), a, f.now);
@@ -615,7 +761,7 @@ fn a_lease_of_an_ended_session_is_fenced_until_its_owner_drops_it() {
 fn a_takeover_waits_while_the_old_holder_is_stopping() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(100) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.advance(POLL * 2);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     f.advance(GRACE);
@@ -637,7 +783,7 @@ fn a_takeover_waits_while_the_old_holder_is_stopping() {
 fn a_fence_held_past_any_stop_budget_is_given_up_on() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(100) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.advance(POLL * 2);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     f.advance(GRACE);
@@ -919,7 +1065,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         let outcome = match o {
                             0 => TryOutcome::Won(batch_token),
                             1 => TryOutcome::Held {
-                                by: Some(i32::from(*pid)),
+                                by: by(i32::from(*pid)),
                             },
                             2 => TryOutcome::WonFenced {
                                 token: batch_token,
@@ -949,11 +1095,23 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                             m.graced.insert(*k, (at, false, Some(now)));
                         }
                         TryOutcome::Held { by } => {
-                            m.seen.insert(*k, (*by, false));
+                            m.seen.insert(*k, (by.map(|b| b.pid), false));
                         }
                         TryOutcome::Failed => {}
                     }
                 }
+                // The announcers are still alive (their sessions as the tries saw them).
+                let senders: Vec<(LockKey, Option<i64>)> = plan
+                    .verify
+                    .iter()
+                    .filter(|(k, _)| {
+                        results.iter().any(|(r, o)| {
+                            r == k && matches!(o, TryOutcome::Won(_) | TryOutcome::WonFenced { .. })
+                        })
+                    })
+                    .map(|(k, pid)| (*k, Some(start_of(*pid))))
+                    .collect();
+                table.senders(&senders);
                 table.tried(&results, now);
                 let fenced: Vec<(LockKey, bool)> =
                     plan.fence.iter().map(|k| (*k, *fence_ok)).collect();
@@ -1328,7 +1486,7 @@ fn a_key_not_won_without_its_buckets_interest_is_tried_again_at_once() {
     f.table.tried(
         &[
             (x, TryOutcome::Won(token(5))),
-            (y, TryOutcome::Held { by: Some(9) }),
+            (y, TryOutcome::Held { by: by(9) }),
         ],
         f.now,
     );
@@ -1337,8 +1495,7 @@ fn a_key_not_won_without_its_buckets_interest_is_tried_again_at_once() {
     assert_eq!(plan.try_keys, vec![y], "tried again at once, not in 30 s");
     assert_eq!(plan.register, vec![y]);
     f.table.registered(&[y]);
-    f.table
-        .tried(&[(y, TryOutcome::Held { by: Some(9) })], f.now);
+    f.table.tried(&[(y, TryOutcome::Held { by: by(9) })], f.now);
     assert!(f.plan().is_empty(), "registered: it waits for its poll");
     // A registration that keeps failing (a releaser's probe every time) gives up after
     // a few quick tries.
@@ -1351,8 +1508,7 @@ fn a_key_not_won_without_its_buckets_interest_is_tried_again_at_once() {
         }
         let plan = g.plan();
         assert_eq!(plan.try_keys, vec![y]);
-        g.table
-            .tried(&[(y, TryOutcome::Held { by: Some(9) })], g.now);
+        g.table.tried(&[(y, TryOutcome::Held { by: by(9) })], g.now);
     }
     assert!(g.now - start >= ms(1500), "backs off: {:?}", g.now - start);
     assert!(
@@ -1370,7 +1526,7 @@ fn unverified_cues_for_many_keys_share_one_statement() {
     for k in &keys {
         f.request(*k, Mode::Wait, Duration::from_secs(3600));
     }
-    f.try_round(&keys, TryOutcome::Held { by: Some(9) });
+    f.try_round(&keys, TryOutcome::Held { by: by(9) });
     for k in &keys {
         f.advance(ms(30));
         f.table.announced(*k, 12345, f.now);
@@ -1384,7 +1540,7 @@ fn unverified_cues_for_many_keys_share_one_statement() {
             let outcomes: Vec<_> = plan
                 .try_keys
                 .iter()
-                .map(|k| (*k, TryOutcome::Held { by: Some(9) }))
+                .map(|k| (*k, TryOutcome::Held { by: by(9) }))
                 .collect();
             f.table.tried(&outcomes, f.now);
         }
@@ -1415,7 +1571,7 @@ fn a_key_won_after_being_seen_held_in_the_same_statement_waits_out_the_grace() {
 fn held_interest_keys_count_in_the_server_floor() {
     let mut f = Fixture::new();
     f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(9) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     assert_eq!(f.table.server_floor(), 1, "the interest key");
     f.table.withdraw(key(1), 1, f.now);
     let plan = f.plan();
@@ -1507,7 +1663,7 @@ fn a_hand_over_to_this_node_is_a_plain_release() {
 fn a_verified_hand_over_to_another_node_holds_this_one_off() {
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     // Handed to node 9 (not us): we hold off, even when forged cues arrive meanwhile.
     f.table.announced_for(key(1), 4242, Some(9), f.now);
@@ -1530,7 +1686,7 @@ fn a_verified_hand_over_to_another_node_holds_this_one_off() {
 fn a_verified_hand_over_to_this_node_tries_at_once() {
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     f.table.announced_for(key(1), 4242, Some(0), f.now);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
@@ -1550,7 +1706,7 @@ fn a_hand_over_announced_while_the_named_node_s_try_is_in_flight_is_kept() {
     f.table.announced_for(key(1), 4242, Some(0), f.now);
     f.table.registered(&plan.register);
     f.table
-        .tried(&[(key(1), TryOutcome::Held { by: Some(4242) })], f.now);
+        .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
     f.advance(ms(1));
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     // Announced by the holder the try saw: no grace.
@@ -1568,7 +1724,7 @@ fn an_announcement_in_flight_from_a_backend_the_try_did_not_see_is_only_a_cue() 
     f.table.announced_for(key(1), 5151, Some(0), f.now);
     f.table.registered(&plan.register);
     f.table
-        .tried(&[(key(1), TryOutcome::Held { by: Some(4242) })], f.now);
+        .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
     f.try_round(&[key(1)], TryOutcome::Won(token(10)));
     assert!(f.granted().is_empty(), "granted without the grace");
     f.advance(GRACE);
@@ -1586,7 +1742,7 @@ fn a_hand_over_to_another_node_announced_during_the_try_holds_this_one_off() {
     f.table.announced_for(key(1), 4242, Some(9), f.now);
     f.table.registered(&plan.register);
     f.table
-        .tried(&[(key(1), TryOutcome::Held { by: Some(4242) })], f.now);
+        .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
     f.advance(HAND_OVER_HOLD - ms(1));
     assert!(f.plan().try_keys.is_empty(), "tried within the hold");
     f.advance(ms(1));
@@ -1629,7 +1785,7 @@ fn an_unverified_hand_over_holds_nobody_off() {
     // it is only a cue, like any unverified announcement.
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     for forged in 0..100 {
         f.table.announced_for(key(1), forged, Some(9), f.now);
     }
@@ -1647,10 +1803,10 @@ fn an_unverified_hand_over_to_this_node_tries_once_at_once_and_keeps_the_grace()
     // flood of such announcements brings at most one try per UNVERIFIED_CUE.
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     f.table.announced_for(key(1), 5151, Some(0), f.now);
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(6000) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(6000) });
     for forged in 0..100 {
         f.table.announced_for(key(1), 7000 + forged, Some(0), f.now);
     }
@@ -1679,7 +1835,7 @@ fn review_a_hand_over_hold_does_not_vouch_for_the_targets_release() {
     // release, so the takeover grace (and the fence check after it) must apply.
     let mut f = Fixture::new();
     let c = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     f.table.announced_for(key(1), 4242, Some(9), f.now);
     // ... node 9 wins the key at the server, and is cut off, within the hold ...
@@ -1773,7 +1929,7 @@ fn review_announcements_from_the_backend_last_seen_cannot_hold_a_waiter_off_fore
     // or a misbehaving peer) holds the waiter off indefinitely.
     let mut f = Fixture::new();
     let _c = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     for _ in 0..60 {
         f.table.announced_for(key(1), 4242, Some(9), f.now);
@@ -1793,7 +1949,7 @@ fn review_a_forged_hand_over_to_this_node_does_not_override_a_verified_hold() {
     // who gets the lock (node ids are visible in pg_stat_activity.application_name).
     let mut f = Fixture::new();
     let _c = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Held { by: Some(4242) });
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     f.table.announced_for(key(1), 4242, Some(9), f.now);
     f.table.announced_for(key(1), 31337, Some(0), f.now);
@@ -1840,7 +1996,7 @@ fn review_forged_hand_overs_to_this_node_for_many_keys_share_one_statement() {
     for k in &keys {
         f.request(*k, Mode::Wait, Duration::from_secs(3600));
     }
-    f.try_round(&keys, TryOutcome::Held { by: Some(9) });
+    f.try_round(&keys, TryOutcome::Held { by: by(9) });
     let mut statements = 0;
     let end = f.now + Duration::from_secs(3);
     let mut next = 0;
@@ -1855,7 +2011,7 @@ fn review_forged_hand_overs_to_this_node_for_many_keys_share_one_statement() {
             let outcomes: Vec<_> = plan
                 .try_keys
                 .iter()
-                .map(|k| (*k, TryOutcome::Held { by: Some(9) }))
+                .map(|k| (*k, TryOutcome::Held { by: by(9) }))
                 .collect();
             f.table.tried(&outcomes, f.now);
         }
