@@ -495,7 +495,12 @@ pub(crate) async fn campaign(
             }
             _ = refresh.tick() => {
                 if let Ok(holder) = manager.holder(request.clone()).await {
-                    leadership.set_following(holder.map(|h| h.node_id));
+                    // Never this node itself while it follows: the holder is then a
+                    // former session of its own (lost, and kept open until the next one
+                    // fences the work still stopping, or not yet noticed as gone by the
+                    // server), so the leader is not known.
+                    let me = manager.node_id();
+                    leadership.set_following(holder.map(|h| h.node_id).filter(|n| n != me));
                 }
             }
         }
