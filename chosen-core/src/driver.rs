@@ -44,8 +44,9 @@ pub(crate) struct Driver {
     cluster_queries: Vec<ClusterReply>,
     shutdown_replies: Vec<oneshot::Sender<()>>,
     shutting_down: bool,
-    /// Lost sessions kept open until the engine lets them close (its rule 6).
-    retiring: std::collections::VecDeque<Session>,
+    /// Lost sessions kept open (the engine's rule 6), oldest first: each by a task of
+    /// its own that closes it at its deadline, or at once when this is cancelled.
+    retiring: std::collections::VecDeque<tokio_util::sync::CancellationToken>,
     generations: u64,
     current: Option<Arc<Generation>>,
     last_reason: SessionDownReason,
@@ -121,7 +122,10 @@ impl Driver {
                 Some(s) => s,
                 None => match self.reconnect().await {
                     Some(s) => s,
-                    None => break,
+                    None => {
+                        self.wait_for_stopping_work().await;
+                        break;
+                    }
                 },
             };
             match self.serve(session).await {
@@ -193,11 +197,9 @@ impl Driver {
                 break Exit::Lost(reason);
             }
             self.close_retired();
-            let now = Instant::now();
-            let wakeup = [self.engine.next_wakeup(now), self.engine.retired_until()]
-                .into_iter()
-                .flatten()
-                .min()
+            let wakeup = self
+                .engine
+                .next_wakeup(Instant::now())
                 .map(tokio::time::Instant::from_std);
             tokio::select! {
                 biased;
@@ -220,13 +222,13 @@ impl Driver {
         match exit {
             Exit::Lost(reason) => {
                 // Kept open until the next session fences what is still stopping (the
-                // engine's rule 6), unless it is a pooler's: nothing of it is ours.
-                let keep_open = !matches!(reason, SessionDownReason::PoolerDetected { .. });
-                self.end_generation(&generation, reason.clone(), keep_open);
-                if keep_open {
-                    self.retiring.push_back(s);
-                } else {
-                    drop(s);
+                // engine's rule 6), unless its connection is closed already, or it is a
+                // pooler's (nothing of it is ours).
+                let may_keep = !s.client.is_closed()
+                    && !matches!(reason, SessionDownReason::PoolerDetected { .. });
+                match self.end_generation(&generation, reason.clone(), may_keep) {
+                    Some(until) => self.retire(s, until),
+                    None => drop(s),
                 }
                 Exit::Lost(reason)
             }
@@ -653,12 +655,13 @@ impl Driver {
     // ---- ending and reconnecting ---------------------------------------------------
 
     /// Revokes every lease of the generation at once, before anything else happens.
+    /// Returns until when the lost session is to be kept open, if it is (`may_keep`).
     fn end_generation(
         &mut self,
         generation: &Generation,
         reason: SessionDownReason,
-        keep_open: bool,
-    ) {
+        may_keep: bool,
+    ) -> Option<Instant> {
         self.shared.invalidate();
         generation.revoke(reason.clone());
         self.current = None;
@@ -670,7 +673,7 @@ impl Driver {
             %reason,
             "lock session lost; every lease revoked"
         );
-        self.engine.session_lost(Instant::now(), keep_open);
+        let kept = self.engine.session_lost(Instant::now(), may_keep);
         self.carry_out();
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), false, generation.id);
@@ -689,6 +692,26 @@ impl Driver {
                 reason,
                 since: SystemTime::now(),
             });
+        kept
+    }
+
+    /// Keeps a lost session open until `until` at most, on a task of its own (so that
+    /// the deadline holds whatever this task is doing), or until
+    /// [`close_retired`](Self::close_retired) closes it.
+    fn retire(&mut self, mut s: Session, until: Instant) {
+        // Nobody reads its notifications any more.
+        s.events.close();
+        let close = tokio_util::sync::CancellationToken::new();
+        let closed = close.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = sleep_until(tokio::time::Instant::from_std(until)) => {}
+                () = closed.cancelled() => {}
+            }
+            debug!(backend_pid = s.backend_pid, "closing the lost lock session");
+            drop(s);
+        });
+        self.retiring.push_back(close);
     }
 
     /// Stops trusting every lease first; then waits (at most the stop budget) for their
@@ -754,23 +777,36 @@ impl Driver {
         info!(node_id = %self.shared.options.node_id, "lock manager shut down");
     }
 
-    /// Closes the lost sessions that the engine says may close (rule 6).
+    /// Closes the lost sessions that the engine says may close (rule 6); those past
+    /// their deadline closed themselves already.
     fn close_retired(&mut self) {
         for _ in 0..self.engine.close_retired(Instant::now()) {
-            if let Some(old) = self.retiring.pop_front() {
-                debug!(
-                    backend_pid = old.backend_pid,
-                    "closing the lost lock session"
-                );
+            if let Some(close) = self.retiring.pop_front() {
+                close.cancel();
             }
         }
     }
 
-    /// When the oldest lost session kept open must be closed, if there is one.
-    fn retired_deadline(&self) -> Option<tokio::time::Instant> {
-        self.engine
-            .retired_until()
-            .map(tokio::time::Instant::from_std)
+    /// A shutdown while disconnected: the lost sessions kept open are closed once the
+    /// work still stopping under their leases has stopped (its leases dropped), or at
+    /// their deadline (at most the stop budget from now), as a connected shutdown waits
+    /// for it: closing them earlier frees keys under which that work still runs.
+    async fn wait_for_stopping_work(&mut self) {
+        let Some(until) = self.engine.retired_until() else {
+            return;
+        };
+        let until = tokio::time::Instant::from_std(
+            until.min(Instant::now() + self.shared.options.stop_budget),
+        );
+        while self.engine.table().held() > 0 && tokio::time::Instant::now() < until {
+            tokio::select! {
+                cmd = self.rx.recv() => match cmd {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                },
+                () = sleep_until(until) => break,
+            }
+        }
     }
 
     async fn reconnect(&mut self) -> Option<Session> {
@@ -785,14 +821,12 @@ impl Driver {
             let connect = session::connect(&options, self.generations);
             tokio::pin!(connect);
             let result = loop {
-                let retire = self.retired_deadline();
                 tokio::select! {
                     result = &mut connect => break result,
                     cmd = self.rx.recv() => match cmd {
                         Some(cmd) => self.handle(cmd),
                         None => return None,
                     },
-                    () = sleep_until(retire.unwrap_or_else(far_future)), if retire.is_some() => self.close_retired(),
                 }
                 if self.shutting_down {
                     return None;
@@ -833,14 +867,12 @@ impl Driver {
                 .checked_add(wait)
                 .unwrap_or_else(far_future);
             loop {
-                let retire = self.retired_deadline();
                 tokio::select! {
                     () = sleep_until(until) => break,
                     cmd = self.rx.recv() => match cmd {
                         Some(cmd) => self.handle(cmd),
                         None => return None,
                     },
-                    () = sleep_until(retire.unwrap_or_else(far_future)), if retire.is_some() => self.close_retired(),
                 }
                 if self.shutting_down {
                     return None;
@@ -850,7 +882,9 @@ impl Driver {
     }
 
     fn finish(&mut self) {
-        self.retiring.clear();
+        for close in self.retiring.drain(..) {
+            close.cancel();
+        }
         self.shared.invalidate();
         if let Some(generation) = self.current.take() {
             generation.revoke(SessionDownReason::Shutdown);

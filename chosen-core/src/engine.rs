@@ -43,6 +43,10 @@ use crate::table::{
 };
 use crate::token::FencingToken;
 
+/// At most this many lost sessions are kept open at once (rule 6): a node whose new
+/// sessions keep failing must not pile up connections on a server that is struggling.
+pub(crate) const MAX_KEPT_OPEN: usize = 2;
+
 /// The options the engine's own rules need (the table's are [`Rules`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Timing {
@@ -303,14 +307,19 @@ impl Engine {
         self.table.session_ended(now);
     }
 
-    /// The session was lost: every lease of it is lost, and the session is kept open
-    /// while rule 6 says so (`keep_open`: it may still hold its keys at the server).
-    /// [`close_retired`](Self::close_retired) tells when to close it.
-    pub(crate) fn session_lost(&mut self, now: Instant, keep_open: bool) {
+    /// The session was lost: every lease of it is lost. It is kept open while rule 6
+    /// says so, if it may be (`may_keep`: it may still hold its keys at the server) and
+    /// fewer than [`MAX_KEPT_OPEN`] are: returns until when at most.
+    /// [`close_retired`](Self::close_retired) tells when to close it sooner.
+    pub(crate) fn session_lost(&mut self, now: Instant, may_keep: bool) -> Option<Instant> {
         self.table.session_ended(now);
-        if keep_open {
-            self.retiring.push_back(now + self.max_fence_wait);
-        }
+        let keep =
+            may_keep && self.retiring.len() < MAX_KEPT_OPEN && !self.off(Protection::KeepLostOpen);
+        keep.then(|| {
+            let until = now + self.max_fence_wait;
+            self.retiring.push_back(until);
+            until
+        })
     }
 
     /// How many of the lost sessions kept open (oldest first) may be closed now: all of

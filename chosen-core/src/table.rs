@@ -133,6 +133,9 @@ pub(crate) enum Protection {
     ValidityGate,
     /// A session whose tokens could go backwards is refused (rule 4).
     TokenFloor,
+    /// A lost session stays open until the next one fences the work still stopping
+    /// (rule 6).
+    KeepLostOpen,
 }
 
 /// How a grant came about.
