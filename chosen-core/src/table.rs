@@ -1429,6 +1429,10 @@ impl LockTable {
                 }
                 TryOutcome::Failed => {
                     slot.server = Server::Free;
+                    // Nothing was seen, and time passed: whoever the last try saw may
+                    // have released it and another session held it since, unseen. An
+                    // announcement from before vouches for nothing after it.
+                    slot.evidence = Evidence::unknown();
                     self.not_acquired(key, Refusal::Failed, now);
                 }
             }

@@ -1780,6 +1780,27 @@ fn an_announcement_during_the_try_counts_as_if_it_came_after_the_answer() {
 }
 
 #[test]
+fn an_announcement_older_than_a_failed_try_vouches_for_nothing() {
+    // The holder the last try saw announced its release, but the next try failed: in
+    // the time that passed, another session may have held the key and lost it
+    // silently. The win after that keeps the grace and the fence check.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_millis(100));
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
+    f.table.announced(key(1), 100, f.now);
+    f.try_round(&[key(1)], TryOutcome::Failed);
+    f.advance(ms(500));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(
+        f.granted().is_empty(),
+        "an announcement older than a failed try skipped the grace"
+    );
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
 fn an_unverified_hand_over_holds_nobody_off() {
     // A forged hand-over (not from the backend our last try saw) must not keep us out:
     // it is only a cue, like any unverified announcement.
