@@ -719,6 +719,8 @@ impl Driver {
     /// unlocking and announcing each as it comes back; then unlocks the rest. So a
     /// waiting node starts its child only after this node's child stopped.
     async fn graceful_close(&mut self, s: &mut Session, generation: &Generation) {
+        // Whether releases are announced below (a lease is out, or stopping).
+        let releases = self.engine.table().held() > 0;
         self.shared.invalidate();
         generation.revoke(SessionDownReason::Shutdown);
         self.last_reason = SessionDownReason::Shutdown;
@@ -759,6 +761,12 @@ impl Driver {
         self.carry_out();
         if !failed && let Err(reason) = self.step(s, statement_deadline).await {
             debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
+        }
+        if !failed && releases {
+            // A waiter that heard our announcements believes them, and skips the grace,
+            // only if its next try finds this session alive (the one its last try saw
+            // holding the key): stay that long, at most the grace it would wait.
+            tokio::time::sleep(self.shared.options.takeover_grace).await;
         }
         if !failed
             && let Err(e) = self

@@ -338,9 +338,9 @@ impl Engine {
         n
     }
 
-    /// When the oldest lost session kept open must be closed at the latest.
+    /// When the last of the lost sessions kept open is to be closed at the latest.
     pub(crate) fn retired_until(&self) -> Option<Instant> {
-        self.retiring.front().copied()
+        self.retiring.back().copied()
     }
 
     /// A connect attempt failed: how long to wait before the next (rule 5).

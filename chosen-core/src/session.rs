@@ -866,7 +866,10 @@ impl Session {
         let mut seen_held = Vec::new();
         let mut senders = Vec::new();
         for (i, token, holder, fence_holder, how, holder_start, sender_start) in rows {
-            let Some(at) = usize::try_from(i - 1).ok().filter(|at| *at < out.len()) else {
+            let Some(at) = usize::try_from(i.saturating_sub(1))
+                .ok()
+                .filter(|at| *at < out.len())
+            else {
                 continue;
             };
             let entry = &mut out[at];
@@ -1070,7 +1073,10 @@ impl Session {
         }
         let mut out: Vec<(LockKey, bool)> = keys.iter().map(|k| (*k, false)).collect();
         for (i, taken) in rows {
-            if let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) {
+            if let Some(entry) = usize::try_from(i.saturating_sub(1))
+                .ok()
+                .and_then(|i| out.get_mut(i))
+            {
                 entry.1 = taken == Some(true);
             }
         }
@@ -1149,7 +1155,10 @@ impl Session {
             let Ok((i, holder)) = parsed else {
                 continue;
             };
-            let Some(entry) = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i)) else {
+            let Some(entry) = usize::try_from(i.saturating_sub(1))
+                .ok()
+                .and_then(|i| out.get_mut(i))
+            else {
                 continue;
             };
             entry.1 = match holder {
@@ -1252,7 +1261,7 @@ impl Session {
             let Some(i) = row
                 .try_get::<_, i64>(0)
                 .ok()
-                .and_then(|i| usize::try_from(i - 1).ok())
+                .and_then(|i| usize::try_from(i.saturating_sub(1)).ok())
             else {
                 continue;
             };
