@@ -38,13 +38,18 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::engine::{Done, Engine, Term, Timing as EngineTiming};
+use crate::engine::{Done, Engine, Term, Timing as EngineTiming, TryFailed};
 use crate::key::LockKey;
 use crate::table::{
     Action, Backend as Seen, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId,
     Rules, TryOutcome, Via, next_random, verified,
 };
 use crate::token::FencingToken;
+
+/// The longest a node takes, in this network, from a release announcement being sent to
+/// its try reaching the server: the notification's way down and the try's way up (each
+/// at most 40 ms), and then some. Gap (d) is bounded by it.
+const REACTION: T = 100 * MS;
 
 /// Forged announcements come from these pids (no backend of the server has one).
 const FORGED_PIDS: i32 = 900_000;
@@ -221,6 +226,9 @@ struct Reply {
     senders: Vec<(LockKey, Option<i64>)>,
     fenced: Vec<(LockKey, bool)>,
     checked: Vec<(LockKey, FenceCheck)>,
+    /// The try statement failed with the session intact (cancelled, timed out,
+    /// refused, the lock table full): no key of it was taken.
+    try_failed: Option<TryFailed>,
 }
 
 /// Server → node.
@@ -251,6 +259,8 @@ enum Down {
         /// The sender's start: not in the message (the table never sees it), for the
         /// checks only.
         sender_start: T,
+        /// When the server sent it (for the checks only).
+        sent_at: T,
         keys: Vec<LockKey>,
         hand: Vec<(LockKey, u64)>,
     },
@@ -483,6 +493,9 @@ struct Run {
     /// Granted after the node's validity deadline had passed (a node waking from a
     /// freeze): the lease is invalid from the start, its child never acts.
     born_invalid: bool,
+    /// Granted at once on a release announcement the table believed (no grace): when
+    /// the server sent it.
+    on_announcement: Option<T>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -561,6 +574,7 @@ struct Stats {
     gap_a: u64,
     gap_b: u64,
     gap_c: u64,
+    gap_d: u64,
     /// Gap (a) by another path: the old holder froze while stopping, until the new
     /// holder's maximum fence wait ran out.
     gap_a_fence_wait: u64,
@@ -595,6 +609,7 @@ impl Stats {
         self.gap_a += o.gap_a;
         self.gap_b += o.gap_b;
         self.gap_c += o.gap_c;
+        self.gap_d += o.gap_d;
         self.gap_a_fence_wait += o.gap_a_fence_wait;
         self.gap_b_acting += o.gap_b_acting;
         self.b_past_fence += o.b_past_fence;
@@ -648,6 +663,11 @@ struct Sim {
     tries: Vec<Vec<T>>,
     /// Review 2: the target of the lease being dropped (a scripted hand-over).
     hand_over_next: Option<u64>,
+    /// Keys of the reply being applied whose table believed a release announcement,
+    /// and when the server sent it.
+    announced_now: Vec<(usize, LockKey, T)>,
+    /// When the server sent the announcement each node's table last came to believe.
+    announced_sent: BTreeMap<(usize, LockKey), T>,
     resign_to: BTreeMap<(usize, RequestId), u64>,
 }
 
@@ -754,6 +774,8 @@ impl Sim {
             trace: Vec::new(),
             tries,
             hand_over_next: None,
+            announced_now: Vec::new(),
+            announced_sent: BTreeMap::new(),
             resign_to: BTreeMap::new(),
         }
     }
@@ -1265,6 +1287,7 @@ impl Sim {
                 to,
                 sender,
                 sender_start,
+                sent_at,
                 keys,
                 hand,
             } => {
@@ -1290,6 +1313,10 @@ impl Sim {
                             .table_mut()
                             .announced_for(*k, sender, to, now);
                         self.announcers.insert((n, *k, sender), sender_start);
+                        let believed = |t: Option<(bool, bool)>| t.is_some_and(|(a, _)| a);
+                        if believed(trusted(self)) && !believed(before) {
+                            self.announced_sent.insert((n, *k), sent_at);
+                        }
                         // No backend of the server sent it: it must not be believed (a
                         // skipped grace, or a hold for another node).
                         if sender >= FORGED_PIDS && trusted(self) != before {
@@ -1364,9 +1391,31 @@ impl Sim {
             })
             .map(|(k, _)| *k)
             .collect();
+        self.announced_now = reply
+            .tried
+            .iter()
+            .filter(|(k, _)| {
+                self.nodes[n]
+                    .engine
+                    .table()
+                    .slots
+                    .get(k)
+                    .is_some_and(|s| s.evidence.contended && s.evidence.announced)
+            })
+            .map(|(k, _)| {
+                (
+                    n,
+                    *k,
+                    self.announced_sent.get(&(n, *k)).copied().unwrap_or(0),
+                )
+            })
+            .collect();
         let done = Done {
             token: reply.token,
-            tried: Ok(reply.tried.clone()),
+            tried: match reply.try_failed {
+                Some(failed) => Err(failed),
+                None => Ok(reply.tried.clone()),
+            },
             registered: reply.registered.clone(),
             seen_held: Vec::new(),
             senders: reply.senders.clone(),
@@ -1387,6 +1436,7 @@ impl Sim {
         }
         let granted_before = self.runs.len();
         self.carry_out(n, reply.at);
+        self.announced_now.clear();
         for k in unannounced {
             if self.runs[granted_before..]
                 .iter()
@@ -1579,6 +1629,11 @@ impl Sim {
             acting_end: born_invalid.then_some(self.now),
             drop_at: None,
             born_invalid,
+            on_announcement: self
+                .announced_now
+                .iter()
+                .find(|(m, k, _)| how == How::Direct && *m == n && *k == key)
+                .map(|(_, _, sent)| *sent),
         });
         self.nodes[n].singles[s].state = SState::Holding { id, run };
         self.stats.grants += 1;
@@ -1964,6 +2019,19 @@ impl Sim {
             senders: Vec::new(),
             fenced: Vec::new(),
             checked: Vec::new(),
+            try_failed: None,
+        };
+        // A statement fails now and then with the session intact, in each way the
+        // server fails one: the engine decides what each failure means.
+        let failing = if self.cfg.random_faults && self.rng.chance(1) {
+            match self.rng.below(4) {
+                0 => "try_failed",
+                1 => "lock_table_full",
+                2 => "check_failed",
+                _ => "token_failed",
+            }
+        } else {
+            ""
         };
         // Interest keys no longer needed (released without a word).
         for b in &stmts.unregister {
@@ -1997,13 +2065,23 @@ impl Sim {
             let hand = stmts.hand_to.clone();
             self.notify_for(pid, &interested, &hand);
         }
-        // TOKEN_SQL.
-        if !stmts.token_for.is_empty() {
+        // TOKEN_SQL (a failed one: the keys are released instead).
+        if !stmts.token_for.is_empty() && failing == "token_failed" {
+            self.fault("token_failed");
+        } else if !stmts.token_for.is_empty() {
             self.server.xid += 1;
             reply.token = Some(FencingToken::from_parts(1, self.server.xid));
         }
-        // TRY_KEYS_SQL: every lock first, then one token for the keys won.
-        if !stmts.try_keys.is_empty() {
+        // TRY_KEYS_SQL: every lock first, then one token for the keys won. A failed one
+        // takes nothing here (the cleanup statement unlocks what a failed one took).
+        if !stmts.try_keys.is_empty() && matches!(failing, "try_failed" | "lock_table_full") {
+            self.fault(failing);
+            reply.try_failed = Some(if failing == "try_failed" {
+                TryFailed::Failed
+            } else {
+                TryFailed::LockTableFull
+            });
+        } else if !stmts.try_keys.is_empty() {
             self.tries[n].push(self.now);
             let mut won = Vec::new();
             for k in &stmts.try_keys {
@@ -2104,9 +2182,13 @@ impl Sim {
             self.notify(pid, &stmts.unfence);
         }
         // CHECK_FENCES_SQL: a shared try and unlock; the exclusive holder when taken.
+        if !stmts.check.is_empty() && failing == "check_failed" {
+            self.fault("check_failed");
+        }
         for k in &stmts.check {
             let f = self.fence_key(*k);
             let outcome = match self.fence_holder(f, pid) {
+                _ if failing == "check_failed" => FenceCheck::Failed,
                 Some(holder) => FenceCheck::Held { by: Some(holder) },
                 None => FenceCheck::Clear,
             };
@@ -2157,6 +2239,7 @@ impl Sim {
                     to,
                     sender,
                     sender_start,
+                    sent_at: self.now,
                     keys: keys.to_vec(),
                     hand: hand.to_vec(),
                 },
@@ -2568,6 +2651,27 @@ impl Sim {
         let (how, decided_at) = y.origin;
         let fenced = self.fence_held(x.n, x.inst, x.key, decided_at);
         match (how, acting) {
+            // Granted at once on an announced release, while another node's work ran:
+            // the announcement vouched for what it could not know.
+            // Granted at once on an announced release, while another node's work ran:
+            // the announcement vouched for its sender's tenure only. Gap (d): a tenure
+            // that began after that release and ended (its session ended at the server)
+            // before this node's winning try, within this node's reaction time to the
+            // announcement. Anything else is a violation.
+            (How::Direct, _) if y.on_announcement.is_some() => {
+                let sent = y.on_announcement.unwrap_or(0);
+                if x.grant_at >= sent && decided_at.saturating_sub(sent) <= REACTION {
+                    self.stats.gap_d += 1;
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{} was granted on a release announcement sent at {:.3} ms while {} ran",
+                        label(yi, y),
+                        sent as f64 / 1000.0,
+                        label(xi, x)
+                    ))
+                }
+            }
             (How::Direct, true) => {
                 self.stats.gap_b_acting += 1;
                 Ok(())
@@ -2639,7 +2743,7 @@ fn summary(s: &Stats) -> String {
         out,
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
-         (+{} still acting), (c) {}; brand-new requester past a stop fence: {}; stale grants (session ended at the server): {}; \
+         (+{} still acting), (c) {}, (d) {}; brand-new requester past a stop fence: {}; stale grants (session ended at the server): {}; \
          violations: {}",
         s.seeds,
         s.virtual_us as f64 / 1e6,
@@ -2657,6 +2761,7 @@ fn summary(s: &Stats) -> String {
         s.gap_b,
         s.gap_b_acting,
         s.gap_c,
+        s.gap_d,
         s.b_past_fence,
         s.stale_grants,
         s.violations,
