@@ -327,6 +327,12 @@ struct Evidence {
     /// The try that follows `announced` found the holder's session, with its start,
     /// still alive: the announcement came from it.
     confirmed: bool,
+    /// When the announcement arrived. It vouches for its sender's tenure only: a
+    /// session that took the key after that release and lost it before this node's try
+    /// is not seen. So it is trusted only for a win answered within `takeover_grace` of
+    /// its arrival (about a round trip, normally): a try made late (a frozen or starved
+    /// process, a slow link) keeps the grace, and the fence check.
+    announced_at: Option<Instant>,
 }
 
 impl Evidence {
@@ -953,6 +959,7 @@ impl LockTable {
                 _ => {
                     slot.evidence.announced = true;
                     slot.evidence.confirmed = false;
+                    slot.evidence.announced_at = Some(now);
                     slot.hold_until = None;
                     slot.next_try = now;
                 }
@@ -1357,7 +1364,8 @@ impl LockTable {
                 TryOutcome::Won(token) => {
                     slot.unregistered = 0;
                     let evidence = std::mem::take(&mut slot.evidence);
-                    let unannounced = evidence.contended && !verified(&evidence, check_sessions);
+                    let unannounced = evidence.contended
+                        && !verified(&evidence, check_sessions, now, self.rules.takeover_grace);
                     let held_until = self.grants_not_before.filter(|at| *at > now);
                     if unannounced && !self.rules.takeover_grace.is_zero() && !no_grace {
                         slot.server = Server::Granting {
@@ -1374,7 +1382,8 @@ impl LockTable {
                     // Whatever we knew, someone's work under the key is still stopping:
                     // wait for its fence (and at least the grace, when unannounced).
                     let evidence = std::mem::take(&mut slot.evidence);
-                    let unannounced = evidence.contended && !verified(&evidence, check_sessions);
+                    let unannounced = evidence.contended
+                        && !verified(&evidence, check_sessions, now, self.rules.takeover_grace);
                     let interval = slot
                         .waiters
                         .front()
@@ -1649,8 +1658,15 @@ impl LockTable {
 /// Does `evidence` prove that the last holder seen released the key (so that a win
 /// skips the takeover grace)? `check_sessions`: unless [`Protection::SessionCheck`] is
 /// switched off (tests only).
-fn verified(evidence: &Evidence, check_sessions: bool) -> bool {
-    evidence.announced && (evidence.confirmed || !check_sessions)
+/// Whether a win answered at `now` may skip the grace on `evidence`'s announcement: it
+/// came from the holder's session (`confirmed`, when sessions are checked), at most
+/// `within` (the takeover grace) before.
+fn verified(evidence: &Evidence, check_sessions: bool, now: Instant, within: Duration) -> bool {
+    evidence.announced
+        && (evidence.confirmed || !check_sessions)
+        && evidence
+            .announced_at
+            .is_some_and(|at| now.saturating_duration_since(at) <= within)
 }
 
 /// The next shared tick for `interval`: the one already planned if it lies ahead

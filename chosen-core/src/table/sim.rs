@@ -46,10 +46,15 @@ use crate::table::{
 };
 use crate::token::FencingToken;
 
-/// The longest a node takes, in this network, from a release announcement being sent to
-/// its try reaching the server: the notification's way down and the try's way up (each
-/// at most 40 ms), and then some. Gap (d) is bounded by it.
-const REACTION: T = 100 * MS;
+/// How long after the server sent a release announcement a waiter's try may still
+/// win on it without the grace: the table trusts it for a win answered within the grace
+/// (100 ms) of its arrival, and the notification took at most 40 ms to arrive. Gap (d)
+/// is bounded by it.
+const REACTION: T = 150 * MS;
+
+/// An announcement as the checks know it: its sender, the sender's start, and when the
+/// server sent it.
+type Note = (i32, T, T);
 
 /// Forged announcements come from these pids (no backend of the server has one).
 const FORGED_PIDS: i32 = 900_000;
@@ -668,6 +673,8 @@ struct Sim {
     announced_now: Vec<(usize, LockKey, T)>,
     /// When the server sent the announcement each node's table last came to believe.
     announced_sent: BTreeMap<(usize, LockKey), T>,
+    /// Announcements that arrived during a key's try.
+    in_flight_notes: BTreeMap<(usize, LockKey), Vec<Note>>,
     resign_to: BTreeMap<(usize, RequestId), u64>,
 }
 
@@ -776,6 +783,7 @@ impl Sim {
             hand_over_next: None,
             announced_now: Vec::new(),
             announced_sent: BTreeMap::new(),
+            in_flight_notes: BTreeMap::new(),
             resign_to: BTreeMap::new(),
         }
     }
@@ -1308,13 +1316,28 @@ impl Sim {
                                 })
                             };
                         let before = trusted(self);
+                        let in_flight = self.nodes[n]
+                            .engine
+                            .table()
+                            .slots
+                            .get(k)
+                            .is_some_and(|slot| slot.server == crate::table::Server::Trying);
                         self.nodes[n]
                             .engine
                             .table_mut()
                             .announced_for(*k, sender, to, now);
-                        self.announcers.insert((n, *k, sender), sender_start);
+                        // What the checks know of the announcement the table comes to
+                        // believe: who sent it and when. One that arrives during the
+                        // key's try is applied after its answer (see `on_reply`).
                         let believed = |t: Option<(bool, bool)>| t.is_some_and(|(a, _)| a);
-                        if believed(trusted(self)) && !believed(before) {
+                        if in_flight {
+                            self.in_flight_notes.entry((n, *k)).or_default().push((
+                                sender,
+                                sender_start,
+                                sent_at,
+                            ));
+                        } else if believed(trusted(self)) && !believed(before) {
+                            self.announcers.insert((n, *k, sender), sender_start);
                             self.announced_sent.insert((n, *k), sent_at);
                         }
                         // No backend of the server sent it: it must not be believed (a
@@ -1362,17 +1385,22 @@ impl Sim {
         // What the table knew before the answer: a won key it had seen held, with no
         // verified announcement since, must wait the grace (the table's own rule).
         let check_sessions = !self.nodes[n].engine.table().off(Protection::SessionCheck);
-        let unannounced: Vec<LockKey> =
-            reply
-                .tried
-                .iter()
-                .filter(|(k, _)| {
-                    self.nodes[n].engine.table().slots.get(k).is_some_and(|s| {
-                        s.evidence.contended && !verified(&s.evidence, check_sessions)
-                    })
+        let unannounced: Vec<LockKey> = reply
+            .tried
+            .iter()
+            .filter(|(k, _)| {
+                self.nodes[n].engine.table().slots.get(k).is_some_and(|s| {
+                    s.evidence.contended
+                        && !verified(
+                            &s.evidence,
+                            check_sessions,
+                            self.at(self.now),
+                            Duration::from_micros(self.t.grace),
+                        )
                 })
-                .map(|(k, _)| *k)
-                .collect();
+            })
+            .map(|(k, _)| *k)
+            .collect();
         // And the truth: a release believed, but announced by another session than the
         // holder the last try saw (a reused pid), must not skip the grace either.
         let forged: Vec<LockKey> = reply
@@ -1382,7 +1410,12 @@ impl Sim {
                 !matches!(o, TryOutcome::Held { .. } | TryOutcome::Failed)
                     && self.nodes[n].engine.table().slots.get(k).is_some_and(|s| {
                         s.evidence.contended
-                            && verified(&s.evidence, check_sessions)
+                            && verified(
+                                &s.evidence,
+                                check_sessions,
+                                self.at(self.now),
+                                Duration::from_micros(self.t.grace),
+                            )
                             && s.evidence.holder.and_then(|h| h.start)
                                 != s.evidence.holder.and_then(|h| {
                                     self.announcers.get(&(n, *k, h.pid)).map(|t| epoch_us(*t))
@@ -1433,6 +1466,27 @@ impl Sim {
             .is_err()
         {
             return self.lose_session(n, "validity deadline passed (seen with a reply)");
+        }
+        // Announcements that arrived during the tries were applied after the answers:
+        // the one the table now believes (from the holder its try saw) is recorded.
+        for (k, _) in &reply.tried {
+            let Some(notes) = self.in_flight_notes.remove(&(n, *k)) else {
+                continue;
+            };
+            let holder = self.nodes[n]
+                .engine
+                .table()
+                .slots
+                .get(k)
+                .filter(|s| s.evidence.announced)
+                .and_then(|s| s.evidence.holder)
+                .map(|h| h.pid);
+            if let Some((sender, start, sent_at)) =
+                notes.into_iter().rev().find(|(p, _, _)| Some(*p) == holder)
+            {
+                self.announcers.insert((n, *k, sender), start);
+                self.announced_sent.insert((n, *k), sent_at);
+            }
         }
         let granted_before = self.runs.len();
         self.carry_out(n, reply.at);
@@ -1723,6 +1777,8 @@ impl Sim {
             return self.finish_shutdown(n);
         }
         self.log(|| format!("n{n} LOSES generation {gn} (pid {pid}): {why}"));
+        // Tries in flight never answer now.
+        self.in_flight_notes.retain(|(m, _), _| *m != n);
         // Kept open until the next session fences what is still stopping (rule 6).
         let node = &mut self.nodes[n];
         node.retiring.push_back(pid);

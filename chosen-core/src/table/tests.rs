@@ -1801,6 +1801,27 @@ fn an_announcement_older_than_a_failed_try_vouches_for_nothing() {
 }
 
 #[test]
+fn an_announcement_counts_only_for_a_win_soon_after_it() {
+    // Verified, but the try that follows is answered later than the grace after it (a
+    // frozen or starved process): another session may have taken the key and lost it
+    // meanwhile, so the win keeps the grace and the fence check.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_millis(100));
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
+    f.table.announced(key(1), 100, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)], "tried at once");
+    f.advance(GRACE + ms(1));
+    f.table.senders(&[(key(1), by(100).and_then(|b| b.start))]);
+    f.table
+        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+    assert!(f.granted().is_empty(), "a late win skipped the grace");
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
 fn an_unverified_hand_over_holds_nobody_off() {
     // A forged hand-over (not from the backend our last try saw) must not keep us out:
     // it is only a cue, like any unverified announcement.
