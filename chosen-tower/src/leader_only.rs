@@ -257,7 +257,12 @@ where
         if let Some(m) = self.leadership.metrics() {
             m.follower_response(self.leadership.node_id(), self.leadership.name());
         }
-        let leader = self.leadership.leader();
+        // Never this node itself while it follows (its own former session may still
+        // hold the lock): a redirect there would come straight back.
+        let leader = self
+            .leadership
+            .leader()
+            .filter(|leader| leader != self.leadership.node_id());
         let ctx = FollowerContext {
             leader: leader.as_deref(),
             method: req.method(),

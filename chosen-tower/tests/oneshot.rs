@@ -109,6 +109,27 @@ async fn redirect_to_the_leader_or_503_when_unknown() {
 }
 
 #[tokio::test]
+async fn a_follower_never_redirects_to_itself() {
+    // Told (by whatever source) that this very node leads while it follows, the layer
+    // answers as when the leader is unknown, not with a redirect back to itself.
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let svc = LeaderOnlyHttpLayer::new(leadership)
+        .redirect(|leader, uri| {
+            format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
+                .parse()
+                .ok()
+        })
+        .layer(echo());
+    control.follow(Some("node-1"));
+    let res = svc
+        .oneshot(request(Method::POST, "/admin/run"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().get(LEADER_HEADER).is_none());
+}
+
+#[tokio::test]
 async fn custom_answers() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     let svc = LeaderOnlyHttpLayer::new(leadership)
