@@ -177,9 +177,6 @@ pub(crate) struct Engine {
     retiring: std::collections::VecDeque<Instant>,
     max_fence_wait: Duration,
     rng: u64,
-    /// Protections switched off (tests only).
-    #[cfg(test)]
-    switched_off: Vec<Protection>,
 }
 
 impl Engine {
@@ -194,29 +191,19 @@ impl Engine {
             retiring: std::collections::VecDeque::new(),
             max_fence_wait: rules.max_fence_wait,
             rng: seed.rotate_left(17) | 1,
-            #[cfg(test)]
-            switched_off: Vec::new(),
         }
     }
 
     /// Switches a protection off (the engine's or the table's), to show that the
-    /// simulation fails without it.
+    /// simulation fails without it. The table keeps the switches for both.
     #[cfg(test)]
     pub(crate) fn switch_off(&mut self, protection: Protection) {
-        self.switched_off.push(protection);
         self.table.switch_off(protection);
     }
 
     /// Is this protection switched off? Never outside tests.
-    #[cfg(test)]
     fn off(&self, protection: Protection) -> bool {
-        self.switched_off.contains(&protection)
-    }
-
-    #[cfg(not(test))]
-    #[expect(clippy::unused_self, reason = "the test build reads the switches")]
-    fn off(&self, _protection: Protection) -> bool {
-        false
+        self.table.off(protection)
     }
 
     /// The lock table, for what the handles ask (requests, releases, snapshots).

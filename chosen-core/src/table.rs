@@ -516,13 +516,13 @@ impl LockTable {
 
     /// Is this protection switched off? Never outside tests.
     #[cfg(test)]
-    fn off(&self, protection: Protection) -> bool {
+    pub(crate) fn off(&self, protection: Protection) -> bool {
         self.switched_off.contains(&protection)
     }
 
     #[cfg(not(test))]
     #[expect(clippy::unused_self, reason = "the test build reads the switches")]
-    fn off(&self, _protection: Protection) -> bool {
+    pub(crate) fn off(&self, _protection: Protection) -> bool {
         false
     }
 

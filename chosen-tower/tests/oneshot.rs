@@ -77,16 +77,24 @@ async fn retry_after_rounds_up_to_whole_seconds() {
     assert_eq!(res.headers()["retry-after"], "3");
 }
 
-#[tokio::test]
-async fn redirect_to_the_leader_or_503_when_unknown() {
-    let (leadership, control) = Leadership::manual("admin", "node-1");
-    let svc = LeaderOnlyHttpLayer::new(leadership)
+/// The echo service behind a layer that redirects followers to
+/// `http://<leader>.internal:8080`.
+fn redirecting(
+    leadership: Leadership,
+) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone {
+    LeaderOnlyHttpLayer::new(leadership)
         .redirect(|leader, uri| {
             format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
                 .parse()
                 .ok()
         })
-        .layer(echo());
+        .layer(echo())
+}
+
+#[tokio::test]
+async fn redirect_to_the_leader_or_503_when_unknown() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let svc = redirecting(leadership);
     control.follow(Some("node-3"));
     let res = svc
         .clone()
@@ -113,13 +121,7 @@ async fn a_follower_never_redirects_to_itself() {
     // Told (by whatever source) that this very node leads while it follows, the layer
     // answers as when the leader is unknown, not with a redirect back to itself.
     let (leadership, control) = Leadership::manual("admin", "node-1");
-    let svc = LeaderOnlyHttpLayer::new(leadership)
-        .redirect(|leader, uri| {
-            format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
-                .parse()
-                .ok()
-        })
-        .layer(echo());
+    let svc = redirecting(leadership);
     control.follow(Some("node-1"));
     let res = svc
         .oneshot(request(Method::POST, "/admin/run"))
