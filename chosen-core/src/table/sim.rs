@@ -3285,6 +3285,11 @@ fn every_protection_is_load_bearing() {
 /// the grace on its word, and the checks see it; verified by session, never.
 #[test]
 fn a_reused_pid_is_believed_only_without_session_verification() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .without_time()
+        .with_target(false)
+        .try_init();
     let seeds = env_u64("CHOSEN_SIM_PID_REUSE_SEEDS").unwrap_or(100);
     let run = |check_sessions: bool| -> (Stats, Vec<(u64, String)>) {
         let mut total = Stats::default();
@@ -3319,7 +3324,7 @@ fn a_reused_pid_is_believed_only_without_session_verification() {
     // (The histories part where a verdict differs, so the counts differ too.)
     assert!(on.faults.get("pid_reuse").copied().unwrap_or(0) > 0);
     assert!(right.is_empty(), "with session verification: {right:?}");
-    eprintln!(
+    tracing::info!(
         "pid reuse over {seeds} seeds: verified by pid only, {} faults, {} seeds wrong \
          ({} with children overlapping; first: {:?}); by session, {} faults, none wrong",
         off.faults["pid_reuse"],
@@ -3328,6 +3333,6 @@ fn a_reused_pid_is_believed_only_without_session_verification() {
         wrong.first(),
         on.faults["pid_reuse"],
     );
-    eprintln!("by pid only: {}", summary(&off));
-    eprintln!("by session: {}", summary(&on));
+    tracing::info!("by pid only: {}", summary(&off));
+    tracing::info!("by session: {}", summary(&on));
 }
