@@ -2789,6 +2789,16 @@ fn rules(t: &Timing) -> Rules {
 
 // ---- running seeds ----------------------------------------------------------------------
 
+/// Reports (summaries, findings, a failing seed's trace) go through tracing, to the
+/// test's output (`--nocapture` shows it for a passing run).
+fn report_through_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .without_time()
+        .with_target(false)
+        .try_init();
+}
+
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
 }
@@ -2844,11 +2854,7 @@ fn print_trace(seed: u64, trace: &[String], all: bool) {
 fn simulation_holds_over_many_seeds() {
     // Reports (the summary, findings, a failing seed's trace) go through tracing, to the
     // test's output (`--nocapture` shows it for a passing run).
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .without_time()
-        .with_target(false)
-        .try_init();
+    report_through_tracing();
     let replay = env_u64("CHOSEN_SIM_SEED");
     let (first, count) = match replay {
         Some(seed) => (seed, 1),
@@ -3224,11 +3230,7 @@ fn first_failing_seed(off: &[Protection], budget: u64) -> Option<u64> {
 /// what the simulation lacks to see them, so that the list only shrinks.
 #[test]
 fn every_protection_is_load_bearing() {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .without_time()
-        .with_target(false)
-        .try_init();
+    report_through_tracing();
     let budget = env_u64("CHOSEN_SIM_PROOF_SEEDS").unwrap_or(1_000);
     let blind: &[(Protection, &str)] = &[
         (
@@ -3285,11 +3287,7 @@ fn every_protection_is_load_bearing() {
 /// the grace on its word, and the checks see it; verified by session, never.
 #[test]
 fn a_reused_pid_is_believed_only_without_session_verification() {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .without_time()
-        .with_target(false)
-        .try_init();
+    report_through_tracing();
     let seeds = env_u64("CHOSEN_SIM_PID_REUSE_SEEDS").unwrap_or(100);
     let run = |check_sessions: bool| -> (Stats, Vec<(u64, String)>) {
         let mut total = Stats::default();
