@@ -16,7 +16,10 @@
 //! 3. **The term hold.** A server whose term as primary (start, crash restart,
 //!    promotion) began less than `term_grant_delay` ago grants nothing before that much
 //!    time has passed since it began: a holder of the previous term that went silent
-//!    may still trust its lease.
+//!    may still trust its lease. The server tells the age with its wall clock; a
+//!    process that saw its session of the previous term end also counts the delay from
+//!    that end on its own monotonic clock, and the later of the two holds, so a forward
+//!    step of the server's clock cannot shorten its hold.
 //! 4. **The token floor.** A new session whose first token is not above every token
 //!    answered to this manager (in a plan's answers, also answers that came too late to
 //!    be applied), or that is another cluster whose tokens would not order after the
@@ -153,7 +156,7 @@ impl std::fmt::Display for Refused {
                 issued_high,
             } => write!(
                 f,
-                "the server is another cluster (system identifier {system_id}, was {was}) whose timeline plus token epoch, {timeline}, is not above the {issued_high} of the tokens issued before: tokens would not order after the old cluster's; set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) so that its timeline plus N is above {issued_high}"
+                "the server is another cluster (system identifier {system_id}, was {was}) whose timeline plus token epoch, {timeline}, is not above the {issued_high} of the tokens issued or terms seen before: tokens would not order after the old cluster's; set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) so that its timeline plus N is above {issued_high}"
             ),
         }
     }
@@ -167,10 +170,20 @@ pub(crate) struct Engine {
     /// A server term whose start the server could not tell, and when this process
     /// first saw it.
     term_first_seen: Option<(String, Instant)>,
+    /// The term of the last session, and when this process saw that session end: a
+    /// term that began since began after the previous one ended, which was no later
+    /// than that (when the end was the term's).
+    last_term: Option<String>,
+    last_end: Option<Instant>,
+    /// The term whose start this process saw, and the end of its hold by this
+    /// process's clock.
+    term_own_clock: Option<(String, Instant)>,
     /// The highest token a session of this manager was issued.
     issued: u64,
     /// The system identifier of the cluster the last session was on.
     last_system: Option<String>,
+    /// The highest high bits (timeline plus epoch) of any session this process used.
+    seen_high: u16,
     /// The next reconnect wait's upper bound.
     backoff: Duration,
     /// Lost sessions kept open (rule 6), oldest first: until when at most.
@@ -185,8 +198,12 @@ impl Engine {
             table: LockTable::new(rules, seed),
             timing,
             term_first_seen: None,
+            last_term: None,
+            last_end: None,
+            term_own_clock: None,
             issued: 0,
             last_system: None,
+            seen_high: 0,
             backoff: timing.reconnect_min,
             retiring: std::collections::VecDeque::new(),
             max_fence_wait: rules.max_fence_wait,
@@ -237,18 +254,20 @@ impl Engine {
         }
         // Another cluster altogether (pg_upgrade, a restore, a logical copy: a new system
         // identifier): its transaction ids tell nothing about the old cluster's, and
-        // other nodes may have issued tokens there above this one's, so only higher high
-        // bits (timeline plus epoch) order its tokens after the old cluster's.
-        if self.issued > 0
-            && let Some(was) = &self.last_system
+        // other nodes may have issued tokens there above this one's, with the high bits
+        // of any term this process saw there (a promotion raised them, whether or not
+        // this process won anything since), so only higher high bits (timeline plus
+        // epoch) order its tokens after the old cluster's.
+        let old_high = (self.issued >> 48).max(u64::from(self.seen_high));
+        if let Some(was) = &self.last_system
             && *was != term.system_id
-            && u64::from(term.timeline) <= self.issued >> 48
+            && u64::from(term.timeline) <= old_high
         {
             return Err(Refused::OtherCluster {
                 system_id: term.system_id.clone(),
                 was: was.clone(),
                 timeline: term.timeline,
-                issued_high: self.issued >> 48,
+                issued_high: old_high,
             });
         }
         Ok(())
@@ -265,12 +284,13 @@ impl Engine {
     ) -> Option<Duration> {
         self.backoff = self.timing.reconnect_min;
         self.last_system = Some(term.system_id.clone());
+        self.seen_high = self.seen_high.max(term.timeline);
         self.table.session_started(generation, now);
         let delay = self.timing.term_grant_delay;
         if delay.is_zero() || self.off(Protection::TermHold) {
             return None;
         }
-        let not_before = match term.age {
+        let server_says = match term.age {
             Some(age) => term.read_at + delay.saturating_sub(age),
             None => {
                 // Promoted, and the server cannot tell when yet: the term began before
@@ -283,6 +303,28 @@ impl Engine {
                 first + delay
             }
         };
+        // The server measures the age with its wall clock, which may have stepped
+        // forward since the term began (NTP, a VM resumed), making the term look older.
+        // A process whose last session was of another term, and which saw that session
+        // end, measures on its own monotonic clock as well: the old term had ended by
+        // then at the latest (when that end was the term's end), so the delay counts
+        // from there too. The later of the two holds.
+        // Kept for the term's later sessions (a reconnect within the hold).
+        if let (Some(last), Some(end)) = (&self.last_term, self.last_end)
+            && *last != term.identity
+        {
+            self.term_own_clock = Some((term.identity.clone(), end + delay));
+        }
+        self.last_term = Some(term.identity.clone());
+        let seen_here = match &self.term_own_clock {
+            Some((identity, at))
+                if *identity == term.identity && !self.off(Protection::TermOwnClock) =>
+            {
+                Some(*at)
+            }
+            _ => None,
+        };
+        let not_before = seen_here.map_or(server_says, |own| own.max(server_says));
         (not_before > now).then(|| {
             self.table.hold_grants_until(not_before);
             not_before - now
@@ -291,6 +333,7 @@ impl Engine {
 
     /// The session ended (lost, or closed at shutdown): every lease of it is lost.
     pub(crate) fn session_ended(&mut self, now: Instant) {
+        self.last_end = Some(now);
         self.table.session_ended(now);
     }
 
@@ -299,6 +342,7 @@ impl Engine {
     /// fewer than [`MAX_KEPT_OPEN`] are: returns until when at most.
     /// [`close_retired`](Self::close_retired) tells when to close it sooner.
     pub(crate) fn session_lost(&mut self, now: Instant, may_keep: bool) -> Option<Instant> {
+        self.last_end = Some(now);
         self.table.session_ended(now);
         let keep =
             may_keep && self.retiring.len() < MAX_KEPT_OPEN && !self.off(Protection::KeepLostOpen);
@@ -547,6 +591,43 @@ mod tests {
             e.session_started(4, &again, later),
             Some(Duration::from_secs(1))
         );
+    }
+
+    #[test]
+    fn a_forward_step_of_the_servers_clock_cannot_shorten_the_hold_of_a_process_that_saw_the_old_term_end()
+     {
+        let mut e = engine();
+        let start = Instant::now();
+        let old = term("a", 1, 10, Some(Duration::from_secs(3_600)), start);
+        assert_eq!(e.session_started(1, &old, start), None);
+        // The server restarts: this process sees its session end.
+        let ended = start + Duration::from_secs(10);
+        e.session_lost(ended, false);
+        // The new term says it is an hour old (its clock stepped forward after the
+        // postmaster started): this process counts from the end it saw.
+        let back = ended + Duration::from_secs(1);
+        let stepped = Term {
+            identity: "1/a/restarted".to_owned(),
+            ..term("a", 1, 20, Some(Duration::from_secs(3_600)), back)
+        };
+        assert_eq!(
+            e.session_started(2, &stepped, back),
+            Some(Duration::from_secs(5))
+        );
+        // A reconnect within the same term keeps that hold.
+        e.session_lost(back + Duration::from_secs(2), false);
+        let again = back + Duration::from_secs(3);
+        let same = Term {
+            read_at: again,
+            ..stepped.clone()
+        };
+        assert_eq!(
+            e.session_started(3, &same, again),
+            Some(Duration::from_secs(2))
+        );
+        // A process that never saw the old term has only the server's word.
+        let mut fresh = engine();
+        assert_eq!(fresh.session_started(1, &stepped, back), None);
     }
 
     #[test]

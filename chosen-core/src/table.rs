@@ -129,6 +129,9 @@ pub(crate) enum Protection {
     QuietUnlock,
     /// A young server term holds grants (the engine's rule 3).
     TermHold,
+    /// ... measured on this process's clock too, from the end of its last session of
+    /// an earlier term (the server's wall clock may have stepped forward).
+    TermOwnClock,
     /// A session past its validity deadline plans and grants nothing (rule 1).
     ValidityGate,
     /// A session whose tokens could go backwards is refused (rule 4).
