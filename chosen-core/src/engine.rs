@@ -465,6 +465,12 @@ impl Engine {
         self.table.server_floor()
     }
 
+    /// Has a session of this manager been up (so it knows a cluster)?
+    #[cfg(test)]
+    pub(crate) fn knows_a_cluster(&self) -> bool {
+        self.last_system.is_some()
+    }
+
     /// The highest token issued to this manager so far.
     #[cfg(test)]
     pub(crate) fn issued(&self) -> u64 {
