@@ -95,6 +95,11 @@ const FAULT_KINDS: &[&str] = &[
     "token_failed",
 ];
 
+/// Once faults stop and their effects end, a key some live node waits for is held
+/// again within this (a poll, the grace, a fence check, a reconnect backoff of up to
+/// `reconnect_max`, a stop fence outliving its wait).
+const LIVENESS: T = 15 * SEC;
+
 /// Why a backend ended when its client closed the connection.
 const CLIENT_CLOSED: &str = "client closed the connection";
 
@@ -176,6 +181,9 @@ struct Config {
     resign: bool,
     /// Rare reconnects slower than the takeover grace (gap (c)).
     slow_reconnects: bool,
+    /// No fault is drawn from then on: once their effects end, every key some node
+    /// waits for must be granted within [`LIVENESS`].
+    quiet_after: Option<T>,
     trace: bool,
     /// Protections switched off in every node (see [`Protection`]).
     off: Vec<Protection>,
@@ -192,6 +200,8 @@ impl Config {
             stop_time: None,
             resign: true,
             slow_reconnects: true,
+            // Three seeds in ten settle for the last half of the run.
+            quiet_after: (seed % 10 < 3).then_some(30 * SEC),
             trace: false,
             off: Vec::new(),
         }
@@ -525,6 +535,8 @@ enum SState {
 struct Single {
     key: LockKey,
     state: SState,
+    /// When its current request was made.
+    since: T,
 }
 
 #[derive(Debug)]
@@ -600,6 +612,8 @@ struct Run {
     inst: u32,
     /// The backend of the session it was granted on.
     pid: i32,
+    /// When its request was made.
+    asked_at: T,
     /// Granted on a replaced cluster before its token epoch was set, by a node that
     /// never saw the old one: its token need not order after earlier tenures'.
     unepoched: bool,
@@ -789,6 +803,11 @@ struct Stats {
     beyond_clock_tolerance: u64,
     /// Grants that never reached their caller (it had stopped waiting).
     undelivered: u64,
+    /// Runs whose faults stopped early enough to check that wanted keys are granted,
+    /// and the longest a wanted key stayed free in them after the faults' effects
+    /// ended (a maximum, not a sum).
+    settled_runs: u64,
+    longest_wait_settled: T,
     /// Sessions refused by the token floor (a replaced cluster without its epoch).
     refused_sessions: u64,
     /// Grants whose token was not above the key's last, on a replaced cluster whose
@@ -826,6 +845,8 @@ impl Stats {
         self.stale_grants += o.stale_grants;
         self.refused_sessions += o.refused_sessions;
         self.undelivered += o.undelivered;
+        self.settled_runs += o.settled_runs;
+        self.longest_wait_settled = self.longest_wait_settled.max(o.longest_wait_settled);
         self.beyond_clock_tolerance += o.beyond_clock_tolerance;
         self.stale_grant_overlaps += o.stale_grant_overlaps;
         self.epoch_unset_grants += o.epoch_unset_grants;
@@ -890,6 +911,9 @@ struct Sim {
     saw_old_cluster: BTreeSet<(usize, u32)>,
     /// Backends the server ended (not their clients), and when.
     server_ended: BTreeMap<i32, T>,
+    /// When the effects of the faults drawn so far end at the latest (a partition
+    /// heals, a freeze thaws, a server's term hold ends, a node restarts).
+    disturbed_until: T,
     /// The last grant that never reached its caller, per node instance and key: when,
     /// and how its tenure began (a local hand-off that follows inherits it).
     undelivered_origin: BTreeMap<(usize, u32, LockKey), (T, Origin)>,
@@ -940,6 +964,7 @@ impl Sim {
                     .map(|k| Single {
                         key: keys[*k],
                         state: SState::Idle,
+                        since: 0,
                     })
                     .collect(),
                 frozen: None,
@@ -1007,6 +1032,7 @@ impl Sim {
             saw_old_cluster: BTreeSet::new(),
             server_ended: BTreeMap::new(),
             undelivered_origin: BTreeMap::new(),
+            disturbed_until: 0,
             runs: Vec::new(),
             freezes: Vec::new(),
             fences: Vec::new(),
@@ -1149,6 +1175,7 @@ impl Sim {
         }
         self.now = self.cfg.duration;
         self.judge();
+        self.check_liveness();
         self.stats.seeds = 1;
         self.stats.virtual_us = self.cfg.duration;
         self.stats.violations = self.violations.len() as u64;
@@ -1288,6 +1315,7 @@ impl Sim {
                 }
             }
             Ev::Thaw { n } => {
+                self.disturbed_until = self.disturbed_until.max(self.now);
                 let idx = self.nodes[n]
                     .frozen
                     .take()
@@ -1299,6 +1327,7 @@ impl Sim {
                 }
             }
             Ev::Heal { n } => {
+                self.disturbed_until = self.disturbed_until.max(self.now);
                 self.nodes[n].cut = Cut::None;
                 self.log(|| format!("n{n} partition heals"));
                 for msg in std::mem::take(&mut self.nodes[n].held_up) {
@@ -1308,7 +1337,10 @@ impl Sim {
                     self.send_down(n, inst, msg, self.now);
                 }
             }
-            Ev::RestartNode { n } => self.restart_node(n),
+            Ev::RestartNode { n } => {
+                self.disturbed_until = self.disturbed_until.max(self.now);
+                self.restart_node(n);
+            }
             Ev::Arrive { n, msg } => self.arrive(n, msg),
             Ev::IdleCheck { pid } => {
                 if let Some(b) = self.server.backends.get(&pid)
@@ -1347,6 +1379,7 @@ impl Sim {
             Ev::ServerUp => self.server_up(),
             Ev::ClockStep { young } => self.clock_step(young),
             Ev::EpochSet => {
+                self.disturbed_until = self.disturbed_until.max(self.now);
                 let server = &mut self.server;
                 if server.epoch_missing {
                     // The documented procedure: set it, then end the sessions opened
@@ -1360,6 +1393,7 @@ impl Sim {
                     }
                 }
             }
+            Ev::FaultTick if self.cfg.quiet_after.is_some_and(|q| self.now >= q) => {}
             Ev::FaultTick => {
                 self.random_fault();
                 let t = self.now + self.rng.range(SEC, 6 * SEC);
@@ -2066,11 +2100,13 @@ impl Sim {
             _ => 0,
         };
         let unepoched = self.unepoched(n);
+        let asked_at = self.nodes[n].singles[s].since;
         self.runs.push(Run {
             key,
             n,
             inst,
             pid,
+            asked_at,
             unepoched,
             token,
             how,
@@ -2146,6 +2182,7 @@ impl Sim {
         node.next_req += 1;
         let key = node.singles[s].key;
         node.singles[s].state = SState::Waiting(id);
+        node.singles[s].since = self.now;
         let now = self.base + Duration::from_micros(self.now);
         node.engine.table_mut().acquire(
             Request {
@@ -2907,6 +2944,8 @@ impl Sim {
 
     fn server_up(&mut self) {
         let now = self.now;
+        // Its term hold (and a promotion's unknown age) is part of the disturbance.
+        self.disturbed_until = self.disturbed_until.max(now + 8 * SEC);
         let server = &mut self.server;
         server.up = true;
         server.started = Some(now);
@@ -3137,6 +3176,7 @@ impl Sim {
                             d / MS
                         )
                     });
+                    self.disturbed_until = self.disturbed_until.max(self.now + d);
                     let node = &mut self.nodes[n];
                     node.slow_until = self.now + d;
                     node.slow_extra = extra;
@@ -3319,6 +3359,72 @@ impl Sim {
         }
         for v in found {
             self.violation(v);
+        }
+    }
+
+    /// Once faults stop and their effects end, a key some live node waits for is held
+    /// again within [`LIVENESS`].
+    fn check_liveness(&mut self) {
+        let Some(quiet) = self.cfg.quiet_after else {
+            return;
+        };
+        let settled = quiet.max(self.disturbed_until);
+        if self.now < settled + LIVENESS {
+            return;
+        }
+        self.stats.settled_runs += 1;
+        // How long each grant after that waited once its key was free and asked for.
+        for r in &self.runs {
+            if r.grant_at <= settled || r.how == How::Handoff {
+                continue;
+            }
+            let last_drop = self
+                .runs
+                .iter()
+                .filter(|p| p.key == r.key && p.grant_at < r.grant_at)
+                .filter_map(|p| p.drop_at)
+                .filter(|d| *d <= r.grant_at)
+                .max()
+                .unwrap_or(0);
+            let wait = r.grant_at - settled.max(last_drop).max(r.asked_at);
+            self.stats.longest_wait_settled = self.stats.longest_wait_settled.max(wait);
+        }
+        for k in self.keys.clone() {
+            let held = self
+                .runs
+                .iter()
+                .any(|r| r.key == k && r.drop_at.is_none() && !r.born_invalid);
+            if held {
+                continue;
+            }
+            let waiting_since = self
+                .nodes
+                .iter()
+                .filter(|node| !node.down && node.closing.is_none())
+                .flat_map(|node| node.singles.iter())
+                .filter(|single| single.key == k && matches!(single.state, SState::Waiting(_)))
+                .map(|single| single.since)
+                .min();
+            let Some(since) = waiting_since else {
+                continue;
+            };
+            let last_drop = self
+                .runs
+                .iter()
+                .filter(|r| r.key == k)
+                .filter_map(|r| r.drop_at)
+                .max()
+                .unwrap_or(0);
+            let free_since = settled.max(last_drop).max(since);
+            let free_for = self.now - free_since;
+            self.stats.longest_wait_settled = self.stats.longest_wait_settled.max(free_for);
+            if free_for > LIVENESS {
+                self.violation(format!(
+                    "{k} is free and waited for {} ms after the faults' effects ended at {:.3} ms",
+                    free_for / MS,
+                    settled as f64 / 1000.0
+                ));
+            }
         }
     }
 
@@ -3572,7 +3678,7 @@ fn summary(s: &Stats) -> String {
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
          (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}; brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
-         grants never delivered: {}; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
+         grants never delivered: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
          violations: {}",
         s.seeds,
         s.virtual_us as f64 / 1e6,
@@ -3597,6 +3703,8 @@ fn summary(s: &Stats) -> String {
         s.stale_grants,
         s.stale_grant_overlaps,
         s.undelivered,
+        s.settled_runs,
+        s.longest_wait_settled / MS,
         s.beyond_clock_tolerance,
         s.refused_sessions,
         s.epoch_unset_grants,
