@@ -121,6 +121,9 @@ pub(crate) struct Pulse {
     /// how many slow ones came since.
     last_warning: Option<Instant>,
     slow_since_warning: u64,
+    /// The lock-count guard switched off (`Protection::LockCountGuard`), in tests only.
+    #[cfg(test)]
+    guard_off: bool,
 }
 
 /// One heartbeat on its way: when it was sent, and the lock floor (with its epoch,
@@ -174,7 +177,23 @@ impl Pulse {
             next: proven_at.checked_add(interval).unwrap_or(proven_at),
             last_warning: None,
             slow_since_warning: 0,
+            #[cfg(test)]
+            guard_off: false,
         }
+    }
+
+    /// Switches the lock-count guard off, to show that the simulation fails without it.
+    #[cfg(test)]
+    pub(crate) fn switch_off_lock_guard(&mut self) {
+        self.guard_off = true;
+    }
+
+    /// Is the lock-count guard switched off? Never outside tests.
+    fn guard_off(&self) -> bool {
+        #[cfg(test)]
+        return self.guard_off;
+        #[cfg(not(test))]
+        false
     }
 
     /// When the next heartbeat is due; `None` while the most allowed are on their way
@@ -224,6 +243,7 @@ impl Pulse {
         if let Ok(locks) = usize::try_from(locks)
             && locks < beat.floor
             && epoch == beat.epoch
+            && !self.guard_off()
         {
             return Verdict::Revoke(SessionDownReason::PoolerDetected {
                 detail: format!(

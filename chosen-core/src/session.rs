@@ -459,8 +459,33 @@ ORDER BY a.application_name, l.classid, l.objid";
 /// and every statement queued behind it, the heartbeat among them; across a failover,
 /// the timeline in the token's high bits orders the new term's tokens after the old
 /// ones. Only when a lock was won: failed tries write nothing.
+///
+/// The token is issued only while the session still holds every key handed off
+/// (`$3`-`$5`, in `pg_lock_status()`, read directly so that no relation lock is
+/// needed; `$6` the database): another client may have released them behind its back
+/// (`pg_advisory_unlock_all()` on a shared backend), another node may hold them now,
+/// and a fresh token would then order this process's stale tenure *after* that node's.
+/// The second column counts the keys found; fewer than asked ends the session, as
+/// the heartbeat's lock-count guard would with its next beat.
 const TOKEN_SQL: &str = "
-SELECT CASE WHEN set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END
+WITH held AS (
+    SELECT count(*) AS n FROM unnest($3::int4[], $4::int4[], $5::int8[]) AS k(a, b, big)
+    WHERE EXISTS (
+        SELECT 1 FROM pg_lock_status() l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+          AND l.mode = 'ExclusiveLock' AND l.database = $6::int8::oid
+          AND l.classid::int8 = CASE WHEN k.big IS NULL THEN k.a::int8 & 4294967295
+                                     ELSE (k.big >> 32) & 4294967295 END
+          AND l.objid::int8 = CASE WHEN k.big IS NULL THEN k.b::int8 & 4294967295
+                                   ELSE k.big & 4294967295 END
+          AND l.objsubid = CASE WHEN k.big IS NULL THEN 2 ELSE 1 END)
+)
+SELECT CASE WHEN held.n = cardinality($5::int8[])
+             AND set_config('synchronous_commit', 'local', true) = 'local'
+             AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL
+            THEN pg_current_xact_id()::text::int8 END,
+       held.n
+FROM held
 WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2
   AND current_setting('transaction_read_only') = 'off'";
 
@@ -1216,10 +1241,21 @@ impl Session {
     }
 
     /// A fresh fencing token (for local hand-offs).
-    pub(crate) async fn fresh_token(&self) -> Result<FencingToken, Fault> {
+    pub(crate) async fn fresh_token(&self, keys: &[LockKey]) -> Result<FencingToken, Fault> {
+        let (a, b, big) = key_arrays(keys);
         let row = self
             .client
-            .query_opt(&self.stmts.token, &[&self.backend_pid, &self.marker])
+            .query_opt(
+                &self.stmts.token,
+                &[
+                    &self.backend_pid,
+                    &self.marker,
+                    &a,
+                    &b,
+                    &big,
+                    &self.database_oid,
+                ],
+            )
             .await
             .map_err(classify)?;
         let Some(row) = row else {
@@ -1227,6 +1263,18 @@ impl Session {
                 .guard_failed("a token statement ran on another backend than the session's own")
                 .await);
         };
+        let held = match row.try_get::<_, i64>(1) {
+            Ok(held) => held,
+            Err(e) => return Err(Fault::Query(e)),
+        };
+        if usize::try_from(held).ok() != Some(keys.len()) {
+            return Err(Fault::Lost(SessionDownReason::PoolerDetected {
+                detail: format!(
+                    "the session holds {held} of the {} locks it hands off: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)",
+                    keys.len()
+                ),
+            }));
+        }
         match row.try_get::<_, Option<i64>>(0) {
             Ok(Some(t)) => Ok(self.issue(t)),
             Ok(None) => Err(Fault::Lost(SessionDownReason::ConnectionLost {
@@ -1351,7 +1399,7 @@ impl Session {
             if plan.token_for.is_empty() {
                 return Ok(None);
             }
-            match self.fresh_token().await {
+            match self.fresh_token(&plan.token_for).await {
                 Ok(t) => Ok(Some(t)),
                 Err(Fault::Query(e)) => {
                     warn!(error = %error_text(&e), "could not get a fencing token for a local hand-off; releasing instead");

@@ -11,6 +11,31 @@ use tokio_util::task::TaskTracker;
 use crate::options::ManagerOptions;
 use crate::status::ConnectionState;
 
+/// How many advisory locks the session holds at least, and an epoch that grows
+/// whenever that number falls: the heartbeat's pooler guard judges a lock count only
+/// against a floor of the same epoch (see `Pulse::answered`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ServerFloor {
+    epoch: u64,
+    floor: usize,
+}
+
+impl ServerFloor {
+    /// The session holds at least `floor` locks from now on; set *before* the statement
+    /// that lowers it is sent.
+    pub(crate) fn set(&mut self, floor: usize) {
+        if floor < self.floor {
+            self.epoch += 1;
+        }
+        self.floor = floor;
+    }
+
+    /// `(epoch, floor)`.
+    pub(crate) fn get(&self) -> (u64, usize) {
+        (self.epoch, self.floor)
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) options: ManagerOptions,
@@ -22,7 +47,7 @@ pub(crate) struct Shared {
     /// How many advisory locks the session holds at least, and an epoch that grows
     /// whenever that number falls (before the statement that lowers it is sent), for the
     /// heartbeat's check that nothing released them behind the manager's back.
-    server_floor: std::sync::Mutex<(u64, usize)>,
+    server_floor: std::sync::Mutex<ServerFloor>,
     /// Cancelled when [`LockManager::shutdown`](crate::LockManager::shutdown) begins;
     /// every singleton's and election's stop token is a child of it.
     pub(crate) closing: CancellationToken,
@@ -39,7 +64,7 @@ impl Shared {
             valid_until: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             status: watch::Sender::new(status),
-            server_floor: std::sync::Mutex::new((0, 0)),
+            server_floor: std::sync::Mutex::new(ServerFloor::default()),
             closing: CancellationToken::new(),
             tasks: TaskTracker::new(),
         }
@@ -47,22 +72,18 @@ impl Shared {
 
     /// Records how many advisory locks the session holds at least.
     pub(crate) fn set_server_floor(&self, floor: usize) {
-        let mut g = self
-            .server_floor
+        self.server_floor
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if floor < g.1 {
-            g.0 += 1;
-        }
-        g.1 = floor;
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .set(floor);
     }
 
     /// `(epoch, floor)`: see [`Self::set_server_floor`].
     pub(crate) fn server_floor(&self) -> (u64, usize) {
-        *self
-            .server_floor
+        self.server_floor
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get()
     }
 
     /// The next instant after `now` on a grid of `period` shared by everything of this

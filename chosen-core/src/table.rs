@@ -139,6 +139,11 @@ pub(crate) enum Protection {
     /// A lost session stays open until the next one fences the work still stopping
     /// (rule 6).
     KeepLostOpen,
+    /// A heartbeat that finds fewer advisory locks on the session than it holds ends
+    /// the session (another client released them: a pooler, `DISCARD ALL`). Kept by the
+    /// heartbeat's `Pulse`, switched there.
+    #[cfg(test)]
+    LockCountGuard,
 }
 
 /// How a grant came about.

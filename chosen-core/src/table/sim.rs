@@ -58,7 +58,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::engine::{Done, Engine, Term, Timing as EngineTiming, TryFailed};
+use crate::heartbeat::{Beat, Pulse, Verdict};
 use crate::key::LockKey;
+use crate::shared::ServerFloor;
 use crate::table::{
     Action, Backend as Seen, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId,
     Rules, TryOutcome, Via, next_random, verified,
@@ -89,6 +91,7 @@ const FAULT_KINDS: &[&str] = &[
     "reply_lost_after_commit",
     "session_ends_in_statement",
     "give_up",
+    "discard_all",
     "try_failed",
     "lock_table_full",
     "check_failed",
@@ -272,7 +275,7 @@ enum Up {
     Heartbeat {
         gn: u64,
         pid: i32,
-        sent: T,
+        beat: Beat,
     },
     Close {
         pid: i32,
@@ -294,6 +297,9 @@ struct Reply {
     /// The try statement failed with the session intact (cancelled, timed out,
     /// refused, the lock table full): no key of it was taken.
     try_failed: Option<TryFailed>,
+    /// The token statement found keys of the hand-off no longer held by the session
+    /// (another client released them): the session ends, as a pooler's.
+    locks_gone: bool,
 }
 
 /// Server → node.
@@ -322,7 +328,9 @@ enum Down {
     },
     HbOk {
         gn: u64,
-        sent: T,
+        beat: Beat,
+        /// The advisory locks the backend holds when the heartbeat runs.
+        locks: i64,
     },
     Notify {
         to: i32,
@@ -547,11 +555,11 @@ struct Node {
     gens: u64,
     attempt: u64,
     valid_until: T,
-    /// Heartbeats sent in this generation and not answered yet; when the next is due;
-    /// whether one is due but waits for an answer (the most allowed are on their way).
-    hb_in_flight: u64,
-    hb_next: T,
-    hb_waiting: bool,
+    /// The heartbeat's rules for this generation (the real `Pulse`), and the lock
+    /// floor its pooler guard compares with (the real `ServerFloor`, as `Shared` keeps
+    /// it).
+    pulse: Option<Pulse>,
+    floor: ServerFloor,
     busy: Option<Stmts>,
     closing: Option<Closing>,
     /// The process ended (graceful shutdown); restarted later as a new instance.
@@ -803,6 +811,8 @@ struct Stats {
     beyond_clock_tolerance: u64,
     /// Grants that never reached their caller (it had stopped waiting).
     undelivered: u64,
+    /// Sessions ended by the heartbeat's lock-count guard.
+    pooler_detected: u64,
     /// Runs whose faults stopped early enough to check that wanted keys are granted,
     /// and the longest a wanted key stayed free in them after the faults' effects
     /// ended (a maximum, not a sum).
@@ -845,6 +855,7 @@ impl Stats {
         self.stale_grants += o.stale_grants;
         self.refused_sessions += o.refused_sessions;
         self.undelivered += o.undelivered;
+        self.pooler_detected += o.pooler_detected;
         self.settled_runs += o.settled_runs;
         self.longest_wait_settled = self.longest_wait_settled.max(o.longest_wait_settled);
         self.beyond_clock_tolerance += o.beyond_clock_tolerance;
@@ -911,6 +922,8 @@ struct Sim {
     saw_old_cluster: BTreeSet<(usize, u32)>,
     /// Backends the server ended (not their clients), and when.
     server_ended: BTreeMap<i32, T>,
+    /// Backends whose advisory locks another client released, and when.
+    discarded: BTreeMap<i32, T>,
     /// When the effects of the faults drawn so far end at the latest (a partition
     /// heals, a freeze thaws, a server's term hold ends, a node restarts).
     disturbed_until: T,
@@ -953,9 +966,8 @@ impl Sim {
                 gens: 0,
                 attempt: 0,
                 valid_until: 0,
-                hb_in_flight: 0,
-                hb_next: 0,
-                hb_waiting: false,
+                pulse: None,
+                floor: ServerFloor::default(),
                 busy: None,
                 closing: None,
                 down: false,
@@ -1031,6 +1043,7 @@ impl Sim {
             },
             saw_old_cluster: BTreeSet::new(),
             server_ended: BTreeMap::new(),
+            discarded: BTreeMap::new(),
             undelivered_origin: BTreeMap::new(),
             disturbed_until: 0,
             runs: Vec::new(),
@@ -1219,25 +1232,28 @@ impl Sim {
                 if g != gn {
                     return;
                 }
-                let max_in_flight = self.t.lease.div_ceil(self.t.heartbeat) + 1;
+                if self.now >= self.nodes[n].valid_until {
+                    return self.lose_session(n, "heartbeat overdue");
+                }
+                let now = self.at(self.now);
                 let node = &mut self.nodes[n];
-                if self.now >= node.valid_until {
-                    self.lose_session(n, "heartbeat overdue");
-                } else if node.hb_in_flight >= max_in_flight {
-                    node.hb_waiting = true;
-                } else {
-                    // As `Pulse::send`: on the grid, or from now after a stall.
-                    node.hb_in_flight += 1;
-                    let next = node.hb_next + self.t.heartbeat;
-                    node.hb_next = if next > self.now {
-                        next
-                    } else {
-                        self.now + self.t.heartbeat
-                    };
-                    let next = node.hb_next;
-                    let sent = self.now;
-                    self.send_up(n, Up::Heartbeat { gn, pid, sent });
-                    self.push(next, Ev::HbTimer { n, inst, gn });
+                let Some(pulse) = node.pulse.as_mut() else {
+                    return;
+                };
+                // `None`: the most allowed are on their way; due again when one answers.
+                let Some(due) = pulse.next_send() else {
+                    return;
+                };
+                if due > now {
+                    let at = self.t_of(due);
+                    return self.push(at, Ev::HbTimer { n, inst, gn });
+                }
+                let beat = pulse.send(now, node.floor.get());
+                let next = pulse.next_send();
+                self.send_up(n, Up::Heartbeat { gn, pid, beat });
+                if let Some(next) = next {
+                    let at = self.t_of(next);
+                    self.push(at, Ev::HbTimer { n, inst, gn });
                 }
             }
             Ev::Watchdog { n, inst, gn } => {
@@ -1511,6 +1527,9 @@ impl Sim {
             return;
         };
         let stmts = plan;
+        // Lowered before the statements that release locks are sent (as the task does).
+        let floor = self.nodes[n].engine.server_floor();
+        self.nodes[n].floor.set(floor);
         self.log(|| format!("n{n} sends {stmts:?}"));
         self.nodes[n].busy = Some(stmts.clone());
         self.stats.statements += 1;
@@ -1571,9 +1590,18 @@ impl Sim {
                 let gn = node.gens;
                 node.conn = Conn::Up { gn, pid };
                 node.valid_until = proven_at + self.t.lease;
-                node.hb_in_flight = 0;
-                node.hb_next = proven_at + self.t.heartbeat;
-                node.hb_waiting = false;
+                node.pulse = Some(Pulse::new(
+                    self.base + Duration::from_micros(proven_at),
+                    Duration::from_micros(self.t.heartbeat),
+                    Duration::from_micros(self.t.lease),
+                ));
+                if self.cfg.off.contains(&Protection::LockCountGuard)
+                    && let Some(pulse) = node.pulse.as_mut()
+                {
+                    pulse.switch_off_lock_guard();
+                }
+                // A new session holds nothing yet.
+                node.floor.set(0);
                 let valid_until = node.valid_until;
                 let inst = node.inst;
                 if let Some(held) = self.nodes[n].engine.session_started(gn, &term, now) {
@@ -1592,26 +1620,40 @@ impl Sim {
             }
             Down::Refused { attempt } => self.connect_failed(n, attempt),
             Down::Reply { gn, reply } => self.on_reply(n, gn, &reply),
-            Down::HbOk { gn, sent } => {
+            Down::HbOk { gn, beat, locks } => {
                 let Conn::Up { gn: g, .. } = self.nodes[n].conn else {
                     return;
                 };
                 if g != gn {
                     return;
                 }
+                let now = self.at(self.now);
                 let node = &mut self.nodes[n];
-                node.hb_in_flight = node.hb_in_flight.saturating_sub(1);
-                if node.valid_until > self.now {
-                    node.valid_until = node.valid_until.max(sent + self.t.lease);
-                    // The next heartbeat waited for this answer: due now.
-                    let waiting = std::mem::take(&mut node.hb_waiting);
-                    let (inst, valid) = (node.inst, node.valid_until);
-                    self.push(valid, Ev::Watchdog { n, inst, gn });
-                    if waiting {
-                        self.push(self.now, Ev::HbTimer { n, inst, gn });
+                let Some(pulse) = node.pulse.as_mut() else {
+                    return;
+                };
+                let was_full = pulse.next_send().is_none();
+                let verdict = pulse.answered(beat, Ok(locks), node.floor.get().0, now);
+                match verdict {
+                    Verdict::Renew { until, .. } => {
+                        let until = self.t_of(until);
+                        let node = &mut self.nodes[n];
+                        if node.valid_until > self.now {
+                            node.valid_until = node.valid_until.max(until);
+                            let (inst, valid) = (node.inst, node.valid_until);
+                            self.push(valid, Ev::Watchdog { n, inst, gn });
+                            // The next heartbeat waited for this answer: due now.
+                            if was_full {
+                                self.push(self.now, Ev::HbTimer { n, inst, gn });
+                            }
+                        } else {
+                            self.lose_session(n, "heartbeat answered too late");
+                        }
                     }
-                } else {
-                    self.lose_session(n, "heartbeat answered too late");
+                    Verdict::Revoke(reason) => {
+                        self.stats.pooler_detected += 1;
+                        self.lose_session_keeping(n, &format!("{reason:?}"), false);
+                    }
                 }
             }
             Down::Notify {
@@ -1699,6 +1741,10 @@ impl Sim {
                 reply.tried, reply.checked, reply.fenced, reply.token
             )
         });
+        if reply.locks_gone {
+            self.stats.pooler_detected += 1;
+            return self.lose_session_keeping(n, "the hand-off's keys are no longer held", false);
+        }
         self.stats.fence_waits += reply
             .checked
             .iter()
@@ -1795,6 +1841,8 @@ impl Sim {
         {
             return self.lose_session(n, "validity deadline passed (seen with a reply)");
         }
+        let floor = self.nodes[n].engine.server_floor();
+        self.nodes[n].floor.set(floor);
         // Announcements that arrived during the tries were applied after the answers:
         // the one the table now believes (from the holder its try saw) is recorded.
         for (k, _) in &reply.tried {
@@ -1951,8 +1999,13 @@ impl Sim {
                         "n{n} granted {key} in generation {generation}, session is {gn}"
                     ));
                 }
+                // (Another client may have released it behind the session's back: the
+                // lock-count guard finds out with the next heartbeat.)
                 let held = self.server.excl.get(&key) == Some(&pid);
-                if !held && self.server.backends.contains_key(&pid) {
+                if !held
+                    && self.server.backends.contains_key(&pid)
+                    && !self.discarded.contains_key(&pid)
+                {
                     self.violation(format!(
                         "n{n} granted {key}, which its live backend {pid} does not hold"
                     ));
@@ -2021,8 +2074,12 @@ impl Sim {
             // session (a termination racing the reply): the client cannot know yet,
             // and learns it with the next message. Physics, as gap (a): the later
             // holder's greater token fences this one's writes. Kept apart as a finding.
+            // Or another client released the session's locks behind its back: the
+            // lock-count guard ends it with the next heartbeat.
             let ended_at_server = match self.nodes[n].conn {
-                Conn::Up { pid, .. } => !self.server.backends.contains_key(&pid),
+                Conn::Up { pid, .. } => {
+                    !self.server.backends.contains_key(&pid) || self.discarded.contains_key(&pid)
+                }
                 _ => false,
             };
             // A replaced cluster whose token epoch the DBA has not set yet, and a node
@@ -2231,6 +2288,12 @@ impl Sim {
     /// The generation ends (every lease of it revoked at once); the first reconnect
     /// attempt follows at once.
     fn lose_session(&mut self, n: usize, why: &str) {
+        self.lose_session_keeping(n, why, true);
+    }
+
+    /// [`lose_session`](Self::lose_session); `may_keep`: the lost session may be kept
+    /// open (rule 6; not a pooler's).
+    fn lose_session_keeping(&mut self, n: usize, why: &str, may_keep: bool) {
         let Conn::Up { pid, gn } = self.nodes[n].conn else {
             return;
         };
@@ -2253,7 +2316,7 @@ impl Sim {
         }
         let at = self.at(self.now);
         self.nodes[n].end_seen = self.now;
-        match self.nodes[n].engine.session_lost(at, true) {
+        match self.nodes[n].engine.session_lost(at, may_keep) {
             // Its own deadline (not the oldest kept one's).
             Some(until) => {
                 let (until, inst) = (self.t_of(until), self.nodes[n].inst);
@@ -2551,10 +2614,11 @@ impl Sim {
                 let reply = self.execute(n, pid, &stmts);
                 self.send_down(n, b.inst, Down::Reply { gn, reply }, self.now);
             }
-            Up::Heartbeat { gn, pid, sent } => match self.server.backends.get(&pid).copied() {
+            Up::Heartbeat { gn, pid, beat } => match self.server.backends.get(&pid).copied() {
                 Some(b) => {
                     self.touch(pid);
-                    self.send_down(n, b.inst, Down::HbOk { gn, sent }, self.now);
+                    let locks = self.locks_of(pid);
+                    self.send_down(n, b.inst, Down::HbOk { gn, beat, locks }, self.now);
                 }
                 None => self.send_down(n, self.nodes[n].inst, Down::Closed { pid }, self.now),
             },
@@ -2574,6 +2638,7 @@ impl Sim {
             fenced: Vec::new(),
             checked: Vec::new(),
             try_failed: None,
+            locks_gone: false,
         };
         // A statement fails now and then with the session intact, in each way the
         // server fails one: the engine decides what each failure means.
@@ -2597,7 +2662,7 @@ impl Sim {
         for k in stmts.unlock.iter().chain(&stmts.unlock_quiet) {
             if self.server.excl.get(k) == Some(&pid) {
                 self.server.excl.remove(k);
-            } else {
+            } else if !self.discarded.contains_key(&pid) {
                 self.violation(format!(
                     "n{n} unlocks {k}, which backend {pid} does not hold"
                 ));
@@ -2623,8 +2688,17 @@ impl Sim {
         if !stmts.token_for.is_empty() && failing == "token_failed" {
             self.fault("token_failed");
         } else if !stmts.token_for.is_empty() {
-            self.server.xid += 1;
-            reply.token = Some(FencingToken::from_parts(high, self.server.xid));
+            // TOKEN_SQL issues one only while the session still holds every key.
+            let all_held = stmts
+                .token_for
+                .iter()
+                .all(|k| self.server.excl.get(k) == Some(&pid));
+            if all_held {
+                self.server.xid += 1;
+                reply.token = Some(FencingToken::from_parts(high, self.server.xid));
+            } else {
+                reply.locks_gone = true;
+            }
         }
         // TRY_KEYS_SQL: every lock first, then one token for the keys won. A failed one
         // takes nothing here (the cleanup statement unlocks what a failed one took).
@@ -2726,7 +2800,7 @@ impl Sim {
                         h.to = Some(now);
                     }
                 }
-            } else {
+            } else if !self.discarded.contains_key(&pid) {
                 self.violation(format!(
                     "n{n} unfences {k}, whose fence {pid} does not hold"
                 ));
@@ -2892,6 +2966,49 @@ impl Sim {
         if tell {
             self.send_down(b.n, b.inst, Down::Closed { pid }, self.now);
         }
+    }
+
+    /// The advisory locks a backend holds (what the heartbeat counts): its keys, its
+    /// stop fences, its interest keys.
+    fn locks_of(&self, pid: i32) -> i64 {
+        let keys = self.server.excl.values().filter(|p| **p == pid).count();
+        let shared = self
+            .server
+            .fences_shared
+            .values()
+            .chain(self.server.interest.values())
+            .filter(|pids| pids.contains(&pid))
+            .count();
+        (keys + shared) as i64
+    }
+
+    /// Another client on the node's backend releases its advisory locks behind its back
+    /// (`DISCARD ALL` or `pg_advisory_unlock_all()` by a pooler's next client, or a DBA's
+    /// script), the session itself staying up.
+    fn discard_all(&mut self) {
+        let Some((n, pid)) = self.pick_node(true) else {
+            return;
+        };
+        self.fault("discard_all");
+        self.log(|| {
+            format!("FAULT another client releases every advisory lock of n{n}'s backend {pid}")
+        });
+        self.server.excl.retain(|_, p| *p != pid);
+        for pids in self
+            .server
+            .interest
+            .values_mut()
+            .chain(self.server.fences_shared.values_mut())
+        {
+            pids.remove(&pid);
+        }
+        let now = self.now;
+        for h in &mut self.fences {
+            if h.pid == pid && h.to.is_none() {
+                h.to = Some(now);
+            }
+        }
+        self.discarded.insert(pid, now);
     }
 
     fn holder_pid(&self, key: LockKey) -> Option<i32> {
@@ -3160,7 +3277,8 @@ impl Sim {
                 let count = self.rng.range(1, 50) as u32;
                 self.forged(key, count);
             }
-            84..92 => self.pid_reuse(),
+            84..90 => self.pid_reuse(),
+            90..92 => self.discard_all(),
             92..96 => {
                 if let Some((n, _)) = self.pick_node(true) {
                     // Replies (and requests) slow for a while, each by up to the lease
@@ -3299,9 +3417,12 @@ impl Sim {
     /// an ended session succeeds, so its work stopped acting by that end + `lease` and
     /// had stopped by the end + `lease` + `stop_budget`.
     fn within_gap_c(&self, x: &Run, decided_at: T) -> Result<(), String> {
+        // A backend whose locks another client released is as good as ended for
+        // its holder: the lock-count guard ends the session with its next heartbeat.
         let ended = self
             .server_ended
             .iter()
+            .chain(self.discarded.iter())
             .filter(|(pid, at)| {
                 // Its own session may have ended before the grant's answer arrived
                 // (a slow network): granted stale, it acts until it hears.
@@ -3509,7 +3630,11 @@ impl Sim {
         // slow network): granted stale, it acts until the news arrives, which is gap
         // (c)'s bound, and the earlier run, which won the key after that end, has the
         // greater token.
-        if let Some(&ended) = self.server_ended.get(&y.pid)
+        if let Some(ended) = self
+            .server_ended
+            .get(&y.pid)
+            .or_else(|| self.discarded.get(&y.pid))
+            .copied()
             && ended <= y.grant_at
         {
             if x.token <= y.token {
@@ -3678,7 +3803,7 @@ fn summary(s: &Stats) -> String {
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
          (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}; brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
-         grants never delivered: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
+         grants never delivered: {}; sessions ended by the lock-count guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
          violations: {}",
         s.seeds,
         s.virtual_us as f64 / 1e6,
@@ -3703,6 +3828,7 @@ fn summary(s: &Stats) -> String {
         s.stale_grants,
         s.stale_grant_overlaps,
         s.undelivered,
+        s.pooler_detected,
         s.settled_runs,
         s.longest_wait_settled / MS,
         s.beyond_clock_tolerance,
@@ -4221,6 +4347,7 @@ fn every_protection_is_load_bearing() {
         Protection::ValidityGate,
         Protection::TokenFloor,
         Protection::KeepLostOpen,
+        Protection::LockCountGuard,
     ] {
         match first_failing_seed(&[p], budget) {
             Some(seed) => seen.push((p, seed)),
