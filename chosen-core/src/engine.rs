@@ -18,8 +18,10 @@
 //!    time has passed since it began: a holder of the previous term that went silent
 //!    may still trust its lease. The server tells the age with its wall clock; a
 //!    process that saw its session of the previous term end also counts the delay from
-//!    that end on its own monotonic clock, and the later of the two holds, so a forward
-//!    step of the server's clock cannot shorten its hold.
+//!    that end on its own monotonic clock, and the later of the two holds: when that end
+//!    was the old term's end (a process connected when the server restarted or failed
+//!    over), a forward step of the server's clock cannot shorten its hold; otherwise the
+//!    server's measure stands, which tolerates a step of `safety_margin`.
 //! 4. **The token floor.** A new session whose first token is not above every token
 //!    answered to this manager (in a plan's answers, also answers that came too late to
 //!    be applied), or that is another cluster whose tokens would not order after the
@@ -132,6 +134,9 @@ pub(crate) struct Overdue;
 pub(crate) enum Refused {
     /// Its tokens would start at `first`, not above `issued`.
     TokensBackwards { first: u64, issued: u64 },
+    /// The same cluster, on high bits (`timeline`) below those of a term used before
+    /// (`seen`).
+    LowerTerm { timeline: u16, seen: u16 },
     /// Another cluster (`system_id`, was `was`) whose high bits (`timeline`) are not
     /// above those of the tokens issued before (`issued_high`).
     OtherCluster {
@@ -148,6 +153,10 @@ impl std::fmt::Display for Refused {
             Self::TokensBackwards { first, issued } => write!(
                 f,
                 "this server would issue fencing tokens from {first} on, not above {issued} that this manager already issued: tokens would go backwards (a cluster started again on timeline 1 by pg_upgrade, a logical cutover or a restore, or a collided timeline); set chosen.token_epoch on the new cluster (ALTER DATABASE ... SET chosen.token_epoch = N) above the old cluster's last timeline plus its epoch"
+            ),
+            Self::LowerTerm { timeline, seen } => write!(
+                f,
+                "the server's timeline plus token epoch, {timeline}, is below the {seen} of a term this manager used before: tokens could go backwards (chosen.token_epoch was lowered or removed, or two standbys were promoted onto one timeline); restore chosen.token_epoch (never lower it) or promote onto a new timeline"
             ),
             Self::OtherCluster {
                 system_id,
@@ -259,6 +268,17 @@ impl Engine {
         // this process won anything since), so only higher high bits (timeline plus
         // epoch) order its tokens after the old cluster's.
         let old_high = (self.issued >> 48).max(u64::from(self.seen_high));
+        // The same cluster with lower high bits than a term this process used: the
+        // token epoch was lowered or removed, or two standbys were promoted onto one
+        // timeline. Its tokens could come out below ones issued before.
+        if self.last_system.as_deref() == Some(term.system_id.as_str())
+            && term.timeline < self.seen_high
+        {
+            return Err(Refused::LowerTerm {
+                timeline: term.timeline,
+                seen: self.seen_high,
+            });
+        }
         if let Some(was) = &self.last_system
             && *was != term.system_id
             && u64::from(term.timeline) <= old_high
@@ -540,6 +560,35 @@ mod tests {
         // Another cluster on a higher timeline (plus epoch): fine.
         let raised = term("b", 2, 10, Some(Duration::from_secs(60)), now);
         e.check_session(&raised).unwrap();
+    }
+
+    #[test]
+    fn a_cluster_is_refused_below_the_high_bits_of_a_term_this_process_used() {
+        let mut e = engine();
+        let now = Instant::now();
+        // Promoted to timeline 3 (tokens would carry 3) without this process winning.
+        let promoted = term("a", 3, 1_000, Some(Duration::from_secs(60)), now);
+        e.check_session(&promoted).unwrap();
+        e.session_started(1, &promoted, now);
+        e.session_ended(now);
+        // The same cluster with the epoch lowered, or a collided timeline: refused.
+        let lowered = term("a", 2, 2_000, Some(Duration::from_secs(60)), now);
+        assert!(matches!(
+            e.check_session(&lowered),
+            Err(Refused::LowerTerm {
+                timeline: 2,
+                seen: 3
+            })
+        ));
+        // Another cluster whose high bits are not above the 3 this process saw, although
+        // it never won a token there: refused; above it: fine.
+        let moved = term("b", 3, 10, Some(Duration::from_secs(60)), now);
+        assert!(matches!(
+            e.check_session(&moved),
+            Err(Refused::OtherCluster { issued_high: 3, .. })
+        ));
+        e.check_session(&term("b", 4, 10, Some(Duration::from_secs(60)), now))
+            .unwrap();
     }
 
     #[test]

@@ -42,7 +42,11 @@
 //!     has stopped by the end + `lease` + `stop_budget` (plus any freeze meanwhile),
 //!     which the checks assert;
 //! (d) a grant on a believed release announcement overlapping a tenure that began after
-//!     that release, within the grace of the announcement's arrival.
+//!     that release, within the grace of the announcement's arrival (its session ended
+//!     at the server, within gap (c)'s bound);
+//! (e) another client released the old holder's locks behind its session's back
+//!     (`pg_advisory_unlock_all()` on a shared backend): the heartbeat's lock-count
+//!     guard ends the session with its next beat, within gap (c)'s bound.
 //!
 //! Findings counted apart: a grant on a session the server had already ended (the
 //! answer was on its way), fenced by the later holder's greater token; a term hold
@@ -622,9 +626,15 @@ struct Run {
     pid: i32,
     /// When its request was made.
     asked_at: T,
+    /// Its session did not hold the key at the server when it was granted (the server
+    /// had ended it, or another client had released its locks, and the answer that
+    /// granted it was on its way).
+    stale: bool,
     /// Granted on a replaced cluster before its token epoch was set, by a node that
-    /// never saw the old one: its token need not order after earlier tenures'.
+    /// never saw the old one: its token need not order after earlier tenures' on
+    /// other clusters (`system`).
     unepoched: bool,
+    system: u32,
     token: FencingToken,
     how: How,
     grant_at: T,
@@ -664,6 +674,11 @@ struct Backend {
     high: u16,
     /// Opened on a replaced cluster before the DBA set its token epoch.
     unepoched: bool,
+    /// How far the server's clock had stepped since its term began when this
+    /// session read the term's age (`None`: the age was unknown).
+    age_step: Option<i64>,
+    /// The cluster (system identifier) it is on.
+    system: u32,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -715,8 +730,8 @@ struct Server {
     ended: Option<T>,
     /// What the next `ServerUp` brings.
     coming: Coming,
-    /// How far its clock stepped forward since its term began.
-    stepped: T,
+    /// Its clock offset when its term began.
+    clock_at_start: i64,
     /// The highest high bits any of its sessions had (what a DBA takes the token
     /// epoch of a replacement from).
     high_water: u16,
@@ -792,6 +807,10 @@ struct Stats {
     /// run still stopping.
     gap_c_chained: u64,
     gap_d: u64,
+    /// Gap (e): another client released the old holder's locks behind its back; the
+    /// lock-count guard ends its session with the next heartbeat (gap (c)'s bound).
+    gap_e: u64,
+    gap_e_acting: u64,
     /// Gap (a) by another path: the old holder froze while stopping, until the new
     /// holder's maximum fence wait ran out.
     gap_a_fence_wait: u64,
@@ -849,6 +868,8 @@ impl Stats {
         self.gap_c_acting += o.gap_c_acting;
         self.gap_c_chained += o.gap_c_chained;
         self.gap_d += o.gap_d;
+        self.gap_e += o.gap_e;
+        self.gap_e_acting += o.gap_e_acting;
         self.gap_a_fence_wait += o.gap_a_fence_wait;
         self.gap_b_acting += o.gap_b_acting;
         self.b_past_fence += o.b_past_fence;
@@ -918,12 +939,14 @@ struct Sim {
     /// Announcements that arrived during a key's try.
     in_flight_notes: BTreeMap<(usize, LockKey), Vec<Note>>,
     resign_to: BTreeMap<(usize, RequestId), u64>,
+    /// The cluster of each key's last grant.
+    last_system: BTreeMap<LockKey, u32>,
     /// Node instances that knew a cluster since replaced.
     saw_old_cluster: BTreeSet<(usize, u32)>,
     /// Backends the server ended (not their clients), and when.
     server_ended: BTreeMap<i32, T>,
     /// Backends whose advisory locks another client released, and when.
-    discarded: BTreeMap<i32, T>,
+    discarded: Vec<(i32, T)>,
     /// When the effects of the faults drawn so far end at the latest (a partition
     /// heals, a freeze thaws, a server's term hold ends, a node restarts).
     disturbed_until: T,
@@ -1036,14 +1059,15 @@ impl Sim {
                 age_unknown_until: 0,
                 ended: None,
                 coming: Coming::Restart,
-                stepped: 0,
+                clock_at_start: 0,
                 high_water: 1,
                 epoch_missing: false,
                 epoch_due: 0,
             },
             saw_old_cluster: BTreeSet::new(),
+            last_system: BTreeMap::new(),
             server_ended: BTreeMap::new(),
-            discarded: BTreeMap::new(),
+            discarded: Vec::new(),
             undelivered_origin: BTreeMap::new(),
             disturbed_until: 0,
             runs: Vec::new(),
@@ -1577,7 +1601,7 @@ impl Sim {
                 if let Err(refused) = self.nodes[n].engine.check_session(&term) {
                     // Expected only on a replaced cluster whose token epoch the DBA has
                     // not set yet, by a node that issued tokens on the old one.
-                    if unepoched {
+                    if unepoched && self.nodes[n].engine.knows_a_cluster() {
                         self.stats.refused_sessions += 1;
                         self.log(|| format!("n{n} refuses its new session: {refused}"));
                     } else {
@@ -2002,10 +2026,7 @@ impl Sim {
                 // (Another client may have released it behind the session's back: the
                 // lock-count guard finds out with the next heartbeat.)
                 let held = self.server.excl.get(&key) == Some(&pid);
-                if !held
-                    && self.server.backends.contains_key(&pid)
-                    && !self.discarded.contains_key(&pid)
-                {
+                if !held && self.server.backends.contains_key(&pid) && !self.was_discarded(pid) {
                     self.violation(format!(
                         "n{n} granted {key}, which its live backend {pid} does not hold"
                     ));
@@ -2050,8 +2071,20 @@ impl Sim {
             // plus the time the server was down), and this process did not see the
             // old term end (it started since, or lost its session before): only the
             // server's clock could tell it, and it was wrong. The documented limit.
+            // The step that counts is the one inside this session's own reading of
+            // the age (a step after it cannot shorten its hold); a term of unknown
+            // age is counted from first sight, which no step touches.
             let started = self.server.started.unwrap_or(ended);
-            let beyond = self.server.stepped > self.t.margin + (started - ended);
+            let step = match self.nodes[n].conn {
+                Conn::Up { pid, .. } => self
+                    .server
+                    .backends
+                    .get(&pid)
+                    .and_then(|b| b.age_step)
+                    .unwrap_or(0),
+                _ => 0,
+            };
+            let beyond = step > (self.t.margin + (started - ended)) as i64;
             if beyond && self.nodes[n].term_end_seen < ended {
                 self.stats.beyond_clock_tolerance += 1;
                 self.log(|| {
@@ -2077,15 +2110,14 @@ impl Sim {
             // Or another client released the session's locks behind its back: the
             // lock-count guard ends it with the next heartbeat.
             let ended_at_server = match self.nodes[n].conn {
-                Conn::Up { pid, .. } => {
-                    !self.server.backends.contains_key(&pid) || self.discarded.contains_key(&pid)
-                }
+                Conn::Up { pid, .. } => self.server.excl.get(&key) != Some(&pid),
                 _ => false,
             };
             // A replaced cluster whose token epoch the DBA has not set yet, and a node
             // that never saw the old one (it started since): it cannot know. The
             // documented operator duty; counted apart.
-            let cannot_know = self.unepoched(n);
+            let cannot_know =
+                self.unepoched(n) && self.last_system.get(&key) != Some(&self.session_system(n));
             if born_invalid || ended_at_server {
                 self.stats.stale_grants += 1;
                 self.log(|| format!("FINDING {text}, on a session the server had ended"));
@@ -2098,6 +2130,8 @@ impl Sim {
             }
         }
         self.last_token.insert(key, token);
+        let system = self.session_system(n);
+        self.last_system.insert(key, system);
         if self.nodes[n].abandoned.remove(&id) {
             // The grant never reaches its caller: nothing runs under it, and the key
             // goes back as the driver gives it (`LockTable::undelivered`).
@@ -2157,6 +2191,8 @@ impl Sim {
             _ => 0,
         };
         let unepoched = self.unepoched(n);
+        let system = self.session_system(n);
+        let stale = !matches!(self.nodes[n].conn, Conn::Up { pid, .. } if self.server.excl.get(&key) == Some(&pid));
         let asked_at = self.nodes[n].singles[s].since;
         self.runs.push(Run {
             key,
@@ -2164,7 +2200,9 @@ impl Sim {
             inst,
             pid,
             asked_at,
+            stale,
             unepoched,
+            system,
             token,
             how,
             grant_at: self.now,
@@ -2563,6 +2601,9 @@ impl Sim {
                         start: self.now,
                         high: self.server.high(),
                         unepoched: self.server.epoch_missing,
+                        age_step: (ready >= self.server.age_unknown_until)
+                            .then_some(self.server.clock - self.server.clock_at_start),
+                        system: self.server.system,
                     },
                 );
                 self.push(ready + self.t.release, Ev::IdleCheck { pid });
@@ -2662,7 +2703,7 @@ impl Sim {
         for k in stmts.unlock.iter().chain(&stmts.unlock_quiet) {
             if self.server.excl.get(k) == Some(&pid) {
                 self.server.excl.remove(k);
-            } else if !self.discarded.contains_key(&pid) {
+            } else if !self.was_discarded(pid) {
                 self.violation(format!(
                     "n{n} unlocks {k}, which backend {pid} does not hold"
                 ));
@@ -2800,7 +2841,7 @@ impl Sim {
                         h.to = Some(now);
                     }
                 }
-            } else if !self.discarded.contains_key(&pid) {
+            } else if !self.was_discarded(pid) {
                 self.violation(format!(
                     "n{n} unfences {k}, whose fence {pid} does not hold"
                 ));
@@ -3008,7 +3049,7 @@ impl Sim {
                 h.to = Some(now);
             }
         }
-        self.discarded.insert(pid, now);
+        self.discarded.push((pid, now));
     }
 
     fn holder_pid(&self, key: LockKey) -> Option<i32> {
@@ -3068,7 +3109,7 @@ impl Sim {
         server.started = Some(now);
         server.started_wall = Some(now as i64 + server.clock);
         server.age_unknown_until = 0;
-        server.stepped = 0;
+        server.clock_at_start = server.clock;
         match std::mem::replace(&mut server.coming, Coming::Restart) {
             Coming::Restart => {}
             Coming::Promotion { lag } => {
@@ -3089,6 +3130,7 @@ impl Sim {
                 server.epoch_due = due;
                 if epoch_set {
                     server.epoch = due;
+                    server.epoch_missing = false;
                 } else {
                     server.epoch = 0;
                     server.epoch_missing = true;
@@ -3333,9 +3375,6 @@ impl Sim {
     }
 
     fn step_clock(&mut self, step: i64) {
-        if step > 0 {
-            self.server.stepped += step as T;
-        }
         self.fault("clock_step");
         self.log(|| format!("FAULT the server's clock steps {} ms", step / 1000));
         self.server.clock += step;
@@ -3400,6 +3439,14 @@ impl Sim {
         })
     }
 
+    /// The cluster of node `n`'s session's backend (0: none).
+    fn session_system(&self, n: usize) -> u32 {
+        match self.nodes[n].conn {
+            Conn::Up { pid, .. } => self.server.backends.get(&pid).map_or(0, |b| b.system),
+            _ => 0,
+        }
+    }
+
     /// Is node `n` on a session of a replaced cluster opened before the DBA set its
     /// token epoch, without having seen the old cluster? Its tokens may come out below
     /// the old cluster's, and it cannot know (the documented operator duty).
@@ -3416,46 +3463,71 @@ impl Sim {
     /// held the fence) before then, and the run stayed within the bound: no heartbeat of
     /// an ended session succeeds, so its work stopped acting by that end + `lease` and
     /// had stopped by the end + `lease` + `stop_budget`.
-    fn within_gap_c(&self, x: &Run, decided_at: T) -> Result<(), String> {
+    /// `Ok(true)` when that end was another client releasing its locks (gap (e)).
+    fn within_gap_c(&self, x: &Run, decided_at: T) -> Result<bool, String> {
         // A backend whose locks another client released is as good as ended for
         // its holder: the lock-count guard ends the session with its next heartbeat.
         let ended = self
             .server_ended
             .iter()
-            .chain(self.discarded.iter())
-            .filter(|(pid, at)| {
-                // Its own session may have ended before the grant's answer arrived
-                // (a slow network): granted stale, it acts until it hears.
-                self.pid_owner(**pid) == Some((x.n, x.inst))
-                    && (**at >= x.grant_at || **pid == x.pid)
-                    && **at <= decided_at
+            .map(|(pid, at)| (pid, at, false))
+            .chain(self.discarded.iter().map(|(pid, at)| (pid, at, true)))
+            .filter(|(pid, at, _)| {
+                if **at > decided_at {
+                    return false;
+                }
+                // Its own session (which may have ended before the grant's answer
+                // arrived, a slow network: granted stale, it acts until it hears), or
+                // a later session of its process that held this key's stop fence.
+                **pid == x.pid
+                    || (self.pid_owner(**pid) == Some((x.n, x.inst))
+                        && **at >= x.grant_at
+                        && self
+                            .fences
+                            .iter()
+                            .any(|h| h.pid == **pid && h.key == x.key && h.from <= **at))
             })
-            .map(|(_, at)| *at)
+            .map(|(_, at, discard)| (*at, discard))
             .max();
-        let Some(ended) = ended else {
+        let Some((ended, by_discard)) = ended else {
             return Err("the old holder's session was not ended by the server".to_owned());
         };
         let acting_end = x.acting_end.unwrap_or(self.now);
         let drop_at = x.drop_at.unwrap_or(self.now);
-        // A process frozen meanwhile runs nothing, its stopping work neither: the
-        // bound moves by the freeze (the freeze window, fenced by the token).
-        let frozen: T = self
-            .freezes
-            .iter()
-            .filter(|f| f.n == x.n && f.inst == x.inst)
-            .map(|f| f.to.min(drop_at).saturating_sub(f.from.max(ended)))
+        // The monotonic deadline does not move with a freeze, but a process frozen
+        // across it notices only when it thaws; and its stopping work does not run
+        // while it is frozen (the freeze window, fenced by the token).
+        let mine = || {
+            self.freezes
+                .iter()
+                .filter(|f| f.n == x.n && f.inst == x.inst)
+        };
+        let mut acting_bound = ended + self.t.lease;
+        for f in mine() {
+            if f.from <= acting_bound && acting_bound < f.to {
+                acting_bound = f.to;
+            }
+        }
+        let frozen_stopping: T = mine()
+            .map(|f| f.to.min(drop_at).saturating_sub(f.from.max(acting_bound)))
             .sum();
-        if acting_end > ended + self.t.lease + frozen
-            || drop_at > ended + self.t.lease + self.t.stop_budget + frozen
-        {
+        let drop_bound = acting_bound + self.t.stop_budget + frozen_stopping;
+        if acting_end > acting_bound || drop_at > drop_bound {
             return Err(format!(
-                "past the bound of gap (c): acting until {:.3} ms, stopped {:.3} ms, its session ended at the server at {:.3} ms",
+                "past the bound of gap (c): acting until {:.3} ms (bound {:.3}), stopped {:.3} ms (bound {:.3}), its session ended at the server at {:.3} ms",
                 acting_end as f64 / 1000.0,
+                acting_bound as f64 / 1000.0,
                 drop_at as f64 / 1000.0,
+                drop_bound as f64 / 1000.0,
                 ended as f64 / 1000.0
             ));
         }
-        Ok(())
+        Ok(by_discard)
+    }
+
+    /// Did another client ever release this backend's locks?
+    fn was_discarded(&self, pid: i32) -> bool {
+        self.discarded.iter().any(|(p, _)| *p == pid)
     }
 
     fn pid_owner(&self, pid: i32) -> Option<(usize, u32)> {
@@ -3592,7 +3664,8 @@ impl Sim {
                     (false, false) => fresh_overlap = true,
                     (true, false) | (false, true) => {
                         let (stale, holder) = if a.2 { (x, y) } else { (y, x) };
-                        if holder.token <= stale.token && !holder.unepoched {
+                        let excused = holder.unepoched && holder.system != stale.system;
+                        if holder.token <= stale.token && !excused {
                             return Err(format!(
                                 "stale {} is not fenced by {}",
                                 label(if a.2 { xi } else { yi }, stale),
@@ -3604,7 +3677,9 @@ impl Sim {
                     // Gap (a) twice: both holders were frozen while the server ended
                     // their sessions; the later holder's greater token fences the
                     // earlier one, as for one stale run.
-                    (true, true) if y.token > x.token || y.unepoched => stale_ok = true,
+                    (true, true) if y.token > x.token || (y.unepoched && y.system != x.system) => {
+                        stale_ok = true;
+                    }
                     (true, true) => {
                         return Err(format!(
                             "two stale runs at once, not ordered by tokens: {} and {}",
@@ -3630,13 +3705,7 @@ impl Sim {
         // slow network): granted stale, it acts until the news arrives, which is gap
         // (c)'s bound, and the earlier run, which won the key after that end, has the
         // greater token.
-        if let Some(ended) = self
-            .server_ended
-            .get(&y.pid)
-            .or_else(|| self.discarded.get(&y.pid))
-            .copied()
-            && ended <= y.grant_at
-        {
+        if y.stale {
             if x.token <= y.token {
                 return Err(format!(
                     "{} was granted on a session the server had ended, and is not fenced by {}",
@@ -3673,10 +3742,14 @@ impl Sim {
                         && z.grant_at <= sent
                         && self.within_gap_c(x, z.origin.1).is_ok()
                 });
-                if x.grant_at >= sent && decided_at <= arrived + self.t.grace {
+                // In both, the overlapped run's session was ended by the server (else
+                // its lock would have kept the key) and it stays within gap (c)'s bound,
+                // and it held no stop fence when this one won.
+                let bounded = !fenced && self.within_gap_c(x, decided_at).is_ok();
+                if x.grant_at >= sent && decided_at <= arrived + self.t.grace && bounded {
                     self.stats.gap_d += 1;
                     Ok(())
-                } else if x.grant_at < sent && chained {
+                } else if x.grant_at < sent && chained && bounded {
                     self.stats.gap_c_chained += 1;
                     Ok(())
                 } else {
@@ -3692,14 +3765,18 @@ impl Sim {
             // while the old holder's work ran; its session was ended by the server, so
             // gap (c)'s bound holds for it too.
             (How::Direct, true) => {
-                self.within_gap_c(x, decided_at).map_err(|why| {
+                let discard = self.within_gap_c(x, decided_at).map_err(|why| {
                     format!(
                         "{} and {} overlap (both acting): {why}",
                         label(xi, x),
                         label(yi, y)
                     )
                 })?;
-                self.stats.gap_b_acting += 1;
+                if discard {
+                    self.stats.gap_e_acting += 1;
+                } else {
+                    self.stats.gap_b_acting += 1;
+                }
                 Ok(())
             }
             (How::Direct, false) if fenced => {
@@ -3712,14 +3789,18 @@ impl Sim {
                 Ok(())
             }
             (How::Direct, false) => {
-                self.within_gap_c(x, decided_at).map_err(|why| {
+                let discard = self.within_gap_c(x, decided_at).map_err(|why| {
                     format!(
                         "{} and {} overlap (running): {why}",
                         label(xi, x),
                         label(yi, y)
                     )
                 })?;
-                self.stats.gap_b += 1;
+                if discard {
+                    self.stats.gap_e += 1;
+                } else {
+                    self.stats.gap_b += 1;
+                }
                 Ok(())
             }
             // Gap (c): the server ended the old holder's session, and the news or the
@@ -3727,7 +3808,7 @@ impl Sim {
             // (a slow network, an overloaded server, a reconnect backoff). Bounded (see
             // `within_gap_c`).
             (How::Checked, _) if !fenced => {
-                self.within_gap_c(x, decided_at).map_err(|why| {
+                let discard = self.within_gap_c(x, decided_at).map_err(|why| {
                     format!(
                         "{} and {} overlap ({}): {why}",
                         label(xi, x),
@@ -3735,17 +3816,18 @@ impl Sim {
                         if acting { "both acting" } else { "running" }
                     )
                 })?;
-                if acting {
-                    self.stats.gap_c_acting += 1;
-                } else {
-                    self.stats.gap_c += 1;
+                match (discard, acting) {
+                    (true, true) => self.stats.gap_e_acting += 1,
+                    (true, false) => self.stats.gap_e += 1,
+                    (false, true) => self.stats.gap_c_acting += 1,
+                    (false, false) => self.stats.gap_c += 1,
                 }
                 Ok(())
             }
             // The old holder was frozen while its work was stopping, past the new
             // holder's maximum fence wait: the freeze window again, fenced by the token.
             (How::Expired, false) if self.frozen_while_out(x, y.grant_at) => {
-                if y.token <= x.token && !y.unepoched {
+                if y.token <= x.token && !(y.unepoched && y.system != x.system) {
                     return Err(format!("{} not fenced by {}", label(xi, x), label(yi, y)));
                 }
                 self.stats.gap_a_fence_wait += 1;
@@ -3802,7 +3884,7 @@ fn summary(s: &Stats) -> String {
         out,
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
-         (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}; brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
+         (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}, (e) {} (+{} still acting); brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
          grants never delivered: {}; sessions ended by the lock-count guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
          violations: {}",
         s.seeds,
@@ -3824,6 +3906,8 @@ fn summary(s: &Stats) -> String {
         s.gap_c_acting,
         s.gap_c_chained,
         s.gap_d,
+        s.gap_e,
+        s.gap_e_acting,
         s.b_past_fence,
         s.stale_grants,
         s.stale_grant_overlaps,
@@ -3921,8 +4005,9 @@ fn simulation_holds_over_many_seeds() {
             failures.push((seed, out.violations));
         }
     }
-    // Every kind of fault is drawn in every thousand seeds.
-    if replay.is_none() && count >= 1_000 {
+    // Every kind of fault is drawn in every ten thousand seeds (the rarest, a failed
+    // token statement, about twice in a thousand).
+    if replay.is_none() && count >= 10_000 {
         let missing: Vec<&str> = FAULT_KINDS
             .iter()
             .copied()
