@@ -14,7 +14,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use http::{Request, Response};
 use tower::{Layer, Service, service_fn};
 
-/// Calls the service once and polls its (immediately ready) future.
+/// Calls the service once and polls its future, which the bench services make ready at
+/// its first poll.
 fn call<S>(svc: &mut S, req: Request<()>) -> Response<()>
 where
     S: Service<Request<()>, Response = Response<()>, Error = Infallible>,

@@ -1,27 +1,30 @@
 //! The leader-only HTTP middleware: [`LeaderOnlyHttpLayer`] wraps a service in
-//! [`LeaderOnlyHttp`], whose [`ResponseFuture`] is the inner service's future on the
-//! leader and a ready answer elsewhere.
+//! [`LeaderOnlyHttp`], whose [`ResponseFuture`] is a ready answer on a follower and, on
+//! the leader, waits for the inner service's readiness, then runs its future.
 //!
 //! On the leader a request goes to the inner service unchanged; on a follower the
 //! layer's [`FollowerResponder`] answers it (by default [`Reject`]: `503` with
 //! `Retry-After`; or [`Redirect`] to the leader, or your own), and the response names
-//! the leader in [`LEADER_HEADER`] when known. Leadership is read in `call`, never in
-//! `poll_ready`, and the error type is the inner service's.
+//! the leader in [`LEADER_HEADER`] when known. Leadership is
+//! read in `call` and again once the inner service is ready, never in `poll_ready`
+//! (which is always ready), and the error type is the inner service's.
 
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use chosen_core::{Election, Leadership, LockManager, LockRequest};
 use http::header::HeaderValue;
-use http::{Request, Response, Uri};
+use http::{HeaderMap, Method, Request, Response, Uri};
 use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::responder::{FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject};
+use crate::tenure::Tenure;
 
 /// Gates HTTP requests on leadership: on the leader, requests reach the inner service;
 /// on a follower, the layer answers itself (by default `503` + `Retry-After: 1`), with
@@ -33,8 +36,14 @@ use crate::responder::{FollowerContext, FollowerResponder, LEADER_HEADER, Redire
 /// apalis jobs is `chosen_apalis::LeaderOnlyJobLayer`, built the same two ways.
 ///
 /// The check happens in `call`, against the lease's deadline at that moment
-/// ([`Leadership::is_leader`]); `poll_ready` only forwards, so a follower never stalls
-/// the caller. The error type stays the inner service's, so axum's `Infallible`
+/// ([`Leadership::is_leader`]). `poll_ready` is always ready, so a follower never
+/// stalls the caller, not even behind a busy inner service (a `ConcurrencyLimit` full
+/// of requests admitted while this node led): on the leader, the response future
+/// waits for the inner service's readiness (as `tower::util::Oneshot` does), so its
+/// backpressure still holds, and checks leadership again once it is ready. This is why
+/// the inner service must be `Clone`: each admitted request takes a clone of it to
+/// wait on (`tower::buffer::Buffer` makes any service `Clone`; axum requires `Clone`
+/// already). The error type stays the inner service's, so axum's `Infallible`
 /// contract holds.
 ///
 /// # With axum
@@ -189,13 +198,29 @@ impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
 
 /// The middleware [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) applies: passes
 /// HTTP requests to `inner` on the leader, answers them with `responder` elsewhere.
-#[derive(Debug, Clone)]
+///
+/// A `Service` only for an inner service that is `Clone`: each request admitted on
+/// the leader waits for the readiness of a clone of it, in the response future.
+#[derive(Debug)]
 pub struct LeaderOnlyHttp<S, R> {
     inner: S,
     leadership: Leadership,
-    responder: R,
+    /// Shared with the response futures, which answer for a term that ended.
+    responder: Arc<R>,
     /// The layer's own election, if it started one: kept alive while this service is.
     election: Option<Arc<Election>>,
+}
+
+// Not derived: the responder is shared, so it need not be `Clone` itself.
+impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            leadership: self.leadership.clone(),
+            responder: Arc::clone(&self.responder),
+            election: self.election.clone(),
+        }
+    }
 }
 
 /// The name before the apalis gate got a service of its own: both were `LeaderOnly`.
@@ -208,7 +233,7 @@ impl<S, R> LeaderOnlyHttp<S, R> {
         Self {
             inner,
             leadership,
-            responder,
+            responder: Arc::new(responder),
             election: None,
         }
     }
@@ -237,93 +262,239 @@ impl<S, R> LeaderOnlyHttp<S, R> {
 
 impl<S, R, ReqBody, ResBody> Service<Request<ReqBody>> for LeaderOnlyHttp<S, R>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     R: FollowerResponder<ResBody>,
 {
     type Response = Response<ResBody>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, ResBody>;
+    type Future = ResponseFuture<S, R, ReqBody>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Never gate here: a follower must answer, not stall its caller.
-        self.inner.poll_ready(cx)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Always ready: a follower answers without the inner service, so it must not
+        // wait for the inner's readiness; the leader's request waits for it in the
+        // response future instead (as `tower::util::Oneshot` does).
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         // Checked now, against the lease deadline, not a cached flag.
-        if self.leadership.is_leader() {
-            return ResponseFuture::inner(self.inner.call(req));
+        match Tenure::current(&self.leadership) {
+            Some(tenure) => {
+                // tower's `mem::replace` idiom: the service itself goes with the
+                // request (which makes it ready in the response future), a clone stays
+                // for the next call.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::admitted(
+                    inner,
+                    req,
+                    Gate {
+                        tenure,
+                        responder: Arc::clone(&self.responder),
+                        lost: None,
+                    },
+                )
+            }
+            None => ResponseFuture::answered(follower_answer(
+                &self.leadership,
+                &*self.responder,
+                req.method(),
+                req.uri(),
+                req.headers(),
+            )),
         }
-        if let Some(m) = self.leadership.metrics() {
-            m.follower_response(self.leadership.node_id(), self.leadership.name());
+    }
+}
+
+/// What a follower answers for a request with this method, URI and headers.
+fn follower_answer<R, B>(
+    leadership: &Leadership,
+    responder: &R,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Response<B>
+where
+    R: FollowerResponder<B> + ?Sized,
+{
+    if let Some(m) = leadership.metrics() {
+        m.follower_response(leadership.node_id(), leadership.name());
+    }
+    // Never this node itself while it follows (its own former session may still
+    // hold the lock): a redirect there would come straight back.
+    let leader = leadership
+        .leader()
+        .filter(|leader| leader != leadership.node_id());
+    let ctx = FollowerContext {
+        leader: leader.as_deref(),
+        method,
+        uri,
+        headers,
+    };
+    let mut res = responder.respond(&ctx);
+    if let Some(value) = leader.and_then(|l| HeaderValue::try_from(l).ok()) {
+        res.headers_mut().entry(LEADER_HEADER).or_insert(value);
+    }
+    res
+}
+
+/// A request the leader admitted: its term, and what answers it if the term ends first.
+struct Gate<R> {
+    tenure: Tenure,
+    responder: Arc<R>,
+    /// [`Tenure::lost`], made only once a wait is needed: a request the inner service
+    /// takes and answers at once costs no allocation for it.
+    lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl<R> Gate<R> {
+    /// `true` once the term is over; registers `cx` to be woken when it ends.
+    fn poll_over(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.tenure.is_valid() {
+            return true;
         }
-        // Never this node itself while it follows (its own former session may still
-        // hold the lock): a redirect there would come straight back.
-        let leader = self
-            .leadership
-            .leader()
-            .filter(|leader| leader != self.leadership.node_id());
-        let ctx = FollowerContext {
-            leader: leader.as_deref(),
-            method: req.method(),
-            uri: req.uri(),
-            headers: req.headers(),
-        };
-        let mut res = self.responder.respond(&ctx);
-        if let Some(value) = leader.and_then(|l| HeaderValue::try_from(l).ok()) {
-            res.headers_mut().entry(LEADER_HEADER).or_insert(value);
-        }
-        ResponseFuture::ready(res)
+        let lost = self.lost.get_or_insert_with(|| {
+            let tenure = self.tenure.clone();
+            Box::pin(async move { tenure.lost().await })
+        });
+        lost.as_mut().poll(cx).is_ready()
+    }
+
+    fn answer<B>(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Response<B>
+    where
+        R: FollowerResponder<B>,
+    {
+        follower_answer(
+            self.tenure.leadership(),
+            &*self.responder,
+            method,
+            uri,
+            headers,
+        )
     }
 }
 
 pin_project! {
-    /// The future of [`LeaderOnlyHttp`](crate::LeaderOnlyHttp): the inner service's, or a
-    /// follower's ready answer.
-    #[derive(Debug)]
-    pub struct ResponseFuture<F, B> {
+    /// The future of [`LeaderOnlyHttp`](crate::LeaderOnlyHttp): a follower's ready
+    /// answer, or, on the leader, the inner service's readiness, then its future.
+    pub struct ResponseFuture<S: Service<Request<ReqBody>>, R, ReqBody> {
         #[pin]
-        kind: Kind<F, B>,
+        state: State<S, ReqBody>,
+        // `None` for a follower's answer, and once the inner service was called.
+        gate: Option<Gate<R>>,
     }
 }
 
 pin_project! {
-    #[project = KindProj]
-    #[derive(Debug)]
-    enum Kind<F, B> {
-        Inner { #[pin] future: F },
-        Ready { response: Option<Response<B>> },
+    #[project = StateProj]
+    enum State<S: Service<Request<ReqBody>>, ReqBody> {
+        Answered { response: Option<S::Response> },
+        Admitted { inner: S, req: Option<Request<ReqBody>> },
+        Called { #[pin] future: S::Future },
+        Done,
     }
 }
 
-impl<F, B> ResponseFuture<F, B> {
-    pub(crate) fn inner(future: F) -> Self {
-        Self {
-            kind: Kind::Inner { future },
-        }
+impl<S, R, ReqBody> fmt::Debug for ResponseFuture<S, R, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Answered { .. } => "answered by the layer",
+            State::Admitted { .. } => "waiting for the inner service to be ready",
+            State::Called { .. } => "in the inner service",
+            State::Done => "done",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .field("tenure", &self.gate.as_ref().map(|g| &g.tenure))
+            .finish()
     }
+}
 
-    pub(crate) fn ready(response: Response<B>) -> Self {
+impl<S, R, ReqBody> ResponseFuture<S, R, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    fn answered(response: S::Response) -> Self {
         Self {
-            kind: Kind::Ready {
+            state: State::Answered {
                 response: Some(response),
             },
+            gate: None,
+        }
+    }
+
+    fn admitted(inner: S, req: Request<ReqBody>, gate: Gate<R>) -> Self {
+        Self {
+            state: State::Admitted {
+                inner,
+                req: Some(req),
+            },
+            gate: Some(gate),
         }
     }
 }
 
-impl<F, B, E> Future for ResponseFuture<F, B>
+impl<S, R, ReqBody, ResBody> Future for ResponseFuture<S, R, ReqBody>
 where
-    F: Future<Output = Result<Response<B>, E>>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    R: FollowerResponder<ResBody>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResBody>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Inner { future } => future.poll(cx),
-            KindProj::Ready { response } => Poll::Ready(Ok(response
-                .take()
-                .expect("BUG: ResponseFuture polled after completion"))),
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Answered { response } => {
+                    let response = response
+                        .take()
+                        .expect("BUG: ResponseFuture polled after completion");
+                    this.state.set(State::Done);
+                    return Poll::Ready(Ok(response));
+                }
+                StateProj::Admitted { inner, req } => {
+                    let gate = this.gate.as_mut().expect("BUG: admitted without a gate");
+                    match inner.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(e));
+                        }
+                        Poll::Pending => {
+                            // A request whose term ends while it waits for the inner
+                            // service is answered as a follower would, at once.
+                            if gate.poll_over(cx) {
+                                let req = req.take().expect("BUG: admitted twice");
+                                let res = gate.answer(req.method(), req.uri(), req.headers());
+                                this.state.set(State::Done);
+                                return Poll::Ready(Ok(res));
+                            }
+                            return Poll::Pending;
+                        }
+                    }
+                    // Checked again now that the inner service is ready: the term may
+                    // have ended while the request waited.
+                    if !gate.tenure.is_valid() {
+                        let req = req.take().expect("BUG: admitted twice");
+                        let res = gate.answer(req.method(), req.uri(), req.headers());
+                        this.state.set(State::Done);
+                        return Poll::Ready(Ok(res));
+                    }
+                    let req = req.take().expect("BUG: admitted twice");
+                    let future = inner.call(req);
+                    *this.gate = None;
+                    this.state.set(State::Called { future });
+                }
+                StateProj::Called { future } => {
+                    let output = ready!(future.poll(cx));
+                    this.state.set(State::Done);
+                    return Poll::Ready(output);
+                }
+                StateProj::Done => panic!("BUG: ResponseFuture polled after completion"),
+            }
         }
     }
 }

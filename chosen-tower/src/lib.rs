@@ -4,6 +4,7 @@
 mod health;
 mod leader_only;
 mod responder;
+mod tenure;
 
 pub use health::LeaderHealth;
 #[allow(deprecated)] // the old names, kept so that existing code still compiles

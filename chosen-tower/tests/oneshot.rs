@@ -1,9 +1,12 @@
-//! The layer with a hand-set leadership: no database needed.
+//! The layer with a hand-set leadership: no database needed. (A lease lost for real:
+//! `busy_inner.rs`.)
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -169,19 +172,34 @@ impl Service<Request<Body>> for NeverReady {
 }
 
 #[tokio::test]
-async fn poll_ready_forwards_and_never_gates() {
+async fn poll_ready_never_waits_for_the_inner_service() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     control.follow(None);
     let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(NeverReady);
-    let waker = std::task::Waker::noop();
-    let mut cx = Context::from_waker(waker);
+    let mut cx = Context::from_waker(Waker::noop());
     assert!(
-        svc.poll_ready(&mut cx).is_pending(),
-        "readiness is the inner service's"
+        svc.poll_ready(&mut cx).is_ready(),
+        "a follower must not stall"
     );
     // A follower answers without the inner service.
     let res = svc.call(request(Method::GET, "/")).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    // The leader's request waits for the inner service in its future...
+    control.lead(1);
+    assert!(svc.poll_ready(&mut cx).is_ready());
+    let mut fut = pin!(svc.call(request(Method::GET, "/")));
+    assert!(fut.as_mut().poll(&mut cx).is_pending());
+    assert!(fut.as_mut().poll(&mut cx).is_pending());
+    // ... until its term ends: then it is answered as a follower answers.
+    control.follow(Some("node-2"));
+    match fut.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(res)) => {
+            assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(res.headers()[LEADER_HEADER], "node-2");
+        }
+        other => panic!("not answered as a follower: {other:?}"),
+    }
 }
 
 #[tokio::test]
