@@ -2,10 +2,10 @@
 //! [`LeaderOnlyHttp`], whose [`ResponseFuture`] is a ready answer on a follower and, on
 //! the leader, waits for the inner service's readiness, then runs its future.
 //!
-//! On the leader a request goes to the inner service unchanged; on a follower the
-//! layer's [`FollowerResponder`] answers it (by default [`Reject`]: `503` with
-//! `Retry-After`; or [`Redirect`] to the leader, or your own), and the response names
-//! the leader in [`LEADER_HEADER`] when known. Leadership is
+//! On the leader a request goes to the inner service with its [`Tenure`] in its
+//! extensions; on a follower the layer's [`FollowerResponder`] answers it (by default
+//! [`Reject`]: `503` with `Retry-After`; or [`Redirect`] to the leader, or your own),
+//! and the response names the leader in [`LEADER_HEADER`] when known. Leadership is
 //! read in `call` and again once the inner service is ready, never in `poll_ready`
 //! (which is always ready), and the error type is the inner service's.
 
@@ -45,6 +45,10 @@ use crate::tenure::Tenure;
 /// wait on (`tower::buffer::Buffer` makes any service `Clone`; axum requires `Clone`
 /// already). The error type stays the inner service's, so axum's `Infallible`
 /// contract holds.
+///
+/// A request passed to the inner service carries its [`Tenure`] (the term's fencing
+/// token, validity and loss) in its extensions, and runs to completion even if the
+/// lease is lost meanwhile: fence its writes with the tenure's token.
 ///
 /// # With axum
 ///
@@ -483,7 +487,8 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(Ok(res));
                     }
-                    let req = req.take().expect("BUG: admitted twice");
+                    let mut req = req.take().expect("BUG: admitted twice");
+                    req.extensions_mut().insert(gate.tenure.clone());
                     let future = inner.call(req);
                     *this.gate = None;
                     this.state.set(State::Called { future });

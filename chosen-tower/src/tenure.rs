@@ -7,11 +7,65 @@ use std::task::Poll;
 
 use chosen_core::{FencingToken, LeaderState, Leadership};
 
-/// The leadership term a request was admitted in: over once the lease of that term is
-/// lost, released, or past its deadline, even if this node leads again later under a
-/// new token.
+/// The leadership term a request was admitted in: its fencing token, whether this node
+/// may still trust it ([`is_valid`](Self::is_valid)), and a future that resolves once it
+/// may not ([`lost`](Self::lost)).
+///
+/// [`LeaderOnlyHttp`](crate::LeaderOnlyHttp) puts one into the extensions of every
+/// request it passes to the inner service (axum: the `Extension<Tenure>` extractor).
+/// A tenure belongs to one term: once the lease of that term is lost, released, or past
+/// its deadline, it stays invalid, even if this node leads again later under a new
+/// token.
+///
+/// Leading does not make a write safe by itself: a request admitted just before the
+/// lease was lost may still run while another node already leads (see the crate
+/// documentation, "A request in flight when the lease is lost"). Fence the writes that
+/// must happen once with the token, so that the database refuses the stale one:
+///
+/// ```no_run
+/// use std::sync::Arc;
+///
+/// use axum::extract::{Extension, State};
+/// use axum::http::StatusCode;
+/// use chosen_core::fenced;
+/// use chosen_tower::Tenure;
+/// use tokio::sync::Mutex;
+///
+/// // Behind the layer: `post(webhook).route_layer(LeaderOnlyHttpLayer::new(leadership))`.
+/// async fn webhook(
+///     Extension(tenure): Extension<Tenure>,
+///     State(db): State<Arc<Mutex<tokio_postgres::Client>>>,
+///     body: String,
+/// ) -> StatusCode {
+///     match deliver(&tenure, &mut *db.lock().await, &body).await {
+///         Ok(()) => StatusCode::OK,
+///         // A newer leader has written (or the database failed): let the client retry.
+///         Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+///     }
+/// }
+///
+/// async fn deliver(
+///     tenure: &Tenure,
+///     client: &mut tokio_postgres::Client,
+///     body: &str,
+/// ) -> Result<(), Box<dyn std::error::Error>> {
+///     let tx = client.transaction().await?;
+///     // First in the transaction: `Error::StaleToken` (and the transaction aborted)
+///     // once a newer leader of the lock has fenced, so the delivery commits once.
+///     fenced::fence(&tx, tenure.name(), tenure.fencing_token()).await?;
+///     tx.execute("INSERT INTO deliveries (body) VALUES ($1)", &[&body])
+///         .await?;
+///     tx.commit().await?;
+///     Ok(())
+/// }
+/// # let _ = webhook;
+/// ```
+///
+/// For side effects the database cannot fence (a call to another service), check
+/// [`is_valid`](Self::is_valid) right before each, or race the work against
+/// [`lost`](Self::lost).
 #[derive(Clone)]
-pub(crate) struct Tenure {
+pub struct Tenure {
     leadership: Leadership,
     token: FencingToken,
 }
@@ -29,7 +83,8 @@ impl fmt::Debug for Tenure {
 impl Tenure {
     /// The term `leadership` leads in right now; `None` while it does not lead (or its
     /// lease is past its deadline).
-    pub(crate) fn current(leadership: &Leadership) -> Option<Self> {
+    #[must_use]
+    pub fn current(leadership: &Leadership) -> Option<Self> {
         match leadership.state() {
             LeaderState::Leading { token, .. } => Some(Self {
                 leadership: leadership.clone(),
@@ -39,6 +94,19 @@ impl Tenure {
         }
     }
 
+    /// The fencing token of the term: greater than every earlier leader's token of this
+    /// lock.
+    #[must_use]
+    pub fn fencing_token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The lock name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        self.leadership.name()
+    }
+
     pub(crate) fn leadership(&self) -> &Leadership {
         &self.leadership
     }
@@ -46,7 +114,8 @@ impl Tenure {
     /// `true` while this node still leads in this term with a lease that may be trusted
     /// right now (checked against the lease's deadline at the call, as
     /// [`Leadership::is_leader`] is). Once `false`, never `true` again.
-    pub(crate) fn is_valid(&self) -> bool {
+    #[must_use]
+    pub fn is_valid(&self) -> bool {
         matches!(self.leadership.state(), LeaderState::Leading { token, .. } if token == self.token)
     }
 
@@ -58,7 +127,7 @@ impl Tenure {
     /// # Cancel safety
     ///
     /// Cancel safe.
-    pub(crate) async fn lost(&self) {
+    pub async fn lost(&self) {
         loop {
             // Subscribe to the leadership's changes before checking the term: a change
             // between the check and the wait is then seen by the wait. (A watch only
@@ -86,5 +155,67 @@ impl Tenure {
             // The state changed: check the term again. (`changed` is never ready at its
             // first poll while we hold the leadership, whose sender it watches.)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_tenure_ends_with_its_term_even_when_a_new_term_follows() {
+        let (leadership, control) = Leadership::manual("hook", "node-1");
+        assert!(Tenure::current(&leadership).is_none());
+        control.lead(1);
+        let tenure = Tenure::current(&leadership).expect("leading");
+        assert_eq!(tenure.fencing_token().get(), 1);
+        assert!(tenure.is_valid());
+
+        // Lost and led again before anyone looked: the old term is still over.
+        control.follow(None);
+        control.lead(2);
+        assert!(!tenure.is_valid());
+        tokio::time::timeout(Duration::from_secs(30), tenure.lost())
+            .await
+            .expect("lost() resolves for a term that is over");
+        assert!(Tenure::current(&leadership).is_some_and(|t| t.is_valid()));
+    }
+
+    #[tokio::test]
+    async fn lost_wakes_when_the_term_ends_later() {
+        let (leadership, control) = Leadership::manual("hook", "node-1");
+        control.lead_until(3, Instant::now() + Duration::from_secs(3600));
+        let tenure = Tenure::current(&leadership).expect("leading");
+        let waiter = tokio::spawn({
+            let tenure = tenure.clone();
+            async move { tenure.lost().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "the term goes on");
+        // The deadline passes, unnoticed by the election: no state change.
+        control.expire();
+        tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("lost() resolves when the deadline passes")
+            .unwrap();
+        assert!(!tenure.is_valid());
+
+        // A new term after an ended one, seen by a waiter that started in between.
+        control.lead(4);
+        let tenure = Tenure::current(&leadership).expect("leading");
+        let waiter = tokio::spawn({
+            let tenure = tenure.clone();
+            async move { tenure.lost().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        control.follow(None);
+        control.lead(5);
+        tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("lost() resolves when a new term replaces this one")
+            .unwrap();
+        assert!(format!("{tenure:?}").contains("valid: false"));
     }
 }

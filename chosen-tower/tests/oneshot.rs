@@ -1,5 +1,5 @@
 //! The layer with a hand-set leadership: no database needed. (A lease lost for real:
-//! `busy_inner.rs`.)
+//! `busy_inner.rs`, `lost_in_flight.rs`.)
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,8 +13,9 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::{get, post};
 use chosen_core::Leadership;
-use chosen_tower::{FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer};
+use chosen_tower::{FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer, Tenure};
 use http::{Method, Request, Response, StatusCode};
+use tokio::sync::{Notify, mpsc};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 fn request(method: Method, path: &str) -> Request<Body> {
@@ -200,6 +201,61 @@ async fn poll_ready_never_waits_for_the_inner_service() {
         }
         other => panic!("not answered as a follower: {other:?}"),
     }
+}
+
+/// A handler that reports each request's tenure, then waits for `finish` (with a flag
+/// set when its future is dropped).
+fn waiting_handler(
+    finish: Arc<Notify>,
+    dropped: Arc<AtomicUsize>,
+) -> (
+    impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + 'static,
+    mpsc::UnboundedReceiver<Tenure>,
+) {
+    struct CountDrop(Arc<AtomicUsize>);
+    impl Drop for CountDrop {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let svc = service_fn(move |req: Request<Body>| {
+        let (tx, finish, dropped) = (tx.clone(), Arc::clone(&finish), Arc::clone(&dropped));
+        async move {
+            let _count = CountDrop(dropped);
+            tx.send(req.extensions().get::<Tenure>().cloned().unwrap())
+                .unwrap();
+            finish.notified().await;
+            Ok::<_, Infallible>(Response::new(Body::from("inner")))
+        }
+    });
+    (svc, rx)
+}
+
+#[tokio::test]
+async fn a_request_in_flight_runs_on_after_the_lease_expires_by_default() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.lead_until(11, Instant::now() + Duration::from_secs(3600));
+    let finish = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (handler, mut tenures) = waiting_handler(Arc::clone(&finish), Arc::clone(&dropped));
+    let svc = LeaderOnlyHttpLayer::new(leadership).layer(handler);
+    let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/hook")));
+    let tenure = tenures.recv().await.unwrap();
+    assert_eq!(tenure.fencing_token().get(), 11);
+    assert!(tenure.is_valid());
+    control.expire();
+    assert!(!tenure.is_valid());
+    tokio::time::timeout(Duration::from_secs(30), tenure.lost())
+        .await
+        .expect("lost() resolves once the lease expired");
+    finish.notify_one();
+    let res = pending.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(body_text(res).await, "inner");
 }
 
 #[tokio::test]

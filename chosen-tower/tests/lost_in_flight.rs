@@ -1,0 +1,145 @@
+//! A request in flight when the leader's lease is lost for real (its session is
+//! terminated by the server): it learns of the loss through its `Tenure`.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::Body;
+use chosen_core::{ConnectionState, Election, Leadership, LockManager, ManagerOptions};
+use chosen_tests::{PgCluster, connect_admin, manager_options, unique_name};
+use chosen_tower::{LeaderOnlyHttpLayer, Tenure};
+use http::{Method, Request, Response, StatusCode};
+use tokio::sync::mpsc;
+use tokio::time::timeout;
+use tower::{Layer, ServiceExt, service_fn};
+
+/// How long anything that should happen soon may take on a slow, busy machine.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn post() -> Request<Body> {
+    Request::builder()
+        .method(Method::POST)
+        .uri("/hook")
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// Two nodes of one lock: web-1 leads, web-2 waits. web-1 polls slowly, so that after
+/// losing its lease it contends again only seconds later (two poll intervals), well
+/// after web-2 (polling every 50 ms) took over.
+struct Pair {
+    _pg: PgCluster,
+    url: String,
+    one: LockManager,
+    two: LockManager,
+    leader: Election,
+    successor: Election,
+}
+
+impl Pair {
+    async fn start(prefix: &str) -> Self {
+        let pg = PgCluster::start().unwrap();
+        let url = pg.url();
+        let name = unique_name(prefix);
+        // A fresh cluster: no holder can be silent across its start, so no grant delay.
+        let options = |node: &str, poll: u64| -> ManagerOptions {
+            manager_options(&url, node)
+                .poll_interval(Duration::from_millis(poll))
+                .term_grant_delay(Duration::ZERO)
+        };
+        let one = LockManager::connect(options("web-1", 3000)).await.unwrap();
+        let leader = Election::start(&one, name.as_str()).unwrap();
+        timeout(PATIENCE, leader.leadership().wait_leading())
+            .await
+            .expect("web-1 never led");
+        let two = LockManager::connect(options("web-2", 50)).await.unwrap();
+        let successor = Election::start(&two, name.as_str()).unwrap();
+        Self {
+            _pg: pg,
+            url,
+            one,
+            two,
+            leader,
+            successor,
+        }
+    }
+
+    fn leadership(&self) -> Leadership {
+        self.leader.leadership()
+    }
+
+    /// web-1's lease is lost: the server terminates its lock session.
+    async fn terminate_the_leaders_session(&self) {
+        let pid = match self.one.connection_status() {
+            ConnectionState::Connected { backend_pid, .. } => backend_pid,
+            other => panic!("web-1 is not connected: {other:?}"),
+        };
+        let admin = connect_admin(&self.url).await.unwrap();
+        admin
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .unwrap();
+    }
+
+    async fn shutdown(self) {
+        self.successor.shutdown().await;
+        self.leader.shutdown().await;
+        self.two.shutdown().await;
+        self.one.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_learns_from_its_tenure_that_the_lease_was_lost() {
+    let pair = Pair::start("tenure-lost").await;
+    let leadership = pair.leadership();
+    let (tenures, mut admitted) = mpsc::unbounded_channel::<Tenure>();
+    let handler = service_fn(move |req: Request<Body>| {
+        let tenures = tenures.clone();
+        async move {
+            let tenure = req
+                .extensions()
+                .get::<Tenure>()
+                .cloned()
+                .expect("no tenure in the request's extensions");
+            tenures.send(tenure.clone()).unwrap();
+            let lost = timeout(PATIENCE, tenure.lost()).await.is_ok();
+            let body = format!("lost: {lost}, valid: {}", tenure.is_valid());
+            Ok::<_, Infallible>(Response::new(Body::from(body)))
+        }
+    });
+    let svc = LeaderOnlyHttpLayer::new(leadership.clone()).layer(handler);
+
+    let request = tokio::spawn(svc.oneshot(post()));
+    let tenure = timeout(PATIENCE, admitted.recv())
+        .await
+        .expect("the request never reached the handler")
+        .unwrap();
+    assert!(tenure.is_valid());
+    assert_eq!(Some(tenure.fencing_token()), leadership.fencing_token());
+    assert_eq!(tenure.name(), leadership.name());
+
+    pair.terminate_the_leaders_session().await;
+    let successor = timeout(PATIENCE, pair.successor.leadership().wait_leading())
+        .await
+        .expect("web-2 never led");
+    assert!(
+        successor > tenure.fencing_token(),
+        "the new term's token is greater"
+    );
+
+    // By default the request runs to completion: its handler learnt of the loss.
+    let res = timeout(PATIENCE, request)
+        .await
+        .expect("the request never finished")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(&body[..], b"lost: true, valid: false");
+    assert!(!tenure.is_valid(), "a lost tenure stays lost");
+    pair.shutdown().await;
+}
