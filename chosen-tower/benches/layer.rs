@@ -47,6 +47,13 @@ fn bench(c: &mut Criterion) {
         b.iter(|| black_box(call(&mut svc, Request::new(()))));
     });
 
+    let mut svc = LeaderOnlyHttpLayer::new(leadership.clone())
+        .cancel_on_loss()
+        .layer(bare());
+    group.bench_function("layer, leader, cancel_on_loss (passes through)", |b| {
+        b.iter(|| black_box(call(&mut svc, Request::new(()))));
+    });
+
     control.follow(Some("node-2"));
     let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(bare());
     group.bench_function("layer, follower (answers 503)", |b| {

@@ -13,7 +13,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use chosen_core::{Election, Leadership, LockManager, LockRequest};
@@ -47,8 +47,10 @@ use crate::tenure::Tenure;
 /// contract holds.
 ///
 /// A request passed to the inner service carries its [`Tenure`] (the term's fencing
-/// token, validity and loss) in its extensions, and runs to completion even if the
-/// lease is lost meanwhile: fence its writes with the tenure's token.
+/// token, validity and loss) in its extensions. By default it runs to completion even
+/// if the lease is lost meanwhile; with [`cancel_on_loss`](Self::cancel_on_loss) it is
+/// dropped and answered `503` instead. The crate documentation, "A request in flight
+/// when the lease is lost", states what each mode guarantees.
 ///
 /// # With axum
 ///
@@ -83,6 +85,7 @@ use crate::tenure::Tenure;
 pub struct LeaderOnlyHttpLayer<R = Reject> {
     leadership: Leadership,
     responder: R,
+    cancel_on_loss: bool,
     /// An election [`elect`](Self::elect) started: it lives as long as any clone of
     /// the layer or any service built from it (axum drops the layer once the routes
     /// are built).
@@ -105,6 +108,7 @@ impl LeaderOnlyHttpLayer {
         Self {
             leadership,
             responder: Reject::default(),
+            cancel_on_loss: false,
             election: None,
         }
     }
@@ -166,6 +170,7 @@ impl LeaderOnlyHttpLayer {
         LeaderOnlyHttpLayer {
             leadership: self.leadership,
             responder: Redirect::new(resolver),
+            cancel_on_loss: self.cancel_on_loss,
             election: self.election,
         }
     }
@@ -180,8 +185,34 @@ impl<R> LeaderOnlyHttpLayer<R> {
         LeaderOnlyHttpLayer {
             leadership: self.leadership,
             responder,
+            cancel_on_loss: self.cancel_on_loss,
             election: self.election,
         }
+    }
+
+    /// Cancels a request in flight when this node's lease is lost: from the moment
+    /// its [`Tenure`] ends (the lease's deadline passed, or its loss was seen), the
+    /// inner service's future is dropped without being polled again, and the request
+    /// is answered as a follower answers (by default `503` + `Retry-After`), so that
+    /// the client retries, on the new leader. A response the inner service completed
+    /// while the term was valid is passed on. The default is to let a request in
+    /// flight run to completion.
+    ///
+    /// What is done is not undone: writes the handler made before the loss stay made,
+    /// and tasks it spawned go on. Fence such writes with the request's
+    /// [`Tenure`]. The crate documentation, "A request in flight when the lease is
+    /// lost", has the details.
+    ///
+    /// ```
+    /// use chosen_tower::LeaderOnlyHttpLayer;
+    /// # let (leadership, _c) = chosen_core::Leadership::manual("x", "n");
+    /// let layer = LeaderOnlyHttpLayer::new(leadership).cancel_on_loss();
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn cancel_on_loss(mut self) -> Self {
+        self.cancel_on_loss = true;
+        self
     }
 
     /// The leadership the layer reads.
@@ -195,8 +226,11 @@ impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
     type Service = LeaderOnlyHttp<S, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        LeaderOnlyHttp::new(inner, self.leadership.clone(), self.responder.clone())
-            .keeping(self.election.clone())
+        let mut service =
+            LeaderOnlyHttp::new(inner, self.leadership.clone(), self.responder.clone())
+                .keeping(self.election.clone());
+        service.cancel_on_loss = self.cancel_on_loss;
+        service
     }
 }
 
@@ -211,6 +245,7 @@ pub struct LeaderOnlyHttp<S, R> {
     leadership: Leadership,
     /// Shared with the response futures, which answer for a term that ended.
     responder: Arc<R>,
+    cancel_on_loss: bool,
     /// The layer's own election, if it started one: kept alive while this service is.
     election: Option<Arc<Election>>,
 }
@@ -222,6 +257,7 @@ impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
             inner: self.inner.clone(),
             leadership: self.leadership.clone(),
             responder: Arc::clone(&self.responder),
+            cancel_on_loss: self.cancel_on_loss,
             election: self.election.clone(),
         }
     }
@@ -238,8 +274,18 @@ impl<S, R> LeaderOnlyHttp<S, R> {
             inner,
             leadership,
             responder: Arc::new(responder),
+            cancel_on_loss: false,
             election: None,
         }
+    }
+
+    /// Cancels a request in flight when the lease is lost, as
+    /// [`LeaderOnlyHttpLayer::cancel_on_loss`](crate::LeaderOnlyHttpLayer::cancel_on_loss)
+    /// describes.
+    #[must_use]
+    pub fn cancel_on_loss(mut self) -> Self {
+        self.cancel_on_loss = true;
+        self
     }
 
     /// Keeps `election` alive as long as this service.
@@ -295,6 +341,8 @@ where
                     Gate {
                         tenure,
                         responder: Arc::clone(&self.responder),
+                        cancel_on_loss: self.cancel_on_loss,
+                        head: None,
                         lost: None,
                     },
                 )
@@ -342,10 +390,21 @@ where
     res
 }
 
+/// The parts of a request a follower answer is built from, kept in cancel mode once
+/// the request itself went to the inner service.
+struct RequestHead {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+}
+
 /// A request the leader admitted: its term, and what answers it if the term ends first.
 struct Gate<R> {
     tenure: Tenure,
     responder: Arc<R>,
+    cancel_on_loss: bool,
+    /// Kept in cancel mode, once the request went to the inner service.
+    head: Option<RequestHead>,
     /// [`Tenure::lost`], made only once a wait is needed: a request the inner service
     /// takes and answers at once costs no allocation for it.
     lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -384,7 +443,8 @@ pin_project! {
     pub struct ResponseFuture<S: Service<Request<ReqBody>>, R, ReqBody> {
         #[pin]
         state: State<S, ReqBody>,
-        // `None` for a follower's answer, and once the inner service was called.
+        // `None` for a follower's answer, and once the inner service was called outside
+        // cancel mode.
         gate: Option<Gate<R>>,
     }
 }
@@ -488,18 +548,54 @@ where
                         return Poll::Ready(Ok(res));
                     }
                     let mut req = req.take().expect("BUG: admitted twice");
+                    if gate.cancel_on_loss {
+                        gate.head = Some(RequestHead {
+                            method: req.method().clone(),
+                            uri: req.uri().clone(),
+                            headers: req.headers().clone(),
+                        });
+                    }
                     req.extensions_mut().insert(gate.tenure.clone());
                     let future = inner.call(req);
-                    *this.gate = None;
+                    if !gate.cancel_on_loss {
+                        *this.gate = None;
+                    }
                     this.state.set(State::Called { future });
                 }
                 StateProj::Called { future } => {
-                    let output = ready!(future.poll(cx));
-                    this.state.set(State::Done);
-                    return Poll::Ready(output);
+                    // In cancel mode the inner future is polled only while the term is
+                    // valid: once it is over, the handler makes no further step.
+                    if this.gate.as_ref().is_some_and(|g| !g.tenure.is_valid()) {
+                        return Poll::Ready(Ok(cancel(this.state, this.gate)));
+                    }
+                    if let Poll::Ready(output) = future.poll(cx) {
+                        this.state.set(State::Done);
+                        *this.gate = None;
+                        return Poll::Ready(output);
+                    }
+                    if this.gate.as_mut().is_some_and(|g| g.poll_over(cx)) {
+                        return Poll::Ready(Ok(cancel(this.state, this.gate)));
+                    }
+                    return Poll::Pending;
                 }
                 StateProj::Done => panic!("BUG: ResponseFuture polled after completion"),
             }
         }
     }
+}
+
+/// Drops the inner future of a request whose term ended (cancel mode) and answers it
+/// as a follower would.
+fn cancel<S, R, ReqBody, ResBody>(
+    mut state: Pin<&mut State<S, ReqBody>>,
+    gate: &mut Option<Gate<R>>,
+) -> Response<ResBody>
+where
+    S: Service<Request<ReqBody>>,
+    R: FollowerResponder<ResBody>,
+{
+    state.set(State::Done);
+    let gate = gate.take().expect("BUG: cancel without a gate");
+    let head = gate.head.as_ref().expect("BUG: cancel mode keeps the head");
+    gate.answer(&head.method, &head.uri, &head.headers)
 }

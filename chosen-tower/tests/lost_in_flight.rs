@@ -1,7 +1,10 @@
 //! A request in flight when the leader's lease is lost for real (its session is
-//! terminated by the server): it learns of the loss through its `Tenure`.
+//! terminated by the server): it learns of the loss through its `Tenure`, and with
+//! `cancel_on_loss` it is dropped and answered `503`.
 
 use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -9,7 +12,7 @@ use chosen_core::{ConnectionState, Election, Leadership, LockManager, ManagerOpt
 use chosen_tests::{PgCluster, connect_admin, manager_options, unique_name};
 use chosen_tower::{LeaderOnlyHttpLayer, Tenure};
 use http::{Method, Request, Response, StatusCode};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::time::timeout;
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -141,5 +144,73 @@ async fn a_request_in_flight_learns_from_its_tenure_that_the_lease_was_lost() {
         .to_bytes();
     assert_eq!(&body[..], b"lost: true, valid: false");
     assert!(!tenure.is_valid(), "a lost tenure stays lost");
+    pair.shutdown().await;
+}
+
+/// Sets its flag when dropped: the handler's future was dropped.
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_loss_drops_the_request_in_flight_and_answers_503() {
+    let pair = Pair::start("cancel-on-loss").await;
+    let leadership = pair.leadership();
+    let started = Arc::new(Notify::new());
+    let finish = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicBool::new(false));
+    let completed = Arc::new(AtomicBool::new(false));
+    let handler = {
+        let (started, finish) = (Arc::clone(&started), Arc::clone(&finish));
+        let (dropped, completed) = (Arc::clone(&dropped), Arc::clone(&completed));
+        service_fn(move |_req: Request<Body>| {
+            let (started, finish) = (Arc::clone(&started), Arc::clone(&finish));
+            let (dropped, completed) = (Arc::clone(&dropped), Arc::clone(&completed));
+            async move {
+                let _flag = DropFlag(dropped);
+                started.notify_one();
+                // The webhook's slow work, in flight when the lease is lost.
+                finish.notified().await;
+                completed.store(true, Ordering::SeqCst);
+                Ok::<_, Infallible>(Response::new(Body::from("handled")))
+            }
+        })
+    };
+    let svc = LeaderOnlyHttpLayer::new(leadership.clone())
+        .cancel_on_loss()
+        .layer(handler);
+
+    let request = tokio::spawn(svc.oneshot(post()));
+    timeout(PATIENCE, started.notified())
+        .await
+        .expect("the request never reached the handler");
+    assert!(!request.is_finished());
+
+    pair.terminate_the_leaders_session().await;
+    // Answered without the handler finishing: nothing tells the handler to finish.
+    let res = timeout(PATIENCE, request)
+        .await
+        .expect("the request in flight was not cancelled when the lease was lost")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(!leadership.is_leader());
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the handler's future was dropped"
+    );
+
+    // The retry goes to the new leader; the cancelled handler never goes on.
+    timeout(PATIENCE, pair.successor.leadership().wait_leading())
+        .await
+        .expect("web-2 never led");
+    finish.notify_one();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!completed.load(Ordering::SeqCst));
     pair.shutdown().await;
 }

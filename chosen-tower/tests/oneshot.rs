@@ -259,6 +259,48 @@ async fn a_request_in_flight_runs_on_after_the_lease_expires_by_default() {
 }
 
 #[tokio::test]
+async fn cancel_on_loss_answers_as_a_follower_when_the_lease_expires() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.lead_until(12, Instant::now() + Duration::from_secs(3600));
+    let finish = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (handler, mut tenures) = waiting_handler(Arc::clone(&finish), Arc::clone(&dropped));
+    let svc = LeaderOnlyHttpLayer::new(leadership)
+        .cancel_on_loss()
+        .layer(handler);
+    let pending = tokio::spawn(svc.clone().oneshot(request(Method::POST, "/hook")));
+    let tenure = tenures.recv().await.unwrap();
+    assert_eq!(dropped.load(Ordering::SeqCst), 0);
+    control.expire();
+    let res = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the request in flight was not cancelled")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(
+        res.headers().get(LEADER_HEADER).is_none(),
+        "must not name itself"
+    );
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        1,
+        "the handler's future was dropped"
+    );
+    assert!(!tenure.is_valid());
+
+    // A request that completes within its term is passed on in cancel mode too.
+    control.lead_until(13, Instant::now() + Duration::from_secs(3600));
+    let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/hook")));
+    let tenure = tenures.recv().await.unwrap();
+    assert_eq!(tenure.fencing_token().get(), 13);
+    finish.notify_one();
+    let res = pending.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
+#[tokio::test]
 async fn axum_route_layer_versus_layer() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     control.follow(Some("node-2"));
