@@ -1,22 +1,22 @@
 //! The leader-only HTTP middleware: [`LeaderOnlyHttpLayer`] wraps a service in
-//! [`LeaderOnlyHttp`], whose [`ResponseFuture`] is a ready answer on a follower and, on
-//! the leader, waits for the inner service's readiness, then runs its future.
+//! [`LeaderOnlyHttp`], whose [`ResponseFuture`] is the inner service's future on the
+//! leader and a ready answer on a follower.
 //!
 //! On the leader a request goes to the inner service with its [`Tenure`] in its
 //! extensions; on a follower the layer's [`FollowerResponder`] answers it (by default
 //! [`Reject`]: `503` with `Retry-After`; or [`Redirect`] to the leader, or your own),
-//! and the response names the leader in [`LEADER_HEADER`] when known. Leadership is
-//! read in `call` and again once the inner service is ready, never in `poll_ready`
-//! (which is always ready), and the error type is the inner service's.
+//! and the response names the leader in [`LEADER_HEADER`] when known. `poll_ready` is
+//! the inner service's readiness while this node leads and ready at once while it
+//! follows; the decision is made in `call`, and the error type is the inner service's.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use chosen_core::{Election, Leadership, LockManager, LockRequest};
+use chosen_core::{Election, FencingToken, Leadership, LockManager, LockRequest};
 use http::header::HeaderValue;
 use http::{HeaderMap, Method, Request, Response, Uri};
 use pin_project_lite::pin_project;
@@ -36,21 +36,28 @@ use crate::tenure::Tenure;
 /// apalis jobs is `chosen_apalis::LeaderOnlyJobLayer`, built the same two ways.
 ///
 /// The check happens in `call`, against the lease's deadline at that moment
-/// ([`Leadership::is_leader`]). `poll_ready` is always ready, so a follower never
-/// stalls the caller, not even behind a busy inner service (a `ConcurrencyLimit` full
-/// of requests admitted while this node led): on the leader, the response future
-/// waits for the inner service's readiness (as `tower::util::Oneshot` does), so its
-/// backpressure still holds, and checks leadership again once it is ready. This is why
-/// the inner service must be `Clone`: each admitted request takes a clone of it to
-/// wait on (`tower::buffer::Buffer` makes any service `Clone`; axum requires `Clone`
-/// already). The error type stays the inner service's, so axum's `Infallible`
+/// ([`Leadership::is_leader`]). `poll_ready` never makes a follower wait: while this
+/// node follows it is ready at once, even behind a busy inner service (a
+/// `ConcurrencyLimit` full of requests admitted while this node led). While it leads,
+/// `poll_ready` is the inner service's readiness, so its backpressure reaches the layers
+/// outside the gate (`load_shed` sheds, `Buffer` holds its queue), and it turns ready as
+/// soon as the term ends, the request then being answered as a follower answers. A
+/// request is passed on only with readiness the inner service gave while this node
+/// led: one arriving just after the node became leader (ready as a follower, called as
+/// the leader) is answered as a follower (the client retries). Readiness reserved while
+/// leading and left unused because the term ended before `call` (a `ConcurrencyLimit`
+/// permit) is given back by replacing the inner service with a clone of itself, which
+/// is why the inner service must be `Clone` (axum requires it already; for a tower
+/// service that is not, `tower::buffer::Buffer` is `Clone`, but its error is
+/// `BoxError`: with axum, turn it into a response with `axum::error_handling::HandleErrorLayer`
+/// outside the gate). The error type stays the inner service's, so axum's `Infallible`
 /// contract holds.
 ///
 /// A request passed to the inner service carries its [`Tenure`] (the term's fencing
 /// token, validity and loss) in its extensions. By default it runs to completion even
 /// if the lease is lost meanwhile; with [`cancel_on_loss`](Self::cancel_on_loss) it is
-/// dropped and answered `503` instead. The crate documentation, "A request in flight
-/// when the lease is lost", states what each mode guarantees.
+/// dropped and answered as a follower answers instead. The crate documentation, "A
+/// request in flight when the lease is lost", states what each mode guarantees.
 ///
 /// # With axum
 ///
@@ -237,8 +244,11 @@ impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
 /// The middleware [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) applies: passes
 /// HTTP requests to `inner` on the leader, answers them with `responder` elsewhere.
 ///
-/// A `Service` only for an inner service that is `Clone`: each request admitted on
-/// the leader waits for the readiness of a clone of it, in the response future.
+/// `poll_ready` is ready at once while this node follows; while it leads, it is the
+/// inner service's readiness, and turns ready as soon as the term ends. A `Service` only
+/// for an inner service that is `Clone`: readiness reserved while leading and left
+/// unused, because the term ended before `call`, is given back by replacing the inner
+/// service with a clone of itself.
 #[derive(Debug)]
 pub struct LeaderOnlyHttp<S, R> {
     inner: S,
@@ -248,9 +258,16 @@ pub struct LeaderOnlyHttp<S, R> {
     cancel_on_loss: bool,
     /// The layer's own election, if it started one: kept alive while this service is.
     election: Option<Arc<Election>>,
+    /// `inner` reported ready while this node led, and was not called since: the next
+    /// `call` uses that readiness, or gives it back.
+    reserved: bool,
+    /// While `poll_ready` waits for the inner service on the leader: wakes the caller
+    /// when that term ends.
+    waiter: Option<LossWaiter>,
 }
 
-// Not derived: the responder is shared, so it need not be `Clone` itself.
+// Not derived: the responder is shared, so it need not be `Clone` itself; and a clone's
+// inner service is a clone, which holds no readiness.
 impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
     fn clone(&self) -> Self {
         Self {
@@ -259,6 +276,8 @@ impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
             responder: Arc::clone(&self.responder),
             cancel_on_loss: self.cancel_on_loss,
             election: self.election.clone(),
+            reserved: false,
+            waiter: None,
         }
     }
 }
@@ -276,6 +295,8 @@ impl<S, R> LeaderOnlyHttp<S, R> {
             responder: Arc::new(responder),
             cancel_on_loss: false,
             election: None,
+            reserved: false,
+            waiter: None,
         }
     }
 
@@ -310,6 +331,17 @@ impl<S, R> LeaderOnlyHttp<S, R> {
     }
 }
 
+impl<S: Clone, R> LeaderOnlyHttp<S, R> {
+    /// Gives back the readiness the inner service reserved while this node led (e.g. a
+    /// `ConcurrencyLimit` permit), now that no request of this node's term will use it:
+    /// a clone holds none, and the old inner service is dropped.
+    fn give_back_readiness(&mut self) {
+        if std::mem::take(&mut self.reserved) {
+            self.inner = self.inner.clone();
+        }
+    }
+}
+
 impl<S, R, ReqBody, ResBody> Service<Request<ReqBody>> for LeaderOnlyHttp<S, R>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
@@ -317,43 +349,77 @@ where
 {
     type Response = Response<ResBody>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, R, ReqBody>;
+    type Future = ResponseFuture<S::Future, ResBody, R>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Always ready: a follower answers without the inner service, so it must not
-        // wait for the inner's readiness; the leader's request waits for it in the
-        // response future instead (as `tower::util::Oneshot` does).
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        loop {
+            if !self.leadership.is_leader() {
+                // A follower answers without the inner service: it never waits for it.
+                self.waiter = None;
+                self.give_back_readiness();
+                return Poll::Ready(Ok(()));
+            }
+            // The leader keeps to the inner service's backpressure, so that layers
+            // outside the gate (`load_shed`, `Buffer`) see it.
+            match self.inner.poll_ready(cx) {
+                Poll::Ready(Ok(())) => {
+                    self.waiter = None;
+                    self.reserved = true;
+                    return Poll::Ready(Ok(()));
+                }
+                Poll::Ready(Err(e)) => {
+                    self.waiter = None;
+                    self.reserved = false;
+                    return Poll::Ready(Err(e));
+                }
+                Poll::Pending => {}
+            }
+            // Woken when the term ends, too: the request is then answered as a follower
+            // answers, without waiting for the inner service any longer.
+            let Some(tenure) = Tenure::current(&self.leadership) else {
+                continue;
+            };
+            let waiter = match &mut self.waiter {
+                Some(w) if w.token == tenure.fencing_token() => w,
+                slot => slot.insert(LossWaiter::new(tenure)),
+            };
+            if waiter.poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            // The term ended: read the leadership again.
+        }
     }
 
-    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        // Checked now, against the lease deadline, not a cached flag.
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        // Checked now, against the lease deadline, not a cached flag. A request is
+        // admitted only with the readiness the inner service gave while this node led:
+        // one that became leader between `poll_ready` and `call` answers as a follower.
         match Tenure::current(&self.leadership) {
-            Some(tenure) => {
-                // tower's `mem::replace` idiom: the service itself goes with the
-                // request (which makes it ready in the response future), a clone stays
-                // for the next call.
-                let clone = self.inner.clone();
-                let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::admitted(
-                    inner,
-                    req,
-                    Gate {
-                        tenure,
-                        responder: Arc::clone(&self.responder),
-                        cancel_on_loss: self.cancel_on_loss,
-                        head: None,
-                        lost: None,
+            Some(tenure) if self.reserved => {
+                self.reserved = false;
+                let gate = self.cancel_on_loss.then(|| Gate {
+                    head: RequestHead {
+                        method: req.method().clone(),
+                        uri: req.uri().clone(),
+                        headers: req.headers().clone(),
                     },
-                )
+                    tenure: tenure.clone(),
+                    responder: Arc::clone(&self.responder),
+                    waiter: None,
+                });
+                req.extensions_mut().insert(tenure);
+                ResponseFuture::called(self.inner.call(req), gate)
             }
-            None => ResponseFuture::answered(follower_answer(
-                &self.leadership,
-                &*self.responder,
-                req.method(),
-                req.uri(),
-                req.headers(),
-            )),
+            _ => {
+                self.give_back_readiness();
+                ResponseFuture::answered(follower_answer(
+                    &self.leadership,
+                    &*self.responder,
+                    req.method(),
+                    req.uri(),
+                    req.headers(),
+                ))
+            }
         }
     }
 }
@@ -390,6 +456,41 @@ where
     res
 }
 
+/// Resolves when one term ends: [`Tenure::lost`], made only once a wait is needed (a
+/// request the inner service takes and answers at once costs no allocation for it).
+struct LossWaiter {
+    token: FencingToken,
+    /// Behind a `Mutex` only so that its holders stay `Sync` (axum needs its services
+    /// `Sync`): it is reached through `&mut` (`Mutex::get_mut`), never locked.
+    lost: Mutex<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl fmt::Debug for LossWaiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LossWaiter")
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LossWaiter {
+    fn new(tenure: Tenure) -> Self {
+        Self {
+            token: tenure.fencing_token(),
+            lost: Mutex::new(Box::pin(async move { tenure.lost().await })),
+        }
+    }
+
+    /// Ready once the term is over; registers `cx` to be woken when it ends.
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.lost
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+            .poll(cx)
+    }
+}
+
 /// The parts of a request a follower answer is built from, kept in cancel mode once
 /// the request itself went to the inner service.
 struct RequestHead {
@@ -398,16 +499,13 @@ struct RequestHead {
     headers: HeaderMap,
 }
 
-/// A request the leader admitted: its term, and what answers it if the term ends first.
+/// A request admitted in cancel mode: its term, and what answers it if the term ends
+/// first.
 struct Gate<R> {
     tenure: Tenure,
     responder: Arc<R>,
-    cancel_on_loss: bool,
-    /// Kept in cancel mode, once the request went to the inner service.
-    head: Option<RequestHead>,
-    /// [`Tenure::lost`], made only once a wait is needed: a request the inner service
-    /// takes and answers at once costs no allocation for it.
-    lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    head: RequestHead,
+    waiter: Option<LossWaiter>,
 }
 
 impl<R> Gate<R> {
@@ -416,186 +514,123 @@ impl<R> Gate<R> {
         if !self.tenure.is_valid() {
             return true;
         }
-        let lost = self.lost.get_or_insert_with(|| {
-            let tenure = self.tenure.clone();
-            Box::pin(async move { tenure.lost().await })
-        });
-        lost.as_mut().poll(cx).is_ready()
+        let tenure = &self.tenure;
+        self.waiter
+            .get_or_insert_with(|| LossWaiter::new(tenure.clone()))
+            .poll(cx)
+            .is_ready()
     }
 
-    fn answer<B>(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Response<B>
+    /// The follower answer for a request whose term ended in flight.
+    fn answer<B>(self) -> Response<B>
     where
         R: FollowerResponder<B>,
     {
         follower_answer(
             self.tenure.leadership(),
             &*self.responder,
-            method,
-            uri,
-            headers,
+            &self.head.method,
+            &self.head.uri,
+            &self.head.headers,
         )
     }
 }
 
 pin_project! {
-    /// The future of [`LeaderOnlyHttp`](crate::LeaderOnlyHttp): a follower's ready
-    /// answer, or, on the leader, the inner service's readiness, then its future.
-    pub struct ResponseFuture<S: Service<Request<ReqBody>>, R, ReqBody> {
+    /// The future of [`LeaderOnlyHttp`](crate::LeaderOnlyHttp): the inner service's
+    /// (in cancel mode, dropped once the request's term ends), or a follower's ready
+    /// answer. `R`, the responder, builds the answer for a request cancelled in flight.
+    pub struct ResponseFuture<F, B, R = Reject> {
         #[pin]
-        state: State<S, ReqBody>,
-        // `None` for a follower's answer, and once the inner service was called outside
-        // cancel mode.
+        kind: Kind<F, B>,
+        // Cancel mode only.
         gate: Option<Gate<R>>,
     }
 }
 
 pin_project! {
-    #[project = StateProj]
-    enum State<S: Service<Request<ReqBody>>, ReqBody> {
-        Answered { response: Option<S::Response> },
-        Admitted { inner: S, req: Option<Request<ReqBody>> },
-        Called { #[pin] future: S::Future },
+    #[project = KindProj]
+    enum Kind<F, B> {
+        Inner { #[pin] future: F },
+        Answered { response: Option<Response<B>> },
         Done,
     }
 }
 
-impl<S, R, ReqBody> fmt::Debug for ResponseFuture<S, R, ReqBody>
-where
-    S: Service<Request<ReqBody>>,
-{
+impl<F, B, R> fmt::Debug for ResponseFuture<F, B, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = match &self.state {
-            State::Answered { .. } => "answered by the layer",
-            State::Admitted { .. } => "waiting for the inner service to be ready",
-            State::Called { .. } => "in the inner service",
-            State::Done => "done",
+        let kind = match &self.kind {
+            Kind::Inner { .. } => "in the inner service",
+            Kind::Answered { .. } => "answered by the layer",
+            Kind::Done => "done",
         };
         f.debug_struct("ResponseFuture")
-            .field("state", &state)
+            .field("kind", &kind)
             .field("tenure", &self.gate.as_ref().map(|g| &g.tenure))
             .finish()
     }
 }
 
-impl<S, R, ReqBody> ResponseFuture<S, R, ReqBody>
-where
-    S: Service<Request<ReqBody>>,
-{
-    fn answered(response: S::Response) -> Self {
+impl<F, B, R> ResponseFuture<F, B, R> {
+    fn called(future: F, gate: Option<Gate<R>>) -> Self {
         Self {
-            state: State::Answered {
+            kind: Kind::Inner { future },
+            gate,
+        }
+    }
+
+    fn answered(response: Response<B>) -> Self {
+        Self {
+            kind: Kind::Answered {
                 response: Some(response),
             },
             gate: None,
         }
     }
-
-    fn admitted(inner: S, req: Request<ReqBody>, gate: Gate<R>) -> Self {
-        Self {
-            state: State::Admitted {
-                inner,
-                req: Some(req),
-            },
-            gate: Some(gate),
-        }
-    }
 }
 
-impl<S, R, ReqBody, ResBody> Future for ResponseFuture<S, R, ReqBody>
+impl<F, B, E, R> Future for ResponseFuture<F, B, R>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    R: FollowerResponder<ResBody>,
+    F: Future<Output = Result<Response<B>, E>>,
+    R: FollowerResponder<B>,
 {
-    type Output = Result<Response<ResBody>, S::Error>;
+    type Output = Result<Response<B>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        loop {
-            match this.state.as_mut().project() {
-                StateProj::Answered { response } => {
-                    let response = response
-                        .take()
-                        .expect("BUG: ResponseFuture polled after completion");
-                    this.state.set(State::Done);
-                    return Poll::Ready(Ok(response));
-                }
-                StateProj::Admitted { inner, req } => {
-                    let gate = this.gate.as_mut().expect("BUG: admitted without a gate");
-                    match inner.poll_ready(cx) {
-                        Poll::Ready(Ok(())) => {}
-                        Poll::Ready(Err(e)) => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Err(e));
+        match this.kind.as_mut().project() {
+            KindProj::Inner { future } => {
+                let Some(gate) = this.gate.as_mut() else {
+                    return future.poll(cx);
+                };
+                // Cancel mode: the inner future is polled only while the term is valid,
+                // so that the handler makes no further step once it is over.
+                if gate.tenure.is_valid() {
+                    match future.poll(cx) {
+                        Poll::Ready(output) => {
+                            this.kind.set(Kind::Done);
+                            *this.gate = None;
+                            return Poll::Ready(output);
                         }
                         Poll::Pending => {
-                            // A request whose term ends while it waits for the inner
-                            // service is answered as a follower would, at once.
-                            if gate.poll_over(cx) {
-                                let req = req.take().expect("BUG: admitted twice");
-                                let res = gate.answer(req.method(), req.uri(), req.headers());
-                                this.state.set(State::Done);
-                                return Poll::Ready(Ok(res));
+                            if !gate.poll_over(cx) {
+                                return Poll::Pending;
                             }
-                            return Poll::Pending;
                         }
                     }
-                    // Checked again now that the inner service is ready: the term may
-                    // have ended while the request waited.
-                    if !gate.tenure.is_valid() {
-                        let req = req.take().expect("BUG: admitted twice");
-                        let res = gate.answer(req.method(), req.uri(), req.headers());
-                        this.state.set(State::Done);
-                        return Poll::Ready(Ok(res));
-                    }
-                    let mut req = req.take().expect("BUG: admitted twice");
-                    if gate.cancel_on_loss {
-                        gate.head = Some(RequestHead {
-                            method: req.method().clone(),
-                            uri: req.uri().clone(),
-                            headers: req.headers().clone(),
-                        });
-                    }
-                    req.extensions_mut().insert(gate.tenure.clone());
-                    let future = inner.call(req);
-                    if !gate.cancel_on_loss {
-                        *this.gate = None;
-                    }
-                    this.state.set(State::Called { future });
                 }
-                StateProj::Called { future } => {
-                    // In cancel mode the inner future is polled only while the term is
-                    // valid: once it is over, the handler makes no further step.
-                    if this.gate.as_ref().is_some_and(|g| !g.tenure.is_valid()) {
-                        return Poll::Ready(Ok(cancel(this.state, this.gate)));
-                    }
-                    if let Poll::Ready(output) = future.poll(cx) {
-                        this.state.set(State::Done);
-                        *this.gate = None;
-                        return Poll::Ready(output);
-                    }
-                    if this.gate.as_mut().is_some_and(|g| g.poll_over(cx)) {
-                        return Poll::Ready(Ok(cancel(this.state, this.gate)));
-                    }
-                    return Poll::Pending;
-                }
-                StateProj::Done => panic!("BUG: ResponseFuture polled after completion"),
+                this.kind.set(Kind::Done);
+                let gate = this.gate.take().expect("BUG: cancel mode without a gate");
+                Poll::Ready(Ok(gate.answer()))
             }
+            KindProj::Answered { response } => {
+                let response = response
+                    .take()
+                    .expect("BUG: ResponseFuture polled after completion");
+                this.kind.set(Kind::Done);
+                Poll::Ready(Ok(response))
+            }
+            KindProj::Done => panic!("BUG: ResponseFuture polled after completion"),
         }
     }
-}
-
-/// Drops the inner future of a request whose term ended (cancel mode) and answers it
-/// as a follower would.
-fn cancel<S, R, ReqBody, ResBody>(
-    mut state: Pin<&mut State<S, ReqBody>>,
-    gate: &mut Option<Gate<R>>,
-) -> Response<ResBody>
-where
-    S: Service<Request<ReqBody>>,
-    R: FollowerResponder<ResBody>,
-{
-    state.set(State::Done);
-    let gate = gate.take().expect("BUG: cancel without a gate");
-    let head = gate.head.as_ref().expect("BUG: cancel mode keeps the head");
-    gate.answer(&head.method, &head.uri, &head.headers)
 }

@@ -68,7 +68,8 @@ async fn a_follower_answers_at_once_while_the_inner_service_is_busy() {
         .await
         .expect("the first request never reached the handler");
 
-    // The leader keeps to the inner service's backpressure: the second request waits.
+    // The leader keeps to the inner service's backpressure: the second request waits
+    // for the gate's readiness.
     let second = tokio::spawn(svc.clone().oneshot(post()));
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
@@ -91,8 +92,8 @@ async fn a_follower_answers_at_once_while_the_inner_service_is_busy() {
         .unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(res.headers()["retry-after"], "1");
-    // The request admitted while leading, whose term ended while it waited for the
-    // inner service, is answered as a follower answers, too.
+    // The request that waited for the inner service's readiness on the leader is
+    // answered as a follower answers, too, now that the term ended.
     let res = timeout(Duration::from_secs(10), second)
         .await
         .expect("a request whose term ended still waits for the inner service")

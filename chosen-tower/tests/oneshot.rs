@@ -1,12 +1,10 @@
-//! The layer with a hand-set leadership: no database needed. (A lease lost for real:
-//! `busy_inner.rs`, `lost_in_flight.rs`.)
+//! The layer with a hand-set leadership: no database needed. (Readiness and
+//! backpressure: `readiness.rs`; a lease lost for real: `busy_inner.rs`,
+//! `lost_in_flight.rs`.)
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -154,53 +152,6 @@ async fn custom_answers() {
     assert_eq!(res.status(), StatusCode::MISDIRECTED_REQUEST);
     assert_eq!(res.headers()[LEADER_HEADER], "node-9");
     assert_eq!(body_text(res).await, "ask node-9 for /x");
-}
-
-/// An inner service that is never ready.
-#[derive(Clone)]
-struct NeverReady;
-
-impl Service<Request<Body>> for NeverReady {
-    type Response = Response<Body>;
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Pending
-    }
-    fn call(&mut self, _req: Request<Body>) -> Self::Future {
-        unreachable!()
-    }
-}
-
-#[tokio::test]
-async fn poll_ready_never_waits_for_the_inner_service() {
-    let (leadership, control) = Leadership::manual("admin", "node-1");
-    control.follow(None);
-    let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(NeverReady);
-    let mut cx = Context::from_waker(Waker::noop());
-    assert!(
-        svc.poll_ready(&mut cx).is_ready(),
-        "a follower must not stall"
-    );
-    // A follower answers without the inner service.
-    let res = svc.call(request(Method::GET, "/")).await.unwrap();
-    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-
-    // The leader's request waits for the inner service in its future...
-    control.lead(1);
-    assert!(svc.poll_ready(&mut cx).is_ready());
-    let mut fut = pin!(svc.call(request(Method::GET, "/")));
-    assert!(fut.as_mut().poll(&mut cx).is_pending());
-    assert!(fut.as_mut().poll(&mut cx).is_pending());
-    // ... until its term ends: then it is answered as a follower answers.
-    control.follow(Some("node-2"));
-    match fut.as_mut().poll(&mut cx) {
-        Poll::Ready(Ok(res)) => {
-            assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-            assert_eq!(res.headers()[LEADER_HEADER], "node-2");
-        }
-        other => panic!("not answered as a follower: {other:?}"),
-    }
 }
 
 /// A handler that reports each request's tenure, then waits for `finish` (with a flag
