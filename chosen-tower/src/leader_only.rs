@@ -202,8 +202,10 @@ impl<R> LeaderOnlyHttpLayer<R> {
     /// inner service's future is dropped without being polled again, and the request
     /// is answered as a follower answers (by default `503` + `Retry-After`), so that
     /// the client retries, on the new leader. A response the inner service completed
-    /// while the term was valid is passed on. The default is to let a request in
-    /// flight run to completion.
+    /// while the term was valid is passed on; one completed by a poll during which the
+    /// term ended is dropped (so is an error), and the request is answered as a
+    /// follower answers too, although what the handler did in that poll is done. The
+    /// default is to let a request in flight run to completion.
     ///
     /// What is done is not undone: writes the handler made before the loss stay made,
     /// and tasks it spawned go on. Fence such writes with the request's
@@ -608,9 +610,13 @@ where
                 if gate.tenure.is_valid() {
                     match future.poll(cx) {
                         Poll::Ready(output) => {
-                            this.kind.set(Kind::Done);
-                            *this.gate = None;
-                            return Poll::Ready(output);
+                            // Passed on only if the term held through the poll that
+                            // completed it (a term, once over, stays over).
+                            if gate.tenure.is_valid() {
+                                this.kind.set(Kind::Done);
+                                *this.gate = None;
+                                return Poll::Ready(output);
+                            }
                         }
                         Poll::Pending => {
                             if !gate.poll_over(cx) {

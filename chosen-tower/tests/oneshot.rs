@@ -251,6 +251,69 @@ async fn cancel_on_loss_answers_as_a_follower_when_the_lease_expires() {
     assert_eq!(res.status(), StatusCode::OK);
 }
 
+/// A handler that loses the lease in its last step (the poll that completes it) and
+/// answers `200`.
+fn loses_the_lease_in_its_last_step(
+    control: chosen_core::ManualLeadership,
+    handled: Arc<AtomicUsize>,
+) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone {
+    service_fn(move |req: Request<Body>| {
+        let (control, handled) = (control.clone(), Arc::clone(&handled));
+        async move {
+            let tenure = req.extensions().get::<Tenure>().cloned().unwrap();
+            tokio::task::yield_now().await;
+            control.expire();
+            assert!(!tenure.is_valid());
+            handled.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Infallible>(Response::new(Body::from("written after the loss")))
+        }
+    })
+}
+
+#[tokio::test]
+async fn cancel_on_loss_answers_as_a_follower_when_the_term_ends_in_the_handlers_last_poll() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let handled = Arc::new(AtomicUsize::new(0));
+    let inner = loses_the_lease_in_its_last_step(control.clone(), Arc::clone(&handled));
+
+    // Cancel mode: the response was not completed while the tenure was valid.
+    control.lead_until(14, Instant::now() + Duration::from_secs(3600));
+    let svc = LeaderOnlyHttpLayer::new(leadership.clone())
+        .cancel_on_loss()
+        .layer(inner.clone());
+    let res = tokio::time::timeout(
+        Duration::from_secs(30),
+        svc.oneshot(request(Method::POST, "/hook")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        res.headers().get(LEADER_HEADER).is_none(),
+        "must not name itself"
+    );
+    assert_eq!(
+        handled.load(Ordering::SeqCst),
+        1,
+        "the handler's last step ran"
+    );
+
+    // By default the handler's answer is passed on, whenever it completed.
+    control.lead_until(15, Instant::now() + Duration::from_secs(3600));
+    let svc = LeaderOnlyHttpLayer::new(leadership).layer(inner);
+    let res = tokio::time::timeout(
+        Duration::from_secs(30),
+        svc.oneshot(request(Method::POST, "/hook")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(body_text(res).await, "written after the loss");
+    assert_eq!(handled.load(Ordering::SeqCst), 2);
+}
+
 #[tokio::test]
 async fn axum_route_layer_versus_layer() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
