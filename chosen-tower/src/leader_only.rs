@@ -59,6 +59,18 @@ use crate::tenure::Tenure;
 /// dropped and answered as a follower answers instead. The crate documentation, "A
 /// request in flight when the lease is lost", states what each mode guarantees.
 ///
+/// # Runtime
+///
+/// Waiting for a term to end needs tokio's timer, since a lease's deadline passes
+/// without any change of state: on the leader when the inner service is not ready at
+/// once (`poll_ready` then waits for it and for the loss), and in cancel mode while the
+/// inner future is pending. There the service and its future must be polled inside a
+/// tokio runtime with its timer enabled (`#[tokio::main]`, `Builder::enable_all`, as
+/// `axum::serve` runs); elsewhere (no runtime, another executor, a runtime built
+/// without `enable_time`) they panic. A follower, and a leader whose inner service is
+/// ready at once and (in cancel mode) whose future completes at its first poll, need
+/// no runtime.
+///
 /// # With axum
 ///
 /// Use `route_layer` so unknown paths keep answering `404`; gate a single method
@@ -210,7 +222,8 @@ impl<R> LeaderOnlyHttpLayer<R> {
     /// What is done is not undone: writes the handler made before the loss stay made,
     /// and tasks it spawned go on. Fence such writes with the request's
     /// [`Tenure`]. The crate documentation, "A request in flight when the lease is
-    /// lost", has the details.
+    /// lost", has the details. Waiting for the loss needs a tokio runtime with its
+    /// timer (the layer's "Runtime" section).
     ///
     /// ```
     /// use chosen_tower::LeaderOnlyHttpLayer;

@@ -504,3 +504,41 @@ async fn a_service_that_is_not_clone_serves_axum_behind_a_buffer_and_handle_erro
 fn req_to(path: &str) -> Request<Body> {
     Request::builder().uri(path).body(Body::empty()).unwrap()
 }
+
+#[test]
+fn a_follower_and_a_leader_that_need_not_wait_need_no_runtime() {
+    // No tokio runtime here: only waiting for a term to end needs its timer.
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let mut cx = Context::from_waker(Waker::noop());
+    let ready = || {
+        service_fn(|_req: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        })
+    };
+    let layers = [
+        LeaderOnlyHttpLayer::new(leadership.clone()),
+        LeaderOnlyHttpLayer::new(leadership).cancel_on_loss(),
+    ];
+    for layer in layers {
+        let mut svc = layer.layer(ready());
+        for leading in [true, false] {
+            if leading {
+                control.lead_until(1, Instant::now() + Duration::from_secs(3600));
+            } else {
+                control.follow(Some("node-2"));
+            }
+            assert!(svc.poll_ready(&mut cx).is_ready());
+            let mut fut = std::pin::pin!(svc.call(Request::new(String::new())));
+            let res = match std::future::Future::poll(fut.as_mut(), &mut cx) {
+                Poll::Ready(res) => res.unwrap(),
+                Poll::Pending => panic!("the inner future is ready at its first poll"),
+            };
+            let expected = if leading {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            assert_eq!(res.status(), expected);
+        }
+    }
+}
