@@ -19,14 +19,20 @@ use chosen_core::{FencingToken, LeaderState, Leadership};
 ///
 /// Leading does not make a write safe by itself: a request admitted just before the
 /// lease was lost may still run while another node already leads (see the crate
-/// documentation, "A request in flight when the lease is lost"). Fence the writes that
-/// must happen once with the token, so that the database refuses the stale one:
+/// documentation, "A request in flight when the lease is lost"). Fence the writes with
+/// the token, so that the database refuses the stale leader's transaction once the new
+/// leader has committed one. Fencing orders the commits, it does not make them one: the
+/// client's retry, on the new leader, writes again, and a stale transaction that
+/// committed first stays committed. So give the write an idempotency key too (here the
+/// sender's delivery id, the same on every retry), and check [`is_valid`](Self::is_valid)
+/// first, as [`Lease::fence`](chosen_core::Lease::fence) does, so that a node that
+/// already knows its term is over writes nothing:
 ///
 /// ```no_run
 /// use std::sync::Arc;
 ///
 /// use axum::extract::{Extension, State};
-/// use axum::http::StatusCode;
+/// use axum::http::{HeaderMap, StatusCode};
 /// use chosen_core::fenced;
 /// use chosen_tower::Tenure;
 /// use tokio::sync::Mutex;
@@ -35,11 +41,17 @@ use chosen_core::{FencingToken, LeaderState, Leadership};
 /// async fn webhook(
 ///     Extension(tenure): Extension<Tenure>,
 ///     State(db): State<Arc<Mutex<tokio_postgres::Client>>>,
+///     headers: HeaderMap,
 ///     body: String,
 /// ) -> StatusCode {
-///     match deliver(&tenure, &mut *db.lock().await, &body).await {
+///     // The sender's id for this delivery, the same on each of its retries.
+///     let Some(id) = headers.get("x-delivery-id").and_then(|v| v.to_str().ok()) else {
+///         return StatusCode::BAD_REQUEST;
+///     };
+///     match deliver(&tenure, &mut *db.lock().await, id, &body).await {
 ///         Ok(()) => StatusCode::OK,
-///         // A newer leader has written (or the database failed): let the client retry.
+///         // The term is over, a newer leader has written, or the database failed:
+///         // let the client retry.
 ///         Err(_) => StatusCode::SERVICE_UNAVAILABLE,
 ///     }
 /// }
@@ -47,14 +59,26 @@ use chosen_core::{FencingToken, LeaderState, Leadership};
 /// async fn deliver(
 ///     tenure: &Tenure,
 ///     client: &mut tokio_postgres::Client,
+///     id: &str,
 ///     body: &str,
 /// ) -> Result<(), Box<dyn std::error::Error>> {
+///     // A node that knows its term is over writes nothing (the token check alone
+///     // would let it write until the new leader has).
+///     if !tenure.is_valid() {
+///         return Err("the term is over".into());
+///     }
 ///     let tx = client.transaction().await?;
 ///     // First in the transaction: `Error::StaleToken` (and the transaction aborted)
-///     // once a newer leader of the lock has fenced, so the delivery commits once.
+///     // once a newer leader of the lock has fenced, so that a stale leader cannot
+///     // commit after the new one.
 ///     fenced::fence(&tx, tenure.name(), tenure.fencing_token()).await?;
-///     tx.execute("INSERT INTO deliveries (body) VALUES ($1)", &[&body])
-///         .await?;
+///     // Whoever commits second (the retry after a stale leader's commit, or a
+///     // duplicate delivery) inserts nothing.
+///     tx.execute(
+///         "INSERT INTO deliveries (id, body) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING",
+///         &[&id, &body],
+///     )
+///     .await?;
 ///     tx.commit().await?;
 ///     Ok(())
 /// }
