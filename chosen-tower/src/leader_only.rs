@@ -24,7 +24,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::responder::{FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject};
-use crate::tenure::Tenure;
+use crate::tenure::{Tenure, Tenures};
 
 /// Gates HTTP requests on leadership: on the leader, requests reach the inner service;
 /// on a follower, the layer answers itself (by default `503` + `Retry-After: 1`), with
@@ -54,7 +54,8 @@ use crate::tenure::Tenure;
 /// contract holds.
 ///
 /// A request passed to the inner service carries its [`Tenure`] (the term's fencing
-/// token, validity and loss) in its extensions. By default it runs to completion even
+/// token, validity and loss) in its extensions, and each gate's in [`Tenures`] when
+/// gates on several locks are stacked. By default it runs to completion even
 /// if the lease is lost meanwhile; with [`cancel_on_loss`](Self::cancel_on_loss) it is
 /// dropped and answered as a follower answers instead. The crate documentation, "A
 /// request in flight when the lease is lost", states what each mode guarantees.
@@ -422,7 +423,7 @@ where
                     responder: Arc::clone(&self.responder),
                     waiter: None,
                 });
-                req.extensions_mut().insert(tenure);
+                Tenures::admit(req.extensions_mut(), tenure);
                 ResponseFuture::called(self.inner.call(req), gate)
             }
             _ => {

@@ -14,4 +14,4 @@ pub use leader_only::{
 pub use responder::{
     BoxResponder, FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject,
 };
-pub use tenure::Tenure;
+pub use tenure::{Tenure, Tenures};

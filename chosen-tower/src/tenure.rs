@@ -13,6 +13,8 @@ use chosen_core::{FencingToken, LeaderState, Leadership};
 ///
 /// [`LeaderOnlyHttp`](crate::LeaderOnlyHttp) puts one into the extensions of every
 /// request it passes to the inner service (axum: the `Extension<Tenure>` extractor).
+/// Behind gates on several locks, that is the tenure of the gate nearest to the
+/// handler; [`Tenures`], in the extensions too, holds each gate's.
 /// A tenure belongs to one term: once the lease of that term is lost, released, or past
 /// its deadline, it stays invalid, even if this node leads again later under a new
 /// token.
@@ -179,6 +181,62 @@ impl Tenure {
             // The state changed: check the term again. (`changed` is never ready at its
             // first poll while we hold the leadership, whose sender it watches.)
         }
+    }
+}
+
+/// The tenures of every gate that admitted a request, outermost first, for a route
+/// behind gates on several locks: each [`LeaderOnlyHttp`](crate::LeaderOnlyHttp) adds its
+/// own to the request's extensions (axum: the `Extension<Tenures>` extractor), next to
+/// the [`Tenure`] of the gate nearest to the handler.
+///
+/// ```
+/// use axum::Extension;
+/// use chosen_tower::Tenures;
+///
+/// // Behind `LeaderOnlyHttpLayer`s on the locks "billing" and "ledger".
+/// async fn close_month(Extension(tenures): Extension<Tenures>) -> String {
+///     let billing = tenures.get("billing").expect("behind the billing gate");
+///     let ledger = tenures.get("ledger").expect("behind the ledger gate");
+///     format!("{:?} {:?}", billing.fencing_token(), ledger.fencing_token())
+/// }
+/// # let _ = close_month;
+/// ```
+#[derive(Clone, Debug)]
+pub struct Tenures {
+    /// The outermost gate's; a request in the extensions of which there is a `Tenures`
+    /// was admitted by at least one gate.
+    first: Tenure,
+    /// The other gates', outermost first (empty behind a single gate: no allocation).
+    rest: Vec<Tenure>,
+}
+
+impl Tenures {
+    /// The tenure of the gate on the lock `name` (the one nearest to the handler, if
+    /// several gates are on that lock); `None` if no gate on it admitted the request.
+    #[must_use]
+    pub fn get(&self, name: &str) -> Option<&Tenure> {
+        self.iter().rev().find(|tenure| tenure.name() == name)
+    }
+
+    /// Each gate's tenure, outermost first.
+    #[must_use]
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Tenure> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
+
+    /// Adds `tenure`, the term a gate admitted a request in, to the request's
+    /// extensions: as its [`Tenure`] (replacing an outer gate's) and to its [`Tenures`].
+    pub(crate) fn admit(extensions: &mut http::Extensions, tenure: Tenure) {
+        match extensions.get_mut::<Self>() {
+            Some(tenures) => tenures.rest.push(tenure.clone()),
+            None => {
+                extensions.insert(Self {
+                    first: tenure.clone(),
+                    rest: Vec::new(),
+                });
+            }
+        }
+        extensions.insert(tenure);
     }
 }
 

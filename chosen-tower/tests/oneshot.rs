@@ -7,11 +7,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::Router;
 use axum::body::Body;
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use chosen_core::Leadership;
-use chosen_tower::{FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer, Tenure};
+use chosen_tower::{
+    FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer, Tenure, Tenures,
+};
 use http::{Method, Request, Response, StatusCode};
 use tokio::sync::{Notify, mpsc};
 use tower::{Layer, Service, ServiceExt, service_fn};
@@ -312,6 +314,53 @@ async fn cancel_on_loss_answers_as_a_follower_when_the_term_ends_in_the_handlers
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(body_text(res).await, "written after the loss");
     assert_eq!(handled.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn behind_gates_on_two_locks_the_handler_gets_each_gates_tenure() {
+    let (billing, billing_control) = Leadership::manual("billing", "node-1");
+    let (ledger, ledger_control) = Leadership::manual("ledger", "node-1");
+    billing_control.lead(21);
+    ledger_control.lead(34);
+    let handler = |Extension(tenure): Extension<Tenure>, Extension(tenures): Extension<Tenures>| async move {
+        let each: Vec<_> = tenures
+            .iter()
+            .map(|t| format!("{}={}", t.name(), t.fencing_token().get()))
+            .collect();
+        let billing = tenures.get("billing").map(|t| t.fencing_token().get());
+        let ledger = tenures.get("ledger").map(|t| t.fencing_token().get());
+        format!(
+            "nearest {}; each {}; billing {billing:?}; ledger {ledger:?}",
+            tenure.name(),
+            each.join(",")
+        )
+    };
+    let app = Router::new()
+        .route(
+            "/close",
+            post(handler).route_layer(LeaderOnlyHttpLayer::new(ledger.clone())),
+        )
+        .route_layer(LeaderOnlyHttpLayer::new(billing))
+        .route(
+            "/ledger",
+            post(handler).route_layer(LeaderOnlyHttpLayer::new(ledger)),
+        );
+    let res = app
+        .clone()
+        .oneshot(request(Method::POST, "/close"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        body_text(res).await,
+        "nearest ledger; each billing=21,ledger=34; billing Some(21); ledger Some(34)"
+    );
+    // Behind one gate: `Tenures` holds just its tenure.
+    let res = app.oneshot(request(Method::POST, "/ledger")).await.unwrap();
+    assert_eq!(
+        body_text(res).await,
+        "nearest ledger; each ledger=34; billing None; ledger Some(34)"
+    );
 }
 
 #[tokio::test]
