@@ -217,8 +217,10 @@ impl<R> LeaderOnlyHttpLayer<R> {
     /// the client retries, on the new leader. A response the inner service completed
     /// while the term was valid is passed on; one completed by a poll during which the
     /// term ended is dropped (so is an error), and the request is answered as a
-    /// follower answers too, although what the handler did in that poll is done. The
-    /// default is to let a request in flight run to completion.
+    /// follower answers too, although what the handler did in that poll is done. A
+    /// request whose term ended is answered so even if this node leads again by then,
+    /// in a new term: the client's retry is admitted in that term. The default is to
+    /// let a request in flight run to completion.
     ///
     /// What is done is not undone: writes the handler made before the loss stay made,
     /// and tasks it spawned go on. Fence such writes with the request's

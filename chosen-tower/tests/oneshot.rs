@@ -253,6 +253,45 @@ async fn cancel_on_loss_answers_as_a_follower_when_the_lease_expires() {
     assert_eq!(res.status(), StatusCode::OK);
 }
 
+#[tokio::test]
+async fn cancel_on_loss_answers_as_a_follower_even_when_the_node_already_leads_again() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.lead(16);
+    let finish = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (handler, mut tenures) = waiting_handler(Arc::clone(&finish), Arc::clone(&dropped));
+    let svc = LeaderOnlyHttpLayer::new(leadership.clone())
+        .cancel_on_loss()
+        .layer(handler);
+    let pending = tokio::spawn(svc.clone().oneshot(request(Method::POST, "/hook")));
+    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 16);
+
+    // Lost and led again, in a new term, while the request was in flight: its term is
+    // over, so it is answered as a follower, without naming this node.
+    control.follow(None);
+    control.lead(17);
+    let res = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the request in flight was not cancelled")
+        .unwrap()
+        .unwrap();
+    assert!(leadership.is_leader());
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(
+        res.headers().get(LEADER_HEADER).is_none(),
+        "must not name itself"
+    );
+    assert_eq!(dropped.load(Ordering::SeqCst), 1);
+
+    // The client's retry is admitted in the new term.
+    let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/hook")));
+    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 17);
+    finish.notify_one();
+    let res = pending.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
 /// A handler that loses the lease in its last step (the poll that completes it) and
 /// answers `200`.
 fn loses_the_lease_in_its_last_step(
