@@ -242,6 +242,8 @@ impl Tenures {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::task::{Context, Waker};
     use std::time::{Duration, Instant};
 
     use super::*;
@@ -265,39 +267,76 @@ mod tests {
         assert!(Tenure::current(&leadership).is_some_and(|t| t.is_valid()));
     }
 
+    /// A waker that records that it was woken.
+    #[derive(Default)]
+    struct WakeFlag(tokio::sync::Notify);
+
+    impl std::task::Wake for WakeFlag {
+        fn wake(self: Arc<Self>) {
+            self.0.notify_one();
+        }
+    }
+
+    impl WakeFlag {
+        async fn woken(&self, what: &str) {
+            tokio::time::timeout(Duration::from_secs(30), self.0.notified())
+                .await
+                .unwrap_or_else(|_| panic!("the waiter was not woken: {what}"));
+        }
+    }
+
     #[tokio::test]
-    async fn lost_wakes_when_the_term_ends_later() {
+    async fn lost_wakes_its_waiter_when_the_term_ends_later() {
         let (leadership, control) = Leadership::manual("hook", "node-1");
+        let flag = Arc::new(WakeFlag::default());
+        let waker = Waker::from(Arc::clone(&flag));
+        let mut cx = Context::from_waker(&waker);
+
         control.lead_until(3, Instant::now() + Duration::from_secs(3600));
         let tenure = Tenure::current(&leadership).expect("leading");
-        let waiter = tokio::spawn({
-            let tenure = tenure.clone();
-            async move { tenure.lost().await }
-        });
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!waiter.is_finished(), "the term goes on");
+        let mut lost = pin!(tenure.lost());
+        // Polled, and so registered to be woken, while the term goes on.
+        assert!(lost.as_mut().poll(&mut cx).is_pending(), "the term goes on");
         // The deadline passes, unnoticed by the election: no state change.
         control.expire();
-        tokio::time::timeout(Duration::from_secs(30), waiter)
-            .await
-            .expect("lost() resolves when the deadline passes")
-            .unwrap();
+        flag.woken("the lease expired").await;
+        assert!(lost.as_mut().poll(&mut cx).is_ready());
         assert!(!tenure.is_valid());
 
-        // A new term after an ended one, seen by a waiter that started in between.
+        // A new term replaces this one while the waiter waits: lost, and led again
+        // before the waiter looked.
         control.lead(4);
         let tenure = Tenure::current(&leadership).expect("leading");
-        let waiter = tokio::spawn({
-            let tenure = tenure.clone();
-            async move { tenure.lost().await }
-        });
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut lost = pin!(tenure.lost());
+        assert!(lost.as_mut().poll(&mut cx).is_pending(), "the term goes on");
         control.follow(None);
         control.lead(5);
-        tokio::time::timeout(Duration::from_secs(30), waiter)
-            .await
-            .expect("lost() resolves when a new term replaces this one")
-            .unwrap();
+        flag.woken("a new term replaced this one").await;
+        assert!(lost.as_mut().poll(&mut cx).is_ready());
         assert!(format!("{tenure:?}").contains("valid: false"));
+    }
+
+    #[tokio::test]
+    async fn lost_wakes_its_waiter_when_the_lease_deadline_passes() {
+        let (leadership, control) = Leadership::manual("hook", "node-1");
+        let flag = Arc::new(WakeFlag::default());
+        let waker = Waker::from(Arc::clone(&flag));
+        let mut cx = Context::from_waker(&waker);
+        // Nothing but the clock ends the term: a timer must wake the waiter. A lease
+        // that ended before the first poll tests nothing: then a longer one.
+        for lease in [300, 1_000, 5_000].map(Duration::from_millis) {
+            let deadline = Instant::now() + lease;
+            control.lead_until(6, deadline);
+            let tenure = Tenure::current(&leadership).expect("leading");
+            let mut lost = pin!(tenure.lost());
+            if lost.as_mut().poll(&mut cx).is_ready() {
+                continue;
+            }
+            flag.woken("the lease deadline passed").await;
+            assert!(Instant::now() >= deadline, "woken before the deadline");
+            assert!(lost.as_mut().poll(&mut cx).is_ready());
+            return;
+        }
+        panic!("every lease ended before lost() was polled");
     }
 }
