@@ -254,6 +254,48 @@ async fn cancel_on_loss_answers_as_a_follower_when_the_lease_expires() {
 }
 
 #[tokio::test]
+async fn cancel_on_loss_answers_as_a_follower_when_the_lease_deadline_passes() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let finish = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (handler, mut tenures) = waiting_handler(Arc::clone(&finish), Arc::clone(&dropped));
+    let svc = LeaderOnlyHttpLayer::new(leadership)
+        .cancel_on_loss()
+        .layer(handler);
+    // Nothing but the clock ends the term (no state change, no `expire()`): a timer
+    // must wake the request in flight. A lease that ended before the request was
+    // admitted tests nothing: then again with a longer one.
+    for (token, lease) in [(31, 300), (32, 1_000), (33, 5_000)] {
+        let deadline = Instant::now() + Duration::from_millis(lease);
+        control.lead_until(token, deadline);
+        let res = tokio::time::timeout(
+            Duration::from_secs(30),
+            svc.clone().oneshot(request(Method::POST, "/hook")),
+        )
+        .await
+        .expect("the request in flight was not cancelled when the deadline passed")
+        .unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            res.headers().get(LEADER_HEADER).is_none(),
+            "must not name itself"
+        );
+        let Ok(tenure) = tenures.try_recv() else {
+            continue; // answered at `call`: the lease had already ended
+        };
+        assert_eq!(tenure.fencing_token().get(), token);
+        assert!(Instant::now() >= deadline, "cancelled before the deadline");
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            1,
+            "the handler's future was dropped"
+        );
+        return;
+    }
+    panic!("every lease ended before the request was admitted");
+}
+
+#[tokio::test]
 async fn cancel_on_loss_answers_as_a_follower_even_when_the_node_already_leads_again() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     control.lead(16);
