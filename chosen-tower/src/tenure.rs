@@ -147,8 +147,9 @@ impl Tenure {
 
     /// Resolves once the term is over: the lease was lost, released, or passed its
     /// deadline (the moment [`is_valid`](Self::is_valid) turns `false`, even before the
-    /// election task notices); at once if it already is. Needs a tokio runtime with
-    /// its timer, as [`Leadership::wait_not_leading`] does.
+    /// election task notices); at once if it already is. When it resolves,
+    /// [`is_valid`](Self::is_valid) is `false`. Needs a tokio runtime with its timer, as
+    /// [`Leadership::wait_not_leading`] does.
     ///
     /// # Cancel safety
     ///
@@ -175,13 +176,34 @@ impl Tenure {
                 })
                 .await;
                 if over {
-                    return;
+                    if !self.is_valid() {
+                        return;
+                    }
+                    // The wait saw the loss before `is_valid` does: the lease's loss is
+                    // being recorded on another thread (its reason is set an instant
+                    // before the lease is revoked). Let that thread go on, and look again.
+                    yield_once().await;
                 }
             }
             // The state changed: check the term again. (`changed` is never ready at its
             // first poll while we hold the leadership, whose sender it watches.)
         }
     }
+}
+
+/// Pending once (waking its task at once), then ready: gives the executor's other tasks
+/// and threads a turn.
+async fn yield_once() {
+    let mut yielded = false;
+    poll_fn(|cx| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await;
 }
 
 /// The tenures of every gate that admitted a request, outermost first, for a route
