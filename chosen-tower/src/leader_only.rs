@@ -404,7 +404,9 @@ where
             if waiter.poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            // The term ended: read the leadership again.
+            // The term ended: read the leadership again, with a new waiter if this node
+            // still (or again) leads.
+            self.waiter = None;
         }
     }
 
@@ -476,11 +478,13 @@ where
 
 /// Resolves when one term ends: [`Tenure::lost`], made only once a wait is needed (a
 /// request the inner service takes and answers at once costs no allocation for it).
+/// Fused: once ready, it stays ready without polling `lost` again.
 struct LossWaiter {
     token: FencingToken,
-    /// Behind a `Mutex` only so that its holders stay `Sync` (axum needs its services
-    /// `Sync`): it is reached through `&mut` (`Mutex::get_mut`), never locked.
-    lost: Mutex<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// `None` once resolved. Behind a `Mutex` only so that its holders stay `Sync` (axum
+    /// needs its services `Sync`): it is reached through `&mut` (`Mutex::get_mut`),
+    /// never locked.
+    lost: Mutex<Option<Pin<Box<dyn Future<Output = ()> + Send>>>>,
 }
 
 impl fmt::Debug for LossWaiter {
@@ -495,17 +499,22 @@ impl LossWaiter {
     fn new(tenure: Tenure) -> Self {
         Self {
             token: tenure.fencing_token(),
-            lost: Mutex::new(Box::pin(async move { tenure.lost().await })),
+            lost: Mutex::new(Some(Box::pin(async move { tenure.lost().await }))),
         }
     }
 
-    /// Ready once the term is over; registers `cx` to be woken when it ends.
+    /// Ready once the term is over (and from then on); registers `cx` to be woken when
+    /// it ends.
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        self.lost
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_mut()
-            .poll(cx)
+        let slot = self.lost.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let Some(lost) = slot.as_mut() else {
+            return Poll::Ready(());
+        };
+        let poll = lost.as_mut().poll(cx);
+        if poll.is_ready() {
+            *slot = None;
+        }
+        poll
     }
 }
 

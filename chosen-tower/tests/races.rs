@@ -1,15 +1,19 @@
 //! Terms that end on one thread while another polls: hand-set leases (no database),
 //! expired over and over, for a bounded time.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use axum::body::Body;
 use chosen_core::Leadership;
-use chosen_tower::Tenure;
+use chosen_tower::{LeaderOnlyHttpLayer, Tenure};
+use http::{Request, Response};
+use tower::{Layer, Service};
 
 /// How long each test hammers, at most.
 const HAMMER: Duration = Duration::from_secs(2);
@@ -87,4 +91,38 @@ fn lost_resolves_only_once_is_valid_is_false_while_leases_expire_on_another_thre
         resolved
     });
     assert!(resolved > 0, "no term was seen to end");
+}
+
+/// An inner service that is never ready.
+#[derive(Clone)]
+struct NeverReady;
+
+impl Service<Request<Body>> for NeverReady {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Pending
+    }
+    fn call(&mut self, _req: Request<Body>) -> Self::Future {
+        unreachable!("never ready, so never called")
+    }
+}
+
+#[test]
+fn the_leaders_poll_ready_keeps_working_while_leases_expire_on_another_thread() {
+    let (polls, ready) = hammer(|leadership, stop| {
+        let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(NeverReady);
+        let mut cx = Context::from_waker(Waker::noop());
+        let (mut polls, mut ready) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            // Ready only once the term is over: the inner service never is.
+            if svc.poll_ready(&mut cx).is_ready() {
+                ready += 1;
+            }
+            polls += 1;
+        }
+        (polls, ready)
+    });
+    assert!(polls > 0 && ready > 0, "{polls} polls, {ready} ready");
 }
