@@ -44,10 +44,15 @@ use crate::tenure::{Tenure, Tenures};
 /// soon as the term ends, the request then being answered as a follower answers. A
 /// request is passed on only with readiness the inner service gave while this node
 /// led: one arriving just after the node became leader (ready as a follower, called as
-/// the leader) is answered as a follower (the client retries). Readiness reserved while
-/// leading and left unused because the term ended before `call` (a `ConcurrencyLimit`
-/// permit) is given back by replacing the inner service with a clone of itself, which
-/// is why the inner service must be `Clone` (axum requires it already; for a tower
+/// the leader) is answered as a follower (the client retries). What the inner service
+/// was polled for while this node led and no `call` used (a `ConcurrencyLimit` permit
+/// it reserved, or its acquire still queued for one) is given back once the gate sees
+/// that this node no longer leads: at its next `poll_ready` (ready at once, as a
+/// follower) or `call` (answered as a follower). A gate polled again only once this
+/// node leads again, in a new term, keeps it for that term's `call`; one neither polled
+/// nor called again keeps it until it is dropped, as any service does. It is given back
+/// by replacing the inner service with a clone of itself, which is why the inner
+/// service must be `Clone` (axum requires it already; for a tower
 /// service that is not, `tower::buffer::Buffer` is `Clone`, but its error is
 /// `BoxError`: with axum, turn it into a response with `axum::error_handling::HandleErrorLayer`
 /// outside the gate). The error type stays the inner service's, so axum's `Infallible`
@@ -264,9 +269,11 @@ impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
 ///
 /// `poll_ready` is ready at once while this node follows; while it leads, it is the
 /// inner service's readiness, and turns ready as soon as the term ends. A `Service` only
-/// for an inner service that is `Clone`: readiness reserved while leading and left
-/// unused, because the term ended before `call`, is given back by replacing the inner
-/// service with a clone of itself.
+/// for an inner service that is `Clone`: what the inner service was polled for while
+/// this node led and no `call` used (a reserved permit, or an acquire still queued) is
+/// given back, by replacing the inner service with a clone of itself, at the first
+/// `poll_ready` or `call` that sees this node follow (as
+/// [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) describes).
 #[derive(Debug)]
 pub struct LeaderOnlyHttp<S, R> {
     inner: S,
@@ -276,9 +283,9 @@ pub struct LeaderOnlyHttp<S, R> {
     cancel_on_loss: bool,
     /// The layer's own election, if it started one: kept alive while this service is.
     election: Option<Arc<Election>>,
-    /// `inner` reported ready while this node led, and was not called since: the next
-    /// `call` uses that readiness, or gives it back.
-    reserved: bool,
+    /// What `inner` may hold since it was last called: readiness the next `call` uses,
+    /// or gives back.
+    readiness: Readiness,
     /// While `poll_ready` waits for the inner service on the leader: wakes the caller
     /// when that term ends.
     waiter: Option<LossWaiter>,
@@ -294,7 +301,7 @@ impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
             responder: Arc::clone(&self.responder),
             cancel_on_loss: self.cancel_on_loss,
             election: self.election.clone(),
-            reserved: false,
+            readiness: Readiness::Unpolled,
             waiter: None,
         }
     }
@@ -313,7 +320,7 @@ impl<S, R> LeaderOnlyHttp<S, R> {
             responder: Arc::new(responder),
             cancel_on_loss: false,
             election: None,
-            reserved: false,
+            readiness: Readiness::Unpolled,
             waiter: None,
         }
     }
@@ -349,12 +356,26 @@ impl<S, R> LeaderOnlyHttp<S, R> {
     }
 }
 
+/// What the inner service may hold since it was last called (or cloned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Readiness {
+    /// Not polled: it holds nothing.
+    Unpolled,
+    /// Polled while this node led, and not ready (or failed): it may have a wait for
+    /// readiness under way (a queued `ConcurrencyLimit` acquire, a `Buffer` slot).
+    Polled,
+    /// Ready while this node led: it holds readiness (a `ConcurrencyLimit` permit) for
+    /// the next `call`.
+    Reserved,
+}
+
 impl<S: Clone, R> LeaderOnlyHttp<S, R> {
-    /// Gives back the readiness the inner service reserved while this node led (e.g. a
-    /// `ConcurrencyLimit` permit), now that no request of this node's term will use it:
-    /// a clone holds none, and the old inner service is dropped.
+    /// Gives back what the inner service was polled for while this node led, now that
+    /// no request of this node's term will use it: a reserved `ConcurrencyLimit` permit,
+    /// or a queued acquire that would take the next permit freed, for a service that
+    /// answers as a follower. A clone holds none, and the old inner service is dropped.
     fn give_back_readiness(&mut self) {
-        if std::mem::take(&mut self.reserved) {
+        if std::mem::replace(&mut self.readiness, Readiness::Unpolled) != Readiness::Unpolled {
             self.inner = self.inner.clone();
         }
     }
@@ -379,15 +400,16 @@ where
             }
             // The leader keeps to the inner service's backpressure, so that layers
             // outside the gate (`load_shed`, `Buffer`) see it.
-            match self.inner.poll_ready(cx) {
+            let polled = self.inner.poll_ready(cx);
+            self.readiness = Readiness::Polled;
+            match polled {
                 Poll::Ready(Ok(())) => {
                     self.waiter = None;
-                    self.reserved = true;
+                    self.readiness = Readiness::Reserved;
                     return Poll::Ready(Ok(()));
                 }
                 Poll::Ready(Err(e)) => {
                     self.waiter = None;
-                    self.reserved = false;
                     return Poll::Ready(Err(e));
                 }
                 Poll::Pending => {}
@@ -415,8 +437,8 @@ where
         // admitted only with the readiness the inner service gave while this node led:
         // one that became leader between `poll_ready` and `call` answers as a follower.
         match Tenure::current(&self.leadership) {
-            Some(tenure) if self.reserved => {
-                self.reserved = false;
+            Some(tenure) if self.readiness == Readiness::Reserved => {
+                self.readiness = Readiness::Unpolled;
                 let gate = self.cancel_on_loss.then(|| Gate {
                     head: RequestHead {
                         method: req.method().clone(),

@@ -372,6 +372,43 @@ async fn readiness_reserved_while_leading_is_given_back_when_the_term_ends_befor
 }
 
 #[tokio::test]
+async fn a_wait_for_readiness_under_way_when_the_term_ends_is_given_back() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.lead(1);
+    let handler = Handler::default();
+    let (svc, mut admitted) = limited(LeaderOnlyHttpLayer::new(leadership), &handler);
+    let first = tokio::spawn(svc.clone().oneshot(req()));
+    timeout(PATIENCE, admitted.recv()).await.unwrap().unwrap();
+    let mut cx = Context::from_waker(Waker::noop());
+
+    // `queued` waits for the permit `first` holds: its `ConcurrencyLimit` queues an
+    // acquire.
+    let mut queued = svc.clone();
+    assert!(poll_ready(&mut queued, &mut cx).is_pending());
+    // The term ends: `queued` is ready at once, as a follower, and answers as one.
+    control.follow(Some("node-2"));
+    assert!(poll_ready(&mut queued, &mut cx).is_ready());
+    let res = queued.call(req()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    // `first` completes: nothing is in flight any more.
+    handler.finish.notify_one();
+    let res = timeout(PATIENCE, first).await.unwrap().unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // Led again: the freed permit goes to the next request, not to the acquire the idle
+    // `queued` had queued.
+    control.lead(2);
+    let mut next = svc.clone();
+    assert!(
+        poll_ready(&mut next, &mut cx).is_ready(),
+        "the permit went to the acquire of a service that answered as a follower"
+    );
+    handler.finish.notify_one();
+    let res = timeout(PATIENCE, next.call(req())).await.unwrap().unwrap();
+    assert_eq!(body_text(res).await, "token 2");
+}
+
+#[tokio::test]
 async fn a_node_that_became_leader_between_poll_ready_and_call_answers_as_a_follower() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
     control.follow(Some("node-2"));
