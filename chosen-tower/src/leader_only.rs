@@ -12,6 +12,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -44,7 +45,11 @@ use crate::tenure::{Tenure, Tenures};
 /// soon as the term ends, the request then being answered as a follower answers. A
 /// request is passed on only with readiness the inner service gave while this node
 /// led: one arriving just after the node became leader (ready as a follower, called as
-/// the leader) is answered as a follower (the client retries). What the inner service
+/// the leader) is answered as a follower (the client retries). So is one `call`ed
+/// without a `poll_ready` that returned ready before it, although this node leads (a
+/// caller that breaks the `Service` contract; earlier versions passed it on): the first
+/// such call of a service and its clones logs a warning through `tracing`, and the
+/// answer counts as a follower response in the metrics. What the inner service
 /// was polled for while this node led and no `call` used (a `ConcurrencyLimit` permit
 /// it reserved, or its acquire still queued for one) is given back once the gate sees
 /// that this node no longer leads: at its next `poll_ready` (ready at once, as a
@@ -289,6 +294,9 @@ pub struct LeaderOnlyHttp<S, R> {
     /// While `poll_ready` waits for the inner service on the leader: wakes the caller
     /// when that term ends.
     waiter: Option<LossWaiter>,
+    /// Set once a `call` without readiness reached this service (or a clone of it)
+    /// while this node led, and was logged: later ones are not.
+    unready_call_logged: Arc<AtomicBool>,
 }
 
 // Not derived: the responder is shared, so it need not be `Clone` itself; and a clone's
@@ -303,6 +311,7 @@ impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
             election: self.election.clone(),
             readiness: Readiness::Unpolled,
             waiter: None,
+            unready_call_logged: Arc::clone(&self.unready_call_logged),
         }
     }
 }
@@ -322,6 +331,7 @@ impl<S, R> LeaderOnlyHttp<S, R> {
             election: None,
             readiness: Readiness::Unpolled,
             waiter: None,
+            unready_call_logged: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -361,6 +371,8 @@ impl<S, R> LeaderOnlyHttp<S, R> {
 enum Readiness {
     /// Not polled: it holds nothing.
     Unpolled,
+    /// Not polled: `poll_ready` was ready at once, as a follower.
+    Follower,
     /// Polled while this node led, and not ready (or failed): it may have a wait for
     /// readiness under way (a queued `ConcurrencyLimit` acquire, a `Buffer` slot).
     Polled,
@@ -375,8 +387,28 @@ impl<S: Clone, R> LeaderOnlyHttp<S, R> {
     /// or a queued acquire that would take the next permit freed, for a service that
     /// answers as a follower. A clone holds none, and the old inner service is dropped.
     fn give_back_readiness(&mut self) {
-        if std::mem::replace(&mut self.readiness, Readiness::Unpolled) != Readiness::Unpolled {
-            self.inner = self.inner.clone();
+        match std::mem::replace(&mut self.readiness, Readiness::Unpolled) {
+            Readiness::Polled | Readiness::Reserved => self.inner = self.inner.clone(),
+            Readiness::Unpolled | Readiness::Follower => {}
+        }
+    }
+}
+
+impl<S, R> LeaderOnlyHttp<S, R> {
+    /// Logs, the first time only for this service and its clones, that a request
+    /// reached `call` while this node leads without a `poll_ready` that returned ready
+    /// before it (a caller that breaks the `Service` contract), and was answered as a
+    /// follower.
+    fn log_unready_call(&self) {
+        if !self.unready_call_logged.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                lock = %self.leadership.name(),
+                node = %self.leadership.node_id(),
+                "LeaderOnlyHttp::call without a poll_ready that returned ready before it, \
+                 while this node leads: the request is answered as a follower; poll the \
+                 service ready before each call (tower's ServiceExt::ready or oneshot). \
+                 Logged once per service"
+            );
         }
     }
 }
@@ -396,6 +428,7 @@ where
                 // A follower answers without the inner service: it never waits for it.
                 self.waiter = None;
                 self.give_back_readiness();
+                self.readiness = Readiness::Follower;
                 return Poll::Ready(Ok(()));
             }
             // The leader keeps to the inner service's backpressure, so that layers
@@ -435,7 +468,8 @@ where
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         // Checked now, against the lease deadline, not a cached flag. A request is
         // admitted only with the readiness the inner service gave while this node led:
-        // one that became leader between `poll_ready` and `call` answers as a follower.
+        // one that became leader between `poll_ready` and `call` answers as a follower,
+        // and so does one called without readiness (logged: the caller's bug).
         match Tenure::current(&self.leadership) {
             Some(tenure) if self.readiness == Readiness::Reserved => {
                 self.readiness = Readiness::Unpolled;
@@ -452,7 +486,12 @@ where
                 Tenures::admit(req.extensions_mut(), tenure);
                 ResponseFuture::called(self.inner.call(req), gate)
             }
-            _ => {
+            tenure => {
+                if tenure.is_some()
+                    && matches!(self.readiness, Readiness::Unpolled | Readiness::Polled)
+                {
+                    self.log_unready_call();
+                }
                 self.give_back_readiness();
                 ResponseFuture::answered(follower_answer(
                     &self.leadership,

@@ -443,6 +443,76 @@ async fn a_node_that_became_leader_between_poll_ready_and_call_answers_as_a_foll
     assert_eq!(res.status(), StatusCode::OK);
 }
 
+/// Collects what a `tracing` subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_call_without_poll_ready_on_the_leader_answers_as_a_follower_and_warns_once() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    control.lead(1);
+    let handler = Handler::default();
+    let (inner, mut admitted) = handler.service();
+    let mut svc = LeaderOnlyHttpLayer::new(leadership).layer(inner);
+    let mut clone = svc.clone();
+    let mut cx = Context::from_waker(Waker::noop());
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer({
+            let captured = captured.clone();
+            move || captured.clone()
+        })
+        .finish();
+    let answers = tracing::subscriber::with_default(subscriber, || {
+        // Called with no `poll_ready` before, twice, and on a clone: the caller's bug.
+        let mut answers = vec![svc.call(req()), svc.call(req()), clone.call(req())];
+        // Ready as a follower, called as the leader: a race, not a bug.
+        control.follow(None);
+        assert!(poll_ready(&mut svc, &mut cx).is_ready());
+        control.lead(2);
+        answers.push(svc.call(req()));
+        answers
+    });
+    for answer in answers {
+        let res = answer.await.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert!(admitted.try_recv().is_err(), "the inner service was called");
+    let logged = captured.text();
+    assert_eq!(
+        logged.matches("without a poll_ready").count(),
+        1,
+        "one warning for the service and its clones: {logged}"
+    );
+    assert!(
+        logged.contains("WARN") && logged.contains("lock=admin"),
+        "{logged}"
+    );
+
+    // Polled ready first, it is passed on.
+    assert!(poll_ready(&mut svc, &mut cx).is_ready());
+    handler.finish.notify_one();
+    let res = timeout(PATIENCE, svc.call(req())).await.unwrap().unwrap();
+    assert_eq!(body_text(res).await, "token 2");
+}
+
 #[tokio::test]
 async fn readiness_reserved_in_one_term_serves_the_call_in_the_next() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
