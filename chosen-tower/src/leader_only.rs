@@ -49,19 +49,24 @@ use crate::tenure::{Tenure, Tenures};
 /// without a `poll_ready` that returned ready before it, although this node leads (a
 /// caller that breaks the `Service` contract; earlier versions passed it on): the first
 /// such call of a service and its clones logs a warning through `tracing`, and the
-/// answer counts as a follower response in the metrics. What the inner service
-/// was polled for while this node led and no `call` used (a `ConcurrencyLimit` permit
-/// it reserved, or its acquire still queued for one) is given back once the gate sees
-/// that this node no longer leads: at its next `poll_ready` (ready at once, as a
-/// follower) or `call` (answered as a follower). A gate polled again only once this
-/// node leads again, in a new term, keeps it for that term's `call`; one neither polled
-/// nor called again keeps it until it is dropped, as any service does. It is given back
-/// by replacing the inner service with a clone of itself, which is why the inner
-/// service must be `Clone` (axum requires it already; for a tower
-/// service that is not, `tower::buffer::Buffer` is `Clone`, but its error is
-/// `BoxError`: with axum, turn it into a response with `axum::error_handling::HandleErrorLayer`
-/// outside the gate). The error type stays the inner service's, so axum's `Infallible`
-/// contract holds.
+/// answer counts as a follower response in the metrics.
+///
+/// What the inner service was polled for while this node led and no `call` used (a
+/// `ConcurrencyLimit` permit it reserved, or its acquire still queued for one) is given
+/// back once the gate sees that this node no longer leads: at its next `poll_ready`
+/// (ready at once, as a follower) or `call` (answered as a follower). A gate polled
+/// again only once this node leads again, in a new term, keeps it for that term's
+/// `call`; one neither polled nor called again keeps it until it is dropped, as any
+/// service does. It is given back by replacing the inner service with a clone of
+/// itself, which is why the inner service must be `Clone`, and its `Clone` must make a
+/// service that holds no readiness: tower's `ConcurrencyLimit` and `Buffer` do (tower
+/// 0.5.3: a clone starts with no permit and no acquire under way), but a service of
+/// your own with a derived `Clone` over a field that records its readiness (a
+/// `ready: bool` standing for a slot it took) copies that field, and what it reserved
+/// is not given back. axum requires `Clone` already; for a tower service that is not,
+/// `tower::buffer::Buffer` is `Clone`, but its error is `BoxError`: with axum, turn it
+/// into a response with `axum::error_handling::HandleErrorLayer` outside the gate. The
+/// error type stays the inner service's, so axum's `Infallible` contract holds.
 ///
 /// A request passed to the inner service carries its [`Tenure`] (the term's fencing
 /// token, validity and loss) in its extensions, and each gate's in [`Tenures`] when
@@ -277,8 +282,8 @@ impl<S, R: Clone> Layer<S> for LeaderOnlyHttpLayer<R> {
 /// for an inner service that is `Clone`: what the inner service was polled for while
 /// this node led and no `call` used (a reserved permit, or an acquire still queued) is
 /// given back, by replacing the inner service with a clone of itself, at the first
-/// `poll_ready` or `call` that sees this node follow (as
-/// [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) describes).
+/// `poll_ready` or `call` that sees this node follow; so the inner service's clone must
+/// hold no readiness, as [`LeaderOnlyHttpLayer`](crate::LeaderOnlyHttpLayer) describes.
 #[derive(Debug)]
 pub struct LeaderOnlyHttp<S, R> {
     inner: S,
