@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::task::{Context, Wake, Waker};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -12,10 +13,20 @@ use chosen_tower::LeaderOnlyHttpLayer;
 use http::{Method, Request, Response, StatusCode};
 use tokio::sync::Notify;
 use tokio::time::timeout;
-use tower::{ServiceBuilder, ServiceExt, service_fn};
+use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
 
 /// How long anything that should happen soon may take on a slow, busy machine.
 const PATIENCE: Duration = Duration::from_secs(30);
+
+/// A waker that records that it was woken.
+#[derive(Default)]
+struct WakeFlag(Notify);
+
+impl Wake for WakeFlag {
+    fn wake(self: Arc<Self>) {
+        self.0.notify_one();
+    }
+}
 
 fn post() -> Request<Body> {
     Request::builder()
@@ -69,12 +80,14 @@ async fn a_follower_answers_at_once_while_the_inner_service_is_busy() {
         .expect("the first request never reached the handler");
 
     // The leader keeps to the inner service's backpressure: the second request waits
-    // for the gate's readiness.
-    let second = tokio::spawn(svc.clone().oneshot(post()));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // for the gate's readiness, registered to be woken.
+    let mut second = svc.clone();
+    let flag = Arc::new(WakeFlag::default());
+    let waker = Waker::from(Arc::clone(&flag));
+    let mut cx = Context::from_waker(&waker);
     assert!(
-        !second.is_finished(),
-        "the leader passed a request to a busy inner service, or answered it: {second:?}"
+        second.poll_ready(&mut cx).is_pending(),
+        "the leader's gate was ready while its inner service is busy"
     );
 
     // The leadership moves to web-2, while the first request still holds the inner
@@ -92,13 +105,16 @@ async fn a_follower_answers_at_once_while_the_inner_service_is_busy() {
         .unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(res.headers()["retry-after"], "1");
-    // The request that waited for the inner service's readiness on the leader is
-    // answered as a follower answers, too, now that the term ended.
-    let res = timeout(Duration::from_secs(10), second)
+    // The request that waited for the inner service's readiness on the leader is woken,
+    // ready, and answered as a follower answers, too, now that the term ended.
+    timeout(PATIENCE, flag.0.notified())
         .await
-        .expect("a request whose term ended still waits for the inner service")
-        .unwrap()
-        .unwrap();
+        .expect("the request waiting for the leader's readiness was never woken");
+    assert!(
+        second.poll_ready(&mut cx).is_ready(),
+        "a request whose term ended still waits for the inner service"
+    );
+    let res = second.call(post()).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
 
     // The request in flight runs to completion (the default).
