@@ -12,9 +12,9 @@ use axum::routing::{get, post};
 use axum::{Extension, Router};
 use chosen_core::Leadership;
 use chosen_tower::{
-    FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer, Tenure, Tenures,
+    FollowerContext, LEADER_HEADER, LeaderHealth, LeaderOnlyHttpLayer, Redirect, Tenure, Tenures,
 };
-use http::{Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode, Uri};
 use tokio::sync::{Notify, mpsc};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -81,18 +81,22 @@ async fn retry_after_rounds_up_to_whole_seconds() {
     assert_eq!(res.headers()["retry-after"], "3");
 }
 
-/// The echo service behind a layer that redirects followers to
-/// `http://<leader>.internal:8080`.
+/// A layer that redirects followers to `http://<leader>.internal:8080`.
+fn redirect_to_the_leader(
+    leadership: Leadership,
+) -> LeaderOnlyHttpLayer<Redirect<impl Fn(&str, &Uri) -> Option<Uri> + Clone + Send + Sync>> {
+    LeaderOnlyHttpLayer::new(leadership).redirect(|leader, uri| {
+        format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
+            .parse()
+            .ok()
+    })
+}
+
+/// The echo service behind [`redirect_to_the_leader`].
 fn redirecting(
     leadership: Leadership,
 ) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone {
-    LeaderOnlyHttpLayer::new(leadership)
-        .redirect(|leader, uri| {
-            format!("http://{leader}.internal:8080{}", uri.path_and_query()?)
-                .parse()
-                .ok()
-        })
-        .layer(echo())
+    redirect_to_the_leader(leadership).layer(echo())
 }
 
 #[tokio::test]
@@ -332,6 +336,59 @@ async fn cancel_on_loss_answers_as_a_follower_even_when_the_node_already_leads_a
     finish.notify_one();
     let res = pending.await.unwrap().unwrap();
     assert_eq!(res.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn cancel_on_loss_redirects_a_request_in_flight_to_the_new_leader() {
+    let (leadership, control) = Leadership::manual("admin", "node-1");
+    let finish = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (handler, mut tenures) = waiting_handler(Arc::clone(&finish), Arc::clone(&dropped));
+    let svc = redirect_to_the_leader(leadership)
+        .cancel_on_loss()
+        .layer(handler);
+
+    control.lead(18);
+    let pending = tokio::spawn(
+        svc.clone()
+            .oneshot(request(Method::POST, "/admin/run?now=1")),
+    );
+    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 18);
+    // node-3 takes over while the request is in the handler: the redirect is built from
+    // the method, URI and headers the gate kept.
+    control.follow(Some("node-3"));
+    let res = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the request in flight was not cancelled")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TEMPORARY_REDIRECT);
+    assert_eq!(
+        res.headers()["location"],
+        "http://node-3.internal:8080/admin/run?now=1"
+    );
+    assert_eq!(res.headers()[LEADER_HEADER], "node-3");
+    assert_eq!(body_text(res).await, "");
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        1,
+        "the handler's future was dropped"
+    );
+
+    // Lost with no leader known yet: the redirect's fallback, `503`.
+    control.lead(19);
+    let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/admin/run")));
+    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 19);
+    control.follow(None);
+    let res = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the request in flight was not cancelled")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(res.headers().get(LEADER_HEADER).is_none());
+    assert_eq!(dropped.load(Ordering::SeqCst), 2);
 }
 
 /// A handler that loses the lease in its last step (the poll that completes it) and
