@@ -229,10 +229,11 @@ impl<R> LeaderOnlyHttpLayer<R> {
     /// its [`Tenure`] ends (the lease's deadline passed, or its loss was seen), the
     /// inner service's future is dropped without being polled again, and the request
     /// is answered as a follower answers (by default `503` + `Retry-After`), so that
-    /// the client retries, on the new leader. A response the inner service completed
-    /// while the term was valid is passed on; one completed by a poll during which the
-    /// term ended is dropped (so is an error), and the request is answered as a
-    /// follower answers too, although what the handler did in that poll is done. A
+    /// the client retries, on the new leader. A response returned by a poll of the inner
+    /// future that began and ended within the term (valid at its start and at its end)
+    /// is passed on; one returned by a poll during which the term ended is dropped (so
+    /// is an error), and the request is answered as a follower answers too, although
+    /// what the handler did in that poll is done. A
     /// request whose term ended is answered so even if this node leads again by then,
     /// in a new term: the client's retry is admitted in that term. The default is to
     /// let a request in flight run to completion.
