@@ -732,3 +732,32 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::task::Waker;
+    use std::time::Instant;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_loss_waiter_stays_ready_when_polled_again_after_its_term_ended() {
+        let (leadership, control) = Leadership::manual("hook", "node-1");
+        let mut cx = Context::from_waker(Waker::noop());
+        control.lead_until(7, Instant::now() + Duration::from_secs(3600));
+        let tenure = Tenure::current(&leadership).expect("leading");
+        let mut waiter = LossWaiter::new(tenure.clone());
+        assert!(waiter.poll(&mut cx).is_pending(), "the term goes on");
+        control.expire();
+        assert!(waiter.poll(&mut cx).is_ready(), "the lease expired");
+        // The future behind it has completed: polling it again would panic ("`async fn`
+        // resumed after completion"). The waiter stays ready without it.
+        assert!(waiter.poll(&mut cx).is_ready());
+        assert!(waiter.poll(&mut cx).is_ready());
+
+        // A waiter made once the term is over is ready at its first poll, and after.
+        let mut waiter = LossWaiter::new(tenure);
+        assert!(waiter.poll(&mut cx).is_ready());
+        assert!(waiter.poll(&mut cx).is_ready());
+    }
+}

@@ -361,4 +361,63 @@ mod tests {
         }
         panic!("every lease ended before lost() was polled");
     }
+
+    /// A waker that counts its wakes.
+    #[derive(Default)]
+    struct WakeCount(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for WakeCount {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    impl WakeCount {
+        fn take(&self) -> usize {
+            self.0.swap(0, std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    #[tokio::test]
+    async fn lost_does_not_resolve_while_the_term_is_still_valid() {
+        let (leadership, control) = Leadership::manual("hook", "node-1");
+        let count = Arc::new(WakeCount::default());
+        let waker = Waker::from(Arc::clone(&count));
+        let mut cx = Context::from_waker(&waker);
+
+        control.lead_until(8, Instant::now() + Duration::from_secs(3600));
+        let tenure = Tenure::current(&leadership).expect("leading");
+        let mut lost = pin!(tenure.lost());
+        assert!(lost.as_mut().poll(&mut cx).is_pending(), "the term goes on");
+        // A new lease under the same token: the term goes on (`is_valid` compares the
+        // token), while the old lease, dropped, has ended. `wait_not_leading`, waiting
+        // on the old lease, then returns while `is_valid` is still `true`: the moment
+        // `lost` must not take for the loss. (It returns only if its `select!` picks
+        // the old lease's end before the state change: it picks at random, so again
+        // until it did. `lost` then yields, waking its task during the poll.)
+        for _ in 0..1_000 {
+            control.lead_until(8, Instant::now() + Duration::from_secs(3600));
+            count.take();
+            assert!(
+                lost.as_mut().poll(&mut cx).is_pending(),
+                "resolved while valid"
+            );
+            assert!(tenure.is_valid());
+            if count.take() == 0 {
+                continue; // the state change was seen first: nothing tested
+            }
+            assert!(
+                lost.as_mut().poll(&mut cx).is_pending(),
+                "resolved while valid"
+            );
+            assert!(tenure.is_valid());
+            assert_eq!(count.take(), 0, "waits for the new lease only");
+
+            control.expire();
+            assert!(lost.as_mut().poll(&mut cx).is_ready(), "the lease expired");
+            assert!(!tenure.is_valid());
+            return;
+        }
+        panic!("wait_not_leading never returned for the old lease first");
+    }
 }
