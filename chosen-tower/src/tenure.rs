@@ -179,9 +179,13 @@ impl Tenure {
                     if !self.is_valid() {
                         return;
                     }
-                    // The wait saw the loss before `is_valid` does: the lease's loss is
-                    // being recorded on another thread (its reason is set an instant
-                    // before the lease is revoked). Let that thread go on, and look again.
+                    // The wait saw a loss `is_valid` does not. Never with real leases:
+                    // every revoke makes the shared validity invalid first, and a new
+                    // lease brings a new token. Only a `ManualLeadership` can: its
+                    // `expire` sets the loss reason an instant before it revokes,
+                    // without invalidating (another thread may be in between), and
+                    // its `lead_until` may replace a lease under the same token. A
+                    // fallback: let the other thread go on, and look again.
                     yield_once().await;
                 }
             }
