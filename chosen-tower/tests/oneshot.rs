@@ -192,6 +192,15 @@ fn waiting_handler(
     (svc, rx)
 }
 
+/// The tenure the waiting handler was called with next: fails, rather than hangs, if
+/// the layer does not call it.
+async fn admitted(tenures: &mut mpsc::UnboundedReceiver<Tenure>) -> Tenure {
+    tokio::time::timeout(Duration::from_secs(30), tenures.recv())
+        .await
+        .expect("the handler was not called")
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_request_in_flight_runs_on_after_the_lease_expires_by_default() {
     let (leadership, control) = Leadership::manual("admin", "node-1");
@@ -201,7 +210,7 @@ async fn a_request_in_flight_runs_on_after_the_lease_expires_by_default() {
     let (handler, mut tenures) = waiting_handler(Arc::clone(&finish), Arc::clone(&dropped));
     let svc = LeaderOnlyHttpLayer::new(leadership).layer(handler);
     let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/hook")));
-    let tenure = tenures.recv().await.unwrap();
+    let tenure = admitted(&mut tenures).await;
     assert_eq!(tenure.fencing_token().get(), 11);
     assert!(tenure.is_valid());
     control.expire();
@@ -226,7 +235,7 @@ async fn cancel_on_loss_answers_as_a_follower_when_the_lease_expires() {
         .cancel_on_loss()
         .layer(handler);
     let pending = tokio::spawn(svc.clone().oneshot(request(Method::POST, "/hook")));
-    let tenure = tenures.recv().await.unwrap();
+    let tenure = admitted(&mut tenures).await;
     assert_eq!(dropped.load(Ordering::SeqCst), 0);
     control.expire();
     let res = tokio::time::timeout(Duration::from_secs(30), pending)
@@ -250,7 +259,7 @@ async fn cancel_on_loss_answers_as_a_follower_when_the_lease_expires() {
     // A request that completes within its term is passed on in cancel mode too.
     control.lead_until(13, Instant::now() + Duration::from_secs(3600));
     let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/hook")));
-    let tenure = tenures.recv().await.unwrap();
+    let tenure = admitted(&mut tenures).await;
     assert_eq!(tenure.fencing_token().get(), 13);
     finish.notify_one();
     let res = pending.await.unwrap().unwrap();
@@ -310,7 +319,7 @@ async fn cancel_on_loss_answers_as_a_follower_even_when_the_node_already_leads_a
         .cancel_on_loss()
         .layer(handler);
     let pending = tokio::spawn(svc.clone().oneshot(request(Method::POST, "/hook")));
-    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 16);
+    assert_eq!(admitted(&mut tenures).await.fencing_token().get(), 16);
 
     // Lost and led again, in a new term, while the request was in flight: its term is
     // over, so it is answered as a follower, without naming this node.
@@ -332,7 +341,7 @@ async fn cancel_on_loss_answers_as_a_follower_even_when_the_node_already_leads_a
 
     // The client's retry is admitted in the new term.
     let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/hook")));
-    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 17);
+    assert_eq!(admitted(&mut tenures).await.fencing_token().get(), 17);
     finish.notify_one();
     let res = pending.await.unwrap().unwrap();
     assert_eq!(res.status(), StatusCode::OK);
@@ -353,7 +362,7 @@ async fn cancel_on_loss_redirects_a_request_in_flight_to_the_new_leader() {
         svc.clone()
             .oneshot(request(Method::POST, "/admin/run?now=1")),
     );
-    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 18);
+    assert_eq!(admitted(&mut tenures).await.fencing_token().get(), 18);
     // node-3 takes over while the request is in the handler: the redirect is built from
     // the method, URI and headers the gate kept.
     control.follow(Some("node-3"));
@@ -378,7 +387,7 @@ async fn cancel_on_loss_redirects_a_request_in_flight_to_the_new_leader() {
     // Lost with no leader known yet: the redirect's fallback, `503`.
     control.lead(19);
     let pending = tokio::spawn(svc.oneshot(request(Method::POST, "/admin/run")));
-    assert_eq!(tenures.recv().await.unwrap().fencing_token().get(), 19);
+    assert_eq!(admitted(&mut tenures).await.fencing_token().get(), 19);
     control.follow(None);
     let res = tokio::time::timeout(Duration::from_secs(30), pending)
         .await
