@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 
 use crate::generation::Generation;
 use crate::session;
-use crate::shared::Shared;
+use crate::shared::{ServerFloor, Shared};
 use crate::status::SessionDownReason;
 
 /// However the settings compare, never more heartbeats than this on their way at once
@@ -65,7 +65,7 @@ pub(crate) async fn run(
             () = sleep_until(watchdog) => return revoke(overdue()),
             Some((beat, answer)) = in_flight.next(), if !in_flight.is_empty() => {
                 let now = Instant::now();
-                match pulse.answered(beat, answer, shared.server_floor().0, now) {
+                match shared.with_server_floor(|floors| pulse.answered(beat, answer, floors, now)) {
                     Verdict::Renew { until, rtt, slow } => {
                         if !shared.renew_validity(until, now) {
                             // The deadline passed while the reply was on its way: too late.
@@ -222,17 +222,19 @@ impl Pulse {
 
     /// The answer to `beat` arrived at `now`, while the lock floor's epoch is `epoch`.
     ///
-    /// The lock count is compared with the floor read when *this* heartbeat was sent:
-    /// every lock counted then was taken by a statement already answered, so before this
-    /// query ran (the server runs one session's statements in order); a lock released
-    /// since then raised the epoch before its statement was sent, and then the count
-    /// proves nothing and is not judged. So fewer locks than the floor, with the epoch
-    /// unchanged, means another client released them.
+    /// The lock count is compared with the lowest floor in effect since *this*
+    /// heartbeat read it (`floors`: the floor as the task keeps it): every lock counted
+    /// in the floor read was taken by a statement already answered, so before this
+    /// query ran (the server runs one session's statements in order), and a floor is
+    /// lowered before the statement that releases locks is sent; so when the query ran,
+    /// the session held at least the lowest floor set in between. Fewer locks than that
+    /// means another client released them. (A heartbeat answered after more lowerings
+    /// than are remembered is not judged.)
     pub(crate) fn answered(
         &mut self,
         beat: Beat,
         answer: Result<i64, SessionDownReason>,
-        epoch: u64,
+        floors: &ServerFloor,
         now: Instant,
     ) -> Verdict {
         self.in_flight = self.in_flight.saturating_sub(1);
@@ -241,14 +243,14 @@ impl Pulse {
             Err(reason) => return Verdict::Revoke(reason),
         };
         if let Ok(locks) = usize::try_from(locks)
-            && locks < beat.floor
-            && epoch == beat.epoch
+            && let Some(floor) = floors.lowest_since(beat.epoch, beat.floor)
+            && locks < floor
             && !self.guard_off()
         {
             return Verdict::Revoke(SessionDownReason::PoolerDetected {
                 detail: format!(
                     "the server shows {locks} advisory locks on this session, fewer than the {} it holds: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)",
-                    beat.floor
+                    floor
                 ),
             });
         }
@@ -326,13 +328,13 @@ mod tests {
             .map(|i| pulse.send(t0 + INTERVAL * i, (0, 0)))
             .collect();
         assert_eq!(pulse.next_send(), None, "at the bound");
-        pulse.answered(beats[0], Ok(0), 0, t0 + ms(5_500));
+        pulse.answered(beats[0], Ok(0), &ServerFloor::default(), t0 + ms(5_500));
         // Due at once (its slot passed while the pipeline was full), and the grid goes
         // on from there.
         assert_eq!(pulse.next_send(), Some(t0 + ms(5_000)));
         pulse.send(t0 + ms(5_500), (0, 0));
         assert_eq!(pulse.next_send(), None, "full again");
-        pulse.answered(beats[1], Ok(0), 0, t0 + ms(5_600));
+        pulse.answered(beats[1], Ok(0), &ServerFloor::default(), t0 + ms(5_600));
         assert_eq!(pulse.next_send(), Some(t0 + ms(6_000)));
         // A lease timeout that is not a multiple of the interval rounds up.
         assert_eq!(Pulse::new(t0, ms(400), ms(1_000)).max_in_flight, 4);
@@ -358,11 +360,13 @@ mod tests {
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
         let first = pulse.send(t0 + ms(1_000), (0, 0));
         let second = pulse.send(t0 + ms(2_000), (0, 0));
-        let (until, rtt, slow) = renewed(pulse.answered(first, Ok(0), 0, t0 + ms(2_900)));
+        let (until, rtt, slow) =
+            renewed(pulse.answered(first, Ok(0), &ServerFloor::default(), t0 + ms(2_900)));
         assert_eq!(until, t0 + ms(4_000));
         assert_eq!(rtt, ms(1_900));
         assert!(slow.is_some(), "1.9 s is above half the lease timeout");
-        let (until, _, _) = renewed(pulse.answered(second, Ok(0), 0, t0 + ms(3_900)));
+        let (until, _, _) =
+            renewed(pulse.answered(second, Ok(0), &ServerFloor::default(), t0 + ms(3_900)));
         assert_eq!(until, t0 + ms(5_000));
     }
 
@@ -373,38 +377,64 @@ mod tests {
         let beat = pulse.send(t0 + INTERVAL, (0, 0));
         let reason = SessionDownReason::ServerInRecovery;
         assert_eq!(
-            pulse.answered(beat, Err(reason.clone()), 0, t0 + ms(1_001)),
+            pulse.answered(
+                beat,
+                Err(reason.clone()),
+                &ServerFloor::default(),
+                t0 + ms(1_001)
+            ),
             Verdict::Revoke(reason)
         );
         assert_eq!(pulse.in_flight, 0);
     }
 
     #[test]
-    fn fewer_locks_than_the_floor_read_at_send_is_a_pooler() {
+    fn fewer_locks_than_the_lowest_floor_since_the_send_is_a_pooler() {
         let t0 = Instant::now();
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let mut floors = ServerFloor::default();
+        floors.set(2);
         // Sent while the session held 2 locks; the floor has not fallen since.
-        let beat = pulse.send(t0 + INTERVAL, (7, 2));
+        let beat = pulse.send(t0 + INTERVAL, floors.get());
         assert!(matches!(
-            pulse.answered(beat, Ok(1), 7, t0 + ms(1_010)),
+            pulse.answered(beat, Ok(1), &floors, t0 + ms(1_010)),
             Verdict::Revoke(SessionDownReason::PoolerDetected { .. })
         ));
         // As many or more (a lock won meanwhile) is fine.
-        let beat = pulse.send(t0 + 2 * INTERVAL, (7, 2));
-        renewed(pulse.answered(beat, Ok(3), 7, t0 + ms(2_010)));
-        // A release was sent after this heartbeat read the floor (the epoch moved): the
-        // count may already show it, so it proves nothing.
-        let beat = pulse.send(t0 + 3 * INTERVAL, (7, 2));
-        renewed(pulse.answered(beat, Ok(1), 8, t0 + ms(3_010)));
+        let beat = pulse.send(t0 + 2 * INTERVAL, floors.get());
+        renewed(pulse.answered(beat, Ok(3), &floors, t0 + ms(2_010)));
+        // A release was sent after this heartbeat read the floor (lowered to 1 first):
+        // the count may already show it; judged against the lowest floor since.
+        let beat = pulse.send(t0 + 3 * INTERVAL, floors.get());
+        floors.set(1);
+        renewed(pulse.answered(beat, Ok(1), &floors, t0 + ms(3_010)));
+        // ... but fewer than even that lowest floor is a pooler, also when the floor
+        // rose again meanwhile (a lock won after the release).
+        let beat = pulse.send(t0 + 4 * INTERVAL, (floors.get().0, 3));
+        floors.set(3);
+        floors.set(2);
+        floors.set(4);
+        assert!(matches!(
+            pulse.answered(beat, Ok(1), &floors, t0 + ms(4_010)),
+            Verdict::Revoke(SessionDownReason::PoolerDetected { .. })
+        ));
         // Pipelined: an earlier heartbeat read a higher floor than a later one; each is
-        // judged against its own.
-        let early = pulse.send(t0 + 4 * INTERVAL, (8, 2));
-        let late = pulse.send(t0 + 5 * INTERVAL, (9, 1));
-        renewed(pulse.answered(late, Ok(1), 9, t0 + ms(5_500)));
-        renewed(pulse.answered(early, Ok(1), 9, t0 + ms(5_500)));
+        // judged against the lowest since its own.
+        let early = pulse.send(t0 + 5 * INTERVAL, floors.get());
+        floors.set(1);
+        let late = pulse.send(t0 + 6 * INTERVAL, floors.get());
+        renewed(pulse.answered(late, Ok(1), &floors, t0 + ms(6_500)));
+        renewed(pulse.answered(early, Ok(1), &floors, t0 + ms(6_500)));
         // Negative or absurd counts are not judged (as before).
-        let beat = pulse.send(t0 + 6 * INTERVAL, (9, 2));
-        renewed(pulse.answered(beat, Ok(-1), 9, t0 + ms(6_010)));
+        let beat = pulse.send(t0 + 7 * INTERVAL, (floors.get().0, 2));
+        renewed(pulse.answered(beat, Ok(-1), &floors, t0 + ms(7_010)));
+        // Answered after more lowerings than are remembered: not judged.
+        let beat = pulse.send(t0 + 8 * INTERVAL, floors.get());
+        for _ in 0..100 {
+            floors.set(5);
+            floors.set(1);
+        }
+        renewed(pulse.answered(beat, Ok(0), &floors, t0 + ms(8_010)));
     }
 
     #[test]
@@ -417,7 +447,8 @@ mod tests {
             let beat = pulse.send(sent, (0, 0));
             // Fast ones never warn; slow ones (above 1.5 s) warn at most every 30 s.
             let rtt = if i % 2 == 0 { ms(1_600) } else { ms(200) };
-            let (_, _, slow) = renewed(pulse.answered(beat, Ok(0), 0, sent + rtt));
+            let (_, _, slow) =
+                renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), sent + rtt));
             if let Some(slow) = slow {
                 assert_eq!(slow.warn_above, ms(1_500));
                 assert_eq!(slow.limit, ms(2_000));
@@ -427,7 +458,8 @@ mod tests {
         assert_eq!(warnings, vec![(2, 1), (32, 15), (62, 15)]);
         // Exactly half is not above half.
         let beat = pulse.send(t0 + ms(100_000), (0, 0));
-        let (_, _, slow) = renewed(pulse.answered(beat, Ok(0), 0, t0 + ms(101_500)));
+        let (_, _, slow) =
+            renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), t0 + ms(101_500)));
         assert!(slow.is_none());
     }
 
@@ -459,7 +491,9 @@ mod tests {
             }
             if answer_at == Some(now) {
                 let (_, beat) = answers.pop_front().expect("BUG: an answer is due");
-                let Verdict::Renew { until, .. } = pulse.answered(beat, Ok(0), 0, now) else {
+                let Verdict::Renew { until, .. } =
+                    pulse.answered(beat, Ok(0), &ServerFloor::default(), now)
+                else {
                     panic!("no pooler here");
                 };
                 if !shared.renew_validity(until, now) {
@@ -549,7 +583,8 @@ mod tests {
 
         // hb@1000: answered at once.
         let beat = pulse.send(t0 + ms(1_000), (0, 0));
-        let (until, _, _) = renewed(pulse.answered(beat, Ok(0), 0, t0 + ms(1_001)));
+        let (until, _, _) =
+            renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), t0 + ms(1_001)));
         assert!(shared.renew_validity(until, t0 + ms(1_001)));
         // T0: the server's first byte that will stay unacknowledged.
         let oldest_unacked = t0 + ms(1_002);
@@ -568,7 +603,8 @@ mod tests {
         // The retransmission at T0 + 6200 delivers them all; then the link fails.
         let delivered = oldest_unacked + ms(6_200);
         for beat in queued {
-            let (until, _, _) = renewed(pulse.answered(beat, Ok(0), 0, delivered));
+            let (until, _, _) =
+                renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), delivered));
             assert!(shared.renew_validity(until, delivered), "not lapsed yet");
         }
         let server_releases = oldest_unacked + crate::session::tcp_user_timeout(&shared.options);

@@ -12,13 +12,20 @@ use crate::options::ManagerOptions;
 use crate::status::ConnectionState;
 
 /// How many advisory locks the session holds at least, and an epoch that grows
-/// whenever that number falls: the heartbeat's pooler guard judges a lock count only
-/// against a floor of the same epoch (see `Pulse::answered`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// whenever that number falls, with the floors set by the last lowerings: the
+/// heartbeat's pooler guard judges a lock count against the lowest floor in effect
+/// since it read the floor (see `Pulse::answered`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ServerFloor {
     epoch: u64,
     floor: usize,
+    /// `(epoch, floor)` of the last lowerings, oldest first.
+    lows: std::collections::VecDeque<(u64, usize)>,
 }
+
+/// How many lowerings [`ServerFloor`] remembers: a heartbeat answered after more than
+/// that many is not judged.
+const KEPT_LOWERINGS: usize = 64;
 
 impl ServerFloor {
     /// The session holds at least `floor` locks from now on; set *before* the statement
@@ -26,6 +33,10 @@ impl ServerFloor {
     pub(crate) fn set(&mut self, floor: usize) {
         if floor < self.floor {
             self.epoch += 1;
+            self.lows.push_back((self.epoch, floor));
+            if self.lows.len() > KEPT_LOWERINGS {
+                self.lows.pop_front();
+            }
         }
         self.floor = floor;
     }
@@ -33,6 +44,26 @@ impl ServerFloor {
     /// `(epoch, floor)`.
     pub(crate) fn get(&self) -> (u64, usize) {
         (self.epoch, self.floor)
+    }
+
+    /// The lowest floor in effect at any time since `(epoch, floor)` was read: a
+    /// statement that ran in between found at least that many locks on the session,
+    /// unless another client released them. `None` when too many lowerings ago to tell.
+    pub(crate) fn lowest_since(&self, epoch: u64, floor: usize) -> Option<usize> {
+        if epoch == self.epoch {
+            return Some(floor);
+        }
+        let oldest_kept = self.lows.front().map_or(self.epoch + 1, |(e, _)| *e);
+        if epoch + 1 < oldest_kept {
+            return None;
+        }
+        Some(
+            self.lows
+                .iter()
+                .filter(|(e, _)| *e > epoch)
+                .map(|(_, f)| *f)
+                .fold(floor, usize::min),
+        )
     }
 }
 
@@ -84,6 +115,14 @@ impl Shared {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get()
+    }
+
+    /// Reads the floor and its recent lowerings (see [`ServerFloor::lowest_since`]).
+    pub(crate) fn with_server_floor<R>(&self, f: impl FnOnce(&ServerFloor) -> R) -> R {
+        f(&self
+            .server_floor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// The next instant after `now` on a grid of `period` shared by everything of this

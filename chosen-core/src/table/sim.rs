@@ -1657,7 +1657,9 @@ impl Sim {
                     return;
                 };
                 let was_full = pulse.next_send().is_none();
-                let verdict = pulse.answered(beat, Ok(locks), node.floor.get().0, now);
+                let verdict = pulse.answered(beat, Ok(locks), &node.floor, now);
+                let floor = node.floor.get();
+                self.log(|| format!("n{n} heartbeat {beat:?} answered: {locks} locks, floor now {floor:?}: {verdict:?}"));
                 match verdict {
                     Verdict::Renew { until, .. } => {
                         let until = self.t_of(until);
@@ -2552,7 +2554,9 @@ impl Sim {
             self.nodes[n].held_up.push(msg);
             return;
         }
-        let arrival = (self.now + self.latency_of(n)).max(self.nodes[n].last_up);
+        // Strictly after the previous message on the connection: same-instant events are
+        // ordered at random, and TCP delivers in order.
+        let arrival = (self.now + self.latency_of(n)).max(self.nodes[n].last_up + 1);
         self.nodes[n].last_up = arrival;
         self.push(arrival, Ev::Arrive { n, msg });
     }
@@ -2562,7 +2566,7 @@ impl Sim {
             self.nodes[n].held_down.push((inst, msg));
             return;
         }
-        let arrival = (at + self.latency_of(n)).max(self.nodes[n].last_down);
+        let arrival = (at + self.latency_of(n)).max(self.nodes[n].last_down + 1);
         self.nodes[n].last_down = arrival;
         self.push(arrival, Ev::Deliver { n, inst, msg });
     }
@@ -3715,6 +3719,22 @@ impl Sim {
             }
             self.within_gap_c(y, y.grant_at)
                 .map_err(|why| format!("{}: {why}", label(yi, y)))?;
+            self.stats.stale_grant_overlaps += 1;
+            return Ok(());
+        }
+        // The earlier run was the stale one (its session no longer held the key when
+        // it was granted): the later holder, which won the key at the server, has the
+        // greater token, and the stale run stays within gap (c)'s bound.
+        if x.stale {
+            if y.token <= x.token {
+                return Err(format!(
+                    "{} was granted on a session the server had ended, and does not fence {}",
+                    label(xi, x),
+                    label(yi, y)
+                ));
+            }
+            self.within_gap_c(x, y.grant_at)
+                .map_err(|why| format!("{}: {why}", label(xi, x)))?;
             self.stats.stale_grant_overlaps += 1;
             return Ok(());
         }
