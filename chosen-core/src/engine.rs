@@ -686,6 +686,81 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_says_what_to_set() {
+        let backwards = Refused::TokensBackwards {
+            first: 10,
+            issued: 20,
+        }
+        .to_string();
+        assert!(backwards.contains("from 10") && backwards.contains("above 20"));
+        assert!(backwards.contains("chosen.token_epoch"), "{backwards}");
+        let other = Refused::OtherCluster {
+            system_id: "b".to_owned(),
+            was: "a".to_owned(),
+            timeline: 1,
+            issued_high: 3,
+        }
+        .to_string();
+        assert!(other.contains("identifier b, was a") && other.contains("above 3"));
+        let lower = Refused::LowerTerm {
+            timeline: 2,
+            seen: 3,
+        }
+        .to_string();
+        assert!(lower.contains("2") && lower.contains("3") && lower.contains("never lower"));
+    }
+
+    #[test]
+    fn a_session_that_ends_ends_the_tables_generation_and_counts_for_the_next_terms_hold() {
+        let mut e = engine();
+        let now = Instant::now();
+        let old = term("a", 1, 10, Some(Duration::from_secs(3_600)), now);
+        e.session_started(1, &old, now);
+        assert!(e.table().connected());
+        let end = now + Duration::from_secs(1);
+        e.session_ended(end);
+        assert!(!e.table().connected());
+        // The next term's hold counts from that end, on this process's clock.
+        let new = Term {
+            identity: "1/a/again".to_owned(),
+            ..term("a", 1, 20, Some(Duration::from_secs(3_600)), end)
+        };
+        assert_eq!(
+            e.session_started(2, &new, end),
+            Some(Duration::from_secs(6))
+        );
+    }
+
+    #[test]
+    fn at_most_two_lost_sessions_are_kept_open_each_until_its_fence_deadline() {
+        let mut e = engine();
+        let now = Instant::now();
+        let t = term("a", 1, 10, Some(Duration::from_secs(3_600)), now);
+        let wait = Duration::from_secs(6);
+        e.session_started(1, &t, now);
+        assert_eq!(e.session_lost(now, true), Some(now + wait));
+        assert_eq!(e.retired_until(), Some(now + wait));
+        // Not one that may not be kept (its connection is closed, a pooler's).
+        let later = now + Duration::from_secs(1);
+        e.session_started(2, &t, later);
+        assert_eq!(e.session_lost(later, false), None);
+        e.session_started(3, &t, later);
+        assert_eq!(e.session_lost(later, true), Some(later + wait));
+        assert_eq!(e.retired_until(), Some(later + wait));
+        // A third is not kept while two are.
+        e.session_started(4, &t, later);
+        assert_eq!(e.session_lost(later, true), None);
+        // Disconnected, none is closed before its deadline, then the oldest.
+        assert_eq!(e.close_retired(later), 0);
+        assert_eq!(e.close_retired(now + wait), 1);
+        assert_eq!(e.retired_until(), Some(later + wait));
+        // Connected with no stop fence pending: every kept one may close at once.
+        e.session_started(5, &t, later);
+        assert_eq!(e.close_retired(later), 1);
+        assert_eq!(e.retired_until(), None);
+    }
+
+    #[test]
     fn reconnect_waits_double_within_their_bounds_and_reset_on_success() {
         let mut e = engine();
         let mut bounds = Vec::new();
