@@ -220,7 +220,8 @@ impl Pulse {
         }
     }
 
-    /// The answer to `beat` arrived at `now`, while the lock floor's epoch is `epoch`.
+    /// The answer to `beat` arrived at `now`; `floors` is the lock floor as the task
+    /// keeps it now.
     ///
     /// The lock count is compared with the lowest floor in effect since *this*
     /// heartbeat read it (`floors`: the floor as the task keeps it): every lock counted

@@ -466,7 +466,9 @@ ORDER BY a.application_name, l.classid, l.objid";
 /// (`pg_advisory_unlock_all()` on a shared backend), another node may hold them now,
 /// and a fresh token would then order this process's stale tenure *after* that node's.
 /// The second column counts the keys found; fewer than asked ends the session, as
-/// the heartbeat's lock-count guard would with its next beat.
+/// the heartbeat's lock-count guard would with its next beat. The nested `CASE` makes
+/// the order certain: no WAL record and no transaction id unless every key is held.
+/// (It reads the whole lock table, once per step that hands keys off locally.)
 const TOKEN_SQL: &str = "
 WITH held AS (
     SELECT count(*) AS n FROM unnest($3::int4[], $4::int4[], $5::int8[]) AS k(a, b, big)
@@ -480,10 +482,11 @@ WITH held AS (
                                    ELSE k.big & 4294967295 END
           AND l.objsubid = CASE WHEN k.big IS NULL THEN 2 ELSE 1 END)
 )
-SELECT CASE WHEN held.n = cardinality($5::int8[])
-             AND set_config('synchronous_commit', 'local', true) = 'local'
-             AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL
-            THEN pg_current_xact_id()::text::int8 END,
+SELECT CASE WHEN held.n = cardinality($5::int8[]) THEN
+           CASE WHEN set_config('synchronous_commit', 'local', true) = 'local'
+                 AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL
+                THEN pg_current_xact_id()::text::int8 END
+       END,
        held.n
 FROM held
 WHERE pg_backend_pid() = $1 AND current_setting('chosen.session', true) = $2

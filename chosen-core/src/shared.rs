@@ -67,6 +67,40 @@ impl ServerFloor {
     }
 }
 
+#[cfg(test)]
+mod floor_tests {
+    use super::ServerFloor;
+
+    #[test]
+    fn the_lowest_floor_since_a_read_is_known_for_the_last_64_lowerings() {
+        let mut f = ServerFloor::default();
+        f.set(10);
+        let (epoch, floor) = f.get();
+        assert_eq!(f.lowest_since(epoch, floor), Some(10), "nothing since");
+        // A rise, then a lowering below the read, then a rise again.
+        f.set(12);
+        f.set(4);
+        f.set(9);
+        assert_eq!(f.lowest_since(epoch, floor), Some(4));
+        // 64 lowerings since the read: all remembered.
+        let mut f = ServerFloor::default();
+        f.set(100);
+        let (epoch, floor) = f.get();
+        for i in 0..64 {
+            f.set(90 - i);
+            f.set(100);
+        }
+        assert_eq!(f.lowest_since(epoch, floor), Some(27));
+        // One more: the oldest needed is forgotten, so nothing is claimed.
+        f.set(50);
+        assert_eq!(f.lowest_since(epoch, floor), None);
+        // A read after the forgotten ones is judged again.
+        let (epoch, floor) = f.get();
+        f.set(40);
+        assert_eq!(f.lowest_since(epoch, floor), Some(40));
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) options: ManagerOptions,

@@ -167,6 +167,54 @@ async fn local_waiters_are_served_in_fifo_order() {
     }
 }
 
+/// The generation of a connected manager.
+fn generation(m: &LockManager) -> u64 {
+    match m.connection_status() {
+        chosen_core::ConnectionState::Connected { generation, .. } => generation,
+        other => panic!("not connected: {other:?}"),
+    }
+}
+
+/// A local hand-off keeps the session (the token statement finds the key still held,
+/// whatever its form: a name's pair, negative halves, a 64-bit key of either sign or
+/// above 32 bits) and gives the next waiter a greater token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_hand_off_keeps_the_session_for_every_key_form() {
+    let pg = PgCluster::start().unwrap();
+    let m = manager(&pg.url(), "hand-off-forms").await;
+    let before = generation(&m);
+    let name = unique_name("hand-off-forms");
+    let keys = [
+        m.key_for(&name),
+        chosen_core::LockKey::Pair(-1, i32::MIN),
+        chosen_core::LockKey::Int(-1),
+        chosen_core::LockKey::Int(i64::MIN),
+        chosen_core::LockKey::Int(0x1_ffff_fffe),
+    ];
+    for key in keys {
+        let first = m.acquire(key).await.unwrap();
+        let waiter = tokio::spawn({
+            let m = m.clone();
+            async move { m.acquire(key).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let token = first.fencing_token();
+        drop(first);
+        let next = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter is served")
+            .unwrap()
+            .unwrap();
+        assert!(next.fencing_token() > token, "{key:?}: a greater token");
+        assert_eq!(
+            generation(&m),
+            before,
+            "{key:?}: the hand-off kept the session"
+        );
+        next.release().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_name_twice_in_one_process_never_both_hold() {
     let pg = PgCluster::start().unwrap();
