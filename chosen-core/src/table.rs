@@ -406,7 +406,7 @@ struct Slot {
     /// was in flight: what they are worth is known only once the try answers who held
     /// the key, so they are applied right after its answer, in the order they came (see
     /// [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
-    announced_in_flight: Vec<(i32, Option<u64>)>,
+    announced_in_flight: Vec<(i32, Option<u64>, Instant)>,
 }
 
 impl Slot {
@@ -934,13 +934,16 @@ impl LockTable {
         }
         if slot.server == Server::Trying && !slot.waiters.is_empty() {
             // The try in flight may answer that the sender held the key: the
-            // announcement is verified against that answer, not the one before; the
-            // result is as if it had arrived right after the answer.
-            slot.announced_in_flight.retain(|(pid, _)| *pid != sender);
+            // announcement is verified against that answer, not the one before, but
+            // it keeps its arrival: it vouches only for a win answered within the
+            // grace of that (a slow try does not make it fresh again; the sender may
+            // have taken the key again before the try ran).
+            slot.announced_in_flight
+                .retain(|(pid, _, _)| *pid != sender);
             if slot.announced_in_flight.len() == MAX_IN_FLIGHT_ANNOUNCEMENTS {
                 slot.announced_in_flight.remove(0);
             }
-            slot.announced_in_flight.push((sender, to));
+            slot.announced_in_flight.push((sender, to, now));
             return;
         }
         if slot.server != Server::Free || slot.waiters.is_empty() {
@@ -1455,8 +1458,8 @@ impl LockTable {
             }
             // Announcements that came while the try was on its way, as if they came now,
             // after its answer: what the answer says is what they are verified against.
-            for (sender, to) in in_flight {
-                self.announced_for(key, sender, to, now);
+            for (sender, to, arrived) in in_flight {
+                self.announced_for(key, sender, to, arrived);
             }
         }
         // Keys the statement did not answer for (it cannot happen with our statements,
