@@ -256,10 +256,14 @@ impl Driver {
 
     fn on_event(&mut self, event: ConnEvent) -> Option<Exit> {
         match event {
-            ConnEvent::Notification { sender, payload } => {
-                let now = Instant::now();
+            ConnEvent::Notification {
+                sender,
+                payload,
+                at,
+            } => {
+                // Applied with its arrival: read after a slow try, it must not look fresh.
                 for (key, to) in payload.split(',').filter_map(LockKey::from_announcement) {
-                    self.engine.table_mut().announced_for(key, sender, to, now);
+                    self.engine.table_mut().announced_for(key, sender, to, at);
                 }
                 None
             }

@@ -629,11 +629,14 @@ async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
 /// What the connection task reports.
 #[derive(Debug)]
 pub(crate) enum ConnEvent {
-    /// A release announcement: the sender's backend pid (stamped by the server) and the
-    /// payload (key tags joined by commas).
+    /// A release announcement: the sender's backend pid (stamped by the server), the
+    /// payload (key tags joined by commas), and when it arrived (the task reads it
+    /// between steps, possibly after a slow try answered: an announcement vouches only
+    /// for a win answered within the grace of its arrival).
     Notification {
         sender: i32,
         payload: String,
+        at: Instant,
     },
     Closed(String),
 }
@@ -1743,6 +1746,7 @@ where
                     let _ = events_tx.send(ConnEvent::Notification {
                         sender: n.process_id(),
                         payload: n.payload().to_owned(),
+                        at: Instant::now(),
                     });
                 }
                 Some(Ok(AsyncMessage::Notice(notice))) => {

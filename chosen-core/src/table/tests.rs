@@ -2119,3 +2119,51 @@ fn review12_a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() 
         .collect();
     assert!(released.is_empty(), "{released:?}");
 }
+
+#[test]
+fn an_announcement_that_arrives_during_a_slow_try_keeps_its_arrival() {
+    // 4242 announces during our try; the try answers later than the grace after that
+    // (4242 took the key again before it ran, and is seen holding): the announcement
+    // is verified against that answer but is old, so the next win keeps the grace.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)]);
+    f.table.announced_for(key(1), 4242, Some(0), f.now);
+    f.advance(GRACE + ms(1));
+    f.table.registered(&plan.register);
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(
+        f.granted().is_empty(),
+        "a stale in-flight announcement skipped the grace"
+    );
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn an_announcement_read_after_a_slow_try_answered_keeps_its_arrival() {
+    // As the task does: a notification that arrived during the try is read after the
+    // answer, with its arrival; too old by the next win, so the grace is kept.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)]);
+    let arrived = f.now;
+    f.advance(GRACE + ms(1));
+    f.table.registered(&plan.register);
+    f.table
+        .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
+    f.table.announced_for(key(1), 4242, Some(0), arrived);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(
+        f.granted().is_empty(),
+        "a stale announcement skipped the grace"
+    );
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
