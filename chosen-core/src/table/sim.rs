@@ -592,6 +592,8 @@ struct Node {
     end_seen: T,
     /// Requests whose caller stopped waiting: a grant for one never reaches it.
     abandoned: BTreeSet<RequestId>,
+    /// The clusters (system identifiers) this instance had a session on.
+    known_systems: BTreeSet<u32>,
     /// Their withdrawals, read after the statement in flight answers (the task reads
     /// commands between steps).
     withdrawals: Vec<(LockKey, RequestId)>,
@@ -1034,6 +1036,7 @@ impl Sim {
                 batch_fault: None,
                 end_seen: 0,
                 abandoned: BTreeSet::new(),
+                known_systems: BTreeSet::new(),
                 withdrawals: Vec::new(),
                 last_identity: None,
                 term_end_seen: 0,
@@ -1629,6 +1632,7 @@ impl Sim {
                     return self.connect_failed(n, attempt);
                 }
                 let node = &mut self.nodes[n];
+                node.known_systems.insert(system);
                 let gn = node.gens;
                 node.conn = Conn::Up { gn, pid };
                 node.valid_until = proven_at + self.t.lease;
@@ -2136,8 +2140,16 @@ impl Sim {
             // A replaced cluster whose token epoch the DBA has not set yet, and a node
             // that never saw the old one (it started since): it cannot know. The
             // documented operator duty; counted apart.
-            let cannot_know =
-                self.unepoched(n) && self.last_system.get(&key) != Some(&self.session_system(n));
+            // (Or it knew clusters, but not the one of the key's last token: its floor
+            // says nothing of that one's tokens.)
+            let prev_system = self.last_system.get(&key).copied();
+            let on_unepoched = match self.nodes[n].conn {
+                Conn::Up { pid, .. } => self.server.backends.get(&pid).is_some_and(|b| b.unepoched),
+                _ => false,
+            };
+            let cannot_know = on_unepoched
+                && prev_system != Some(self.session_system(n))
+                && prev_system.is_some_and(|sys| !self.nodes[n].known_systems.contains(&sys));
             if born_invalid || ended_at_server {
                 self.stats.stale_grants += 1;
                 self.log(|| format!("FINDING {text}, on a session the server had ended"));
@@ -2549,6 +2561,7 @@ impl Sim {
         node.wake_at = None;
         node.end_seen = 0;
         node.abandoned.clear();
+        node.known_systems.clear();
         node.withdrawals.clear();
         node.last_identity = None;
         node.term_end_seen = 0;
