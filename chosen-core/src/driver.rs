@@ -15,7 +15,7 @@ use tokio::time::sleep_until;
 use tracing::{debug, info, warn};
 
 use crate::command::{ClusterReply, Command, Grant, HolderReply};
-use crate::engine::{Engine, Overdue, Timing};
+use crate::engine::{CloseNext, Engine, Overdue, Timing};
 use crate::error::{Error, Result};
 use crate::fault::{Fault, error_text};
 use crate::generation::Generation;
@@ -92,6 +92,9 @@ impl Driver {
             term_grant_delay: shared.options.get_term_grant_delay(),
             reconnect_min: shared.options.reconnect_min,
             reconnect_max: shared.options.reconnect_max,
+            stop_budget: shared.options.stop_budget,
+            statement_slack: shared.options.lease_timeout,
+            linger: shared.options.takeover_grace,
         };
         Self {
             engine: Engine::new(rules, timing, seed),
@@ -123,7 +126,7 @@ impl Driver {
                 None => match self.reconnect().await {
                     Some(s) => s,
                     None => {
-                        self.wait_for_stopping_work().await;
+                        self.close(None).await;
                         break;
                     }
                 },
@@ -233,7 +236,7 @@ impl Driver {
                 Exit::Lost(reason)
             }
             Exit::Shutdown => {
-                self.graceful_close(&mut s, &generation).await;
+                self.close(Some(&mut s)).await;
                 drop(s);
                 Exit::Shutdown
             }
@@ -718,75 +721,59 @@ impl Driver {
         self.retiring.push_back(close);
     }
 
-    /// Stops trusting every lease first; then waits (at most the stop budget) for their
-    /// owners to drop them (a singleton drops its lease once its child has stopped),
-    /// unlocking and announcing each as it comes back; then unlocks the rest. So a
-    /// waiting node starts its child only after this node's child stopped.
-    async fn graceful_close(&mut self, s: &mut Session, generation: &Generation) {
-        // Whether releases are announced below (a lease is out, or stopping).
-        let releases = self.engine.table().held() > 0;
+    /// The shutdown, as the engine sequences it (its rule 7): on the session `s`, or
+    /// while disconnected (`None`).
+    async fn close(&mut self, mut s: Option<&mut Session>) {
         self.shared.invalidate();
-        generation.revoke(SessionDownReason::Shutdown);
+        if let Some(generation) = &self.current {
+            generation.revoke(SessionDownReason::Shutdown);
+        }
         self.last_reason = SessionDownReason::Shutdown;
-        self.engine.table_mut().begin_close();
+        self.engine.begin_shutdown(Instant::now());
         self.carry_out();
-        let budget = self.shared.options.stop_budget;
-        let deadline = Instant::now() + budget;
-        let statement_deadline = Some(deadline + self.shared.options.lease_timeout);
-        let mut failed = false;
-        while self.engine.table_mut().held() > 0 && Instant::now() < deadline && !failed {
-            if let Err(reason) = self.step(s, statement_deadline).await {
-                debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
-                failed = true;
-                break;
+        loop {
+            let next = self.engine.close_next(Instant::now());
+            match (next, s.as_deref_mut()) {
+                (CloseNext::Done, _) => break,
+                (CloseNext::Step { deadline }, Some(s)) => {
+                    if let Err(reason) = self.step(s, Some(deadline)).await {
+                        debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
+                        self.engine.close_failed();
+                    }
+                }
+                (CloseNext::Reset { deadline }, Some(s)) => {
+                    let generation = Arc::clone(&s.generation);
+                    if let Err(e) = self.guarded(&generation, Some(deadline), s.reset()).await {
+                        debug!(error = ?e, "resetting the session at shutdown failed");
+                    }
+                }
+                (CloseNext::Step { .. } | CloseNext::Reset { .. }, None) => {
+                    self.engine.close_failed();
+                }
+                (CloseNext::Wait { until }, _) => {
+                    tokio::select! {
+                        cmd = self.rx.recv() => if let Some(cmd) = cmd {
+                            self.handle(cmd);
+                        },
+                        () = sleep_until(tokio::time::Instant::from_std(until)) => {}
+                    }
+                    while let Ok(cmd) = self.rx.try_recv() {
+                        self.handle(cmd);
+                    }
+                }
+                (CloseNext::Linger { until }, _) => {
+                    sleep_until(tokio::time::Instant::from_std(until)).await;
+                }
             }
-            if self.engine.table_mut().held() == 0 {
-                break;
-            }
-            tokio::select! {
-                cmd = self.rx.recv() => if let Some(cmd) = cmd {
-                    self.handle(cmd);
-                },
-                () = sleep_until(tokio::time::Instant::from_std(deadline)) => {}
-            }
-            while let Ok(cmd) = self.rx.try_recv() {
-                self.handle(cmd);
-            }
+            self.carry_out();
         }
-        if self.engine.table_mut().held() > 0 {
-            warn!(
-                node_id = %self.shared.options.node_id,
-                leases = self.engine.table_mut().held(),
-                budget = ?budget,
-                "leases still held at shutdown after the stop budget; releasing them anyway"
-            );
-        }
-        self.engine.table_mut().close_now();
-        self.carry_out();
-        if !failed && let Err(reason) = self.step(s, statement_deadline).await {
-            debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
-        }
-        if !failed && releases {
-            // A waiter that heard our announcements believes them, and skips the grace,
-            // only if its next try finds this session alive (the one its last try saw
-            // holding the key): stay that long, at most the grace it would wait.
-            tokio::time::sleep(self.shared.options.takeover_grace).await;
-        }
-        if !failed
-            && let Err(e) = self
-                .guarded(generation, statement_deadline, s.reset())
-                .await
-        {
-            debug!(error = ?e, "resetting the session at shutdown failed");
-        }
-        self.engine.session_ended(Instant::now());
-        self.carry_out();
         self.answer_releases();
-        self.current = None;
-        if let Some(m) = self.metrics() {
-            m.connection_changed(self.node(), false, generation.id);
+        if let Some(generation) = self.current.take() {
+            if let Some(m) = self.metrics() {
+                m.connection_changed(self.node(), false, generation.id);
+            }
+            info!(node_id = %self.shared.options.node_id, "lock manager shut down");
         }
-        info!(node_id = %self.shared.options.node_id, "lock manager shut down");
     }
 
     /// Closes the lost sessions that the engine says may close (rule 6); those past
@@ -795,28 +782,6 @@ impl Driver {
         for _ in 0..self.engine.close_retired(Instant::now()) {
             if let Some(close) = self.retiring.pop_front() {
                 close.cancel();
-            }
-        }
-    }
-
-    /// A shutdown while disconnected: the lost sessions kept open are closed once the
-    /// work still stopping under their leases has stopped (its leases dropped), or at
-    /// their deadline (at most the stop budget from now), as a connected shutdown waits
-    /// for it: closing them earlier frees keys under which that work still runs.
-    async fn wait_for_stopping_work(&mut self) {
-        let Some(until) = self.engine.retired_until() else {
-            return;
-        };
-        let until = tokio::time::Instant::from_std(
-            until.min(Instant::now() + self.shared.options.stop_budget),
-        );
-        while self.engine.table().held() > 0 && tokio::time::Instant::now() < until {
-            tokio::select! {
-                cmd = self.rx.recv() => match cmd {
-                    Some(cmd) => self.handle(cmd),
-                    None => break,
-                },
-                () = sleep_until(until) => break,
             }
         }
     }

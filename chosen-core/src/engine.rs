@@ -39,6 +39,16 @@
 //!    in place before the key is free, however long the reconnect takes. The server's
 //!    `idle_session_timeout` ends it anyway by `server_release_after`, which the timing
 //!    invariant puts after `max_fence_wait`.
+//! 7. **The shutdown sequence.** Every lease stops being trusted first; then the task
+//!    waits, at most `stop_budget`, for the leases' owners to drop them (a singleton
+//!    drops its lease once its child has stopped), unlocking and announcing each as it
+//!    comes back; then it unlocks the rest, unannounced (their work may not have
+//!    stopped). Having announced a release, the session stays connected for the
+//!    takeover grace: a waiter that heard the announcement skips the grace only if its
+//!    next try finds this session alive. A statement that fails ends the sequence (the
+//!    locks end with the session). Shut down while disconnected, the lost sessions kept
+//!    open (rule 6) close once the work under their leases has stopped, or at their
+//!    deadline, at most `stop_budget` from the shutdown.
 
 use std::time::{Duration, Instant};
 
@@ -60,6 +70,61 @@ pub(crate) struct Timing {
     pub(crate) term_grant_delay: Duration,
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
+    /// How long a shutdown waits for the leases' owners to drop them (rule 7).
+    pub(crate) stop_budget: Duration,
+    /// How long past the stop budget a closing statement may take before the session
+    /// is closed without its answer (the locks go with the session then).
+    pub(crate) statement_slack: Duration,
+    /// How long a closing session stays connected after announcing its releases
+    /// (rule 7): the takeover grace a waiter that heard them skips.
+    pub(crate) linger: Duration,
+}
+
+/// What the task does next while shutting down (rule 7): see
+/// [`Engine::close_next`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CloseNext {
+    /// Run a step; its statements may take until `deadline`, then the session is closed
+    /// without their answers.
+    Step { deadline: Instant },
+    /// Wait for a command (an owner dropping its lease) until `until`.
+    Wait { until: Instant },
+    /// Stay connected, sending nothing, until `until`.
+    Linger { until: Instant },
+    /// Reset the session's settings; the statement may take until `deadline`.
+    Reset { deadline: Instant },
+    /// Done: close the connection (and the lost sessions kept open).
+    Done,
+}
+
+/// Where a shutdown is (rule 7).
+#[derive(Clone, Copy, Debug)]
+struct Shutdown {
+    /// The end of the stop budget.
+    budget_end: Instant,
+    /// Statements end by then at the latest.
+    statement_deadline: Instant,
+    /// Whether releases are announced (a lease was out, or stopping, when it began).
+    announces: bool,
+    phase: ClosePhase,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ClosePhase {
+    /// Waiting for the owners to drop their leases; `stepped`: a step ran since the
+    /// last wait.
+    Draining {
+        stepped: bool,
+    },
+    /// Unlocking the rest (one step).
+    Unlocking,
+    Lingering,
+    Resetting,
+    /// Disconnected: waiting for the work under the lost sessions kept open.
+    Retiring {
+        until: Instant,
+    },
+    Over,
 }
 
 /// What a new session found out about the server's current term as primary.
@@ -198,6 +263,8 @@ pub(crate) struct Engine {
     /// Lost sessions kept open (rule 6), oldest first: until when at most.
     retiring: std::collections::VecDeque<Instant>,
     max_fence_wait: Duration,
+    /// The shutdown under way, if one is (rule 7).
+    shutdown: Option<Shutdown>,
     rng: u64,
 }
 
@@ -216,6 +283,7 @@ impl Engine {
             backoff: timing.reconnect_min,
             retiring: std::collections::VecDeque::new(),
             max_fence_wait: rules.max_fence_wait,
+            shutdown: None,
             rng: seed.rotate_left(17) | 1,
         }
     }
@@ -401,6 +469,119 @@ impl Engine {
         delay / 2 + jitter_below(&mut self.rng, delay / 2)
     }
 
+    // ---- the shutdown (rule 7) --------------------------------------------------------
+
+    /// A shutdown begins: every waiting request is refused `Closed`, and nothing is
+    /// granted any more. [`close_next`](Self::close_next) says what to do then. The
+    /// task has stopped trusting every lease before (the shared validity).
+    pub(crate) fn begin_shutdown(&mut self, now: Instant) {
+        if self.shutdown.is_some() {
+            return;
+        }
+        let budget_end = now + self.timing.stop_budget;
+        let phase = if self.table.connected() {
+            ClosePhase::Draining { stepped: false }
+        } else {
+            // The lost sessions kept open hold keys under which work may still run:
+            // closing them frees those keys.
+            let until = self
+                .retired_until()
+                .map_or(now, |until| until.min(budget_end));
+            ClosePhase::Retiring { until }
+        };
+        self.shutdown = Some(Shutdown {
+            budget_end,
+            statement_deadline: budget_end + self.timing.statement_slack,
+            announces: self.table.held() > 0,
+            phase,
+        });
+        self.table.begin_close();
+    }
+
+    /// What to do next while shutting down (nothing but [`CloseNext::Done`] before
+    /// [`begin_shutdown`](Self::begin_shutdown)). Call it again after each thing done;
+    /// a command (a lease dropped) ends a [`CloseNext::Wait`] early.
+    pub(crate) fn close_next(&mut self, now: Instant) -> CloseNext {
+        let Some(mut sd) = self.shutdown else {
+            return CloseNext::Done;
+        };
+        let next = loop {
+            match sd.phase {
+                ClosePhase::Draining { stepped } => {
+                    if self.table.held() == 0 || now >= sd.budget_end {
+                        let held = self.table.held();
+                        if held > 0 {
+                            tracing::warn!(
+                                leases = held,
+                                budget = ?self.timing.stop_budget,
+                                "leases still held at shutdown after the stop budget; releasing them anyway"
+                            );
+                        }
+                        self.table.close_now();
+                        sd.phase = ClosePhase::Unlocking;
+                        continue;
+                    }
+                    if stepped {
+                        sd.phase = ClosePhase::Draining { stepped: false };
+                        break CloseNext::Wait {
+                            until: sd.budget_end,
+                        };
+                    }
+                    sd.phase = ClosePhase::Draining { stepped: true };
+                    break CloseNext::Step {
+                        deadline: sd.statement_deadline,
+                    };
+                }
+                ClosePhase::Unlocking => {
+                    sd.phase = ClosePhase::Lingering;
+                    break CloseNext::Step {
+                        deadline: sd.statement_deadline,
+                    };
+                }
+                ClosePhase::Lingering => {
+                    sd.phase = ClosePhase::Resetting;
+                    if sd.announces && !self.timing.linger.is_zero() {
+                        break CloseNext::Linger {
+                            until: now + self.timing.linger,
+                        };
+                    }
+                }
+                ClosePhase::Resetting => {
+                    sd.phase = ClosePhase::Over;
+                    break CloseNext::Reset {
+                        deadline: sd.statement_deadline,
+                    };
+                }
+                ClosePhase::Retiring { until } => {
+                    if self.table.held() == 0 || now >= until {
+                        sd.phase = ClosePhase::Over;
+                        continue;
+                    }
+                    break CloseNext::Wait { until };
+                }
+                ClosePhase::Over => {
+                    self.table.close_now();
+                    if self.table.connected() {
+                        self.session_ended(now);
+                    }
+                    self.retiring.clear();
+                    break CloseNext::Done;
+                }
+            }
+        };
+        self.shutdown = Some(sd);
+        next
+    }
+
+    /// A statement of the shutdown failed: the session is gone, and its locks with it.
+    /// Nothing more is sent; the next [`close_next`](Self::close_next) is
+    /// [`CloseNext::Done`].
+    pub(crate) fn close_failed(&mut self) {
+        if let Some(sd) = &mut self.shutdown {
+            sd.phase = ClosePhase::Over;
+        }
+    }
+
     // ---- steps ----------------------------------------------------------------------
 
     /// The statements of the next step (grants whose grace has passed are made first).
@@ -514,6 +695,9 @@ mod tests {
                 term_grant_delay: Duration::from_secs(6),
                 reconnect_min: Duration::from_millis(100),
                 reconnect_max: Duration::from_secs(5),
+                stop_budget: Duration::from_secs(5),
+                statement_slack: Duration::from_secs(10),
+                linger: Duration::from_millis(200),
             },
             7,
         )
@@ -589,6 +773,149 @@ mod tests {
         ));
         e.check_session(&term("b", 4, 10, Some(Duration::from_secs(60)), now))
             .unwrap();
+    }
+
+    /// A session up on a server of an old term, holding key 1 for request 1.
+    fn holding(now: Instant) -> Engine {
+        let mut e = engine();
+        let t = term("a", 1, 1_000, Some(Duration::from_secs(60)), now);
+        e.session_started(1, &t, now);
+        e.table_mut().acquire(
+            crate::table::Request {
+                id: 1,
+                key: LockKey::Int(1),
+                name: std::sync::Arc::from("one"),
+                poll_interval: Duration::from_secs(1),
+                mode: crate::table::Mode::Try,
+                since: std::time::SystemTime::UNIX_EPOCH,
+                enqueued: now,
+            },
+            now,
+        );
+        let plan = e.plan(now, true, false).unwrap();
+        assert_eq!(plan.try_keys, vec![LockKey::Int(1)]);
+        let done = Done {
+            tried: Ok(vec![(
+                LockKey::Int(1),
+                TryOutcome::Won(FencingToken::from_parts(1, 2_000)),
+            )]),
+            ..Done::default()
+        };
+        e.done(&plan, &done, true, false, now).unwrap();
+        assert!(std::iter::from_fn(|| e.poll_action()).any(|a| matches!(a, Action::Grant { .. })));
+        assert_eq!(e.table().held(), 1);
+        e
+    }
+
+    /// Carries out one closing step: plans it and answers every statement as done.
+    fn closing_step(e: &mut Engine, now: Instant) -> Plan {
+        let plan = e.plan(now, false, true).unwrap();
+        e.done(&plan, &Done::default(), false, true, now).unwrap();
+        plan
+    }
+
+    #[test]
+    fn a_shutdown_waits_for_the_lease_then_unlocks_announces_and_lingers() {
+        let start = Instant::now();
+        let mut e = holding(start);
+        e.begin_shutdown(start);
+        let deadline = start + Duration::from_secs(15);
+        // Nothing to send while the lease is out: a step, then a wait for its owner.
+        assert_eq!(e.close_next(start), CloseNext::Step { deadline });
+        assert!(closing_step(&mut e, start).is_empty());
+        let budget_end = start + Duration::from_secs(5);
+        assert_eq!(e.close_next(start), CloseNext::Wait { until: budget_end });
+        // The owner drops it: the final step unlocks it, announced.
+        let t = start + Duration::from_secs(1);
+        e.table_mut().release_to(LockKey::Int(1), 1, None, t);
+        assert_eq!(e.close_next(t), CloseNext::Step { deadline });
+        let plan = closing_step(&mut e, t);
+        assert_eq!(plan.unlock.len(), 1, "{plan:?}");
+        assert_eq!(e.table().held(), 0);
+        // Then the linger for the grace, the reset, and done.
+        assert_eq!(
+            e.close_next(t),
+            CloseNext::Linger {
+                until: t + Duration::from_millis(200)
+            }
+        );
+        let t = t + Duration::from_millis(200);
+        assert_eq!(e.close_next(t), CloseNext::Reset { deadline });
+        assert_eq!(e.close_next(t), CloseNext::Done);
+        assert!(!e.table().connected());
+        assert_eq!(e.close_next(t), CloseNext::Done);
+    }
+
+    #[test]
+    fn a_shutdown_past_its_budget_unlocks_without_announcing_or_lingering() {
+        let start = Instant::now();
+        let mut e = holding(start);
+        e.begin_shutdown(start);
+        let deadline = start + Duration::from_secs(15);
+        assert_eq!(e.close_next(start), CloseNext::Step { deadline });
+        closing_step(&mut e, start);
+        let late = start + Duration::from_secs(5);
+        assert_eq!(e.close_next(late), CloseNext::Step { deadline });
+        let plan = closing_step(&mut e, late);
+        assert!(
+            plan.unlock.is_empty() && plan.unlock_quiet.len() == 1,
+            "{plan:?}"
+        );
+        // The lease was out when the shutdown began, so releases are announced in
+        // general, and the session lingers; this one was not (its work may still run).
+        assert!(matches!(e.close_next(late), CloseNext::Linger { .. }));
+        assert!(matches!(e.close_next(late), CloseNext::Reset { .. }));
+        assert_eq!(e.close_next(late), CloseNext::Done);
+    }
+
+    #[test]
+    fn a_failed_closing_statement_ends_the_shutdown_at_once() {
+        let start = Instant::now();
+        let mut e = holding(start);
+        e.begin_shutdown(start);
+        assert!(matches!(e.close_next(start), CloseNext::Step { .. }));
+        e.close_failed();
+        assert_eq!(e.close_next(start), CloseNext::Done);
+        assert!(!e.table().connected());
+        assert_eq!(e.table().held(), 0);
+    }
+
+    #[test]
+    fn a_shutdown_with_nothing_held_sends_one_step_and_does_not_linger() {
+        let start = Instant::now();
+        let mut e = engine();
+        let t = term("a", 1, 1_000, Some(Duration::from_secs(60)), start);
+        e.session_started(1, &t, start);
+        e.begin_shutdown(start);
+        assert!(matches!(e.close_next(start), CloseNext::Step { .. }));
+        closing_step(&mut e, start);
+        assert!(matches!(e.close_next(start), CloseNext::Reset { .. }));
+        assert_eq!(e.close_next(start), CloseNext::Done);
+    }
+
+    #[test]
+    fn a_shutdown_while_disconnected_waits_for_the_work_under_the_kept_sessions() {
+        let start = Instant::now();
+        let mut e = holding(start);
+        // Lost and kept open until the fence wait (6 s) at most.
+        assert_eq!(
+            e.session_lost(start, true),
+            Some(start + Duration::from_secs(6))
+        );
+        assert_eq!(e.table().held(), 1, "the work under the lease is stopping");
+        let t = start + Duration::from_secs(2);
+        e.begin_shutdown(t);
+        // At most the stop budget from the shutdown, and no later than the kept
+        // session's deadline.
+        let until = start + Duration::from_secs(6);
+        assert_eq!(e.close_next(t), CloseNext::Wait { until });
+        // The work stops: done.
+        e.table_mut().release_to(LockKey::Int(1), 1, None, t);
+        assert_eq!(e.close_next(t), CloseNext::Done);
+        // Never connected again, nothing kept: done at once.
+        let mut idle = engine();
+        idle.begin_shutdown(t);
+        assert_eq!(idle.close_next(t), CloseNext::Done);
     }
 
     #[test]

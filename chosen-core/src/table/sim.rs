@@ -61,7 +61,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::engine::{Done, Engine, Term, Timing as EngineTiming, TryFailed};
+use crate::engine::{CloseNext, Done, Engine, Term, Timing as EngineTiming, TryFailed};
 use crate::heartbeat::{Beat, Pulse, Verdict};
 use crate::key::LockKey;
 use crate::shared::ServerFloor;
@@ -89,6 +89,7 @@ const FAULT_KINDS: &[&str] = &[
     "replaced_cluster",
     "clock_step",
     "shutdown",
+    "shutdown_disconnected",
     "forged_notify",
     "pid_reuse",
     "slow_replies",
@@ -530,8 +531,13 @@ enum BatchFault {
 
 #[derive(Clone, Copy, Debug)]
 struct Closing {
-    deadline: T,
-    final_sent: bool,
+    /// Until when the engine said to wait (for a command) or linger: the sequence goes
+    /// on then, or at a command if it waits (`Wait`).
+    until: T,
+    /// The sequence may go on at a command (a lease dropped) before `until`.
+    on_command: bool,
+    /// The statements in flight end by then, or the shutdown gives up on them.
+    statement_deadline: Option<T>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1342,7 +1348,10 @@ impl Sim {
                 }
             }
             Ev::Reconnect { n, inst } => {
-                if self.current(n, inst) && self.nodes[n].conn == Conn::Down {
+                if self.current(n, inst)
+                    && self.nodes[n].conn == Conn::Down
+                    && self.nodes[n].closing.is_none()
+                {
                     let node = &mut self.nodes[n];
                     node.attempt += 1;
                     node.gens += 1;
@@ -1543,11 +1552,14 @@ impl Sim {
     fn node_loop(&mut self, n: usize) {
         self.close_retired(n);
         let node = &self.nodes[n];
-        if node.down || node.busy.is_some() || !matches!(node.conn, Conn::Up { .. }) {
+        if node.down {
             return;
         }
         if node.closing.is_some() {
             return self.closing_step(n);
+        }
+        if node.busy.is_some() || !matches!(node.conn, Conn::Up { .. }) {
+            return;
         }
         // The engine's validity gate: a session whose deadline passed grants nothing.
         let now = self.at(self.now);
@@ -1962,11 +1974,7 @@ impl Sim {
                 ));
             }
         }
-        if self.nodes[n].closing.is_some_and(|c| c.final_sent) {
-            self.finish_shutdown(n);
-        } else {
-            self.poke(n);
-        }
+        self.poke(n);
     }
 
     /// Carries out the table's actions (in a fixed order: the table's own order comes
@@ -2288,6 +2296,7 @@ impl Sim {
             .table_mut()
             .release_to(key, id, to, now);
         self.carry_out(n, self.now);
+        self.closing_command(n);
         let node = &mut self.nodes[n];
         if node.closing.is_some() {
             node.singles[s].state = SState::Gone;
@@ -2368,7 +2377,10 @@ impl Sim {
             return;
         };
         if self.nodes[n].closing.is_some() {
-            return self.finish_shutdown(n);
+            // A closing statement failed: the locks end with the session.
+            self.nodes[n].busy = None;
+            self.nodes[n].engine.close_failed();
+            return self.poke(n);
         }
         self.log(|| format!("n{n} LOSES generation {gn} (pid {pid}): {why}"));
         // Tries in flight never answer now.
@@ -2440,11 +2452,15 @@ impl Sim {
     fn begin_shutdown(&mut self, n: usize) {
         self.log(|| format!("n{n} begins a graceful shutdown"));
         let inst = self.nodes[n].inst;
-        let deadline = self.now + self.t.stop_budget;
         self.nodes[n].closing = Some(Closing {
-            deadline,
-            final_sent: false,
+            until: self.now,
+            on_command: false,
+            statement_deadline: None,
         });
+        if matches!(self.nodes[n].conn, Conn::Connecting { .. }) {
+            // The connect in flight is dropped (its late answer closes its backend).
+            self.nodes[n].conn = Conn::Down;
+        }
         for s in 0..self.nodes[n].singles.len() {
             match self.nodes[n].singles[s].state {
                 SState::Holding { id, run } => {
@@ -2460,9 +2476,9 @@ impl Sim {
                 _ => {}
             }
         }
-        self.nodes[n].engine.table_mut().begin_close();
+        let now = self.at(self.now);
+        self.nodes[n].engine.begin_shutdown(now);
         self.carry_out(n, self.now);
-        self.push(deadline, Ev::Wake { n, inst });
         self.poke(n);
     }
 
@@ -2474,34 +2490,79 @@ impl Sim {
             .expect("BUG: a closing session has no validity gate")
     }
 
+    /// Carries out the engine's shutdown sequence (its rule 7) as the task does, until
+    /// it waits for something.
     fn closing_step(&mut self, n: usize) {
         let Some(c) = self.nodes[n].closing else {
             return;
         };
-        if c.final_sent {
+        if self.nodes[n].busy.is_some() {
+            // A closing statement past its deadline: the shutdown gives up on it.
+            if c.statement_deadline.is_some_and(|d| self.now >= d) {
+                self.log(|| format!("n{n} gives up on its closing statement"));
+                self.nodes[n].busy = None;
+                self.nodes[n].engine.close_failed();
+            } else {
+                return;
+            }
+        }
+        if self.now < c.until {
             return;
         }
-        let now = self.at(self.now);
-        if self.nodes[n].engine.table().held() == 0 || self.now >= c.deadline {
-            self.nodes[n].engine.table_mut().close_now();
+        loop {
+            let now = self.at(self.now);
+            let next = self.nodes[n].engine.close_next(now);
             self.carry_out(n, self.now);
-            self.nodes[n].closing = Some(Closing {
-                final_sent: true,
-                ..c
-            });
-            let plan = self.closing_plan(n, now);
-            self.carry_out(n, self.now);
-            if plan.is_empty() {
-                self.finish_shutdown(n);
-            } else {
-                self.send_plan(n, plan);
+            let up = matches!(self.nodes[n].conn, Conn::Up { .. });
+            match next {
+                CloseNext::Done => return self.finish_shutdown(n),
+                CloseNext::Step { deadline } if up => {
+                    let plan = self.closing_plan(n, now);
+                    self.carry_out(n, self.now);
+                    if plan.is_empty() {
+                        continue;
+                    }
+                    let deadline = self.t_of(deadline);
+                    self.set_closing(n, self.now, false, Some(deadline));
+                    let inst = self.nodes[n].inst;
+                    self.push(deadline, Ev::Wake { n, inst });
+                    return self.send_plan(n, plan);
+                }
+                // `RESET ALL; UNLISTEN *`: nothing the simulation models.
+                CloseNext::Reset { .. } if up => {}
+                CloseNext::Step { .. } | CloseNext::Reset { .. } => {
+                    self.nodes[n].engine.close_failed();
+                }
+                CloseNext::Wait { until } => {
+                    let until = self.t_of(until);
+                    self.set_closing(n, until, true, None);
+                    return self.schedule_wake(n, until);
+                }
+                CloseNext::Linger { until } => {
+                    let until = self.t_of(until);
+                    self.log(|| format!("n{n} lingers after announcing its releases"));
+                    self.set_closing(n, until, false, None);
+                    return self.schedule_wake(n, until);
+                }
             }
-        } else {
-            let plan = self.closing_plan(n, now);
-            self.carry_out(n, self.now);
-            if !plan.is_empty() {
-                self.send_plan(n, plan);
-            }
+        }
+    }
+
+    fn set_closing(&mut self, n: usize, until: T, on_command: bool, deadline: Option<T>) {
+        self.nodes[n].closing = Some(Closing {
+            until,
+            on_command,
+            statement_deadline: deadline,
+        });
+    }
+
+    /// A command reached a closing node: a `Wait` of its shutdown ends.
+    fn closing_command(&mut self, n: usize) {
+        if let Some(c) = &mut self.nodes[n].closing
+            && c.on_command
+        {
+            c.until = self.now;
+            c.on_command = false;
         }
     }
 
@@ -2514,8 +2575,6 @@ impl Sim {
             self.send_up(n, Up::Close { pid });
         }
         self.log(|| format!("n{n} shut down"));
-        let at = self.at(self.now);
-        self.nodes[n].engine.session_ended(at);
         self.nodes[n].end_seen = self.now;
         self.carry_out(n, self.now);
         let node = &mut self.nodes[n];
@@ -3327,7 +3386,20 @@ impl Sim {
             }
             64..67 => self.clock_step(false),
             67..75 => {
-                if let Some((n, _)) = self.pick_node(true) {
+                let disconnected: Vec<usize> = (0..self.nodes.len())
+                    .filter(|n| {
+                        let node = &self.nodes[*n];
+                        !node.down
+                            && node.closing.is_none()
+                            && node.frozen.is_none()
+                            && !matches!(node.conn, Conn::Up { .. })
+                    })
+                    .collect();
+                if !disconnected.is_empty() && self.rng.chance(25) {
+                    let n = disconnected[self.rng.below(disconnected.len() as u64) as usize];
+                    self.fault("shutdown_disconnected");
+                    self.begin_shutdown(n);
+                } else if let Some((n, _)) = self.pick_node(true) {
                     self.fault("shutdown");
                     self.begin_shutdown(n);
                 }
@@ -3917,6 +3989,9 @@ fn engine_timing(t: &Timing) -> EngineTiming {
         term_grant_delay: Duration::from_micros(t.lease + t.stop_budget + t.margin),
         reconnect_min: Duration::from_micros(t.reconnect_min),
         reconnect_max: Duration::from_micros(t.reconnect_max),
+        stop_budget: Duration::from_micros(t.stop_budget),
+        statement_slack: Duration::from_micros(t.lease),
+        linger: Duration::from_micros(t.grace),
     }
 }
 
