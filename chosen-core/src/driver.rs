@@ -346,7 +346,8 @@ impl Driver {
 
     /// Carries out the table's actions: leases granted, requests answered, metrics.
     fn carry_out(&mut self) {
-        while let Some(action) = self.engine.poll_action() {
+        let closing = self.shared.closing.is_cancelled();
+        while let Some(action) = self.engine.poll_action(Instant::now(), closing) {
             match action {
                 Action::Grant {
                     id,
@@ -398,17 +399,6 @@ impl Driver {
         generation_id: u64,
         waited: Duration,
     ) {
-        if self.shared.closing.is_cancelled() {
-            // A shutdown began while this grant's statement was in flight (commands,
-            // `Closing` among them, are read between steps): the request is answered
-            // `Closed` as every waiting one is, and the key unlocked quietly (nothing
-            // ran under it; see `LockTable::undelivered`).
-            if let Some(reply) = self.replies.remove(&id) {
-                let _ = reply.send(Err(Error::Closed));
-            }
-            self.engine.table_mut().undelivered(key, id, Instant::now());
-            return;
-        }
         let (Some(reply), Some(generation), Some(tx)) = (
             self.replies.remove(&id),
             self.current.clone(),

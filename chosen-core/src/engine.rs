@@ -49,6 +49,10 @@
 //!    locks end with the session). Shut down while disconnected, the lost sessions kept
 //!    open (rule 6) close once the work under their leases has stopped, or at their
 //!    deadline, at most `stop_budget` from the shutdown.
+//! 8. **Nothing is granted once the handle closes.** A shutdown begun by the handle
+//!    (every supervisor told to stop) while a statement was in flight may find a key won
+//!    in its answers: that grant is answered `Closed`, and the key unlocked quietly
+//!    (nothing ran under it).
 
 use std::time::{Duration, Instant};
 
@@ -310,9 +314,24 @@ impl Engine {
         &mut self.table
     }
 
-    /// The next thing the task must do, if any.
-    pub(crate) fn poll_action(&mut self) -> Option<Action> {
-        self.table.poll_action()
+    /// The next thing the task must do, if any. `handle_closing`: the manager's handle
+    /// began a shutdown, whose commands the task reads only between steps; a grant that
+    /// comes of a statement in flight then is not delivered (rule 8).
+    pub(crate) fn poll_action(&mut self, now: Instant, handle_closing: bool) -> Option<Action> {
+        let action = self.table.poll_action()?;
+        match action {
+            Action::Grant { id, key, .. }
+                if handle_closing && !self.off(Protection::HandleClosing) =>
+            {
+                // Nothing ran under it: the key is unlocked quietly.
+                self.table.undelivered(key, id, now);
+                Some(Action::Refuse {
+                    id,
+                    why: crate::table::Refusal::Closed,
+                })
+            }
+            action => Some(action),
+        }
     }
 
     // ---- the session's life ---------------------------------------------------------
@@ -802,7 +821,10 @@ mod tests {
             ..Done::default()
         };
         e.done(&plan, &done, true, false, now).unwrap();
-        assert!(std::iter::from_fn(|| e.poll_action()).any(|a| matches!(a, Action::Grant { .. })));
+        assert!(
+            std::iter::from_fn(|| e.poll_action(now, false))
+                .any(|a| matches!(a, Action::Grant { .. }))
+        );
         assert_eq!(e.table().held(), 1);
         e
     }

@@ -452,8 +452,8 @@ impl LockManager {
     /// too, in the caller's future, without the bound on the supervisors' stop.)
     pub async fn shutdown(&self) {
         // Refuse new requests and tell every supervisor to stop, synchronously. From
-        // here on no grant is delivered (the driver checks `closing` before it hands
-        // out a lease, whatever statement was in flight), and waiting requests are
+        // here on no grant is delivered (the engine's rule 8, whatever statement was in
+        // flight), and waiting requests are
         // answered `Closed` as soon as the driver reads this, not when the supervisors
         // have stopped.
         self.shared.closing.cancel();

@@ -139,6 +139,9 @@ pub(crate) enum Protection {
     /// A lost session stays open until the next one fences the work still stopping
     /// (rule 6).
     KeepLostOpen,
+    /// A grant that comes of a statement in flight when the handle began a shutdown is
+    /// not delivered (the engine's rule 8).
+    HandleClosing,
     /// A heartbeat that finds fewer advisory locks on the session than it holds ends
     /// the session (another client released them: a pooler, `DISCARD ALL`). Kept by the
     /// heartbeat's `Pulse`, switched there.

@@ -538,6 +538,9 @@ struct Closing {
     on_command: bool,
     /// The statements in flight end by then, or the shutdown gives up on them.
     statement_deadline: Option<T>,
+    /// The task has read the shutdown: the engine's sequence runs. Until then (a
+    /// statement was in flight when the handle began it) steps are ordinary ones.
+    begun: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1891,7 +1894,7 @@ impl Sim {
         };
         let now = self.at(self.now);
         let valid = self.now < self.nodes[n].valid_until;
-        let closing = self.nodes[n].closing.is_some();
+        let closing = self.nodes[n].closing.is_some_and(|c| c.begun);
         // The engine's validity gate: results that arrive after the deadline (a freeze
         // during the statement) end the session instead of granting.
         if self.nodes[n]
@@ -1983,7 +1986,10 @@ impl Sim {
     /// (the instant that decided a grant that came of them).
     fn carry_out(&mut self, n: usize, reply_at: T) {
         let mut actions = Vec::new();
-        while let Some(a) = self.nodes[n].engine.poll_action() {
+        // The handle's shutdown began (its supervisors told to stop): the engine's
+        // rule 8 holds back the grants of a statement that was in flight.
+        let (now, handle_closing) = (self.at(self.now), self.nodes[n].closing.is_some());
+        while let Some(a) = self.nodes[n].engine.poll_action(now, handle_closing) {
             actions.push(a);
         }
         actions.sort_by_key(|a| match a {
@@ -2376,7 +2382,7 @@ impl Sim {
         let Conn::Up { pid, gn } = self.nodes[n].conn else {
             return;
         };
-        if self.nodes[n].closing.is_some() {
+        if self.nodes[n].closing.is_some_and(|c| c.begun) {
             // A closing statement failed: the locks end with the session.
             self.nodes[n].busy = None;
             self.nodes[n].engine.close_failed();
@@ -2433,6 +2439,11 @@ impl Sim {
             }
         }
         let inst = self.nodes[n].inst;
+        if self.nodes[n].closing.is_some() {
+            // The shutdown the task has not read yet: it reads it instead of
+            // reconnecting, and shuts down disconnected.
+            return self.poke(n);
+        }
         self.push(self.now, Ev::Reconnect { n, inst });
     }
 
@@ -2456,6 +2467,7 @@ impl Sim {
             until: self.now,
             on_command: false,
             statement_deadline: None,
+            begun: false,
         });
         if matches!(self.nodes[n].conn, Conn::Connecting { .. }) {
             // The connect in flight is dropped (its late answer closes its backend).
@@ -2476,8 +2488,8 @@ impl Sim {
                 _ => {}
             }
         }
-        let now = self.at(self.now);
-        self.nodes[n].engine.begin_shutdown(now);
+        // The task reads the shutdown between steps: once the statement in flight, if
+        // any, has answered (`closing_step`).
         self.carry_out(n, self.now);
         self.poke(n);
     }
@@ -2496,6 +2508,17 @@ impl Sim {
         let Some(c) = self.nodes[n].closing else {
             return;
         };
+        if !c.begun {
+            if self.nodes[n].busy.is_some() {
+                return;
+            }
+            let now = self.at(self.now);
+            self.nodes[n].engine.begin_shutdown(now);
+            self.carry_out(n, self.now);
+            if let Some(c) = &mut self.nodes[n].closing {
+                c.begun = true;
+            }
+        }
         if self.nodes[n].busy.is_some() {
             // A closing statement past its deadline: the shutdown gives up on it.
             if c.statement_deadline.is_some_and(|d| self.now >= d) {
@@ -2553,6 +2576,7 @@ impl Sim {
             until,
             on_command,
             statement_deadline: deadline,
+            begun: true,
         });
     }
 
@@ -4575,6 +4599,7 @@ fn every_protection_is_load_bearing() {
         Protection::ValidityGate,
         Protection::TokenFloor,
         Protection::KeepLostOpen,
+        Protection::HandleClosing,
         Protection::LockCountGuard,
     ] {
         match first_failing_seed(&[p], budget) {
