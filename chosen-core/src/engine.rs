@@ -1,7 +1,7 @@
 //! The lock session's rules without I/O, in the quinn-proto style: the lock table plus
 //! everything the task used to decide around it. Inputs carry their `Instant`; outputs
 //! are plans of statements, actions (grants, answers, metrics) and the next wake-up.
-//! The task ([`driver`](crate::driver)) carries them out against PostgreSQL, and the
+//! The task ([`task`](crate::task)) carries them out against PostgreSQL, and the
 //! simulation against a simulated server: both run this code.
 //!
 //! The rules kept here, beyond the table's own:

@@ -2,7 +2,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod command;
-mod driver;
 mod election;
 mod engine;
 mod error;
@@ -26,6 +25,7 @@ mod shared;
 mod singleton;
 mod status;
 mod table;
+mod task;
 mod token;
 
 pub use election::{DEFAULT_FAIL_BACK_AFTER, Election, ElectionOptions};

@@ -11,7 +11,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::command::Command;
-use crate::driver::Driver;
 use crate::error::{Error, Result};
 use crate::info::{ClusterLock, HolderInfo, LockInfo};
 use crate::key::LockKey;
@@ -21,6 +20,7 @@ use crate::session;
 use crate::shared::Shared;
 use crate::status::ConnectionState;
 use crate::table::{Mode, Request};
+use crate::task::Driver;
 
 /// One PostgreSQL session holding any number of advisory locks for this process.
 ///

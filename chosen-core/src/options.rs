@@ -465,6 +465,28 @@ impl ManagerOptions {
             .saturating_add(self.safety_margin)
     }
 
+    /// The lock table's rules, from these options.
+    pub(crate) fn table_rules(&self) -> crate::table::Rules {
+        crate::table::Rules {
+            node: crate::key::node_hash(&self.node_id),
+            max_locks: self.max_locks,
+            takeover_grace: self.takeover_grace,
+            max_fence_wait: self.max_stop(),
+        }
+    }
+
+    /// The engine's own timing, from these options.
+    pub(crate) fn engine_timing(&self) -> crate::engine::Timing {
+        crate::engine::Timing {
+            term_grant_delay: self.get_term_grant_delay(),
+            reconnect_min: self.reconnect_min,
+            reconnect_max: self.reconnect_max,
+            stop_budget: self.stop_budget,
+            statement_slack: self.lease_timeout,
+            linger: self.takeover_grace,
+        }
+    }
+
     /// The node id (see [`node_id`](Self::node_id)).
     #[must_use]
     pub fn get_node_id(&self) -> &str {

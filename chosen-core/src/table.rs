@@ -1,7 +1,7 @@
 //! The lock rules, apart from their I/O.
 //!
 //! [`LockTable`] decides who holds and who waits for each key this process wants; the
-//! manager's task (`driver.rs`) carries its decisions out on the session and feeds the
+//! manager's task (`task/`) carries its decisions out on the session and feeds the
 //! results back. The table never awaits, never touches the connection and has no clock:
 //! every input carries the `Instant` it happened at. That keeps the rules readable top to
 //! bottom and lets the tests drive them through millions of steps with no database.

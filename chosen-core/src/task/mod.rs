@@ -1,0 +1,435 @@
+//! The manager's task: the only code that touches the connection, and none of the
+//! rules. It feeds commands, notifications and statement results to the
+//! [`Engine`], and carries out what the engine decides through the [`Session`]'s
+//! statements: the plans of each step, the shutdown sequence, the lost sessions kept
+//! open, the reconnect waits. A separate heartbeat task proves the session alive, so
+//! no statement, command or notification flood can delay it.
+//!
+//! This file is the loop; [`answers`] carries out the engine's actions and the
+//! handles' commands, [`lifecycle`] ends and opens sessions.
+
+mod answers;
+mod lifecycle;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::mpsc::{UnboundedReceiver, WeakUnboundedSender};
+use tokio::sync::oneshot;
+use tokio::time::sleep_until;
+use tracing::{debug, info};
+
+use crate::command::{ClusterReply, Command, Grant, HolderReply};
+use crate::engine::{CloseNext, Engine, Overdue};
+use crate::error::Result;
+use crate::fault::{Fault, error_text};
+use crate::generation::Generation;
+use crate::key::LockKey;
+use crate::session::{ConnEvent, Session};
+use crate::shared::Shared;
+use crate::status::{ConnectionState, SessionDownReason};
+use crate::table::RequestId;
+
+enum Exit {
+    Lost(SessionDownReason),
+    Shutdown,
+}
+
+pub(crate) struct Driver {
+    shared: Arc<Shared>,
+    rx: UnboundedReceiver<Command>,
+    weak_tx: WeakUnboundedSender<Command>,
+    engine: Engine,
+    /// Reply channels of requests the table still has (waiting or in a statement).
+    replies: HashMap<RequestId, oneshot::Sender<Result<Option<Grant>>>>,
+    release_replies: Vec<oneshot::Sender<Result<()>>>,
+    holder_queries: Vec<(LockKey, HolderReply)>,
+    cluster_queries: Vec<ClusterReply>,
+    shutdown_replies: Vec<oneshot::Sender<()>>,
+    shutting_down: bool,
+    /// Lost sessions kept open (the engine's rule 6), oldest first: each by a task of
+    /// its own that closes it at its deadline, or at once when this is cancelled.
+    retiring: std::collections::VecDeque<tokio_util::sync::CancellationToken>,
+    generations: u64,
+    current: Option<Arc<Generation>>,
+    last_reason: SessionDownReason,
+    /// The error of the last failed try statement, for the try requests it answers.
+    last_error: Option<Arc<tokio_postgres::Error>>,
+    /// Waiter counts last reported to the metrics sink, per key.
+    reported_waiting: HashMap<LockKey, (Arc<str>, usize)>,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // The task ended (shutdown, or the runtime dropped it): nothing it granted may
+        // be trusted any more.
+        self.shared.invalidate();
+        if let Some(generation) = self.current.take() {
+            generation.revoke(SessionDownReason::Shutdown);
+        }
+    }
+}
+
+impl Driver {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        rx: UnboundedReceiver<Command>,
+        weak_tx: WeakUnboundedSender<Command>,
+    ) -> Self {
+        let seed = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id()).rotate_left(32)
+            ^ (Arc::as_ptr(&shared) as u64);
+        Self {
+            engine: Engine::new(
+                shared.options.table_rules(),
+                shared.options.engine_timing(),
+                seed,
+            ),
+            shared,
+            rx,
+            weak_tx,
+            replies: HashMap::new(),
+            release_replies: Vec::new(),
+            holder_queries: Vec::new(),
+            cluster_queries: Vec::new(),
+            shutdown_replies: Vec::new(),
+            shutting_down: false,
+            retiring: std::collections::VecDeque::new(),
+            generations: 1,
+            current: None,
+            last_reason: SessionDownReason::ConnectFailed {
+                message: "not connected yet".to_owned(),
+            },
+            last_error: None,
+            reported_waiting: HashMap::new(),
+        }
+    }
+
+    pub(crate) async fn run(mut self, first: Session) {
+        let mut next = Some(first);
+        loop {
+            let session = match next.take() {
+                Some(s) => s,
+                None => match self.reconnect().await {
+                    Some(s) => s,
+                    None => {
+                        self.close(None).await;
+                        break;
+                    }
+                },
+            };
+            match self.serve(session).await {
+                Exit::Lost(_) => {}
+                Exit::Shutdown => break,
+            }
+        }
+        self.finish();
+    }
+
+    // ---- connected -------------------------------------------------------------
+
+    async fn serve(&mut self, mut s: Session) -> Exit {
+        let generation = Arc::clone(&s.generation);
+        self.current = Some(Arc::clone(&generation));
+        self.shared
+            .extend_validity(s.proven_at + self.shared.options.lease_timeout);
+        self.shared.status.send_replace(ConnectionState::Connected {
+            generation: generation.id,
+            backend_pid: s.backend_pid,
+            server: s.server.clone(),
+        });
+        if let Some(m) = self.metrics() {
+            m.connection_changed(self.node(), true, generation.id);
+        }
+        info!(
+            node_id = %self.shared.options.node_id,
+            generation = generation.id,
+            backend_pid = s.backend_pid,
+            "lock session connected"
+        );
+        if let Some(grants_in) = self
+            .engine
+            .session_started(generation.id, &s.term, Instant::now())
+        {
+            info!(
+                node_id = %self.shared.options.node_id,
+                timeline = s.term.timeline,
+                term_age = ?s.term.age,
+                ?grants_in,
+                "the server's term as primary began recently; no lock is granted before the term grant delay passed"
+            );
+        }
+        self.shared.set_server_floor(0);
+        let heartbeat = tokio::spawn(crate::heartbeat::run(
+            s.heartbeat_handle(),
+            Arc::clone(&self.shared),
+            Arc::clone(&generation),
+            s.proven_at,
+        ));
+        let _heartbeat = AbortOnDrop(heartbeat);
+
+        let exit = loop {
+            // Everything already queued first, merged: requests, releases and
+            // announcements of one iteration cost one step.
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            if let Some(exit) = self.drain_events(&mut s) {
+                break exit;
+            }
+            if self.shutting_down {
+                break Exit::Shutdown;
+            }
+            if generation.revoked.is_cancelled() {
+                break Exit::Lost(revoke_reason(&generation));
+            }
+            if let Err(reason) = self.step(&s, None).await {
+                break Exit::Lost(reason);
+            }
+            self.close_retired();
+            let wakeup = self
+                .engine
+                .next_wakeup(Instant::now())
+                .map(tokio::time::Instant::from_std);
+            tokio::select! {
+                biased;
+                () = generation.revoked.cancelled() => break Exit::Lost(revoke_reason(&generation)),
+                cmd = self.rx.recv() => match cmd {
+                    Some(cmd) => self.handle(cmd),
+                    None => break Exit::Shutdown,
+                },
+                event = s.events.recv() => match event {
+                    Some(event) => if let Some(exit) = self.on_event(event) {
+                        break exit;
+                    },
+                    None => break Exit::Lost(SessionDownReason::ConnectionLost {
+                        message: "the connection task ended".to_owned(),
+                    }),
+                },
+                () = sleep_until(wakeup.unwrap_or_else(far_future)), if wakeup.is_some() => {}
+            }
+        };
+        match exit {
+            Exit::Lost(reason) => {
+                // Kept open until the next session fences what is still stopping (the
+                // engine's rule 6), unless its connection is closed already, or it is a
+                // pooler's (nothing of it is ours).
+                let may_keep = !s.client.is_closed()
+                    && !matches!(reason, SessionDownReason::PoolerDetected { .. });
+                match self.end_generation(&generation, reason.clone(), may_keep) {
+                    Some(until) => self.retire(s, until),
+                    None => drop(s),
+                }
+                Exit::Lost(reason)
+            }
+            Exit::Shutdown => {
+                self.close(Some(&mut s)).await;
+                drop(s);
+                Exit::Shutdown
+            }
+        }
+    }
+
+    /// Takes the notifications already received, in one go (at most 10,000, so that a
+    /// flood of them cannot hold up the step).
+    fn drain_events(&mut self, s: &mut Session) -> Option<Exit> {
+        for _ in 0..10_000 {
+            let Ok(event) = s.events.try_recv() else {
+                break;
+            };
+            if let Some(exit) = self.on_event(event) {
+                return Some(exit);
+            }
+        }
+        None
+    }
+
+    fn on_event(&mut self, event: ConnEvent) -> Option<Exit> {
+        match event {
+            ConnEvent::Notification {
+                sender,
+                payload,
+                at,
+            } => {
+                // Applied with its arrival: read after a slow try, it must not look fresh.
+                for (key, to) in payload.split(',').filter_map(LockKey::from_announcement) {
+                    self.engine.table_mut().announced_for(key, sender, to, at);
+                }
+                None
+            }
+            ConnEvent::Closed(message) => {
+                Some(Exit::Lost(SessionDownReason::ConnectionLost { message }))
+            }
+        }
+    }
+
+    /// Runs a statement until it answers, the generation is revoked, or `deadline`.
+    async fn guarded<T>(
+        &self,
+        generation: &Generation,
+        deadline: Option<Instant>,
+        query: impl Future<Output = Result<T, Fault>>,
+    ) -> Result<T, Fault> {
+        let deadline = deadline.map(tokio::time::Instant::from_std);
+        tokio::select! {
+            biased;
+            () = generation.revoked.cancelled(), if deadline.is_none() => {
+                Err(Fault::Lost(revoke_reason(generation)))
+            }
+            result = query => result,
+            () = sleep_until(deadline.unwrap_or_else(far_future)), if deadline.is_some() => {
+                Err(Fault::Lost(SessionDownReason::Shutdown))
+            }
+        }
+    }
+
+    /// One step: what the table planned, in one pipelined round trip; then holder
+    /// look-ups, batched. `deadline` bounds the statements while closing.
+    async fn step(
+        &mut self,
+        s: &Session,
+        deadline: Option<Instant>,
+    ) -> Result<(), SessionDownReason> {
+        let generation = Arc::clone(&s.generation);
+        // After a freeze the task may run before the heartbeat task's watchdog: a session
+        // whose deadline passed grants nothing (the engine's validity gate).
+        let closing = deadline.is_some();
+        let lease_timeout = self.shared.options.lease_timeout;
+        let overdue = |Overdue| SessionDownReason::HeartbeatOverdue { lease_timeout };
+        let plan = self
+            .engine
+            .plan(Instant::now(), self.shared.is_valid_now(), closing)
+            .map_err(overdue)?;
+        // Lowered before the statements that release locks are sent.
+        self.shared.set_server_floor(self.engine.server_floor());
+        self.carry_out();
+        if !plan.is_empty() {
+            if let (Some(m), false) = (self.metrics(), plan.try_keys.is_empty()) {
+                m.poll_query(self.node(), plan.try_keys.len());
+            }
+            let (done, try_error) = self
+                .guarded(&generation, deadline, s.perform(&plan))
+                .await
+                .map_err(fault_reason)?;
+            self.last_error = try_error.map(Arc::new);
+            // A freeze during the statement: its results would grant on a session whose
+            // deadline passed (the server may have ended it and given the keys away).
+            self.engine
+                .done(
+                    &plan,
+                    &done,
+                    self.shared.is_valid_now(),
+                    closing,
+                    Instant::now(),
+                )
+                .map_err(overdue)?;
+            self.shared.set_server_floor(self.engine.server_floor());
+            self.carry_out();
+        }
+        self.answer_releases();
+        self.report_waiting();
+        self.answer_queries(s, deadline).await
+    }
+
+    /// The shutdown, as the engine sequences it (its rule 7): on the session `s`, or
+    /// while disconnected (`None`).
+    async fn close(&mut self, mut s: Option<&mut Session>) {
+        self.shared.invalidate();
+        if let Some(generation) = &self.current {
+            generation.revoke(SessionDownReason::Shutdown);
+        }
+        self.last_reason = SessionDownReason::Shutdown;
+        self.engine.begin_shutdown(Instant::now());
+        self.carry_out();
+        loop {
+            let next = self.engine.close_next(Instant::now());
+            match (next, s.as_deref_mut()) {
+                (CloseNext::Done, _) => break,
+                (CloseNext::Step { deadline }, Some(s)) => {
+                    if let Err(reason) = self.step(s, Some(deadline)).await {
+                        debug!(%reason, "releasing at shutdown failed; closing the session releases the locks");
+                        self.engine.close_failed();
+                    }
+                }
+                (CloseNext::Reset { deadline }, Some(s)) => {
+                    let generation = Arc::clone(&s.generation);
+                    if let Err(e) = self.guarded(&generation, Some(deadline), s.reset()).await {
+                        debug!(error = ?e, "resetting the session at shutdown failed");
+                    }
+                }
+                (CloseNext::Step { .. } | CloseNext::Reset { .. }, None) => {
+                    self.engine.close_failed();
+                }
+                (CloseNext::Wait { until }, _) => {
+                    tokio::select! {
+                        cmd = self.rx.recv() => if let Some(cmd) = cmd {
+                            self.handle(cmd);
+                        },
+                        () = sleep_until(tokio::time::Instant::from_std(until)) => {}
+                    }
+                    while let Ok(cmd) = self.rx.try_recv() {
+                        self.handle(cmd);
+                    }
+                }
+                (CloseNext::Linger { until }, _) => {
+                    sleep_until(tokio::time::Instant::from_std(until)).await;
+                }
+            }
+            self.carry_out();
+        }
+        self.answer_releases();
+        if let Some(generation) = self.current.take() {
+            if let Some(m) = self.metrics() {
+                m.connection_changed(self.node(), false, generation.id);
+            }
+            info!(node_id = %self.shared.options.node_id, "lock manager shut down");
+        }
+    }
+}
+
+/// What a failed statement means for the session: a query error the step could not
+/// absorb ends it too.
+fn fault_reason(fault: Fault) -> SessionDownReason {
+    match fault {
+        Fault::Lost(reason) => reason,
+        Fault::Query(e) => SessionDownReason::ConnectionLost {
+            message: format!("statement failed: {}", error_text(&e)),
+        },
+    }
+}
+
+fn revoke_reason(generation: &Generation) -> SessionDownReason {
+    generation
+        .reason
+        .get()
+        .cloned()
+        .unwrap_or(SessionDownReason::Shutdown)
+}
+
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An error with its sources, for logs.
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
