@@ -606,6 +606,9 @@ struct Node {
     /// Their withdrawals, read after the statement in flight answers (the task reads
     /// commands between steps).
     withdrawals: Vec<(LockKey, RequestId)>,
+    /// Notifications that arrived while a statement was in flight, with their arrival:
+    /// the task reads them after the step (applied then, stamped with their arrival).
+    notes: Vec<(Down, T)>,
     /// The term of its last session, and the end seen before its first session of it
     /// (what the engine counts its own-clock term hold from).
     last_identity: Option<String>,
@@ -1047,6 +1050,7 @@ impl Sim {
                 abandoned: BTreeSet::new(),
                 known_systems: BTreeSet::new(),
                 withdrawals: Vec::new(),
+                notes: Vec::new(),
                 last_identity: None,
                 term_end_seen: 0,
             })
@@ -1603,6 +1607,78 @@ impl Sim {
         );
     }
 
+    /// A notification applied, as the task applies one it read: with its arrival.
+    fn read_note(&mut self, n: usize, note: Down, arrived: T) {
+        let Down::Notify {
+            to,
+            sender,
+            sender_start,
+            sent_at,
+            keys,
+            hand,
+        } = note
+        else {
+            return;
+        };
+        if self.nodes[n].conn
+            == (Conn::Up {
+                gn: self.nodes[n].gens,
+                pid: to,
+            })
+            && self.nodes[n].closing.is_none()
+        {
+            let now = self.at(arrived);
+            for k in &keys {
+                let to = hand.iter().find(|(h, _)| h == k).map(|(_, t)| *t);
+                let trusted = |sim: &Self| {
+                    sim.nodes[n]
+                        .engine
+                        .table()
+                        .slots
+                        .get(k)
+                        .map(|slot| (slot.evidence.announced, slot.hold_until.is_some()))
+                };
+                let before = trusted(self);
+                let in_flight = self.nodes[n]
+                    .engine
+                    .table()
+                    .slots
+                    .get(k)
+                    .is_some_and(|slot| slot.server == crate::table::Server::Trying);
+                self.nodes[n]
+                    .engine
+                    .table_mut()
+                    .announced_for(*k, sender, to, now);
+                // What the checks know of the announcement the table comes to
+                // believe: who sent it and when. One that arrives during the
+                // key's try is applied after its answer (see `on_reply`).
+                let believed = |t: Option<(bool, bool)>| t.is_some_and(|(a, _)| a);
+                if in_flight {
+                    self.in_flight_notes.entry((n, *k)).or_default().push((
+                        sender,
+                        sender_start,
+                        sent_at,
+                        arrived,
+                    ));
+                } else if believed(trusted(self)) && !believed(before) {
+                    self.announcers.insert((n, *k, sender), sender_start);
+                    self.announced_sent
+                        .insert((n, *k), (sent_at, arrived, sender));
+                }
+                // No backend of the server sent it: it must not be believed (a
+                // skipped grace, or a hold for another node).
+                if sender >= FORGED_PIDS && trusted(self) != before {
+                    let after = trusted(self);
+                    self.violation(format!(
+                                "n{n} trusted a forged announcement of {k} from {sender}: {before:?} -> {after:?}"
+                            ));
+                }
+            }
+            self.carry_out(n, self.now);
+            self.poke(n);
+        }
+    }
+
     fn deliver(&mut self, n: usize, msg: Down) {
         match msg {
             Down::Connected {
@@ -1719,68 +1795,15 @@ impl Sim {
                     }
                 }
             }
-            Down::Notify {
-                to,
-                sender,
-                sender_start,
-                sent_at,
-                keys,
-                hand,
-            } => {
-                if self.nodes[n].conn
-                    == (Conn::Up {
-                        gn: self.nodes[n].gens,
-                        pid: to,
-                    })
-                    && self.nodes[n].closing.is_none()
-                {
-                    let now = self.at(self.now);
-                    for k in &keys {
-                        let to = hand.iter().find(|(h, _)| h == k).map(|(_, t)| *t);
-                        let trusted =
-                            |sim: &Self| {
-                                sim.nodes[n].engine.table().slots.get(k).map(|slot| {
-                                    (slot.evidence.announced, slot.hold_until.is_some())
-                                })
-                            };
-                        let before = trusted(self);
-                        let in_flight = self.nodes[n]
-                            .engine
-                            .table()
-                            .slots
-                            .get(k)
-                            .is_some_and(|slot| slot.server == crate::table::Server::Trying);
-                        self.nodes[n]
-                            .engine
-                            .table_mut()
-                            .announced_for(*k, sender, to, now);
-                        // What the checks know of the announcement the table comes to
-                        // believe: who sent it and when. One that arrives during the
-                        // key's try is applied after its answer (see `on_reply`).
-                        let believed = |t: Option<(bool, bool)>| t.is_some_and(|(a, _)| a);
-                        if in_flight {
-                            self.in_flight_notes.entry((n, *k)).or_default().push((
-                                sender,
-                                sender_start,
-                                sent_at,
-                                self.now,
-                            ));
-                        } else if believed(trusted(self)) && !believed(before) {
-                            self.announcers.insert((n, *k, sender), sender_start);
-                            self.announced_sent
-                                .insert((n, *k), (sent_at, self.now, sender));
-                        }
-                        // No backend of the server sent it: it must not be believed (a
-                        // skipped grace, or a hold for another node).
-                        if sender >= FORGED_PIDS && trusted(self) != before {
-                            let after = trusted(self);
-                            self.violation(format!(
-                                "n{n} trusted a forged announcement of {k} from {sender}: {before:?} -> {after:?}"
-                            ));
-                        }
-                    }
-                    self.carry_out(n, self.now);
-                    self.poke(n);
+            note @ Down::Notify { .. } => {
+                // The task reads notifications between steps: one that arrives during a
+                // statement waits for its answer (applied then, with its arrival). Now
+                // and then one is applied at once, as a task reading them concurrently
+                // would: the table's rules must not depend on the order.
+                if self.nodes[n].busy.is_some() && !self.rng.chance(25) {
+                    self.nodes[n].notes.push((note, self.now));
+                } else {
+                    self.read_note(n, note, self.now);
                 }
             }
             Down::Closed { pid } => {
@@ -1933,6 +1956,10 @@ impl Sim {
         let granted_before = self.runs.len();
         self.carry_out(n, reply.at);
         self.announced_now.clear();
+        // The notifications read after the step, in their order.
+        for (note, arrived) in std::mem::take(&mut self.nodes[n].notes) {
+            self.read_note(n, note, arrived);
+        }
         if !self.nodes[n].withdrawals.is_empty() {
             self.apply_withdrawals(n);
         }
@@ -2389,8 +2416,9 @@ impl Sim {
             return self.poke(n);
         }
         self.log(|| format!("n{n} LOSES generation {gn} (pid {pid}): {why}"));
-        // Tries in flight never answer now.
+        // Tries in flight never answer now, and nobody reads what came meanwhile.
         self.in_flight_notes.retain(|(m, _), _| *m != n);
+        self.nodes[n].notes.clear();
         // Kept open until the next session fences what is still stopping (rule 6).
         let node = &mut self.nodes[n];
         node.retiring.push_back(pid);
