@@ -3128,6 +3128,23 @@ impl Sim {
         if why != CLIENT_CLOSED {
             self.server_ended.insert(pid, self.now);
         }
+        self.release_locks_of(pid);
+        let node = &self.nodes[b.n];
+        if let Some(idx) = node.frozen
+            && node.inst == b.inst
+            && matches!(node.conn, Conn::Up { pid: p, .. } if p == pid)
+        {
+            self.freezes[idx].server_ended = true;
+        }
+        self.log(|| format!("server ends backend {pid} of n{}: {why}", b.n));
+        if tell {
+            self.send_down(b.n, b.inst, Down::Closed { pid }, self.now);
+        }
+    }
+
+    /// Every advisory lock of a backend is released (its keys, its stop fences, its
+    /// interest keys): the backend ended, or another client released them.
+    fn release_locks_of(&mut self, pid: i32) {
         self.server.excl.retain(|_, p| *p != pid);
         for pids in self
             .server
@@ -3142,17 +3159,6 @@ impl Sim {
             if h.pid == pid && h.to.is_none() {
                 h.to = Some(now);
             }
-        }
-        let node = &self.nodes[b.n];
-        if let Some(idx) = node.frozen
-            && node.inst == b.inst
-            && matches!(node.conn, Conn::Up { pid: p, .. } if p == pid)
-        {
-            self.freezes[idx].server_ended = true;
-        }
-        self.log(|| format!("server ends backend {pid} of n{}: {why}", b.n));
-        if tell {
-            self.send_down(b.n, b.inst, Down::Closed { pid }, self.now);
         }
     }
 
@@ -3181,22 +3187,8 @@ impl Sim {
         self.log(|| {
             format!("FAULT another client releases every advisory lock of n{n}'s backend {pid}")
         });
-        self.server.excl.retain(|_, p| *p != pid);
-        for pids in self
-            .server
-            .interest
-            .values_mut()
-            .chain(self.server.fences_shared.values_mut())
-        {
-            pids.remove(&pid);
-        }
-        let now = self.now;
-        for h in &mut self.fences {
-            if h.pid == pid && h.to.is_none() {
-                h.to = Some(now);
-            }
-        }
-        self.discarded.push((pid, now));
+        self.release_locks_of(pid);
+        self.discarded.push((pid, self.now));
     }
 
     fn holder_pid(&self, key: LockKey) -> Option<i32> {
