@@ -90,6 +90,11 @@ impl Driver {
         let options = self.shared.options.clone();
         let mut attempt = 0u32;
         loop {
+            // The shutdown may have been read already: by the last session's loop
+            // before it found the session lost, or between two attempts.
+            if self.shutting_down {
+                return None;
+            }
             attempt = attempt.saturating_add(1);
             self.generations += 1;
             self.shared

@@ -365,11 +365,14 @@ impl Driver {
                     self.engine.close_failed();
                 }
                 (CloseNext::Wait { until }, _) => {
+                    let until = tokio::time::Instant::from_std(until);
                     tokio::select! {
-                        cmd = self.rx.recv() => if let Some(cmd) = cmd {
-                            self.handle(cmd);
+                        cmd = self.rx.recv() => match cmd {
+                            Some(cmd) => self.handle(cmd),
+                            // No handle left (nor a lease, whose grant holds one).
+                            None => sleep_until(until).await,
                         },
-                        () = sleep_until(tokio::time::Instant::from_std(until)) => {}
+                        () = sleep_until(until) => {}
                     }
                     while let Ok(cmd) = self.rx.try_recv() {
                         self.handle(cmd);
