@@ -43,8 +43,8 @@
 //!    waits, at most `stop_budget`, for the leases' owners to drop them (a singleton
 //!    drops its lease once its child has stopped), unlocking and announcing each as it
 //!    comes back; then it unlocks the rest, unannounced (their work may not have
-//!    stopped). Having announced a release, the session stays connected for the
-//!    takeover grace: a waiter that heard the announcement skips the grace only if its
+//!    stopped). The session then stays connected until the takeover grace has passed
+//!    since its last announcement: a waiter that heard one skips the grace only if its
 //!    next try finds this session alive. A statement that fails ends the sequence (the
 //!    locks end with the session). Shut down while disconnected, the lost sessions kept
 //!    open (rule 6) close once the work under their leases has stopped, or at their
@@ -108,8 +108,6 @@ struct Shutdown {
     budget_end: Instant,
     /// Statements end by then at the latest.
     statement_deadline: Instant,
-    /// Whether releases are announced (a lease was out, or stopping, when it began).
-    announces: bool,
     phase: ClosePhase,
 }
 
@@ -269,6 +267,8 @@ pub(crate) struct Engine {
     max_fence_wait: Duration,
     /// The shutdown under way, if one is (rule 7).
     shutdown: Option<Shutdown>,
+    /// When the last step that announced releases was planned (rule 7's linger).
+    last_announced: Option<Instant>,
     rng: u64,
 }
 
@@ -288,6 +288,7 @@ impl Engine {
             retiring: std::collections::VecDeque::new(),
             max_fence_wait: rules.max_fence_wait,
             shutdown: None,
+            last_announced: None,
             rng: seed.rotate_left(17) | 1,
         }
     }
@@ -511,7 +512,6 @@ impl Engine {
         self.shutdown = Some(Shutdown {
             budget_end,
             statement_deadline: budget_end + self.timing.statement_slack,
-            announces: self.table.held() > 0,
             phase,
         });
         self.table.begin_close();
@@ -559,10 +559,9 @@ impl Engine {
                 }
                 ClosePhase::Lingering => {
                     sd.phase = ClosePhase::Resetting;
-                    if sd.announces && !self.timing.linger.is_zero() {
-                        break CloseNext::Linger {
-                            until: now + self.timing.linger,
-                        };
+                    let until = self.last_announced.map(|at| at + self.timing.linger);
+                    if let Some(until) = until.filter(|until| *until > now) {
+                        break CloseNext::Linger { until };
                     }
                 }
                 ClosePhase::Resetting => {
@@ -616,7 +615,11 @@ impl Engine {
         if !valid && !closing {
             return Err(Overdue);
         }
-        Ok(self.table.plan(now))
+        let plan = self.table.plan(now);
+        if !plan.unlock.is_empty() || !plan.unfence.is_empty() {
+            self.last_announced = Some(now);
+        }
+        Ok(plan)
     }
 
     /// The answers to `plan`'s statements (rule 2). Tokens count for the floor even
@@ -883,11 +886,72 @@ mod tests {
             plan.unlock.is_empty() && plan.unlock_quiet.len() == 1,
             "{plan:?}"
         );
-        // The lease was out when the shutdown began, so releases are announced in
-        // general, and the session lingers; this one was not (its work may still run).
-        assert!(matches!(e.close_next(late), CloseNext::Linger { .. }));
+        // Nothing was announced (its work may still run): no waiter skips the grace on
+        // this session's word, so it need not stay.
         assert!(matches!(e.close_next(late), CloseNext::Reset { .. }));
         assert_eq!(e.close_next(late), CloseNext::Done);
+    }
+
+    #[test]
+    fn a_shutdown_lingers_a_grace_after_its_last_announcement_only() {
+        // Released and announced before the shutdown began (a supervisor stopped its
+        // child first): the session stays only what is left of the grace since.
+        let start = Instant::now();
+        let mut e = holding(start);
+        e.table_mut().release_to(LockKey::Int(1), 1, None, start);
+        let plan = e.plan(start, true, false).unwrap();
+        assert_eq!(plan.unlock.len(), 1, "{plan:?}");
+        e.done(&plan, &Done::default(), true, false, start).unwrap();
+        let t = start + Duration::from_millis(150);
+        e.begin_shutdown(t);
+        assert!(matches!(e.close_next(t), CloseNext::Step { .. }));
+        closing_step(&mut e, t);
+        assert_eq!(
+            e.close_next(t),
+            CloseNext::Linger {
+                until: start + Duration::from_millis(200)
+            }
+        );
+        assert!(matches!(e.close_next(t), CloseNext::Reset { .. }));
+        // Announced longer ago than the grace: no linger at all.
+        let mut e = holding(start);
+        e.table_mut().release_to(LockKey::Int(1), 1, None, start);
+        let plan = e.plan(start, true, false).unwrap();
+        e.done(&plan, &Done::default(), true, false, start).unwrap();
+        let t = start + Duration::from_secs(1);
+        e.begin_shutdown(t);
+        assert!(matches!(e.close_next(t), CloseNext::Step { .. }));
+        closing_step(&mut e, t);
+        assert!(matches!(e.close_next(t), CloseNext::Reset { .. }));
+    }
+
+    #[test]
+    fn a_failed_final_unlock_ends_the_shutdown_without_lingering_or_resetting() {
+        let start = Instant::now();
+        let mut e = holding(start);
+        e.table_mut().release_to(LockKey::Int(1), 1, None, start);
+        e.begin_shutdown(start);
+        // The final step (it would announce the release) fails.
+        assert!(matches!(e.close_next(start), CloseNext::Step { .. }));
+        e.close_failed();
+        assert_eq!(e.close_next(start), CloseNext::Done);
+    }
+
+    #[test]
+    fn a_wait_ended_by_another_command_steps_again_and_waits_again() {
+        let start = Instant::now();
+        let mut e = holding(start);
+        e.begin_shutdown(start);
+        let budget_end = start + Duration::from_secs(5);
+        assert!(matches!(e.close_next(start), CloseNext::Step { .. }));
+        closing_step(&mut e, start);
+        assert_eq!(e.close_next(start), CloseNext::Wait { until: budget_end });
+        // A command that released nothing (a snapshot asked for): one more step, then
+        // the same wait.
+        let t = start + Duration::from_secs(1);
+        assert!(matches!(e.close_next(t), CloseNext::Step { .. }));
+        closing_step(&mut e, t);
+        assert_eq!(e.close_next(t), CloseNext::Wait { until: budget_end });
     }
 
     #[test]
@@ -934,6 +998,15 @@ mod tests {
         // The work stops: done.
         e.table_mut().release_to(LockKey::Int(1), 1, None, t);
         assert_eq!(e.close_next(t), CloseNext::Done);
+        // The stop budget ends before the kept session's deadline: the wait ends with
+        // it, and the work still stopping is given up on.
+        let mut e = holding(start);
+        e.session_lost(start, true);
+        let t = start + Duration::from_millis(500);
+        e.begin_shutdown(t);
+        let until = t + Duration::from_secs(5);
+        assert_eq!(e.close_next(t), CloseNext::Wait { until });
+        assert_eq!(e.close_next(until), CloseNext::Done);
         // Never connected again, nothing kept: done at once.
         let mut idle = engine();
         idle.begin_shutdown(t);
