@@ -408,6 +408,12 @@ enum Ev {
         n: usize,
         inst: u32,
     },
+    /// A shutdown begun at `from` must have finished (the checks; not the node's).
+    ShutdownBound {
+        n: usize,
+        inst: u32,
+        from: T,
+    },
     ConnectTimeout {
         n: usize,
         inst: u32,
@@ -538,9 +544,14 @@ struct Closing {
     on_command: bool,
     /// The statements in flight end by then, or the shutdown gives up on them.
     statement_deadline: Option<T>,
-    /// The task has read the shutdown: the engine's sequence runs. Until then (a
-    /// statement was in flight when the handle began it) steps are ordinary ones.
+    /// The task has read the shutdown: the engine's sequence runs. Until then the
+    /// handle waits for its supervisors (their children stopping), and the task goes on
+    /// as usual (steps, reconnects, notifications).
     begun: bool,
+    /// The task has read the handle's `Closing` (between steps): nothing is granted.
+    read: bool,
+    /// The handle sends the shutdown once every child has stopped, or by then.
+    supervisors_until: T,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -870,6 +881,11 @@ struct Stats {
     /// Grants whose token was not above the key's last, on a replaced cluster whose
     /// epoch the DBA had not set yet, by a node that never saw the old cluster.
     epoch_unset_grants: u64,
+    /// Shutdowns: finished, and among them those whose session failed under them (a
+    /// closing statement lost, or past its deadline and given up on).
+    shutdowns: u64,
+    shutdowns_failed: u64,
+    closing_given_up: u64,
     violations: u64,
 }
 
@@ -904,6 +920,9 @@ impl Stats {
         self.b_past_fence += o.b_past_fence;
         self.stale_grants += o.stale_grants;
         self.refused_sessions += o.refused_sessions;
+        self.shutdowns += o.shutdowns;
+        self.shutdowns_failed += o.shutdowns_failed;
+        self.closing_given_up += o.closing_given_up;
         self.undelivered += o.undelivered;
         self.pooler_detected += o.pooler_detected;
         self.settled_runs += o.settled_runs;
@@ -1281,7 +1300,8 @@ impl Sim {
                 }
             }
             Ev::HbTimer { n, inst, gn } => {
-                if !self.current(n, inst) {
+                // The shutdown revoked the generation: its heartbeat task has ended.
+                if !self.current(n, inst) || self.nodes[n].closing.is_some_and(|c| c.begun) {
                     return;
                 }
                 let Conn::Up { gn: g, pid } = self.nodes[n].conn else {
@@ -1316,6 +1336,7 @@ impl Sim {
             }
             Ev::Watchdog { n, inst, gn } => {
                 if self.current(n, inst)
+                    && !self.nodes[n].closing.is_some_and(|c| c.begun)
                     && matches!(self.nodes[n].conn, Conn::Up { gn: g, .. } if g == gn)
                     && self.now >= self.nodes[n].valid_until
                 {
@@ -1357,7 +1378,7 @@ impl Sim {
             Ev::Reconnect { n, inst } => {
                 if self.current(n, inst)
                     && self.nodes[n].conn == Conn::Down
-                    && self.nodes[n].closing.is_none()
+                    && !self.nodes[n].closing.is_some_and(|c| c.begun)
                 {
                     let node = &mut self.nodes[n];
                     node.attempt += 1;
@@ -1379,6 +1400,27 @@ impl Sim {
                     );
                     let t = self.now + self.t.connect_timeout;
                     self.push(t, Ev::ConnectTimeout { n, inst, attempt });
+                }
+            }
+            Ev::ShutdownBound { n, inst, from } => {
+                let node = &self.nodes[n];
+                if node.inst == inst && !node.down && node.closing.is_some() {
+                    // Frozen meanwhile, it had that much less time.
+                    let frozen: T = self
+                        .freezes
+                        .iter()
+                        .filter(|f| f.n == n && f.inst == inst && f.to > from)
+                        .map(|f| f.to.min(self.now) - f.from.max(from))
+                        .sum();
+                    if node.frozen.is_some() || self.now < from + self.shutdown_bound() + frozen {
+                        let t = self.now + frozen.max(SEC);
+                        self.push(t, Ev::ShutdownBound { n, inst, from });
+                    } else {
+                        self.violation(format!(
+                            "n{n} still shutting down {} ms after it began",
+                            (self.now - from) / MS
+                        ));
+                    }
                 }
             }
             Ev::Retire { n, inst } => {
@@ -1562,9 +1604,10 @@ impl Sim {
         if node.down {
             return;
         }
-        if node.closing.is_some() {
-            return self.closing_step(n);
+        if !self.handle_shutdown(n) {
+            return;
         }
+        let node = &self.nodes[n];
         if node.busy.is_some() || !matches!(node.conn, Conn::Up { .. }) {
             return;
         }
@@ -1625,7 +1668,7 @@ impl Sim {
                 gn: self.nodes[n].gens,
                 pid: to,
             })
-            && self.nodes[n].closing.is_none()
+            && !self.nodes[n].closing.is_some_and(|c| c.begun)
         {
             let now = self.at(arrived);
             for k in &keys {
@@ -1761,6 +1804,9 @@ impl Sim {
                 let Conn::Up { gn: g, .. } = self.nodes[n].conn else {
                     return;
                 };
+                if self.nodes[n].closing.is_some_and(|c| c.begun) {
+                    return;
+                }
                 if g != gn {
                     return;
                 }
@@ -2411,6 +2457,7 @@ impl Sim {
         };
         if self.nodes[n].closing.is_some_and(|c| c.begun) {
             // A closing statement failed: the locks end with the session.
+            self.stats.shutdowns_failed += 1;
             self.nodes[n].busy = None;
             self.nodes[n].engine.close_failed();
             return self.poke(n);
@@ -2467,12 +2514,11 @@ impl Sim {
             }
         }
         let inst = self.nodes[n].inst;
-        if self.nodes[n].closing.is_some() {
-            // The shutdown the task has not read yet: it reads it instead of
-            // reconnecting, and shuts down disconnected.
-            return self.poke(n);
-        }
         self.push(self.now, Ev::Reconnect { n, inst });
+        if self.nodes[n].closing.is_some() {
+            // The handle's shutdown may be read while reconnecting.
+            self.poke(n);
+        }
     }
 
     fn connect_failed(&mut self, n: usize, attempt: u64) {
@@ -2491,16 +2537,24 @@ impl Sim {
     fn begin_shutdown(&mut self, n: usize) {
         self.log(|| format!("n{n} begins a graceful shutdown"));
         let inst = self.nodes[n].inst;
+        // `LockManager::shutdown`: the supervisors are told to stop, and the task is
+        // sent `Closing`; the shutdown itself once they stopped, or after the stop
+        // budget and the lease timeout.
+        let supervisors_until = self.now + self.t.stop_budget + self.t.lease;
         self.nodes[n].closing = Some(Closing {
             until: self.now,
             on_command: false,
             statement_deadline: None,
             begun: false,
+            read: false,
+            supervisors_until,
         });
-        if matches!(self.nodes[n].conn, Conn::Connecting { .. }) {
-            // The connect in flight is dropped (its late answer closes its backend).
-            self.nodes[n].conn = Conn::Down;
-        }
+        self.push(supervisors_until, Ev::Wake { n, inst });
+        let from = self.now;
+        self.push(
+            self.now + self.shutdown_bound(),
+            Ev::ShutdownBound { n, inst, from },
+        );
         for s in 0..self.nodes[n].singles.len() {
             match self.nodes[n].singles[s].state {
                 SState::Holding { id, run } => {
@@ -2516,10 +2570,52 @@ impl Sim {
                 _ => {}
             }
         }
-        // The task reads the shutdown between steps: once the statement in flight, if
-        // any, has answered (`closing_step`).
+        // The task reads the commands between steps (`handle_shutdown`).
         self.carry_out(n, self.now);
         self.poke(n);
+    }
+
+    /// The task between two steps, while the handle shuts down: reads `Closing`, and
+    /// the shutdown once the supervisors have stopped; then runs the engine's sequence.
+    /// Returns whether the ordinary loop goes on.
+    fn handle_shutdown(&mut self, n: usize) -> bool {
+        let Some(c) = self.nodes[n].closing else {
+            return true;
+        };
+        if c.begun {
+            self.closing_step(n);
+            return false;
+        }
+        if self.nodes[n].busy.is_some() {
+            return false;
+        }
+        if !c.read {
+            self.nodes[n].engine.table_mut().begin_close();
+            self.carry_out(n, self.now);
+            if let Some(c) = &mut self.nodes[n].closing {
+                c.read = true;
+            }
+        }
+        let stopped = self.nodes[n].singles.iter().all(|single| {
+            !matches!(
+                single.state,
+                SState::Holding { .. } | SState::Stopping { .. }
+            )
+        });
+        if !stopped && self.now < c.supervisors_until {
+            return true;
+        }
+        self.log(|| format!("n{n} reads the shutdown"));
+        if matches!(self.nodes[n].conn, Conn::Connecting { .. }) {
+            // The connect in flight is dropped (its late answer closes its backend).
+            self.nodes[n].conn = Conn::Down;
+        }
+        let now = self.at(self.now);
+        self.nodes[n].engine.begin_shutdown(now);
+        self.carry_out(n, self.now);
+        self.set_closing(n, self.now, false, None);
+        self.closing_step(n);
+        false
     }
 
     /// The next plan while closing: validity was given up on purpose, so no gate.
@@ -2536,21 +2632,12 @@ impl Sim {
         let Some(c) = self.nodes[n].closing else {
             return;
         };
-        if !c.begun {
-            if self.nodes[n].busy.is_some() {
-                return;
-            }
-            let now = self.at(self.now);
-            self.nodes[n].engine.begin_shutdown(now);
-            self.carry_out(n, self.now);
-            if let Some(c) = &mut self.nodes[n].closing {
-                c.begun = true;
-            }
-        }
         if self.nodes[n].busy.is_some() {
             // A closing statement past its deadline: the shutdown gives up on it.
             if c.statement_deadline.is_some_and(|d| self.now >= d) {
                 self.log(|| format!("n{n} gives up on its closing statement"));
+                self.stats.closing_given_up += 1;
+                self.stats.shutdowns_failed += 1;
                 self.nodes[n].busy = None;
                 self.nodes[n].engine.close_failed();
             } else {
@@ -2599,13 +2686,24 @@ impl Sim {
         }
     }
 
+    /// How long a shutdown takes at most, unfrozen: the supervisors' wait (stop budget
+    /// and lease timeout), the statement in flight then (it answers, or the session is
+    /// lost, within the lease timeout), the sequence's own stop budget, a closing
+    /// statement's slack (the lease timeout), and the linger (the grace).
+    fn shutdown_bound(&self) -> T {
+        2 * self.t.stop_budget + 3 * self.t.lease + self.t.grace + 100 * MS
+    }
+
     fn set_closing(&mut self, n: usize, until: T, on_command: bool, deadline: Option<T>) {
-        self.nodes[n].closing = Some(Closing {
-            until,
-            on_command,
-            statement_deadline: deadline,
-            begun: true,
-        });
+        if let Some(c) = &mut self.nodes[n].closing {
+            *c = Closing {
+                until,
+                on_command,
+                statement_deadline: deadline,
+                begun: true,
+                ..*c
+            };
+        }
     }
 
     /// A command reached a closing node: a `Wait` of its shutdown ends.
@@ -2627,6 +2725,7 @@ impl Sim {
             self.send_up(n, Up::Close { pid });
         }
         self.log(|| format!("n{n} shut down"));
+        self.stats.shutdowns += 1;
         self.nodes[n].end_seen = self.now;
         self.carry_out(n, self.now);
         let node = &mut self.nodes[n];
@@ -3313,9 +3412,9 @@ impl Sim {
     fn eligible(&self, n: usize) -> Option<i32> {
         let node = &self.nodes[n];
         match node.conn {
+            // A closing node too: faults go on while it shuts down.
             Conn::Up { pid, .. }
                 if !node.down
-                    && node.closing.is_none()
                     && node.frozen.is_none()
                     && node.cut == Cut::None
                     && self.server.backends.contains_key(&pid) =>
@@ -3443,7 +3542,9 @@ impl Sim {
                     let n = disconnected[self.rng.below(disconnected.len() as u64) as usize];
                     self.fault("shutdown_disconnected");
                     self.begin_shutdown(n);
-                } else if let Some((n, _)) = self.pick_node(true) {
+                } else if let Some((n, _)) = self.pick_node(true)
+                    && self.nodes[n].closing.is_none()
+                {
                     self.fault("shutdown");
                     self.begin_shutdown(n);
                 }
@@ -4072,6 +4173,7 @@ fn summary(s: &Stats) -> String {
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
          (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}, (e) {} (+{} still acting, {} masked past the bound); brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
          grants never delivered: {}; sessions ended by the lock-count guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
+         shutdowns: {} ({} with a failed statement, {} given up on past its deadline); \
          violations: {}",
         s.seeds,
         s.virtual_us as f64 / 1e6,
@@ -4105,6 +4207,9 @@ fn summary(s: &Stats) -> String {
         s.beyond_clock_tolerance,
         s.refused_sessions,
         s.epoch_unset_grants,
+        s.shutdowns,
+        s.shutdowns_failed,
+        s.closing_given_up,
         s.violations,
     );
     out
