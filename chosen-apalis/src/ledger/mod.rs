@@ -116,6 +116,10 @@ const CLIENT_MARGIN: Duration = Duration::from_millis(500);
 /// How long a ledger operation may take unless [`TickLedger::timeout`] says otherwise.
 pub const DEFAULT_LEDGER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long one try of [`TickLedger::install`] waits for a lock at most (the fleet's
+/// ledger statements queue behind an `ALTER TABLE` that waits).
+const INSTALL_LOCK_WAIT: Duration = Duration::from_secs(1);
+
 impl fmt::Debug for TickLedger {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TickLedger")
@@ -186,43 +190,80 @@ impl TickLedger {
         &self.pool
     }
 
-    /// Creates the fence table and the ledger table if they do not exist, in one
-    /// transaction under an advisory lock, so that several nodes may install at once.
-    /// Idempotent; needs the `CREATE` privilege on the schema(s).
+    /// Creates the fence table and the ledger table if they do not exist, and brings a
+    /// ledger table of an earlier version up to date ([`LedgerTable::upgrade_sql`]), in
+    /// one transaction under an advisory lock, so that several nodes may install at
+    /// once. Idempotent; needs the `CREATE` privilege on the schema(s).
+    ///
+    /// An upgrade needs the ledger table to itself for a moment, and during a rolling
+    /// deploy an older node's running job may hold it in an open transaction. So each
+    /// try waits at most a second (or the ledger's [`timeout`](Self::timeout), if
+    /// shorter) for that lock, the fleet's ledger statements queuing behind it no
+    /// longer than that, and tries again with a backoff (one warning says so) until the
+    /// lock is free, for at most six ledger timeouts (a minute by default).
     ///
     /// # Errors
     ///
-    /// [`LedgerError::Pool`] or [`LedgerError::Database`].
+    /// [`LedgerError::Timeout`] when the lock stayed taken that long (retry later, or
+    /// find the transaction that holds it: `pg_blocking_pids`), [`LedgerError::Pool`]
+    /// or [`LedgerError::Database`].
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: one implicit transaction.
+    /// Cancel safe: each try is one transaction, rolled back if it does not commit.
     pub async fn install(&self) -> Result<(), LedgerError> {
-        let client = self.pool.get().await.map_err(LedgerError::Pool)?;
+        let mut client = self.pool.get().await.map_err(LedgerError::Pool)?;
         let LockKey::Pair(k1, k2) = LockKey::derive("chosen.apalis", "install") else {
             unreachable!("BUG: derived keys are pairs")
         };
+        let wait = self.timeout.min(INSTALL_LOCK_WAIT);
         let sql = format!(
-            "SELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
+            "SET LOCAL lock_timeout = {};\nSELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
+            wait.as_millis().max(1),
             self.fence.install_sql(),
             self.table.install_sql(),
             self.table.upgrade_sql()
         );
+        let patience = self.timeout.saturating_mul(6);
+        let started = std::time::Instant::now();
+        let mut backoff = Duration::from_millis(50);
         let mut tries = 0;
         loop {
             tries += 1;
-            match client.batch_execute(&sql).await {
+            let attempt = async {
+                let tx = client.transaction().await?;
+                tx.batch_execute(&sql).await?;
+                tx.commit().await
+            };
+            let source = match attempt.await {
                 Ok(()) => return Ok(()),
-                // Created at the same moment by someone not taking the lock (a migration
-                // tool): it exists now.
-                Err(e) if tries < 3 && is_duplicate(&e) => {}
-                Err(source) => {
-                    return Err(LedgerError::Database {
-                        action: "install",
-                        source,
-                    });
-                }
+                Err(e) => e,
+            };
+            // Created at the same moment by someone not taking the lock (a migration
+            // tool): it exists now.
+            if tries < 3 && is_duplicate(&source) {
+                continue;
             }
+            if source.code() != Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                return Err(LedgerError::Database {
+                    action: "install",
+                    source,
+                });
+            }
+            if started.elapsed() + backoff >= patience {
+                return Err(LedgerError::Timeout {
+                    action: "install (the ledger table stayed locked by another transaction)",
+                    after: patience,
+                });
+            }
+            if tries == 1 {
+                tracing::warn!(
+                    table = self.table.name(),
+                    "the tick ledger's upgrade waits for a lock another transaction holds (an older node's running job?); retrying"
+                );
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = backoff.saturating_mul(2).min(Duration::from_secs(2));
         }
     }
 
@@ -681,7 +722,10 @@ impl LedgerTable {
 
     /// The SQL that brings a table created by an earlier version of this crate up to
     /// date (idempotent; [`TickLedger::install`] runs it too): a table from before the
-    /// `schedule` column gets it.
+    /// `schedule` column gets it. Its `ALTER TABLE` needs the table to itself for a
+    /// moment, and every statement on the table queues behind it while it waits: run it
+    /// with a short `lock_timeout` (`SET LOCAL lock_timeout = '1s'`) and retry, as
+    /// `install` does.
     #[must_use]
     pub fn upgrade_sql(&self) -> String {
         // Only when the column is missing: `ALTER TABLE` locks the table exclusively
