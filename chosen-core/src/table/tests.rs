@@ -1865,10 +1865,10 @@ fn an_unverified_hand_over_to_this_node_tries_once_at_once_and_keeps_the_grace()
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
 
-// ---- review 2: hand-over ------------------------------------------------------------
+// ---- hand-over ----------------------------------------------------------------------
 
 #[test]
-fn review_a_hand_over_hold_does_not_vouch_for_the_targets_release() {
+fn a_hand_over_hold_does_not_vouch_for_the_targets_release() {
     // This node (C, hash 0) waits; its last try saw A (backend 4242) holding. A hands
     // the key over to node 9 (verified): C holds off. Within the hold node 9 takes the
     // key and loses its session (terminated, or its client dropped it on a late
@@ -1893,7 +1893,7 @@ fn review_a_hand_over_hold_does_not_vouch_for_the_targets_release() {
 }
 
 #[test]
-fn review_the_local_waiter_after_a_hand_over_hold_waits_the_grace() {
+fn the_local_waiter_after_a_hand_over_hold_waits_the_grace() {
     // Same on the releasing node: a local request waits; the holder hands the key over
     // to node 9, which takes it within the hold and loses it unannounced. The local
     // waiter's win after the hold is a takeover from node 9, not a local hand-off.
@@ -1919,7 +1919,7 @@ fn review_the_local_waiter_after_a_hand_over_hold_waits_the_grace() {
 }
 
 #[test]
-fn review_a_batch_of_hand_overs_fits_the_notify_payload_limit() {
+fn a_batch_of_hand_overs_fits_the_notify_payload_limit() {
     // A rolling deploy hands every singleton of a node to "web-2" at once: the releases
     // share one plan, and `UNLOCK_SQL` joins up to 200 announcements per NOTIFY. A
     // payload of 8,000 bytes or more fails the statement, which ends the session (every
@@ -1964,7 +1964,7 @@ fn review_a_batch_of_hand_overs_fits_the_notify_payload_limit() {
 }
 
 #[test]
-fn review_announcements_from_the_backend_last_seen_cannot_hold_a_waiter_off_forever() {
+fn announcements_from_the_backend_last_seen_cannot_hold_a_waiter_off_forever() {
     // Each verified hand-over to another node pushes the next try a full hold away, and
     // since no try happens during a hold, the backend last seen holding the key stays
     // "verified" for good: one that keeps announcing hand-overs (a reused backend pid,
@@ -1984,7 +1984,7 @@ fn review_announcements_from_the_backend_last_seen_cannot_hold_a_waiter_off_fore
 }
 
 #[test]
-fn review_a_forged_hand_over_to_this_node_does_not_override_a_verified_hold() {
+fn a_forged_hand_over_to_this_node_does_not_override_a_verified_hold() {
     // A hands the key over to node 9 (verified here). Anyone may then NOTIFY the same
     // key "for" this node: the hold is dropped and this node tries at once, racing the
     // named node (it wins with no grace, as after A's announced release). A forger picks
@@ -2002,7 +2002,7 @@ fn review_a_forged_hand_over_to_this_node_does_not_override_a_verified_hold() {
 }
 
 #[test]
-fn review_a_try_during_the_releasers_hold_is_answered_at_once() {
+fn a_try_during_the_releasers_hold_is_answered_at_once() {
     // A try request made on the releasing node while its hand-over's unlock is on its
     // way: it is neither refused (Busy) nor tried; it waits out the whole hold.
     let mut f = Fixture::new();
@@ -2027,7 +2027,7 @@ fn review_a_try_during_the_releasers_hold_is_answered_at_once() {
 }
 
 #[test]
-fn review_forged_hand_overs_to_this_node_for_many_keys_share_one_statement() {
+fn forged_hand_overs_to_this_node_for_many_keys_share_one_statement() {
     // The plain unverified cue is on a shared tick so that a spaced-out forged flood over
     // many keys costs one statement per UNVERIFIED_CUE (the test above). The new branch
     // for an unverified hand-over naming this node tries each key at once: a forger that
@@ -2079,12 +2079,12 @@ fn the_unlock_statement_groups_announcements_as_the_payload_limit_allows() {
     assert!((longest.len() + 1) * per < 8000, "{}", longest.len());
 }
 
-// Review round 12: a grant refused because the shutdown began while its try was in
-// flight (or whose caller left) is unlocked quietly, as a win refused before it was
-// granted is: an announcement would let another node skip the takeover grace although
-// whoever held the key before may still be stopping. The same in either order.
+// A grant refused because the shutdown began while its try was in flight (or whose
+// caller left) is unlocked quietly, as a win refused before it was granted is: an
+// announcement would let another node skip the takeover grace although whoever held
+// the key before may still be stopping. The same in either order.
 #[test]
-fn review12_a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() {
+fn a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() {
     // (a) The shutdown is read first, then the try's result.
     let mut f = Fixture::new();
     f.wait(key(1));
