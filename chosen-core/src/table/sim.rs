@@ -4576,7 +4576,7 @@ fn a_replaced_cluster_is_refused_until_its_token_epoch_is_set() {
 /// invalid from birth (its deadline passed), so its child never acts, but a `Grant` with
 /// a regressed token is handed out before the loss is noticed.
 #[test]
-fn sim_finding_a_stale_grant_after_a_freeze() {
+fn a_node_woken_from_a_freeze_makes_no_stale_grant() {
     let out = Sim::new(Config {
         trace: true,
         ..Config::random(168)
@@ -4604,21 +4604,20 @@ fn sim_finding_a_stale_grant_after_a_freeze() {
 /// runs. Gap (b) is documented only for the old holder's reconnect time; the fence in
 /// place does not stop a brand-new requester.
 #[test]
-
-fn sim_finding_a_brand_new_requester_ignores_a_stop_fence() {
+fn a_brand_new_requester_waits_for_a_stop_fence() {
     let out = Sim::new(Config::random(2)).run();
     assert!(out.violations.is_empty(), "{:?}", out.violations);
     assert!(out.past_fence.is_empty(), "{:?}", out.past_fence);
 }
 
-/// Review 2: n0 holds the key (n1, n2 wait); it hands the key over to the next node.
-/// That node takes it at once and, just before the hold ends, the server terminates its
-/// backend: its child stops slowly (1.5 s), its new session takes the stop fence after
-/// a reconnect. The third node, held off by the hand-over, wins the key when the hold
+/// n0 holds the key (n1, n2 wait); it hands the key over to the next node. That node
+/// takes it at once and, just before the hold ends, the server terminates its backend:
+/// its child stops slowly (1.5 s), its new session takes the stop fence after a
+/// reconnect. The third node, held off by the hand-over, wins the key when the hold
 /// ends: nothing it saw vouches for the target's release, so it must wait the grace and
 /// then find the fence (`How::Checked`), not start at once next to the stopping child.
 #[test]
-fn review_a_target_lost_within_the_hand_over_hold_is_waited_for() {
+fn a_target_lost_within_the_hand_over_hold_is_waited_for() {
     let mut failures = Vec::new();
     let mut cases = 0;
     for seed in 0..10 {
