@@ -525,8 +525,6 @@ mod tests {
         }
     }
 
-    // Review of the pipelined heartbeat (branch `flap`), finding 1:
-    //
     // The server's `tcp_user_timeout` (was `server_release_after` in session.rs
     // setup_sql; now `session::tcp_user_timeout`) counts from the ORIGINAL send time of the oldest server byte still
     // unacknowledged (Linux: retransmits_timed_out() measures from tp->retrans_stamp),
@@ -559,7 +557,7 @@ mod tests {
     //   => ~5.5 s of two holders. The contract needs
     //      valid_until + stop_budget + margin <= server release.
     #[test]
-    fn review_tcp_user_timeout_counts_from_the_oldest_unacked_byte() {
+    fn the_lease_ends_before_a_tcp_user_timeout_counted_from_the_oldest_unacked_byte() {
         let interval = ms(1_000);
         let lease = ms(10_000);
         let stop_budget = ms(2_000);
