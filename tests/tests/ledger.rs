@@ -961,7 +961,9 @@ async fn a_gap_longer_than_the_look_is_marked() {
 }
 
 // ---------------------------------------------------------------------------------
-// Review (64ac650): attempts to break the ledger.
+// Attempts to break the ledger as of 64ac650: job keys, a stop during a catch-up,
+// panics, the job's lock waits, long timeouts, failures, duplicates, schedule changes,
+// counters.
 // ---------------------------------------------------------------------------------
 
 fn unix_now() -> u64 {
@@ -991,7 +993,7 @@ async fn ticks_run_twice(admin: &Client, jobs: &[String]) -> Vec<i64> {
 // lock's name now, whatever the worker is called (`.job` names a job under its lock,
 // the same on every node).
 #[tokio::test]
-async fn review_per_node_worker_names_run_ticks_twice() {
+async fn per_node_worker_names_do_not_run_a_tick_twice() {
     let db = db().await;
     let lock = unique_name("ledger-per-node");
     let policy = Misfire::CatchUp {
@@ -1027,7 +1029,7 @@ async fn review_per_node_worker_names_run_ticks_twice() {
 // R1b. Worker names are not unique across leaderships: two services, each with its
 // own lock, both naming their cron worker "cleanup", now share rows and a fence.
 #[tokio::test]
-async fn review_one_worker_name_under_two_leaderships() {
+async fn jobs_of_one_name_under_two_leaderships_each_run() {
     let db = db().await;
     let name = unique_name("cleanup");
     let mut x = node_with(&db, &unique_name("svc-x"), "node-1", 9, false, |l| {
@@ -1049,7 +1051,7 @@ async fn review_one_worker_name_under_two_leaderships() {
 // for apalis' lifecycle service to be ready (never, once stopping), the waiting tick
 // waits for the turn, and the worker waits for the tick: the stop hangs.
 #[tokio::test]
-async fn review_a_graceful_stop_during_a_catch_up_on_gain_does_not_hang() {
+async fn a_graceful_stop_during_a_catch_up_on_gain_does_not_hang() {
     use apalis_core::monitor::Monitor;
     use chosen_apalis::cron_worker;
 
@@ -1120,7 +1122,7 @@ async fn review_a_graceful_stop_during_a_catch_up_on_gain_does_not_hang() {
 // (until the tick aged out of the catch-up window). The gate catches the panic now,
 // records the tick `failed` with the message, and goes on.
 #[tokio::test]
-async fn review_a_panicking_run_does_not_block_every_later_tick() {
+async fn a_panicking_run_does_not_block_every_later_tick() {
     let db = db().await;
     let job = unique_name("ledger-panic");
     let calls = Arc::new(Mutex::new(Vec::new()));
@@ -1184,7 +1186,7 @@ async fn review_a_panicking_run_does_not_block_every_later_tick() {
 // timeout: a job that waits 3 s for its own table fails, and is recorded `failed`
 // (never run again).
 #[tokio::test]
-async fn review_the_job_s_own_statements_keep_their_lock_waits() {
+async fn the_job_s_own_statements_keep_their_lock_waits() {
     let db = db().await;
     let job = unique_name("ledger-job-lock");
     db.admin
@@ -1247,7 +1249,7 @@ async fn review_the_job_s_own_statements_keep_their_lock_waits() {
 // operation fails, every tick is skipped); Duration::MAX ("no limit") overflows
 // `timeout + CLIENT_MARGIN` and panics inside the gate.
 #[tokio::test]
-async fn review_a_long_ledger_timeout_is_usable() {
+async fn a_long_ledger_timeout_is_usable() {
     let db = db().await;
     for timeout in [Duration::MAX, Duration::from_secs(30 * 86_400)] {
         let job = unique_name("ledger-long-timeout");
@@ -1279,7 +1281,7 @@ async fn review_a_long_ledger_timeout_is_usable() {
 // is never written, the tick stays a hole, and CatchUp runs the failed tick again at
 // every later tick ("failed: not run again" does not hold).
 #[tokio::test]
-async fn review_a_failure_with_a_nul_in_its_message_is_recorded_once() {
+async fn a_failure_with_a_nul_in_its_message_is_recorded_once() {
     let db = db().await;
     let job = unique_name("ledger-nul");
     let calls = Arc::new(Mutex::new(Vec::new()));
@@ -1329,7 +1331,7 @@ async fn review_a_failure_with_a_nul_in_its_message_is_recorded_once() {
 // delivered again (a second scheduler on the node, a retry), records it `cancelled`,
 // "a newer tick is due", and the duplicate then finds it recorded: the tick never runs.
 #[tokio::test]
-async fn review_a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
+async fn a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
     let db = db().await;
     let job = unique_name("ledger-dup-cancel");
     let mut a = node_with(&db, &job, "node-a", 5, true, |l| {
@@ -1366,7 +1368,7 @@ async fn review_a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
 // since the job's first row a "hole": the next tick runs catch-ups of ticks that were
 // never scheduled (before this commit only ticks after the newest row counted).
 #[tokio::test]
-async fn review_a_schedule_change_does_not_replay_history() {
+async fn a_schedule_change_does_not_replay_history() {
     let db = db().await;
     let job = unique_name("ledger-reschedule");
     let h0 = T0 - T0 % 3600 + 3600;
@@ -1407,7 +1409,7 @@ async fn review_a_schedule_change_does_not_replay_history() {
 // R10. Counters: with the claim in the job's transaction, a tick another gate already
 // recorded is counted both `ran` and `skipped_already_recorded`.
 #[tokio::test]
-async fn review_a_tick_is_counted_once() {
+async fn a_tick_is_counted_once() {
     let db = db().await;
     let job = unique_name("ledger-count");
     let mut a = node(
@@ -1435,7 +1437,8 @@ async fn review_a_tick_is_counted_once() {
 }
 
 // ---------------------------------------------------------------------------------
-// Review (4470b6f): attempts to break the fixes.
+// Attempts to break the ledger as of 4470b6f: jobs sharing a layer or a fence, retried
+// begins, schedule spellings, old tables, clock steps, installs, fence names.
 // ---------------------------------------------------------------------------------
 
 fn quiet_job(runs: &Runs) -> Job {
@@ -1452,7 +1455,7 @@ fn quiet_job(runs: &Runs) -> Job {
 // ("the same tick, or a later one, already reached the gate"): it is neither run nor
 // recorded, and its fill_gap never runs either.
 #[tokio::test]
-async fn review2_jobs_named_on_clones_of_one_layer_each_run_every_tick() {
+async fn jobs_named_on_clones_of_one_layer_each_run_every_tick() {
     let db = db().await;
     let lock = unique_name("ledger-cloned-jobs");
     let (leadership, control) = Leadership::manual(&lock, "node-a");
@@ -1485,7 +1488,7 @@ async fn review2_jobs_named_on_clones_of_one_layer_each_run_every_tick() {
 // timeout makes every other job of the lock fail its claim meanwhile (here a
 // BeforeRun job: Skipped(Ledger), its tick not run).
 #[tokio::test]
-async fn review2_a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
+async fn a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
     let db = db().await;
     let lock = unique_name("ledger-shared-fence");
     let (leadership, control) = Leadership::manual(&lock, "node-a");
@@ -1549,7 +1552,7 @@ async fn review2_a_long_ledger_transaction_of_one_job_does_not_stop_another_job(
 // runs the failed tick again at the next tick (and Skip would record it "missed: not
 // run when due", though it ran).
 #[tokio::test]
-async fn review2_a_job_failure_after_a_retried_begin_is_recorded_failed() {
+async fn a_job_failure_after_a_retried_begin_is_recorded_failed() {
     let db = db().await;
     let job = unique_name("ledger-sticky-failed");
     let calls = Arc::new(Mutex::new(Vec::new()));
@@ -1613,7 +1616,7 @@ async fn review2_a_job_failure_after_a_retried_begin_is_recorded_failed() {
 // spelled differently (same ticks) takes every row of the other spelling as "the
 // schedule changed", and a hole below such a row is never decided (no row, ever).
 #[tokio::test]
-async fn review2_a_differently_spelled_schedule_does_not_hide_a_hole() {
+async fn a_differently_spelled_schedule_does_not_hide_a_hole() {
     let db = db().await;
     let job = unique_name("ledger-spelling");
     for (dt, outcome) in [(0, "ran"), (2, "ran")] {
@@ -1653,7 +1656,7 @@ async fn review2_a_differently_spelled_schedule_does_not_hide_a_hole() {
 // previous version (64ac650) is left as it is by `install`, and every insert then
 // fails (column "schedule" does not exist): no tick ever runs.
 #[tokio::test]
-async fn review2_a_table_created_by_the_previous_version_keeps_working() {
+async fn a_table_created_by_the_previous_version_keeps_working() {
     let db = db().await;
     db.admin
         .batch_execute(
@@ -1687,7 +1690,7 @@ async fn review2_a_table_created_by_the_previous_version_keeps_working() {
 // passes it again; the refused ticks are not recorded and, being below the watermark
 // `low` set by the future tick's look, are never decided (before 4470b6f they ran).
 #[tokio::test]
-async fn review2_a_clock_step_forward_and_back_does_not_stop_the_job() {
+async fn a_clock_step_forward_and_back_does_not_stop_the_job() {
     let db = db().await;
     let job = unique_name("ledger-clock-step");
     let mut a = node(
@@ -1719,9 +1722,10 @@ async fn review2_a_clock_step_forward_and_back_does_not_stop_the_job() {
     );
 }
 
-// Probe: fence_bounded keeps a session-level lock_timeout for the job's statements.
+// The ledger's bound on its own statements (`fence_bounded`) leaves a session-level
+// lock_timeout in force for the job's statements.
 #[tokio::test]
-async fn review2_probe_fence_bounded_restores_a_session_lock_timeout() {
+async fn the_job_s_statements_keep_a_session_lock_timeout() {
     let db = db().await;
     let job = unique_name("ledger-probe-lt");
     let seen = Arc::new(Mutex::new(None::<String>));
@@ -1781,7 +1785,7 @@ async fn review2_probe_fence_bounded_restores_a_session_lock_timeout() {
 // with Skipped(Ledger) until the long transaction ends, and install() itself waits
 // that long (it has no timeout).
 #[tokio::test]
-async fn review3_install_on_a_starting_node_does_not_stall_the_ledger() {
+async fn install_on_a_starting_node_does_not_stall_the_ledger() {
     let db = db().await;
     let lock = unique_name("ledger-install-stall");
     let (leadership, control) = Leadership::manual(&lock, "node-a");
@@ -1868,7 +1872,7 @@ async fn review3_install_on_a_starting_node_does_not_stall_the_ledger() {
 // is due") and the duplicate then finds the row. The README: a duplicate "is not run
 // and stops nothing".
 #[tokio::test]
-async fn review3_a_duplicate_does_not_cancel_a_catch_up_on_gain() {
+async fn a_duplicate_does_not_cancel_a_catch_up_on_gain() {
     let db = db().await;
     let job = unique_name("ledger-gain-dup");
     let now = unix_now();
@@ -1948,7 +1952,7 @@ async fn review3_a_duplicate_does_not_cancel_a_catch_up_on_gain() {
 // Buffer policy deferred). Also, the future tick's look recorded ~1000 ticks that were
 // not yet due as `skipped` (Misfire::Skip): they will not run when they fall due.
 #[tokio::test]
-async fn review3_a_deferred_tick_after_a_clock_step_is_decided() {
+async fn a_deferred_tick_after_a_clock_step_is_decided() {
     let db = db().await;
     let job = unique_name("ledger-clock-low");
     let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
@@ -1992,7 +1996,7 @@ async fn review3_a_deferred_tick_after_a_clock_step_is_decided() {
 // job). Tokens are comparable across locks, so a write under the other lock with a
 // greater token makes every ledger write of this job stale while its leader is valid.
 #[tokio::test]
-async fn review3_a_named_job_s_fence_is_not_another_lock_s() {
+async fn a_named_job_s_fence_is_not_another_lock_s() {
     let db = db().await;
     let lock = unique_name("ledger-fence-names");
     // Another lock, named "<lock>/nightly", fenced a write with its (greater) token.
