@@ -167,7 +167,7 @@ async fn an_ineligible_node_gets_no_group_member() {
 // its target and hands one over again: a member's child is stopped and restarted
 // every orphan_grace, for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review3_ineligible_member_singletons_do_not_make_a_group_churn() {
+async fn ineligible_member_singletons_do_not_make_a_group_churn() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let group = unique_name("eligible-group-singleton");
@@ -209,10 +209,10 @@ async fn review3_ineligible_member_singletons_do_not_make_a_group_churn() {
     b.shutdown().await;
 }
 
-// Probe: an ineligible election registers no request with its manager (its acquire
+// An ineligible election registers no request with its manager (its acquire
 // future is never polled), and step_down on it does nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review3_probe_an_ineligible_election_sends_no_request() {
+async fn an_ineligible_election_sends_no_request() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let name = unique_name("eligible-probe");
