@@ -462,10 +462,10 @@ async fn a_preferred_singleton_node_gets_the_child_back() {
     }
 }
 
-// ---- review 2 -------------------------------------------------------------------------
+// ---- hand-overs at shutdown and in bulk ----------------------------------------------
 
 /// A connection that LISTENs on the release channel; payloads arrive on the receiver.
-async fn review_listener(
+async fn listener(
     url: &str,
 ) -> (
     tokio_postgres::Client,
@@ -492,10 +492,10 @@ async fn review_listener(
 // stop"): `hand_over_to` then `shutdown` at once. The release must still name the
 // target; a plain release lets any waiting node take it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_hand_over_then_shutdown_still_hands_over() {
+async fn hand_over_then_shutdown_still_hands_over() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
-    let (_listen, mut rx) = review_listener(&url).await;
+    let (_listen, mut rx) = listener(&url).await;
     // Election.
     let name = unique_name("ho-then-stop");
     let a = LockManager::connect(options(&url, "hx-a")).await.unwrap();
@@ -544,7 +544,7 @@ async fn review_hand_over_then_shutdown_still_hands_over() {
         .await
         .expect("an announcement")
         .unwrap();
-    eprintln!("REVIEW election announced {payload:?}, singleton announced {spayload:?}");
+    eprintln!("HAND-OVER election announced {payload:?}, singleton announced {spayload:?}");
     assert!(
         payload.contains('>'),
         "election: hand_over_to + shutdown released plainly: {payload:?}"
@@ -563,7 +563,7 @@ async fn review_hand_over_then_shutdown_still_hands_over() {
 // each entry is now ~45 bytes: a payload of 8,000 bytes fails the unlock statement,
 // which ends the session and revokes every other lease of the process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_many_hand_overs_at_once_keep_the_session() {
+async fn many_hand_overs_at_once_keep_the_session() {
     const N: usize = 400;
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
@@ -613,14 +613,14 @@ async fn review_many_hand_overs_at_once_keep_the_session() {
     }
 }
 
-// ---- review 3 -------------------------------------------------------------------------
+// ---- fail-back -----------------------------------------------------------------------
 
 /// R3-1: a preferred node that stops its election (its manager stays up) keeps the
 /// presence lock `chosen.prefer/<lock>` (spawned with the manager's stop token, not the
 /// election's): the leader then hands over, again and again, to a node that no longer
 /// contends, with a leaderless gap each time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review3_a_stopped_preferred_election_is_not_failed_back_to() {
+async fn a_stopped_preferred_election_is_not_failed_back_to() {
     use chosen_core::ElectionOptions;
 
     let pg = PgCluster::start().unwrap();
