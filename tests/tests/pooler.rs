@@ -1,7 +1,8 @@
-//! Breaks found by a review of the rewritten core, against real servers, kept as
-//! regression tests. Two more findings (fencing tokens going backwards across a server
-//! crash and across an asynchronous failover) belong to issue 13, which starts from
-//! their reproductions (commits 084374d and 7cc80a0).
+//! A transaction pooler (pgbouncer, transaction mode) between a node and the server,
+//! against real servers: either the node is refused at connect, or a lock it holds
+//! through the pooler is not dropped behind its lease's back by another client of the
+//! pool; and the node's session settings do not leak to the pool's other clients.
+//! Skipped without pgbouncer outside CI.
 
 use std::time::Duration;
 
@@ -31,15 +32,14 @@ fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
     }
 }
 
-/// Finding 2. The pooler check refuses only a *second* chosen client that lands on a
-/// backend already marked. The first client behind a transaction pooler is accepted
-/// and holds its locks on a backend the pooler also hands to every other client of
-/// the pool; any of them can drop those locks (`pg_advisory_unlock_all()`, or
-/// `DISCARD ALL`, which some drivers and poolers send on check-out) and chosen never
-/// notices: the heartbeat checks the pid and the marker, not the locks. Another node
-/// then acquires while the first lease stays valid, indefinitely.
+/// The pooler check refuses only a *second* chosen client that lands on a backend
+/// already marked. The first client behind a transaction pooler is accepted and holds
+/// its locks on a backend the pooler also hands to every other client of the pool; any
+/// of them can drop those locks (`pg_advisory_unlock_all()`, or `DISCARD ALL`, which
+/// some drivers and poolers send on check-out) and chosen never notices: the heartbeat
+/// checks the pid and the marker, not the locks. Another node then acquires while the
+/// first lease stays valid, indefinitely.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-
 async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_back() {
     let pg = PgCluster::start_local().unwrap();
     let Some(bouncer) = bouncer(&pg, "pooled_lock") else {
@@ -73,13 +73,12 @@ async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_bac
     );
 }
 
-/// Finding 3. The session settings (`statement_timeout`, `idle_session_timeout`,
+/// The session settings (`statement_timeout`, `idle_session_timeout`,
 /// `tcp_user_timeout`, `LISTEN`, the marker) are set before anything proves the backend
 /// is ours alone, and stay on it. Behind a transaction pooler the backend serves every
 /// client of the pool: after the chosen client has even shut down, an application's
 /// statements through the pool are cancelled after `lease_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-
 async fn session_settings_do_not_leak_to_other_clients_of_a_pooler() {
     let pg = PgCluster::start_local().unwrap();
     let Some(bouncer) = bouncer(&pg, "settings_leak") else {
