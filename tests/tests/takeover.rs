@@ -1,5 +1,8 @@
-//! Breaks found by a second review (stop fences, the heartbeat's lock count, shutdown),
-//! one test each, against real servers, kept as regression tests.
+//! Taking a key over after its holder's session ended, against real servers: a node
+//! that won the key but leaves before granting it unlocks it without announcing it free
+//! (an announcement would let a third node skip the takeover grace and the stop fence
+//! while the old holder's work is still stopping), and a node that lost its own lease
+//! can try or take the key again while the lost lease is still held.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -46,13 +49,13 @@ async fn wait_for_holder(observer: &LockManager, lock: &str, node: &str) {
     }
 }
 
-/// Finding 1. A node that won a key after an unannounced takeover holds it at the
-/// server while it waits the grace and the old holder's stop fence, but has granted it
-/// to nobody. If it shuts down meanwhile, it unlocks the key *and announces the
-/// release* from its backend. A third node that saw the key held by that backend
-/// trusts the announcement as proof that the previous holder's work stopped, wins the
-/// key at once and grants it with neither grace nor fence check, while the old holder
-/// (whose session the server ended) is still stopping its work under the key.
+/// A node that won a key after an unannounced takeover holds it at the server while it
+/// waits the grace and the old holder's stop fence, but has granted it to nobody. If it
+/// shuts down meanwhile, it unlocks the key *and announces the release* from its
+/// backend. A third node that saw the key held by that backend trusts the announcement
+/// as proof that the previous holder's work stopped, wins the key at once and grants it
+/// with neither grace nor fence check, while the old holder (whose session the server
+/// ended) is still stopping its work under the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_abandoned_at_shutdown_does_not_announce_the_key_free() {
     let pg = PgCluster::start().unwrap();
@@ -125,12 +128,12 @@ async fn a_takeover_abandoned_at_shutdown_does_not_announce_the_key_free() {
     a.shutdown().await;
 }
 
-/// Finding 2. A process does not try a key while a lease of it from an ended session is
-/// still out. The idiom `lease = manager.acquire(name).await?` (reassigning the lost
-/// lease) drops the old lease only once the new one is there: the request waits for a
-/// release that waits for the request, forever. A `try_acquire` made while the old
-/// lease is out is not answered at once either, as the docs promise, but only when the
-/// old lease is dropped.
+/// A process does not try a key while a lease of it from an ended session is still out.
+/// The idiom `lease = manager.acquire(name).await?` (reassigning the lost lease) drops
+/// the old lease only once the new one is there: the request waits for a release that
+/// waits for the request, forever. A `try_acquire` made while the old lease is out is
+/// not answered at once either, as the docs promise, but only when the old lease is
+/// dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reacquiring_while_the_lost_lease_is_still_held_does_not_hang() {
     let pg = PgCluster::start().unwrap();
