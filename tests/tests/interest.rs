@@ -1,10 +1,17 @@
 //! Release announcements go out only when someone waits: a waiter registers interest
 //! in the key's bucket (a shared lock on an interest key), and a release announces
-//! itself (`NOTIFY`) only when another session holds that bucket's interest key.
+//! itself (`NOTIFY`) only when another session holds that bucket's interest key. No
+//! waiter is left out: a key that shares its bucket with a key won in the same try
+//! statement, and a waiter whose interest take met another release's probe, register
+//! on their next try, and are announced to. An announcement from a backend the waiter
+//! never saw holding the key is only a cue to try soon, and a forged flood of them
+//! costs at most one more try statement per second.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockManager, ManagerOptions};
+use chosen_core::{LockKey, LockManager, ManagerOptions, MetricsSink};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
@@ -111,17 +118,35 @@ async fn a_release_nobody_waits_for_announces_nothing() {
     drop(lease_b);
 }
 
-/// The bucket of a lock name, as the library computes it (mirrored here from the
-/// documented derivation: `LockKey::derive("chosen.interest-bucket", tag)`, first key
-/// modulo 256).
+/// The tag of a key in the library's derivations (`pair:<a>:<b>`, `int:<k>`), as in
+/// its release announcements.
+fn tag(key: LockKey) -> String {
+    match key {
+        LockKey::Pair(a, b) => format!("pair:{a}:{b}"),
+        LockKey::Int(k) => format!("int:{k}"),
+    }
+}
+
+/// The interest bucket of a key, as the library computes it (mirrored here from the
+/// documented derivation of `LockKey::interest_bucket`:
+/// `LockKey::derive("chosen.interest-bucket", tag)`, first key modulo 256).
+fn bucket(key: LockKey) -> u32 {
+    match LockKey::derive("chosen.interest-bucket", &tag(key)) {
+        LockKey::Pair(a, _) => a as u32 % 256,
+        LockKey::Int(_) => unreachable!("derived keys are pairs"),
+    }
+}
+
+/// The bucket of a lock name.
 fn bucket_of(manager: &LockManager, name: &str) -> u32 {
-    let tag = match manager.key_for(name) {
-        chosen_core::LockKey::Pair(a, b) => format!("pair:{a}:{b}"),
-        chosen_core::LockKey::Int(k) => format!("int:{k}"),
-    };
-    match chosen_core::LockKey::derive("chosen.interest-bucket", &tag) {
-        chosen_core::LockKey::Pair(a, _) => a as u32 % 256,
-        chosen_core::LockKey::Int(_) => unreachable!("derived keys are pairs"),
+    bucket(manager.key_for(name))
+}
+
+/// The interest key of a bucket (mirrors `LockKey::interest_of`).
+fn interest_key(bucket: u32) -> (i32, i32) {
+    match LockKey::derive("chosen.interest", &bucket.to_string()) {
+        LockKey::Pair(a, b) => (a, b),
+        LockKey::Int(_) => unreachable!("derived keys are pairs"),
     }
 }
 
@@ -261,4 +286,208 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
         released.elapsed()
     );
     drop(lease_c);
+}
+
+/// A lost wake-up (deterministic): `Plan::register` flags only the *first* key of a
+/// bucket per try statement; the others are sent with `reg = false`. When that first
+/// key is won on its first try (`r = 1`), no interest key is taken, and a second key of
+/// the same bucket that fails (`NOT k.reg THEN 0`) waits with no interest registered.
+/// Its holder's release then probes the bucket, finds nobody, and announces nothing:
+/// the waiter sits out its whole poll interval (30 s here) although the key is free.
+/// README: "a node whose try of a key fails registers interest in the key's bucket";
+/// "waiters elsewhere take over in about one round trip".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_key_of_a_bucket_whose_first_key_was_won_is_still_announced() {
+    let pg = PgCluster::start().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let a = LockManager::connect(options(&pg.url(), "lw-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(
+        options(&pg.url(), "lw-b")
+            .poll_interval(Duration::from_secs(30))
+            .reconnect_backoff(Duration::from_millis(1000), Duration::from_millis(1000)),
+    )
+    .await
+    .unwrap();
+    // Y: held by A. X: same bucket as Y, before Y in key order (so X is the key of the
+    // bucket that the plan flags), also held by A at first.
+    let y = unique_name("lw-y");
+    let ky = a.key_for(&y);
+    let x = (0..)
+        .map(|i| unique_name(&format!("lw-x{i}")))
+        .find(|x| {
+            let kx = a.key_for(x);
+            bucket(kx) == bucket(ky) && kx < ky
+        })
+        .unwrap();
+    let lease_x = a.acquire(x.as_str()).await.unwrap();
+    let lease_y = a.acquire(y.as_str()).await.unwrap();
+    let (bx, by) = (b.clone(), b.clone());
+    let (x2, y2) = (x.clone(), y.clone());
+    let wait_x = tokio::spawn(async move { bx.acquire(x2.as_str()).await });
+    let wait_y = tokio::spawn(async move { by.acquire(y2.as_str()).await });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while shared_locks(&admin, "lw-b").await != 1 {
+        assert!(Instant::now() < deadline, "B never registered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // B's session ends; while it reconnects (1 s backoff), A lets X go. On the new
+    // session every waiting key is tried at once: X and Y in one statement.
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'lw-b'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1);
+    lease_x.release().await.unwrap();
+    let lease_bx = tokio::time::timeout(Duration::from_secs(10), wait_x)
+        .await
+        .expect("B gets X")
+        .unwrap()
+        .unwrap();
+    assert!(!wait_y.is_finished());
+    // Y, not won and not registered in that statement, is tried again at once and
+    // registers (on 92dd237 it never did, and the release below was silent).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while shared_locks(&admin, "lw-b").await != 1 {
+        assert!(Instant::now() < deadline, "Y never registered its interest");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let released = Instant::now();
+    lease_y.release().await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(3), wait_y).await;
+    assert!(
+        got.is_ok(),
+        "B waits for Y (poll 30 s) although A released it {:?} ago: Y's try failed but registered no interest (X, first of the bucket, was won), so the release announced nothing",
+        released.elapsed()
+    );
+    drop(lease_bx);
+}
+
+/// A lost wake-up (timing): the flagged key's interest take fails while another session
+/// holds the bucket's interest key exclusively, which is what a release of *another*
+/// key of the same bucket does for the instant of its probe. The statement then tries
+/// the key once more and, when it is still held, answers `r = 0`: nothing is
+/// registered, and the holder's later release finds nobody in the bucket. The code
+/// comment assumes the prober is releasing *this* key ("a releaser is probing the
+/// bucket right now, after its unlock"); with 256 buckets it may be any key. Here an
+/// outsider holds the interest key for the instant of B's first try (the race window
+/// made wide).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_interest_take_failed_is_still_announced() {
+    let pg = PgCluster::start().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let prober = connect_admin(&pg.url()).await.unwrap();
+    let a = LockManager::connect(options(&pg.url(), "ft-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(options(&pg.url(), "ft-b").poll_interval(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let y = unique_name("ft-y");
+    let (ia, ib) = interest_key(bucket(a.key_for(&y)));
+    let lease_y = a.acquire(y.as_str()).await.unwrap();
+    // Another release of this bucket is probing (exclusive try) at this instant.
+    prober
+        .execute("SELECT pg_advisory_lock($1, $2)", &[&ia, &ib])
+        .await
+        .unwrap();
+    let wait_y = tokio::spawn({
+        let b = b.clone();
+        let y = y.clone();
+        async move { b.acquire(y.as_str()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    prober
+        .execute("SELECT pg_advisory_unlock($1, $2)", &[&ia, &ib])
+        .await
+        .unwrap();
+    // B tries again soon after (backing off: 0, 100, 200, 400, 800 ms) and registers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while shared_locks(&admin, "ft-b").await != 1 {
+        assert!(Instant::now() < deadline, "B never registered its interest");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let released = Instant::now();
+    lease_y.release().await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(3), wait_y).await;
+    assert!(
+        got.is_ok(),
+        "B waits for Y (poll 30 s) although A released it {:?} ago: its interest take failed and it never registered",
+        released.elapsed()
+    );
+}
+
+#[derive(Debug, Default)]
+struct Polls(AtomicUsize);
+
+impl MetricsSink for Polls {
+    fn poll_query(&self, _node: &str, _keys: usize) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Cue amplification: an unverified announcement sets the key's
+/// `next_try = min(next_try, now + 1 s)`, per key. A forger that announces each of N
+/// waited-for keys at a different instant gives each key its own cue instant, so the
+/// node runs one try statement per key per second (each one that does not win reads
+/// `pg_lock_status()`), not "at most one more try per second" (README item 10,
+/// `UNVERIFIED_CUE`). Before 92dd237 forged announcements cost nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_flood_costs_at_most_one_more_statement_per_second() {
+    const N: usize = 40;
+    let pg = PgCluster::start().unwrap();
+    let forger = connect_admin(&pg.url()).await.unwrap();
+    let a = LockManager::connect(options(&pg.url(), "fl-a"))
+        .await
+        .unwrap();
+    let polls = Arc::new(Polls::default());
+    let b = LockManager::connect(
+        options(&pg.url(), "fl-b")
+            .poll_interval(Duration::from_secs(30))
+            .metrics(polls.clone()),
+    )
+    .await
+    .unwrap();
+    let names: Vec<String> = (0..N).map(|i| unique_name(&format!("fl-{i}"))).collect();
+    let mut leases = Vec::new();
+    for n in &names {
+        leases.push(a.acquire(n.as_str()).await.unwrap());
+    }
+    let mut waits = Vec::new();
+    for n in &names {
+        let b = b.clone();
+        let n = n.clone();
+        waits.push(tokio::spawn(async move { b.acquire(n.as_str()).await }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let tags: Vec<String> = names.iter().map(|n| tag(a.key_for(n))).collect();
+    let before = polls.0.load(Ordering::Relaxed);
+    let start = Instant::now();
+    let window = Duration::from_secs(3);
+    'flood: loop {
+        for t in &tags {
+            if start.elapsed() >= window {
+                break 'flood;
+            }
+            forger
+                .execute("SELECT pg_notify('chosen_release', $1)", &[t])
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(1000 / N as u64)).await;
+        }
+    }
+    let statements = polls.0.load(Ordering::Relaxed) - before;
+    assert!(
+        statements <= 3 + 2,
+        "a forged flood made B run {statements} try statements in {window:?} (documented: at most one more per second)"
+    );
+    drop(leases);
+    for w in waits {
+        w.abort();
+    }
 }
