@@ -1,8 +1,8 @@
-//! Breaks found by the review of the session's post-review fixes, against a real
-//! server, kept as regression tests. (Its finding that PostgreSQL 17 names
-//! `pg_logical_emit_message` with four arguments, which made every connect fail there,
-//! is covered by the grant test of `review6`, which revokes whichever form the server has;
-//! this machine runs 15.)
+//! A read-only server is no place to hold or win a lock, against real servers: a
+//! session that is read-only (`default_transaction_read_only`) is refused at connect,
+//! and on a primary fenced read-only (as a switchover may do before it promotes the
+//! standby) the next heartbeat revokes every lease, no waiter wins, and a release
+//! writes nothing.
 
 use std::time::{Duration, Instant};
 
@@ -16,9 +16,9 @@ fn options(url: &str, node: &str) -> ManagerOptions {
         .term_grant_delay(Duration::ZERO)
 }
 
-/// F3a. A role whose sessions are read-only (`default_transaction_read_only = on`)
-/// connected on a single-host URL, while a multi-host URL (read-write targeting)
-/// refused the same server: one rule now, refused at connect with a clear reason.
+/// A role whose sessions are read-only (`default_transaction_read_only = on`) connected
+/// on a single-host URL, while a multi-host URL (read-write targeting) refused the same
+/// server: one rule now, refused at connect with a clear reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_session_is_refused_at_connect() {
     use std::str::FromStr;
@@ -47,11 +47,11 @@ async fn a_read_only_session_is_refused_at_connect() {
     assert!(text.contains("default_transaction_read_only"), "{text}");
 }
 
-/// F3b. A switchover that fences the old primary by making it read-only
-/// (`ALTER SYSTEM SET default_transaction_read_only = on` and a reload) before
-/// promoting its standby: holders on the old primary kept their leases (advisory locks
-/// work in read-only transactions) while the new primary granted the same keys after
-/// its hold. The next heartbeat now revokes them.
+/// A switchover that fences the old primary by making it read-only
+/// (`ALTER SYSTEM SET default_transaction_read_only = on` and a reload) before promoting
+/// its standby: holders on the old primary kept their leases (advisory locks work in
+/// read-only transactions) while the new primary granted the same keys after its hold.
+/// The next heartbeat now revokes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_made_read_only_revokes_its_leases() {
     let pg = PgCluster::start_local().unwrap();
@@ -93,41 +93,10 @@ async fn a_primary_made_read_only_revokes_its_leases() {
     assert!(again.is_valid());
 }
 
-/// F2. `pg_upgrade`, a logical cutover or a dump and restore start a cluster on
-/// timeline 1 again, so tokens would go backwards; the token epoch raises the high bits
-/// above the old cluster's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_token_epoch_raises_the_high_bits() {
-    let pg = PgCluster::start().unwrap();
-    let plain = LockManager::connect(options(&pg.url(), "epoch-0"))
-        .await
-        .unwrap();
-    let name = unique_name("epoch");
-    let lease = plain.acquire(name.as_str()).await.unwrap();
-    let before = lease.fencing_token();
-    lease.release().await.unwrap();
-    let raised = LockManager::connect(options(&pg.url(), "epoch-3").token_epoch(3))
-        .await
-        .unwrap();
-    let after = raised.acquire(name.as_str()).await.unwrap().fencing_token();
-    assert_eq!(after.timeline(), before.timeline() + 3);
-    assert!(after > before);
-
-    let err = LockManager::connect(options(&pg.url(), "epoch-big").token_epoch(40_000))
-        .await
-        .expect_err("refused");
-    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
-    assert!(err.to_string().contains("token_epoch"), "{err}");
-    let err = LockManager::connect(options(&pg.url(), "epoch-edge").token_epoch(32_767))
-        .await
-        .expect_err("timeline + epoch too large");
-    assert!(err.to_string().contains("token_epoch 32767"), "{err}");
-}
-
-/// Review 8, F3. The lock attempts checked the backend and the marker, not whether the
-/// session is writable: after a primary was fenced read-only, a waiter's next poll
-/// (before its next heartbeat) won the key the revoked holder's session gave up, and
-/// wrote a token record on the fenced primary. Now no try wins there.
+/// The lock attempts checked the backend and the marker, not whether the session is
+/// writable: after a primary was fenced read-only, a waiter's next poll (before its
+/// next heartbeat) won the key the revoked holder's session gave up, and wrote a token
+/// record on the fenced primary. Now no try wins there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_wins_nothing_on_a_primary_made_read_only() {
     let pg = PgCluster::start_local().unwrap();
@@ -183,4 +152,73 @@ async fn a_waiter_wins_nothing_on_a_primary_made_read_only() {
         .unwrap();
     assert!(got.is_ok(), "{got:?}");
     assert!(granted_at - fenced_at >= Duration::from_secs(3));
+}
+
+/// A release on a primary fenced read-only sent a `NOTIFY`, which commits (and writes
+/// WAL) even in a read-only transaction: the fenced primary's WAL moved on after a
+/// switchover checked it. Now nothing is announced there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_on_a_read_only_primary_writes_nothing() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let slow = |node: &str| {
+        options(&pg.url(), node)
+            .heartbeat_interval(Duration::from_secs(5))
+            .lease_timeout(Duration::from_secs(12))
+            .server_release_after(Duration::from_secs(30))
+    };
+    let a = LockManager::connect(slow("ro-release-a")).await.unwrap();
+    // B polls rarely: after its first try (which registers its interest) it waits
+    // for the announcement, so its session stays up through the fence.
+    let b = LockManager::connect(slow("ro-release-b").poll_interval(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let name = unique_name("ro-release");
+    let lease = a.acquire(name.as_str()).await.unwrap();
+    // B waits, registered in the key's interest bucket: a release would announce.
+    let _waiter = {
+        let name = name.clone();
+        tokio::spawn(async move { b.acquire(name.as_str()).await.map(|l| (b, l)) })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for sql in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    // The reload reaches the other backends at their next statement.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let next_xid = |row: tokio_postgres::Row| row.get::<_, i64>(0);
+    let before = next_xid(
+        admin
+            .query_one(
+                "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8",
+                &[],
+            )
+            .await
+            .unwrap(),
+    );
+    // Before A's next heartbeat (every 5 s) notices the fence.
+    let _ = lease.release().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = next_xid(
+        admin
+            .query_one(
+                "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8",
+                &[],
+            )
+            .await
+            .unwrap(),
+    );
+    for sql in [
+        "ALTER SYSTEM RESET default_transaction_read_only",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    assert_eq!(
+        before, after,
+        "a transaction id was assigned (a commit written) on the read-only primary"
+    );
 }
