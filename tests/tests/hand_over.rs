@@ -1,9 +1,10 @@
 //! Hand-over to a named node: `Election::hand_over_to` and `Singleton::hand_over_to`
 //! give the lock to that node while the other waiting nodes hold off; a target that is
-//! not there falls back to the normal queue; and a rolling deploy of K replicas (each
-//! replaced in turn: start the new one, hand over if leading, stop the old one) causes
-//! at most K hand-overs with short leaderless times. Prints `HAND-OVER` lines with the
-//! timings (run with `--nocapture`).
+//! not there falls back to the normal queue, and one no node can have (an empty node
+//! id) is a plain release; and a rolling deploy of K replicas (each replaced in turn:
+//! start the new one, hand over if leading, stop the old one) causes at most K
+//! hand-overs with short leaderless times. Prints `HAND-OVER` lines with the timings
+//! (run with `--nocapture`).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -126,6 +127,48 @@ async fn an_election_is_handed_to_the_named_node() {
     for m in managers {
         m.shutdown().await;
     }
+}
+
+/// A hand-over to a node id no node can have (here empty) is a plain announced
+/// release: the waiting node takes over at once, instead of holding off for a second
+/// for a node that cannot come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_to_an_impossible_node_id_is_a_plain_release() {
+    let pg = PgCluster::start().unwrap();
+    let name = unique_name("ho-void");
+    let a = LockManager::connect(options(&pg.url(), "hv-a"))
+        .await
+        .unwrap();
+    let ea = Election::start(&a, name.as_str()).unwrap();
+    let t0 = Instant::now();
+    while !ea.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // B polls every 30 s: only the announcement can make it take over soon.
+    let b = LockManager::connect(options(&pg.url(), "hv-b").poll_interval(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let eb = Election::start(&b, name.as_str()).unwrap();
+    let t0 = Instant::now();
+    while eb.leadership().leader().as_deref() != Some("hv-a") {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let t0 = Instant::now();
+    ea.hand_over_to("");
+    while !eb.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "B never led");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let took = t0.elapsed();
+    eprintln!("HAND-OVER to \"\" (a plain release): the waiting node led after {took:?}");
+    // The hold would be a second; a plain release goes in milliseconds (generous
+    // under load, still below the hold).
+    assert!(took < Duration::from_millis(800), "held off for {took:?}");
+    drop((ea, eb));
+    a.shutdown().await;
+    b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
