@@ -1,7 +1,13 @@
-//! Regression tests for the safety holes a review of v0.1 found (issue 12, §2), each
-//! against a real server. The rules that need no server (stale announcements, grace
-//! after a reconnect, withdrawn requests, forged announcements) are tested on the lock
-//! table itself, in `chosen-core/src/table/tests.rs`.
+//! Safety rules against a real server: a follower whose role cannot see the holder's
+//! session gets answers, not a panic; a shutdown releases a key only once its lease is
+//! dropped (or the stop budget ran out, then quietly); a flood of forged announcements
+//! revokes nothing and grants nothing held; a batch's token is newer than every tenure
+//! before it; a holder whose session the server ended keeps its stop fence until its
+//! work stopped; announcements are verified for every key shape; and following
+//! elections share their leader look-ups. Each closes a hole a review of v0.1 found
+//! (issue 12, §2). The rules that need no server (stale announcements, grace after a
+//! reconnect, withdrawn requests, forged announcements) are tested on the lock table
+//! itself, in `chosen-core/src/table/tests.rs`.
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
