@@ -1493,7 +1493,12 @@ async fn a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
     let lock = unique_name("ledger-shared-fence");
     let (leadership, control) = Leadership::manual(&lock, "node-a");
     control.lead(3);
-    let ledger = db.ledger.clone().timeout(Duration::from_secs(1));
+    // The slow job works 5 s inside its transaction: it raises the idle bound.
+    let ledger = db
+        .ledger
+        .clone()
+        .timeout(Duration::from_secs(1))
+        .idle_in_transaction(Duration::from_secs(30));
     let (slow_runs, slow_delays) = (Runs::default(), Delays::default());
     slow_delays
         .lock()
@@ -1790,7 +1795,12 @@ async fn install_on_a_starting_node_does_not_stall_the_ledger() {
     let lock = unique_name("ledger-install-stall");
     let (leadership, control) = Leadership::manual(&lock, "node-a");
     control.lead(3);
-    let ledger = db.ledger.clone().timeout(Duration::from_secs(1));
+    // The slow job works 5 s inside its transaction: it raises the idle bound.
+    let ledger = db
+        .ledger
+        .clone()
+        .timeout(Duration::from_secs(1))
+        .idle_in_transaction(Duration::from_secs(30));
     let (slow_runs, slow_delays) = (Runs::default(), Delays::default());
     slow_delays
         .lock()
@@ -2028,4 +2038,96 @@ async fn a_named_job_s_fence_is_not_another_lock_s() {
         .await
         .unwrap();
     assert!(out.ran(), "{out:?}");
+}
+
+/// `(tick - T0, token)` per witness row of `job`.
+async fn witness_rows(admin: &Client, job: &str) -> Vec<(i64, i64)> {
+    admin
+        .query(
+            "SELECT tick - $2, token FROM witness WHERE job = $1 ORDER BY tick",
+            &[&job, &(T0 as i64)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_stalled_inside_its_job_transaction_does_not_hold_up_the_next_leader() {
+    // The old leader fenced and claimed its tick in the job's transaction, then stalled
+    // there (frozen, or its connection black-holed: to the server, idle in a
+    // transaction). The server ends that transaction by the default bound, below the
+    // time the next leader needs to take over, so the next leader's tick runs at once
+    // instead of waiting for the stall to end (or failing after the ledger's timeout).
+    let db = db().await;
+    let job = unique_name("ledger-stalled");
+    let mut old = node(
+        &db,
+        &job,
+        "old",
+        5,
+        Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(3600),
+        },
+        Claim::InJobTransaction,
+        true,
+    );
+    // Past the idle bound (5 s by default), and past the new leader's tick.
+    old.delays
+        .lock()
+        .unwrap()
+        .push((T0, Duration::from_secs(7)));
+    let stalled = tokio::spawn(async move { try_tick(&mut old, T0).await.map(|o| o.ran()) });
+    // Its claim is in: the fence row is locked by its transaction.
+    let t0 = std::time::Instant::now();
+    while db
+        .admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND backend_type = 'client backend'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+        == 0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the old leader never began");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A newer leader: its tick fences the same row.
+    let mut new = node(
+        &db,
+        &job,
+        "new",
+        6,
+        Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(3600),
+        },
+        Claim::InJobTransaction,
+        true,
+    );
+    let started = std::time::Instant::now();
+    let out = tokio::time::timeout(Duration::from_secs(30), try_tick(&mut new, T0 + 1))
+        .await
+        .expect("the new leader's tick hung");
+    assert!(
+        matches!(out, Ok(ref o) if o.ran()),
+        "the new leader's tick did not run: {out:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "the new leader waited {:?} for the stalled transaction",
+        started.elapsed()
+    );
+    // The stalled run's transaction was ended by the server: nothing of it committed.
+    let stalled = tokio::time::timeout(Duration::from_secs(40), stalled)
+        .await
+        .expect("the stalled run never ended")
+        .unwrap();
+    assert!(!matches!(stalled, Ok(true)), "{stalled:?}");
+    assert_eq!(witness_rows(&db.admin, &job).await, vec![(1, 6)]);
 }

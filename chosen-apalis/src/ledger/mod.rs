@@ -108,6 +108,7 @@ pub struct TickLedger {
     table: LedgerTable,
     fence: FenceTable,
     timeout: Duration,
+    idle_in_transaction: Duration,
 }
 
 /// How much longer than the server the client waits for a ledger operation.
@@ -115,6 +116,11 @@ const CLIENT_MARGIN: Duration = Duration::from_millis(500);
 
 /// How long a ledger operation may take unless [`TickLedger::timeout`] says otherwise.
 pub const DEFAULT_LEDGER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the job's transaction may sit idle between two statements unless
+/// [`TickLedger::idle_in_transaction`] says otherwise: below the time a silent leader's
+/// lock session takes to end at the server (`server_release_after`, 7 s by default).
+pub const DEFAULT_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
 
 /// How long one try of [`TickLedger::install`] waits for a lock at most (the fleet's
 /// ledger statements queue behind an `ALTER TABLE` that waits).
@@ -126,6 +132,7 @@ impl fmt::Debug for TickLedger {
             .field("table", &self.table.name())
             .field("fence", &self.fence.name())
             .field("timeout", &self.timeout)
+            .field("idle_in_transaction", &self.idle_in_transaction)
             .finish_non_exhaustive()
     }
 }
@@ -142,7 +149,24 @@ impl TickLedger {
             table: LedgerTable::default(),
             fence: FenceTable::default(),
             timeout: DEFAULT_LEDGER_TIMEOUT,
+            idle_in_transaction: DEFAULT_IDLE_IN_TRANSACTION,
         }
+    }
+
+    /// How long the job's own transaction ([`TickContext::begin`]) may sit idle between
+    /// two statements before the server ends it (`SET LOCAL
+    /// idle_in_transaction_session_timeout`); default [`DEFAULT_IDLE_IN_TRANSACTION`]
+    /// (5 s). A leader frozen or cut off inside that transaction holds the job's fence
+    /// row: the server ends it this long after its last statement, and nothing of it
+    /// commits. Keep it below the time a new leader takes over after a leader goes
+    /// silent (the lock session's `server_release_after`, 7 s by default), so the new
+    /// leader never waits for a stalled transaction; raise it (and
+    /// `server_release_after`) for a job that works between statements longer than
+    /// this. Taken as at least 1 ms and at most [`MAX_LEDGER_TIMEOUT`].
+    #[must_use]
+    pub fn idle_in_transaction(mut self, idle: Duration) -> Self {
+        self.idle_in_transaction = idle.clamp(Duration::from_millis(1), MAX_LEDGER_TIMEOUT);
+        self
     }
 
     /// How long one ledger operation of the gate (getting a connection, reading the
@@ -153,9 +177,10 @@ impl TickLedger {
     /// (`SET LOCAL lock_timeout, statement_timeout,
     /// idle_in_transaction_session_timeout` in the gate's transactions), so a leader
     /// frozen inside one of them holds its row locks no longer than this. In the job's
-    /// own transaction ([`TickContext::begin`]) only `lock_timeout` is set: a job that
-    /// waits behind a frozen former leader's fence fails after this long instead of
-    /// waiting as long as that session lives. Taken as at least 1 ms and at most
+    /// own transaction ([`TickContext::begin`]) the fence's wait is bounded so (a job
+    /// that waits behind a frozen former leader's fence fails after this long instead of
+    /// waiting as long as that session lives), and its idle time by
+    /// [`idle_in_transaction`](Self::idle_in_transaction). Taken as at least 1 ms and at most
     /// [`MAX_LEDGER_TIMEOUT`] (24 days: the server's settings take no more), so
     /// `Duration::MAX` means "as long as the server allows".
     #[must_use]
@@ -333,7 +358,8 @@ impl TickLedger {
     }
 
     /// Fences `tx` for `ids`, waiting for the fence row at most the ledger's timeout,
-    /// whatever the transaction's own `lock_timeout` (which is left as it was).
+    /// whatever the transaction's own `lock_timeout` (which is left as it was), and
+    /// bounds the transaction's idle time ([`TickLedger::idle_in_transaction`]).
     pub(crate) async fn fence_bounded(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
@@ -342,8 +368,11 @@ impl TickLedger {
     ) -> Result<(), LedgerError> {
         let previous: String = tx
             .query_one(
-                "WITH p AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v)\nSELECT p.v FROM p WHERE set_config('lock_timeout', $1, true) IS NOT NULL",
-                &[&self.timeout_ms().to_string()],
+                "WITH p AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v)\nSELECT p.v FROM p WHERE set_config('lock_timeout', $1, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $2, true) IS NOT NULL",
+                &[
+                    &self.timeout_ms().to_string(),
+                    &self.idle_in_transaction.as_millis().max(1).to_string(),
+                ],
             )
             .await
             .map_err(self.db("bounding the fence's lock wait"))?
