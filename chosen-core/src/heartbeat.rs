@@ -18,7 +18,7 @@ use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
 use crate::generation::Generation;
-use crate::session;
+use crate::pg;
 use crate::shared::{ServerFloor, Shared};
 use crate::status::SessionDownReason;
 
@@ -34,7 +34,7 @@ const SLOW_WARNING_EVERY: Duration = Duration::from_secs(30);
 /// the moment *its own* query was sent; a failure, or no success within the lease
 /// timeout, revokes the generation at once.
 pub(crate) async fn run(
-    session: session::HeartbeatSession,
+    session: pg::HeartbeatSession,
     shared: Arc<Shared>,
     generation: Arc<Generation>,
     proven_at: Instant,
@@ -526,7 +526,7 @@ mod tests {
     }
 
     // The server's `tcp_user_timeout` (was `server_release_after` in session.rs
-    // setup_sql; now `session::tcp_user_timeout`) counts from the ORIGINAL send time of the oldest server byte still
+    // setup_sql; now `pg::tcp_user_timeout`) counts from the ORIGINAL send time of the oldest server byte still
     // unacknowledged (Linux: retransmits_timed_out() measures from tp->retrans_stamp),
     // not from when the last heartbeat ran. With pipelining the client keeps sending
     // heartbeats that reach the server while server->client bytes are being
@@ -606,7 +606,7 @@ mod tests {
                 renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), delivered));
             assert!(shared.renew_validity(until, delivered), "not lapsed yet");
         }
-        let server_releases = oldest_unacked + crate::session::tcp_user_timeout(&shared.options);
+        let server_releases = oldest_unacked + crate::pg::tcp_user_timeout(&shared.options);
         let client_child_may_run_until = shared.valid_until() + stop_budget;
         assert!(
             client_child_may_run_until + margin <= server_releases,

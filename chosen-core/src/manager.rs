@@ -16,7 +16,7 @@ use crate::info::{ClusterLock, HolderInfo, LockInfo};
 use crate::key::LockKey;
 use crate::lease::Lease;
 use crate::options::ManagerOptions;
-use crate::session;
+use crate::pg;
 use crate::shared::Shared;
 use crate::status::ConnectionState;
 use crate::table::{Mode, Request};
@@ -201,7 +201,7 @@ impl LockManager {
     ///   expect (something between rewrites the conversation).
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
         options.validate()?;
-        let first = session::connect(&options, 1).await?;
+        let first = pg::connect(&options, 1).await?;
         let status = ConnectionState::Connected {
             generation: 1,
             backend_pid: first.backend_pid,

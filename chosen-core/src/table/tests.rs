@@ -1952,7 +1952,7 @@ fn a_batch_of_hand_overs_fits_the_notify_payload_limit() {
             k.announcement(to)
         })
         .collect();
-    let per_notify = crate::session::ANNOUNCEMENTS_PER_NOTIFY;
+    let per_notify = crate::pg::ANNOUNCEMENTS_PER_NOTIFY;
     for chunk in tags.chunks(per_notify) {
         let payload = chunk.join(",");
         assert!(
@@ -2069,9 +2069,9 @@ fn forged_hand_overs_to_this_node_for_many_keys_share_one_statement() {
 
 #[test]
 fn the_unlock_statement_groups_announcements_as_the_payload_limit_allows() {
-    let per = crate::session::ANNOUNCEMENTS_PER_NOTIFY;
+    let per = crate::pg::ANNOUNCEMENTS_PER_NOTIFY;
     assert!(
-        crate::session::UNLOCK_SQL_FOR_TESTS.contains(&format!("GROUP BY (t.j - 1) / {per}")),
+        crate::pg::UNLOCK_SQL_FOR_TESTS.contains(&format!("GROUP BY (t.j - 1) / {per}")),
         "UNLOCK_SQL groups by another number than ANNOUNCEMENTS_PER_NOTIFY"
     );
     // The longest entry: a pair of the most negative keys, handed over.

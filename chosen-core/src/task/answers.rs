@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::fault::Fault;
 use crate::info::{LockInfo, LockState};
 use crate::key::LockKey;
-use crate::session::Session;
+use crate::pg::Session;
 use crate::status::SessionDownReason;
 use crate::table::{Action, Entry, Refusal, RequestId};
 use crate::token::FencingToken;

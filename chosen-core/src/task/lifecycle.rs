@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 use super::{Driver, error_chain, far_future};
 use crate::error::Error;
 use crate::generation::Generation;
-use crate::session::{self, Session};
+use crate::pg::{self, Session};
 use crate::status::{ConnectionState, SessionDownReason};
 
 impl Driver {
@@ -100,7 +100,7 @@ impl Driver {
             self.shared
                 .status
                 .send_replace(ConnectionState::Connecting { attempt });
-            let connect = session::connect(&options, self.generations);
+            let connect = pg::connect(&options, self.generations);
             tokio::pin!(connect);
             let result = loop {
                 tokio::select! {

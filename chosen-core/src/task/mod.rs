@@ -27,7 +27,7 @@ use crate::error::Result;
 use crate::fault::{Fault, error_text};
 use crate::generation::Generation;
 use crate::key::LockKey;
-use crate::session::{ConnEvent, Session};
+use crate::pg::{ConnEvent, Session};
 use crate::shared::Shared;
 use crate::status::{ConnectionState, SessionDownReason};
 use crate::table::RequestId;

@@ -1,0 +1,441 @@
+//! Opening a session: connect, prove that the server is a writable primary that the
+//! session is alone on, set the session up, prepare the statements, and read the term.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{AsyncMessage, Client, NoTls};
+use tracing::{debug, warn};
+
+use super::sql::*;
+use super::*;
+use crate::engine::Term;
+use crate::error::{Error, Result};
+use crate::fault::error_text;
+use crate::generation::Generation;
+use crate::options::ManagerOptions;
+use crate::status::SessionDownReason;
+use crate::token::FencingToken;
+
+/// Reads the server's current term (see [`TERM_SQL`]).
+pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
+    // With it, in the same round trip: may this role write the token's WAL record?
+    let messages = client
+        .simple_query(&format!("{TERM_SQL}; {EMIT_PRIVILEGE_SQL}"))
+        .await
+        .map_err(Error::database)?;
+    let read_at = Instant::now();
+    let mut rows = messages.iter().filter_map(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+        _ => None,
+    });
+    let (Some(row), Some(privilege)) = (rows.next(), rows.next()) else {
+        return Err(Error::Protocol {
+            message: "the server answered the term query with no row".to_owned(),
+        });
+    };
+    let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
+    // The larger of the option and the server's own setting: a DBA sets it on the new
+    // cluster alone (`ALTER DATABASE ... SET chosen.token_epoch = N`) before it takes
+    // connections, and every node picks it up as it reconnects.
+    let server_epoch = match row.get(3).map(str::trim).filter(|e| !e.is_empty()) {
+        None => 0,
+        Some(text) => match text.parse::<u16>() {
+            Ok(e) if e < (1 << 15) - 1 => e,
+            _ => {
+                return Err(Error::Refused(SessionDownReason::ConnectFailed {
+                    message: format!(
+                        "the server's chosen.token_epoch setting {text:?} is not a whole number from 0 to 32766; fix it (ALTER DATABASE ... SET chosen.token_epoch = N)"
+                    ),
+                }));
+            }
+        },
+    };
+    let epoch = epoch.max(server_epoch);
+    if timeline == 0 {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
+            message: "the server answered no timeline".to_owned(),
+        }));
+    }
+    // 15 bits: a token stored in a signed 64-bit column (PostgreSQL's bigint) must stay
+    // positive.
+    let Some(timeline) = u16::try_from(timeline + i64::from(epoch))
+        .ok()
+        .filter(|t| *t < 1 << 15)
+    else {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
+            message: format!(
+                "the server is on timeline {timeline}, with token_epoch {epoch}: fencing tokens carry the timeline plus the epoch in 15 bits (so that they stay positive as a signed 64-bit number), so their sum must stay below 32768"
+            ),
+        }));
+    };
+    if privilege.get(0) != Some("t") {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
+            message: "this role may not execute pg_logical_emit_message, which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text, boolean) TO the role on PostgreSQL 17 and newer, (boolean, text, text) before 17 (PostgreSQL grants it to PUBLIC by default)".to_owned(),
+        }));
+    }
+    let age = row
+        .get(1)
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis);
+    let Some(next_xid) = row.get(4).and_then(|x| x.parse::<u64>().ok()) else {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
+            message: "the server answered no next transaction id".to_owned(),
+        }));
+    };
+    Ok(Term {
+        timeline,
+        age,
+        identity: row.get(2).unwrap_or_default().to_owned(),
+        first_token: FencingToken::from_parts(timeline, next_xid),
+        system_id: row.get(5).unwrap_or_default().to_owned(),
+        read_at,
+    })
+}
+
+/// The server's `tcp_user_timeout`: how long the server keeps a connection whose sent
+/// data stays unacknowledged. Linux counts it from the first send of the oldest
+/// unacknowledged byte, not from the last query: with heartbeats pipelined, replies
+/// stuck behind a lost byte can renew validity up to a lease timeout after that clock
+/// started, so it must be at least `server_release_after + lease_timeout` (a
+/// one-way loss then keeps the session, and its locks, that much longer; an idle
+/// silent session is still ended by `idle_session_timeout` at `server_release_after`).
+pub(crate) fn tcp_user_timeout(options: &ManagerOptions) -> std::time::Duration {
+    options.server_release_after + options.lease_timeout
+}
+
+/// The settings that make the server end a silent session in bounded time, and keep a
+/// DBA's defaults from breaking the contract.
+pub(super) fn setup_sql(options: &ManagerOptions) -> String {
+    let release_ms = options.server_release_after.as_millis();
+    let user_timeout_ms = tcp_user_timeout(options).as_millis();
+    // Keepalives and tcp_user_timeout are a second line for a real partition; they must
+    // never release *earlier* than server_release_after, so they start at that point.
+    let keepalive_idle_s = options.server_release_after.as_secs().max(1);
+    let statement_ms = options.lease_timeout.as_millis();
+    // Our statements are few and always the same: plan them once (a custom plan per
+    // execution of the try statement cost more than the statement itself).
+    format!(
+        "SET statement_timeout = {statement_ms}; \
+         {TRANSACTION_TIMEOUT_OFF_SESSION} \
+         SET plan_cache_mode = force_generic_plan; \
+         SET lock_timeout = 0; \
+         SET idle_in_transaction_session_timeout = 0; \
+         SET idle_session_timeout = {release_ms}; \
+         SET tcp_keepalives_idle = {keepalive_idle_s}; \
+         SET tcp_keepalives_interval = 1; \
+         SET tcp_keepalives_count = 3; \
+         SET tcp_user_timeout = {user_timeout_ms}; \
+         SET client_connection_check_interval = 1000; \
+         LISTEN {RELEASE_CHANNEL};"
+    )
+}
+
+/// PostgreSQL 17's `transaction_timeout` ends the *session* (FATAL 25P04) when a
+/// transaction, or outside one a statement, runs longer: a DBA's short default for the
+/// role or database would end the lock session whenever a statement of ours ran long.
+/// Turned off as the other DBA timeouts are, only where the setting exists (`SET` of an
+/// unknown setting is an error on older servers), right after `statement_timeout` and
+/// in constant time (the timer runs from the start of the message, so a short one may
+/// already be close). The `CASE` orders the evaluation, so `set_config` runs only where
+/// the setting exists; no row is returned (the probe reads the first row of its message
+/// as its own). Setting it inside a transaction stops that transaction's timer too. If
+/// it fires before (25P04), the session is lost and `connect` tries once more.
+pub(super) const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', true) IS NULL END;";
+
+/// [`TRANSACTION_TIMEOUT_OFF_LOCAL`] for the whole session.
+pub(super) const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', false) IS NULL END;";
+
+/// Opens and proves a new session.
+pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
+    let timeout = options.connect_timeout * (options.pg.get_hosts().len().max(1) as u32 + 1);
+    let attempt = async {
+        // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
+        // every statement of a new session until our own `SET statement_timeout` has
+        // run (the server starts the timer anew for each statement of a message), and
+        // a short idle_session_timeout to the pause between our first two round trips:
+        // under load, even a `BEGIN` can overrun the one, a descheduled client the
+        // other. Another connection very likely gets through; nothing of a failed one
+        // is kept (it holds no lock, and its socket is closed). At most three, within
+        // the connect timeout.
+        let mut tries = 1;
+        loop {
+            match connect_inner(options, generation).await {
+                Err(e) if tries < 3 && cut_short_by_dba_settings(&e) => {
+                    warn!(error = %e, "the new lock session was cut short, likely by a very short statement_timeout or idle_session_timeout set for the role or database; connecting again (consider ALTER ROLE ... RESET for this role)");
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                other => break other,
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::ConnectTimeout {
+            target: options.target_description(),
+            after: timeout,
+        }),
+    }
+}
+
+/// A new session's statement cancelled (57014), or the session lost while it was
+/// being proven (e.g. ended by `idle_session_timeout`, 57P05, whose notice may arrive
+/// as a plain close, or by `transaction_timeout`, 25P04): worth another connection at
+/// once. A server that refuses
+/// connections is not this (`Error::Connect`).
+pub(super) fn cut_short_by_dba_settings(error: &Error) -> bool {
+    match error {
+        Error::Database(e) => e.code() == Some(&SqlState::QUERY_CANCELED),
+        Error::NotConnected(SessionDownReason::ConnectionLost { .. }) => true,
+        _ => false,
+    }
+}
+
+pub(super) async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Session> {
+    let config = options.session_config();
+    let connect_error = |source: tokio_postgres::Error| {
+        let auth = matches!(
+            source.code(),
+            Some(c) if *c == SqlState::INVALID_PASSWORD
+                || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+        );
+        if auth {
+            Error::Authentication {
+                user: options.pg.get_user().unwrap_or_default().to_owned(),
+                target: options.target_description(),
+                source,
+            }
+        } else {
+            Error::Connect {
+                target: options.target_description(),
+                source,
+            }
+        }
+    };
+    #[cfg(feature = "rustls")]
+    if let Some(tls) = &options.tls {
+        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
+        let (client, connection) = config.connect(tls).await.map_err(connect_error)?;
+        return prove(options, generation, client, connection).await;
+    }
+    let (client, connection) = config.connect(NoTls).await.map_err(connect_error)?;
+    prove(options, generation, client, connection).await
+}
+
+/// Drives the connection on its own task and proves the session is one we may hold
+/// locks on.
+pub(super) async fn prove<S, T>(
+    options: &ManagerOptions,
+    generation: u64,
+    client: Client,
+    mut connection: tokio_postgres::Connection<S, T>,
+) -> Result<Session>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (events_tx, events) = mpsc::unbounded_channel();
+    let conn_task = tokio::spawn(async move {
+        let end = loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(n))) => {
+                    let _ = events_tx.send(ConnEvent::Notification {
+                        sender: n.process_id(),
+                        payload: n.payload().to_owned(),
+                        at: Instant::now(),
+                    });
+                }
+                Some(Ok(AsyncMessage::Notice(notice))) => {
+                    debug!(message = notice.message(), "notice on the lock session");
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => break error_text(&e),
+                None => break "the server closed the connection".to_owned(),
+            }
+        };
+        let _ = events_tx.send(ConnEvent::Closed(end));
+    });
+    // From here on, dropping `guard` (on any error) closes the connection.
+    let guard = AbortOnDrop(Some(conn_task));
+    // A DBA's statement_timeout could cancel even the probe: override it in the same
+    // round trip, as early as a `SET LOCAL` can be (it still covers the `BEGIN` and the
+    // `SET` itself; `connect` tries once more if one of them is cancelled; these
+    // settings exist on every server version). Only for this
+    // transaction: a backend that turns out not to be ours alone (a pooler's) keeps
+    // nothing of ours.
+    let messages = client
+        .simple_query(&format!(
+            "BEGIN; SET LOCAL statement_timeout = {}; {TRANSACTION_TIMEOUT_OFF_LOCAL} SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {PROBE_SQL}; COMMIT;",
+            options.lease_timeout.as_millis()
+        ))
+        .await
+        .map_err(Error::database)?;
+    let row = messages
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .ok_or_else(|| Error::Protocol {
+            message: "the server answered the session probe with no row".to_owned(),
+        })?;
+    let field = |i: usize| row.get(i).unwrap_or_default();
+    let version: i32 = field(0).parse().unwrap_or(0);
+    let backend_pid: i32 = field(1).parse().unwrap_or(0);
+    let in_recovery = field(2) == "t";
+    let found_marker = field(3).to_owned();
+    let advisory_locks: i64 = field(4).parse().unwrap_or(0);
+    let database_oid: i64 = field(5).parse().unwrap_or(0);
+    // The server's address as it sees this connection (empty over a Unix socket).
+    let server = field(6).to_owned();
+    let read_only = field(7) == "on";
+    if version < MIN_SERVER_VERSION {
+        return Err(Error::Refused(SessionDownReason::ServerTooOld { version }));
+    }
+    if in_recovery {
+        return Err(Error::Refused(SessionDownReason::ServerInRecovery));
+    }
+    if read_only {
+        return Err(Error::Refused(SessionDownReason::ServerReadOnly));
+    }
+    if !found_marker.is_empty() || advisory_locks > 0 {
+        return Err(Error::Refused(SessionDownReason::PoolerDetected {
+            detail: format!(
+                "the new session's backend (pid {backend_pid}) already carries another session's state ({} advisory locks{})",
+                advisory_locks,
+                if found_marker.is_empty() {
+                    ""
+                } else {
+                    ", another chosen marker"
+                }
+            ),
+        }));
+    }
+    let marker = new_marker(options, generation);
+    let setup = format!(
+        "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
+        setup_sql(options)
+    );
+    // The settings, the term and the prepared statements in one round trip: a slow
+    // database is not a dead one while connecting either. They are pipelined in this
+    // order (each request is sent on its first poll, a biased `try_join!` polls in
+    // order, and the server answers in order), so the term is read after the settings (a DBA's
+    // statement_timeout must not cancel it). The session is proven from the moment they
+    // were sent: the server answered them later, so its idle clock started later, the
+    // same rule as a heartbeat's.
+    let proven_at = Instant::now();
+    let ((), term, stmts) = tokio::try_join!(
+        biased;
+        async { client.batch_execute(&setup).await.map_err(Error::database) },
+        read_term(&client, options.token_epoch),
+        async { Statements::prepare(&client).await.map_err(Error::database) },
+    )?;
+    Ok(Session {
+        client: Arc::new(client),
+        stmts,
+        backend_pid,
+        marker,
+        database_oid,
+        server,
+        generation: Generation::new(generation),
+        events,
+        proven_at,
+        term,
+        conn_task: guard.disarm(),
+    })
+}
+
+pub(super) struct AbortOnDrop(Option<JoinHandle<()>>);
+
+impl AbortOnDrop {
+    pub(super) fn disarm(mut self) -> JoinHandle<()> {
+        self.0.take().expect("BUG: disarmed twice")
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+impl Statements {
+    pub(super) async fn prepare(client: &Client) -> Result<Self, tokio_postgres::Error> {
+        // Prepared concurrently: tokio-postgres pipelines them in one round trip.
+        let (
+            (heartbeat, try_keys, try_one, unlock, unlock_one),
+            (
+                check_fences,
+                cleanup,
+                token,
+                holders,
+                cluster,
+                fence,
+                unfence,
+                unlock_shared,
+                fences_held,
+            ),
+        ) = tokio::try_join!(
+            async {
+                tokio::try_join!(
+                    client.prepare(HEARTBEAT_SQL),
+                    client.prepare(TRY_KEYS_SQL),
+                    client.prepare(TRY_ONE_SQL),
+                    client.prepare(UNLOCK_SQL),
+                    client.prepare(UNLOCK_ONE_SQL),
+                )
+            },
+            async {
+                tokio::try_join!(
+                    client.prepare(CHECK_FENCES_SQL),
+                    client.prepare(CLEANUP_SQL),
+                    client.prepare(TOKEN_SQL),
+                    client.prepare(HOLDERS_SQL),
+                    client.prepare(CLUSTER_SQL),
+                    client.prepare(FENCE_SQL),
+                    client.prepare(UNFENCE_SQL),
+                    client.prepare(UNLOCK_SHARED_SQL),
+                    client.prepare(FENCES_HELD_SQL),
+                )
+            },
+        )?;
+        Ok(Self {
+            heartbeat,
+            try_keys,
+            try_one,
+            unlock,
+            unlock_one,
+            check_fences,
+            fence,
+            unfence,
+            unlock_shared,
+            fences_held,
+            cleanup,
+            token,
+            holders,
+            cluster,
+        })
+    }
+}
+
+/// A value unique to this session: the node, the process, the generation and the time.
+/// Only `[A-Za-z0-9._-]`, so it can be inlined in SQL.
+pub(super) fn new_marker(options: &ManagerOptions, generation: u64) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let node: String = options
+        .node_id
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(32)
+        .collect();
+    format!("{node}.{}.{generation}.{nanos:x}", std::process::id())
+}
