@@ -832,6 +832,51 @@ mod tests {
         e
     }
 
+    #[test]
+    fn a_grant_answered_once_the_handle_closes_is_refused_and_unlocked_quietly() {
+        let now = Instant::now();
+        let mut e = engine();
+        let t = term("a", 1, 1_000, Some(Duration::from_secs(60)), now);
+        e.session_started(1, &t, now);
+        e.table_mut().acquire(
+            crate::table::Request {
+                id: 1,
+                key: LockKey::Int(1),
+                name: std::sync::Arc::from("one"),
+                poll_interval: Duration::from_secs(1),
+                mode: crate::table::Mode::Try,
+                since: std::time::SystemTime::UNIX_EPOCH,
+                enqueued: now,
+            },
+            now,
+        );
+        let plan = e.plan(now, true, false).unwrap();
+        let done = Done {
+            tried: Ok(vec![(
+                LockKey::Int(1),
+                TryOutcome::Won(FencingToken::from_parts(1, 2_000)),
+            )]),
+            ..Done::default()
+        };
+        e.done(&plan, &done, true, false, now).unwrap();
+        // The handle began a shutdown while the try was in flight.
+        let actions: Vec<Action> = std::iter::from_fn(|| e.poll_action(now, true)).collect();
+        assert!(
+            matches!(
+                actions.as_slice(),
+                [Action::Refuse {
+                    id: 1,
+                    why: crate::table::Refusal::Closed
+                }]
+            ),
+            "{actions:?}"
+        );
+        assert_eq!(e.table().held(), 0);
+        let plan = e.plan(now, true, false).unwrap();
+        assert_eq!(plan.unlock_quiet, vec![LockKey::Int(1)], "{plan:?}");
+        assert!(plan.unlock.is_empty(), "announced: {plan:?}");
+    }
+
     /// Carries out one closing step: plans it and answers every statement as done.
     fn closing_step(e: &mut Engine, now: Instant) -> Plan {
         let plan = e.plan(now, false, true).unwrap();
