@@ -26,6 +26,7 @@ pub(crate) use connect::connect;
 pub(crate) use connect::tcp_user_timeout;
 #[cfg(test)]
 pub(crate) use sql::{ANNOUNCEMENTS_PER_NOTIFY, UNLOCK_SQL_FOR_TESTS};
+#[cfg(feature = "test-util")]
 pub(crate) use sql::{TRY_ONE_SQL, UNLOCK_ONE_SQL};
 
 /// What the connection task reports.
