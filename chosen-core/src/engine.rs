@@ -267,7 +267,8 @@ pub(crate) struct Engine {
     max_fence_wait: Duration,
     /// The shutdown under way, if one is (rule 7).
     shutdown: Option<Shutdown>,
-    /// When the last step that announced releases was planned (rule 7's linger).
+    /// When the last step that announced releases on this session was answered (rule 7's
+    /// linger counts from there).
     last_announced: Option<Instant>,
     rng: u64,
 }
@@ -442,6 +443,7 @@ impl Engine {
     /// The session ended (lost, or closed at shutdown): every lease of it is lost.
     pub(crate) fn session_ended(&mut self, now: Instant) {
         self.last_end = Some(now);
+        self.last_announced = None;
         self.table.session_ended(now);
     }
 
@@ -451,6 +453,7 @@ impl Engine {
     /// [`close_retired`](Self::close_retired) tells when to close it sooner.
     pub(crate) fn session_lost(&mut self, now: Instant, may_keep: bool) -> Option<Instant> {
         self.last_end = Some(now);
+        self.last_announced = None;
         self.table.session_ended(now);
         let keep =
             may_keep && self.retiring.len() < MAX_KEPT_OPEN && !self.off(Protection::KeepLostOpen);
@@ -615,11 +618,7 @@ impl Engine {
         if !valid && !closing {
             return Err(Overdue);
         }
-        let plan = self.table.plan(now);
-        if !plan.unlock.is_empty() || !plan.unfence.is_empty() {
-            self.last_announced = Some(now);
-        }
-        Ok(plan)
+        Ok(self.table.plan(now))
     }
 
     /// The answers to `plan`'s statements (rule 2). Tokens count for the floor even
@@ -652,6 +651,10 @@ impl Engine {
         let valid = valid || self.off(Protection::ValidityGate);
         if !valid && !closing {
             return Err(Overdue);
+        }
+        // The announcements went out at the commit, just before this answer.
+        if !plan.unlock.is_empty() || !plan.unfence.is_empty() {
+            self.last_announced = Some(now);
         }
         let table = &mut self.table;
         table.unlocked(&plan.unlock, now);
