@@ -408,11 +408,22 @@ enum Ev {
         n: usize,
         inst: u32,
     },
-    /// A shutdown begun at `from` must have finished (the checks; not the node's).
+    /// A plain lease's work stops, but its owner keeps the lease (never released).
+    WorkStops {
+        n: usize,
+        inst: u32,
+        s: usize,
+        id: RequestId,
+    },
+    /// A shutdown's stage (1: the handle's wait for its supervisors, until the task
+    /// reads the shutdown; 2: the engine's sequence), begun at `from`, must have ended
+    /// `bound` later, unfrozen (the checks; not the node's).
     ShutdownBound {
         n: usize,
         inst: u32,
         from: T,
+        stage: u8,
+        bound: T,
     },
     ConnectTimeout {
         n: usize,
@@ -469,6 +480,7 @@ impl Ev {
             | Ev::HbTimer { n, .. }
             | Ev::Watchdog { n, .. }
             | Ev::ChildDrop { n, .. }
+            | Ev::WorkStops { n, .. }
             | Ev::Resign { n, .. }
             | Ev::Reacquire { n, .. }
             | Ev::GiveUp { n, .. }
@@ -569,6 +581,10 @@ struct Single {
     state: SState,
     /// When its current request was made.
     since: T,
+    /// Run by a supervisor (a singleton, an election) that `LockManager::shutdown`
+    /// stops first and waits for; otherwise a plain lease, whose owner hears of the
+    /// shutdown only when the task stops trusting every lease.
+    supervised: bool,
 }
 
 #[derive(Debug)]
@@ -617,6 +633,9 @@ struct Node {
     /// Their withdrawals, read after the statement in flight answers (the task reads
     /// commands between steps).
     withdrawals: Vec<(LockKey, RequestId)>,
+    /// Releases sent that the task has not answered yet (it answers them after the next
+    /// step, or when the session is lost): a supervisor ends once its release answered.
+    releases_unanswered: u32,
     /// Notifications that arrived while a statement was in flight, with their arrival:
     /// the task reads them after the step (applied then, stamped with their arrival).
     notes: Vec<(Down, T)>,
@@ -1046,10 +1065,12 @@ impl Sim {
                 down: false,
                 singles: ks
                     .iter()
-                    .map(|k| Single {
+                    .enumerate()
+                    .map(|(j, k)| Single {
                         key: keys[*k],
                         state: SState::Idle,
                         since: 0,
+                        supervised: (i + j) % 3 != 2,
                     })
                     .collect(),
                 frozen: None,
@@ -1070,6 +1091,7 @@ impl Sim {
                 known_systems: BTreeSet::new(),
                 withdrawals: Vec::new(),
                 notes: Vec::new(),
+                releases_unanswered: 0,
                 last_identity: None,
                 term_end_seen: 0,
             })
@@ -1348,6 +1370,18 @@ impl Sim {
                     self.child_drop(n, s, id);
                 }
             }
+            Ev::WorkStops { n, inst, s, id } => {
+                if self.current(n, inst)
+                    && let SState::Stopping { id: h, run } = self.nodes[n].singles[s].state
+                    && h == id
+                {
+                    let r = &mut self.runs[run];
+                    r.drop_at = Some(self.now);
+                    r.acting_end.get_or_insert(self.now);
+                    self.log(|| format!("n{n} work of run {run} stopped; its lease is kept"));
+                    self.nodes[n].singles[s].state = SState::Gone;
+                }
+            }
             Ev::Resign { n, inst, s, id } => {
                 if self.current(n, inst)
                     && let SState::Holding { id: h, run } = self.nodes[n].singles[s].state
@@ -1402,9 +1436,19 @@ impl Sim {
                     self.push(t, Ev::ConnectTimeout { n, inst, attempt });
                 }
             }
-            Ev::ShutdownBound { n, inst, from } => {
+            Ev::ShutdownBound {
+                n,
+                inst,
+                from,
+                stage,
+                bound,
+            } => {
                 let node = &self.nodes[n];
-                if node.inst == inst && !node.down && node.closing.is_some() {
+                let open = match node.closing {
+                    Some(c) => stage == 2 || !c.begun,
+                    None => false,
+                };
+                if node.inst == inst && !node.down && open {
                     // Frozen meanwhile, it had that much less time.
                     let frozen: T = self
                         .freezes
@@ -1412,12 +1456,21 @@ impl Sim {
                         .filter(|f| f.n == n && f.inst == inst && f.to > from)
                         .map(|f| f.to.min(self.now) - f.from.max(from))
                         .sum();
-                    if node.frozen.is_some() || self.now < from + self.shutdown_bound() + frozen {
+                    if node.frozen.is_some() || self.now < from + bound + frozen {
                         let t = self.now + frozen.max(SEC);
-                        self.push(t, Ev::ShutdownBound { n, inst, from });
+                        self.push(
+                            t,
+                            Ev::ShutdownBound {
+                                n,
+                                inst,
+                                from,
+                                stage,
+                                bound,
+                            },
+                        );
                     } else {
                         self.violation(format!(
-                            "n{n} still shutting down {} ms after it began",
+                            "n{n}'s shutdown still in stage {stage} {} ms after the stage began",
                             (self.now - from) / MS
                         ));
                     }
@@ -1619,6 +1672,7 @@ impl Sim {
         };
         self.carry_out(n, self.now);
         if plan.is_empty() {
+            self.nodes[n].releases_unanswered = 0;
             if let Some(w) = self.nodes[n].engine.next_wakeup(now) {
                 let w = self.t_of(w);
                 self.schedule_wake(n, w);
@@ -1867,6 +1921,8 @@ impl Sim {
         let Some(stmts) = self.nodes[n].busy.take() else {
             return;
         };
+        // The step is done: the releases read before it are answered.
+        self.nodes[n].releases_unanswered = 0;
         self.log(|| {
             format!(
                 "n{n} answered: tried {:?} checked {:?} fenced {:?} token {:?}",
@@ -2374,6 +2430,10 @@ impl Sim {
             .engine
             .table_mut()
             .release_to(key, id, to, now);
+        // Answered after the next step (at once while disconnected).
+        if matches!(self.nodes[n].conn, Conn::Up { .. }) {
+            self.nodes[n].releases_unanswered += 1;
+        }
         self.carry_out(n, self.now);
         self.closing_command(n);
         let node = &mut self.nodes[n];
@@ -2463,9 +2523,11 @@ impl Sim {
             return self.poke(n);
         }
         self.log(|| format!("n{n} LOSES generation {gn} (pid {pid}): {why}"));
-        // Tries in flight never answer now, and nobody reads what came meanwhile.
+        // Tries in flight never answer now, and nobody reads what came meanwhile; the
+        // releases are answered (nothing is held any more).
         self.in_flight_notes.retain(|(m, _), _| *m != n);
         self.nodes[n].notes.clear();
+        self.nodes[n].releases_unanswered = 0;
         // Kept open until the next session fences what is still stopping (rule 6).
         let node = &mut self.nodes[n];
         node.retiring.push_back(pid);
@@ -2550,20 +2612,32 @@ impl Sim {
             supervisors_until,
         });
         self.push(supervisors_until, Ev::Wake { n, inst });
-        let from = self.now;
+        // The task reads the shutdown by then: the supervisors' wait, then the step in
+        // flight (it answers, or the session is lost, within the lease timeout).
+        let (from, stage) = (self.now, 1);
+        let bound = self.t.stop_budget + 2 * self.t.lease + 100 * MS;
         self.push(
-            self.now + self.shutdown_bound(),
-            Ev::ShutdownBound { n, inst, from },
+            from + bound,
+            Ev::ShutdownBound {
+                n,
+                inst,
+                from,
+                stage,
+                bound,
+            },
         );
+        // The supervisors are told to stop; a plain lease goes on until the task stops
+        // trusting every lease (`stop_unsupervised`).
         for s in 0..self.nodes[n].singles.len() {
+            let supervised = self.nodes[n].singles[s].supervised;
             match self.nodes[n].singles[s].state {
-                SState::Holding { id, run } => {
+                SState::Holding { id, run } if supervised => {
                     self.runs[run].acting_end = Some(self.now);
                     self.nodes[n].singles[s].state = SState::Stopping { id, run };
                     let t = self.now + self.stop_time();
                     self.push(t, Ev::ChildDrop { n, inst, s, id });
                 }
-                SState::Stopping { run, .. } => {
+                SState::Stopping { run, .. } if supervised => {
                     self.runs[run].acting_end.get_or_insert(self.now);
                 }
                 SState::Idle => self.nodes[n].singles[s].state = SState::Gone,
@@ -2596,12 +2670,15 @@ impl Sim {
                 c.read = true;
             }
         }
-        let stopped = self.nodes[n].singles.iter().all(|single| {
-            !matches!(
-                single.state,
-                SState::Holding { .. } | SState::Stopping { .. }
-            )
-        });
+        // A supervisor ends once its child stopped and its release was answered.
+        let stopped = self.nodes[n].releases_unanswered == 0
+            && self.nodes[n].singles.iter().all(|single| {
+                !single.supervised
+                    || !matches!(
+                        single.state,
+                        SState::Holding { .. } | SState::Stopping { .. }
+                    )
+            });
         if !stopped && self.now < c.supervisors_until {
             return true;
         }
@@ -2614,8 +2691,54 @@ impl Sim {
         self.nodes[n].engine.begin_shutdown(now);
         self.carry_out(n, self.now);
         self.set_closing(n, self.now, false, None);
+        self.stop_unsupervised(n);
+        // The engine's sequence: its stop budget, a closing statement's slack (the lease
+        // timeout) past it, and the linger (the grace).
+        let (inst, from, stage) = (self.nodes[n].inst, self.now, 2);
+        let bound = self.t.stop_budget + self.t.lease + self.t.grace + 100 * MS;
+        self.push(
+            from + bound,
+            Ev::ShutdownBound {
+                n,
+                inst,
+                from,
+                stage,
+                bound,
+            },
+        );
         self.closing_step(n);
         false
+    }
+
+    /// The task stops trusting every lease (`close()`): a plain lease's owner stops its
+    /// work and drops it, sometimes only after the stop budget.
+    fn stop_unsupervised(&mut self, n: usize) {
+        let inst = self.nodes[n].inst;
+        for s in 0..self.nodes[n].singles.len() {
+            if self.nodes[n].singles[s].supervised {
+                continue;
+            }
+            match self.nodes[n].singles[s].state {
+                SState::Holding { id, run } => {
+                    self.runs[run].acting_end = Some(self.now);
+                    self.nodes[n].singles[s].state = SState::Stopping { id, run };
+                    let t = self.now + self.stop_time();
+                    // Its work stops within the stop budget (the owner's part of the
+                    // contract); now and then the owner keeps the lease object past it
+                    // (the engine then unlocks it unannounced).
+                    if self.rng.chance(15) {
+                        self.push(t, Ev::WorkStops { n, inst, s, id });
+                    } else {
+                        self.push(t, Ev::ChildDrop { n, inst, s, id });
+                    }
+                }
+                SState::Stopping { run, .. } => {
+                    self.runs[run].acting_end.get_or_insert(self.now);
+                }
+                SState::Idle => self.nodes[n].singles[s].state = SState::Gone,
+                _ => {}
+            }
+        }
     }
 
     /// The next plan while closing: validity was given up on purpose, so no gate.
@@ -2684,14 +2807,6 @@ impl Sim {
                 }
             }
         }
-    }
-
-    /// How long a shutdown takes at most, unfrozen: the supervisors' wait (stop budget
-    /// and lease timeout), the statement in flight then (it answers, or the session is
-    /// lost, within the lease timeout), the sequence's own stop budget, a closing
-    /// statement's slack (the lease timeout), and the linger (the grace).
-    fn shutdown_bound(&self) -> T {
-        2 * self.t.stop_budget + 3 * self.t.lease + self.t.grace + 100 * MS
     }
 
     fn set_closing(&mut self, n: usize, until: T, on_command: bool, deadline: Option<T>) {
@@ -2773,6 +2888,8 @@ impl Sim {
         node.abandoned.clear();
         node.known_systems.clear();
         node.withdrawals.clear();
+        node.notes.clear();
+        node.releases_unanswered = 0;
         node.last_identity = None;
         node.term_end_seen = 0;
         for s in &mut node.singles {
@@ -3503,9 +3620,10 @@ impl Sim {
             }
             57..64 => {
                 let calm = self.server.up
-                    && self.nodes.iter().all(|node| {
-                        node.frozen.is_none() && node.cut == Cut::None && node.closing.is_none()
-                    });
+                    && self
+                        .nodes
+                        .iter()
+                        .all(|node| node.frozen.is_none() && node.cut == Cut::None);
                 if calm {
                     match self.rng.below(100) {
                         0..70 => {
