@@ -108,6 +108,9 @@ async fn an_upgrade_that_never_gets_the_lock_fails_with_a_timeout_and_leaves_the
     );
     let message = result.unwrap_err().to_string();
     assert!(message.contains("install"), "{message}");
+    // It retried for its patience (six ledger timeouts: 3 s; it gives up when the
+    // next try could not end within it), no more.
+    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     // The pooled connection is not left in a failed transaction.
     let client = pool.get().await.unwrap();

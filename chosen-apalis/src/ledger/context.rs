@@ -291,10 +291,20 @@ impl LedgerTx<'_> {
                 .await
                 .map_err(ledger.db("recording the end of the run"))?;
         }
-        self.tx
-            .commit()
-            .await
-            .map_err(ledger.db("committing the ledger transaction"))?;
+        if let Err(source) = self.tx.commit().await {
+            // The server ended the session (it sat idle past
+            // `TickLedger::idle_in_transaction`, or was terminated): nothing of it
+            // committed, or the commit's answer was lost with the connection. Not the
+            // job's failure: the tick is left to the misfire policy, which reads what
+            // the ledger holds.
+            let action = if source.is_closed() {
+                self.ctx.settle(Slot::Failed);
+                "committing the ledger transaction (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)"
+            } else {
+                "committing the ledger transaction"
+            };
+            return Err(LedgerError::Database { action, source });
+        }
         if self.claimed {
             self.ctx.settle(Slot::Committed);
         }

@@ -156,16 +156,22 @@ impl TickLedger {
     /// How long the job's own transaction ([`TickContext::begin`]) may sit idle between
     /// two statements before the server ends it (`SET LOCAL
     /// idle_in_transaction_session_timeout`); default [`DEFAULT_IDLE_IN_TRANSACTION`]
-    /// (5 s). A leader frozen or cut off inside that transaction holds the job's fence
-    /// row: the server ends it this long after its last statement, and nothing of it
-    /// commits. Keep it below the time a new leader takes over after a leader goes
-    /// silent (the lock session's `server_release_after`, 7 s by default), so the new
-    /// leader never waits for a stalled transaction; raise it (and
-    /// `server_release_after`) for a job that works between statements longer than
-    /// this. Taken as at least 1 ms and at most [`MAX_LEDGER_TIMEOUT`].
+    /// (5 s); the gate's own transactions are bounded by it too. A leader frozen or cut
+    /// off inside that transaction holds the job's fence row: the server ends its
+    /// session this long after its last statement, and nothing of the transaction
+    /// commits. Keep it below the time a new leader can take over after a leader goes
+    /// silent, `server_release_after` less one `heartbeat_interval` (7 s − 1 s with
+    /// chosen-core's defaults), so the new leader never waits for a stalled
+    /// transaction; raise it (and `server_release_after`) for a job that works longer
+    /// than this between two statements of its transaction. A new leader still waits
+    /// (at most the ledger's [`timeout`](Self::timeout)) when the old leader's lock
+    /// session ended while its job's connection lived on (the server terminated the
+    /// one, a failover), or the old transaction's backend is stuck sending to a dead
+    /// client (it counts as active, not idle). Taken as at least 100 ms and at most
+    /// [`MAX_LEDGER_TIMEOUT`].
     #[must_use]
     pub fn idle_in_transaction(mut self, idle: Duration) -> Self {
-        self.idle_in_transaction = idle.clamp(Duration::from_millis(1), MAX_LEDGER_TIMEOUT);
+        self.idle_in_transaction = idle.clamp(Duration::from_millis(100), MAX_LEDGER_TIMEOUT);
         self
     }
 
@@ -235,38 +241,53 @@ impl TickLedger {
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: each try is one transaction, rolled back if it does not commit.
+    /// Cancel safe: each try is one implicit transaction, rolled back if it does not
+    /// commit.
     pub async fn install(&self) -> Result<(), LedgerError> {
-        let mut client = self.pool.get().await.map_err(LedgerError::Pool)?;
+        let patience = self.timeout.saturating_mul(6);
+        let timed_out = || LedgerError::Timeout {
+            action: "install (the ledger table stayed locked by another transaction)",
+            after: patience,
+        };
+        // The client's own bound too: a pool that gives no connection, or a connection
+        // that went silent, must not hold the start-up for ever.
+        tokio::time::timeout(
+            patience.saturating_add(CLIENT_MARGIN),
+            self.install_tries(patience),
+        )
+        .await
+        .unwrap_or_else(|_| Err(timed_out()))
+    }
+
+    async fn install_tries(&self, patience: Duration) -> Result<(), LedgerError> {
+        let client = self.pool.get().await.map_err(LedgerError::Pool)?;
         let LockKey::Pair(k1, k2) = LockKey::derive("chosen.apalis", "install") else {
             unreachable!("BUG: derived keys are pairs")
         };
         let wait = self.timeout.min(INSTALL_LOCK_WAIT);
+        // One simple query, so one implicit transaction that commits on the server with
+        // no round trip after the `ALTER TABLE` took its lock (a client frozen there
+        // would hold it, and every ledger statement of the fleet behind it). The
+        // `SET LOCAL` holds for the rest of it.
         let sql = format!(
-            "SET LOCAL lock_timeout = {};\nSELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
-            wait.as_millis().max(1),
+            "SET LOCAL lock_timeout = {ms};\nSELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
             self.fence.install_sql(),
             self.table.install_sql(),
-            self.table.upgrade_sql()
+            self.table.upgrade_sql(),
+            ms = wait.as_millis().max(1),
         );
-        let patience = self.timeout.saturating_mul(6);
         let started = std::time::Instant::now();
         let mut backoff = Duration::from_millis(50);
-        let mut tries = 0;
+        let (mut duplicates, mut waits) = (0, 0);
         loop {
-            tries += 1;
-            let attempt = async {
-                let tx = client.transaction().await?;
-                tx.batch_execute(&sql).await?;
-                tx.commit().await
-            };
-            let source = match attempt.await {
+            let source = match client.batch_execute(&sql).await {
                 Ok(()) => return Ok(()),
                 Err(e) => e,
             };
             // Created at the same moment by someone not taking the lock (a migration
             // tool): it exists now.
-            if tries < 3 && is_duplicate(&source) {
+            if duplicates < 3 && is_duplicate(&source) {
+                duplicates += 1;
                 continue;
             }
             if source.code() != Some(&SqlState::LOCK_NOT_AVAILABLE) {
@@ -275,18 +296,19 @@ impl TickLedger {
                     source,
                 });
             }
-            if started.elapsed() + backoff >= patience {
+            if started.elapsed() + backoff + wait >= patience {
                 return Err(LedgerError::Timeout {
                     action: "install (the ledger table stayed locked by another transaction)",
                     after: patience,
                 });
             }
-            if tries == 1 {
+            if waits == 0 {
                 tracing::warn!(
                     table = self.table.name(),
                     "the tick ledger's upgrade waits for a lock another transaction holds (an older node's running job?); retrying"
                 );
             }
+            waits += 1;
             tokio::time::sleep(backoff).await;
             backoff = backoff.saturating_mul(2).min(Duration::from_secs(2));
         }
@@ -349,8 +371,15 @@ impl TickLedger {
             .await
             .map_err(self.db("beginning a transaction"))?;
         let ms = self.timeout_ms();
+        // Idle no longer than the job's own transaction may be: a leader frozen inside
+        // one of these holds the job's fence row no longer either.
+        let idle = self
+            .idle_in_transaction
+            .min(self.timeout)
+            .as_millis()
+            .max(1);
         tx.batch_execute(&format!(
-            "SET LOCAL lock_timeout = {ms};\nSET LOCAL statement_timeout = {ms};\nSET LOCAL idle_in_transaction_session_timeout = {ms}"
+            "SET LOCAL lock_timeout = {ms};\nSET LOCAL statement_timeout = {ms};\nSET LOCAL idle_in_transaction_session_timeout = {idle}"
         ))
         .await
         .map_err(self.db("bounding the transaction"))?;
@@ -688,6 +717,7 @@ fn is_duplicate(e: &tokio_postgres::Error) -> bool {
         *c == SqlState::UNIQUE_VIOLATION
             || *c == SqlState::DUPLICATE_TABLE
             || *c == SqlState::DUPLICATE_OBJECT
+            || *c == SqlState::DUPLICATE_COLUMN
     })
 }
 
@@ -762,7 +792,7 @@ impl LedgerTable {
         // every job's ledger transaction on every node.
         let literal = self.quoted.replace('\'', "''");
         format!(
-            "DO $chosen$ BEGIN\n  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass AND attname = 'schedule' AND NOT attisdropped) THEN\n    ALTER TABLE {} ADD COLUMN schedule text;\n  END IF;\nEND $chosen$",
+            "DO $chosen$ BEGIN\n  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass AND attname = 'schedule' AND NOT attisdropped) THEN\n    ALTER TABLE {} ADD COLUMN IF NOT EXISTS schedule text;\n  END IF;\nEND $chosen$",
             self.quoted
         )
     }
