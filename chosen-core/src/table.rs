@@ -306,7 +306,10 @@ enum Server {
         not_before: Instant,
     },
     /// Held; a local hand-off waits for a fresh token (`asked`: in the current plan).
-    NeedsToken { asked: bool },
+    /// `announce`: a holder here released it (its work stopped), so if the hand-off
+    /// fails the key is unlocked announced; not after a grant that never reached its
+    /// request (nothing ran here, and whoever held it before may still be stopping).
+    NeedsToken { asked: bool, announce: bool },
     /// Held, and owned by `Slot::holder`.
     Held,
     /// Held by nobody here; to be unlocked (`sent`: in the current plan), announced
@@ -643,11 +646,12 @@ impl LockTable {
                 });
             }
             match slot.server {
-                // A holder here released it: its work stopped.
-                Server::NeedsToken { .. } => {
+                // A holder here released it (its work stopped), or a grant never
+                // reached its request (nothing ran here): announced only then.
+                Server::NeedsToken { announce, .. } => {
                     slot.server = Server::Unlocking {
                         sent: false,
-                        announce: true,
+                        announce,
                     };
                 }
                 // Won but never granted: whoever held it before may still be stopping.
@@ -861,7 +865,10 @@ impl LockTable {
                 announce: true,
             }
         } else {
-            Server::NeedsToken { asked: false }
+            Server::NeedsToken {
+                asked: false,
+                announce: true,
+            }
         };
     }
 
@@ -892,7 +899,10 @@ impl LockTable {
                 announce,
             }
         } else {
-            Server::NeedsToken { asked: false }
+            Server::NeedsToken {
+                asked: false,
+                announce,
+            }
         };
     }
 
@@ -1065,10 +1075,16 @@ impl LockTable {
                 | Server::Checking { .. }
                 | Server::Held
                 | Server::Trying
-                | Server::NeedsToken { asked: true }
+                | Server::NeedsToken { asked: true, .. }
                 | Server::Unlocking { sent: true, .. } => {}
-                Server::NeedsToken { asked: false } => {
-                    slot.server = Server::NeedsToken { asked: true };
+                Server::NeedsToken {
+                    asked: false,
+                    announce,
+                } => {
+                    slot.server = Server::NeedsToken {
+                        asked: true,
+                        announce,
+                    };
                     plan.token_for.push(*key);
                 }
                 Server::Unlocking {
@@ -1332,16 +1348,21 @@ impl LockTable {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
-            if slot.server != (Server::NeedsToken { asked: true }) {
+            let Server::NeedsToken {
+                asked: true,
+                announce,
+            } = slot.server
+            else {
                 continue;
-            }
+            };
             match token {
-                // A holder here released it: its work stopped, so a release is announced.
                 Some(token) => self.grant(key, token, generation, now, Via::HandOff),
+                // Announced only if a holder here released it (its work stopped); not
+                // after a grant that never reached its request.
                 None => {
                     slot.server = Server::Unlocking {
                         sent: false,
-                        announce: true,
+                        announce,
                     };
                 }
             }
@@ -1508,9 +1529,8 @@ impl LockTable {
                     }
                 }
                 match slot.server {
-                    Server::NeedsToken { asked: false } | Server::Unlocking { sent: false, .. } => {
-                        Some(now)
-                    }
+                    Server::NeedsToken { asked: false, .. }
+                    | Server::Unlocking { sent: false, .. } => Some(now),
                     Server::Granting { at, .. } => Some(at),
                     Server::Fenced { next, until, .. } => Some(next.min(until)),
                     Server::Free

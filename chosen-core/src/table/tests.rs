@@ -2121,6 +2121,58 @@ fn a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() {
 }
 
 #[test]
+fn a_grant_that_never_reached_its_request_stays_quiet_through_a_failed_hand_off_and_a_shutdown() {
+    // Two local waiters; the first one's grant never reaches it (the caller gave up).
+    // The key goes to the second by a local hand-off, whose token statement fails:
+    // nothing ran here, and whoever held the key before may still be stopping, so the
+    // key is unlocked without an announcement (a waiter elsewhere would skip its grace
+    // on it).
+    let mut f = Fixture::new();
+    let w = f.wait(key(1));
+    let _second = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(w, token(10))]);
+    f.table.undelivered(key(1), w, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.token_for, vec![key(1)]);
+    f.table.tokens(&plan.token_for, None, f.now);
+    let plan = f.plan();
+    assert_eq!(
+        (plan.unlock.clone(), plan.unlock_quiet.clone()),
+        (vec![], vec![key(1)]),
+        "a failed hand-off after an undelivered grant announced its release"
+    );
+
+    // The same hand-off cut short by a shutdown: quiet too.
+    let mut f = Fixture::new();
+    let w = f.wait(key(1));
+    let _second = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(w, token(10))]);
+    f.table.undelivered(key(1), w, f.now);
+    f.table.begin_close();
+    let plan = f.plan();
+    assert_eq!(
+        (plan.unlock.clone(), plan.unlock_quiet.clone()),
+        (vec![], vec![key(1)]),
+        "a shutdown after an undelivered grant announced its release"
+    );
+
+    // A holder that released it: its work stopped, so a failed hand-off announces.
+    let mut f = Fixture::new();
+    let w = f.wait(key(1));
+    let _second = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(w, token(10))]);
+    f.table.release_to(key(1), w, None, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.token_for, vec![key(1)]);
+    f.table.tokens(&plan.token_for, None, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.unlock, vec![key(1)]);
+}
+
+#[test]
 fn an_announcement_that_arrives_during_a_slow_try_keeps_its_arrival() {
     // 4242 announces during our try; the try answers later than the grace after that
     // (4242 took the key again before it ran, and is seen holding): the announcement
