@@ -1356,6 +1356,14 @@ impl LockTable {
                 continue;
             };
             match token {
+                // Nobody waits any more (the waiter withdrew meanwhile): unlocked, and
+                // announced only if a holder here released it.
+                Some(_) if slot.waiters.is_empty() => {
+                    slot.server = Server::Unlocking {
+                        sent: false,
+                        announce,
+                    };
+                }
                 Some(token) => self.grant(key, token, generation, now, Via::HandOff),
                 // Announced only if a holder here released it (its work stopped); not
                 // after a grant that never reached its request.
@@ -1620,7 +1628,8 @@ impl LockTable {
     /// Gives a lock the session holds to the oldest waiter, or unlocks it when nobody
     /// waits any more.
     /// When nobody takes it, its release is announced only after a hand-off (a holder
-    /// here released it, so work under it has stopped).
+    /// here released it, so work under it has stopped); [`tokens`](Self::tokens) keeps a
+    /// hand-off after a grant that never reached its request quiet before it gets here.
     fn grant(
         &mut self,
         key: LockKey,

@@ -2158,6 +2158,24 @@ fn a_grant_that_never_reached_its_request_stays_quiet_through_a_failed_hand_off_
         "a shutdown after an undelivered grant announced its release"
     );
 
+    // The second waiter withdraws before the hand-off's token arrives: quiet too.
+    let mut f = Fixture::new();
+    let w = f.wait(key(1));
+    let second = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert_eq!(f.granted(), vec![(w, token(10))]);
+    f.table.undelivered(key(1), w, f.now);
+    let plan = f.plan();
+    assert_eq!(plan.token_for, vec![key(1)]);
+    f.table.withdraw(key(1), second, f.now);
+    f.table.tokens(&plan.token_for, Some(token(11)), f.now);
+    let plan = f.plan();
+    assert_eq!(
+        (plan.unlock.clone(), plan.unlock_quiet.clone()),
+        (vec![], vec![key(1)]),
+        "a hand-off nobody waited for any more announced its release"
+    );
+
     // A holder that released it: its work stopped, so a failed hand-off announces.
     let mut f = Fixture::new();
     let w = f.wait(key(1));
