@@ -686,8 +686,8 @@ impl Engine {
         self.table.next_wakeup(now)
     }
 
-    /// How many locks the session must hold at least, for the heartbeat's pooler guard.
-    pub(crate) fn server_floor(&self) -> usize {
+    /// The locks the session holds for certain, for the heartbeat's pooler guard.
+    pub(crate) fn server_floor(&self) -> Vec<crate::shared::SessionLock> {
         self.table.server_floor()
     }
 

@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 
 use crate::generation::Generation;
 use crate::pg;
-use crate::shared::{ServerFloor, Shared};
+use crate::shared::{ServerFloor, SessionLock, Shared};
 use crate::status::SessionDownReason;
 
 /// However the settings compare, never more heartbeats than this on their way at once
@@ -65,7 +65,7 @@ pub(crate) async fn run(
             () = sleep_until(watchdog) => return revoke(overdue()),
             Some((beat, answer)) = in_flight.next(), if !in_flight.is_empty() => {
                 let now = Instant::now();
-                match shared.with_server_floor(|floors| pulse.answered(beat, answer, floors, now)) {
+                match shared.with_server_floor(|floors| pulse.answered(&beat, answer, floors, now)) {
                     Verdict::Renew { until, rtt, slow } => {
                         if !shared.renew_validity(until, now) {
                             // The deadline passed while the reply was on its way: too late.
@@ -126,13 +126,13 @@ pub(crate) struct Pulse {
     guard_off: bool,
 }
 
-/// One heartbeat on its way: when it was sent, and the lock floor (with its epoch,
-/// see [`Shared::set_server_floor`]) read just before.
-#[derive(Clone, Copy, Debug)]
+/// One heartbeat on its way: when it was sent, and the locks held for certain (with
+/// their epoch, see [`Shared::set_server_floor`]) read just before.
+#[derive(Clone, Debug)]
 pub(crate) struct Beat {
     sent: Instant,
     epoch: u64,
-    floor: usize,
+    floor: Arc<[SessionLock]>,
 }
 
 /// What an answer means.
@@ -203,7 +203,7 @@ impl Pulse {
     }
 
     /// A heartbeat is sent at `now`, after reading the lock floor `(epoch, floor)`.
-    pub(crate) fn send(&mut self, now: Instant, (epoch, floor): (u64, usize)) -> Beat {
+    pub(crate) fn send(&mut self, now: Instant, (epoch, floor): (u64, Arc<[SessionLock]>)) -> Beat {
         self.in_flight += 1;
         // On the grid; but after a stall (a freeze, a full pipeline) start again from
         // now rather than sending the missed ones in a burst.
@@ -220,38 +220,40 @@ impl Pulse {
         }
     }
 
-    /// The answer to `beat` arrived at `now`; `floors` is the lock floor as the task
-    /// keeps it now.
+    /// The answer to `beat` arrived at `now` (the session's advisory locks as the
+    /// server's lock table showed them when it ran); `floors` is the lock floor as the
+    /// task keeps it now.
     ///
-    /// The lock count is compared with the lowest floor in effect since *this*
-    /// heartbeat read it (`floors`: the floor as the task keeps it): every lock counted
-    /// in the floor read was taken by a statement already answered, so before this
-    /// query ran (the server runs one session's statements in order), and a floor is
-    /// lowered before the statement that releases locks is sent; so when the query ran,
-    /// the session held at least the lowest floor set in between. Fewer locks than that
-    /// means another client released them. (A heartbeat answered after more lowerings
-    /// than are remembered is not judged.)
+    /// Every lock of the floor this heartbeat read was taken by a statement already
+    /// answered, so before this query ran (the server runs one session's statements in
+    /// order), and a lock leaves the floor before the statement that releases it is
+    /// sent; so when the query ran, the session held every lock of that floor but
+    /// those released since (`floors` remembers which). One missing means another client
+    /// released it. The check is by lock, not by count: a key the session took after
+    /// such a release (a try, an interest key) cannot make up for the one released.
+    /// (A heartbeat answered after more lowerings than are remembered is not judged.)
     pub(crate) fn answered(
         &mut self,
-        beat: Beat,
-        answer: Result<i64, SessionDownReason>,
+        beat: &Beat,
+        answer: Result<Vec<SessionLock>, SessionDownReason>,
         floors: &ServerFloor,
         now: Instant,
     ) -> Verdict {
         self.in_flight = self.in_flight.saturating_sub(1);
-        let locks = match answer {
+        let mut on_server = match answer {
             Ok(locks) => locks,
             Err(reason) => return Verdict::Revoke(reason),
         };
-        if let Ok(locks) = usize::try_from(locks)
-            && let Some(floor) = floors.lowest_since(beat.epoch, beat.floor)
-            && locks < floor
+        on_server.sort_unstable();
+        if let Some(missing) = floors.missing_since(beat.epoch, &beat.floor, &on_server)
+            && let Some(first) = missing.first()
             && !self.guard_off()
         {
             return Verdict::Revoke(SessionDownReason::PoolerDetected {
                 detail: format!(
-                    "the server shows {locks} advisory locks on this session, fewer than the {} it holds: another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)",
-                    floor
+                    "the server no longer shows {} of the advisory locks this session holds (key {} among them): another client released them (a transaction pooler sharing the backend, DISCARD ALL, pg_advisory_unlock_all)",
+                    missing.len(),
+                    first.key
                 ),
             });
         }
@@ -301,6 +303,18 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    /// A floor with no lock, at epoch 0.
+    fn nothing() -> (u64, Arc<[SessionLock]>) {
+        (0, Arc::from([]))
+    }
+
+    fn lock(n: i32, exclusive: bool) -> SessionLock {
+        SessionLock {
+            key: crate::LockKey::Pair(7, n),
+            exclusive,
+        }
+    }
+
     fn renewed(verdict: Verdict) -> (Instant, Duration, Option<SlowWarning>) {
         match verdict {
             Verdict::Renew { until, rtt, slow } => (until, rtt, slow),
@@ -314,9 +328,9 @@ mod tests {
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
         assert_eq!(pulse.next_send(), Some(t0 + INTERVAL));
         // Fired a little late: the next one stays on the grid.
-        pulse.send(t0 + ms(1_003), (0, 0));
+        pulse.send(t0 + ms(1_003), nothing());
         assert_eq!(pulse.next_send(), Some(t0 + ms(2_000)));
-        pulse.send(t0 + ms(2_000), (0, 0));
+        pulse.send(t0 + ms(2_000), nothing());
         assert_eq!(pulse.next_send(), Some(t0 + ms(3_000)));
     }
 
@@ -326,16 +340,26 @@ mod tests {
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
         // ceil(3 s / 1 s) + 1 = 4.
         let beats: Vec<Beat> = (1..=4)
-            .map(|i| pulse.send(t0 + INTERVAL * i, (0, 0)))
+            .map(|i| pulse.send(t0 + INTERVAL * i, nothing()))
             .collect();
         assert_eq!(pulse.next_send(), None, "at the bound");
-        pulse.answered(beats[0], Ok(0), &ServerFloor::default(), t0 + ms(5_500));
+        pulse.answered(
+            &beats[0],
+            Ok(vec![]),
+            &ServerFloor::default(),
+            t0 + ms(5_500),
+        );
         // Due at once (its slot passed while the pipeline was full), and the grid goes
         // on from there.
         assert_eq!(pulse.next_send(), Some(t0 + ms(5_000)));
-        pulse.send(t0 + ms(5_500), (0, 0));
+        pulse.send(t0 + ms(5_500), nothing());
         assert_eq!(pulse.next_send(), None, "full again");
-        pulse.answered(beats[1], Ok(0), &ServerFloor::default(), t0 + ms(5_600));
+        pulse.answered(
+            &beats[1],
+            Ok(vec![]),
+            &ServerFloor::default(),
+            t0 + ms(5_600),
+        );
         assert_eq!(pulse.next_send(), Some(t0 + ms(6_000)));
         // A lease timeout that is not a multiple of the interval rounds up.
         assert_eq!(Pulse::new(t0, ms(400), ms(1_000)).max_in_flight, 4);
@@ -351,7 +375,7 @@ mod tests {
         let t0 = Instant::now();
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
         // The task ran again only 10 s late (a freeze): one heartbeat, not ten.
-        pulse.send(t0 + ms(11_000), (0, 0));
+        pulse.send(t0 + ms(11_000), nothing());
         assert_eq!(pulse.next_send(), Some(t0 + ms(12_000)));
     }
 
@@ -359,15 +383,15 @@ mod tests {
     fn each_answer_renews_from_its_own_send() {
         let t0 = Instant::now();
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
-        let first = pulse.send(t0 + ms(1_000), (0, 0));
-        let second = pulse.send(t0 + ms(2_000), (0, 0));
+        let first = pulse.send(t0 + ms(1_000), nothing());
+        let second = pulse.send(t0 + ms(2_000), nothing());
         let (until, rtt, slow) =
-            renewed(pulse.answered(first, Ok(0), &ServerFloor::default(), t0 + ms(2_900)));
+            renewed(pulse.answered(&first, Ok(vec![]), &ServerFloor::default(), t0 + ms(2_900)));
         assert_eq!(until, t0 + ms(4_000));
         assert_eq!(rtt, ms(1_900));
         assert!(slow.is_some(), "1.9 s is above half the lease timeout");
         let (until, _, _) =
-            renewed(pulse.answered(second, Ok(0), &ServerFloor::default(), t0 + ms(3_900)));
+            renewed(pulse.answered(&second, Ok(vec![]), &ServerFloor::default(), t0 + ms(3_900)));
         assert_eq!(until, t0 + ms(5_000));
     }
 
@@ -375,11 +399,11 @@ mod tests {
     fn an_error_revokes() {
         let t0 = Instant::now();
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
-        let beat = pulse.send(t0 + INTERVAL, (0, 0));
+        let beat = pulse.send(t0 + INTERVAL, nothing());
         let reason = SessionDownReason::ServerInRecovery;
         assert_eq!(
             pulse.answered(
-                beat,
+                &beat,
                 Err(reason.clone()),
                 &ServerFloor::default(),
                 t0 + ms(1_001)
@@ -390,52 +414,81 @@ mod tests {
     }
 
     #[test]
-    fn fewer_locks_than_the_lowest_floor_since_the_send_is_a_pooler() {
+    fn a_lock_of_the_floor_missing_at_the_server_is_a_pooler() {
         let t0 = Instant::now();
         let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let pooler =
+            |v: &Verdict| matches!(v, Verdict::Revoke(SessionDownReason::PoolerDetected { .. }));
         let mut floors = ServerFloor::default();
-        floors.set(2);
-        // Sent while the session held 2 locks; the floor has not fallen since.
+        floors.set(vec![lock(1, true), lock(2, false)]);
+        // Sent while the session held both; nothing released since.
         let beat = pulse.send(t0 + INTERVAL, floors.get());
-        assert!(matches!(
-            pulse.answered(beat, Ok(1), &floors, t0 + ms(1_010)),
-            Verdict::Revoke(SessionDownReason::PoolerDetected { .. })
-        ));
-        // As many or more (a lock won meanwhile) is fine.
+        assert!(pooler(&pulse.answered(
+            &beat,
+            Ok(vec![lock(1, true)]),
+            &floors,
+            t0 + ms(1_010)
+        )));
+        // All of them, and more (a lock won meanwhile), is fine.
         let beat = pulse.send(t0 + 2 * INTERVAL, floors.get());
-        renewed(pulse.answered(beat, Ok(3), &floors, t0 + ms(2_010)));
-        // A release was sent after this heartbeat read the floor (lowered to 1 first):
-        // the count may already show it; judged against the lowest floor since.
-        let beat = pulse.send(t0 + 3 * INTERVAL, floors.get());
-        floors.set(1);
-        renewed(pulse.answered(beat, Ok(1), &floors, t0 + ms(3_010)));
-        // ... but fewer than even that lowest floor is a pooler, also when the floor
-        // rose again meanwhile (a lock won after the release).
-        let beat = pulse.send(t0 + 4 * INTERVAL, (floors.get().0, 3));
-        floors.set(3);
-        floors.set(2);
-        floors.set(4);
-        assert!(matches!(
-            pulse.answered(beat, Ok(1), &floors, t0 + ms(4_010)),
-            Verdict::Revoke(SessionDownReason::PoolerDetected { .. })
+        renewed(pulse.answered(
+            &beat,
+            Ok(vec![lock(3, true), lock(2, false), lock(1, true)]),
+            &floors,
+            t0 + ms(2_010),
         ));
-        // Pipelined: an earlier heartbeat read a higher floor than a later one; each is
-        // judged against the lowest since its own.
-        let early = pulse.send(t0 + 5 * INTERVAL, floors.get());
-        floors.set(1);
-        let late = pulse.send(t0 + 6 * INTERVAL, floors.get());
-        renewed(pulse.answered(late, Ok(1), &floors, t0 + ms(6_500)));
-        renewed(pulse.answered(early, Ok(1), &floors, t0 + ms(6_500)));
-        // Negative or absurd counts are not judged (as before).
-        let beat = pulse.send(t0 + 7 * INTERVAL, (floors.get().0, 2));
-        renewed(pulse.answered(beat, Ok(-1), &floors, t0 + ms(7_010)));
+        // One released behind the session's back, one taken since (an interest key, a
+        // try): as many locks as before, but not the same ones.
+        let beat = pulse.send(t0 + 3 * INTERVAL, floors.get());
+        let verdict = pulse.answered(
+            &beat,
+            Ok(vec![lock(2, false), lock(9, false)]),
+            &floors,
+            t0 + ms(3_010),
+        );
+        assert!(pooler(&verdict), "{verdict:?}");
+        // The key held shared is not the key held exclusively.
+        let beat = pulse.send(t0 + 4 * INTERVAL, floors.get());
+        assert!(pooler(&pulse.answered(
+            &beat,
+            Ok(vec![lock(1, false), lock(2, false)]),
+            &floors,
+            t0 + ms(4_010)
+        )));
+        // A release was sent after this heartbeat read the floor (the floor lowered
+        // first): the server may already show it gone.
+        let beat = pulse.send(t0 + 5 * INTERVAL, floors.get());
+        floors.set(vec![lock(2, false)]);
+        renewed(pulse.answered(&beat, Ok(vec![lock(2, false)]), &floors, t0 + ms(5_010)));
+        // ... also when taken again since; but the others must still be there.
+        floors.set(vec![lock(1, true), lock(2, false)]);
+        let beat = pulse.send(t0 + 6 * INTERVAL, floors.get());
+        floors.set(vec![lock(2, false)]);
+        floors.set(vec![lock(1, true), lock(2, false)]);
+        renewed(pulse.answered(&beat, Ok(vec![lock(2, false)]), &floors, t0 + ms(6_010)));
+        let beat = pulse.send(t0 + 7 * INTERVAL, floors.get());
+        floors.set(vec![lock(2, false)]);
+        floors.set(vec![lock(1, true), lock(2, false)]);
+        assert!(pooler(&pulse.answered(
+            &beat,
+            Ok(vec![lock(1, true)]),
+            &floors,
+            t0 + ms(7_010)
+        )));
+        // Pipelined: an earlier heartbeat read a larger floor than a later one; each is
+        // judged against what was released since its own read.
+        let early = pulse.send(t0 + 8 * INTERVAL, floors.get());
+        floors.set(vec![lock(2, false)]);
+        let late = pulse.send(t0 + 9 * INTERVAL, floors.get());
+        renewed(pulse.answered(&late, Ok(vec![lock(2, false)]), &floors, t0 + ms(9_500)));
+        renewed(pulse.answered(&early, Ok(vec![lock(2, false)]), &floors, t0 + ms(9_500)));
         // Answered after more lowerings than are remembered: not judged.
-        let beat = pulse.send(t0 + 8 * INTERVAL, floors.get());
+        let beat = pulse.send(t0 + 10 * INTERVAL, floors.get());
         for _ in 0..100 {
-            floors.set(5);
-            floors.set(1);
+            floors.set(vec![lock(1, true), lock(2, false)]);
+            floors.set(vec![lock(2, false)]);
         }
-        renewed(pulse.answered(beat, Ok(0), &floors, t0 + ms(8_010)));
+        renewed(pulse.answered(&beat, Ok(vec![]), &floors, t0 + ms(10_010)));
     }
 
     #[test]
@@ -445,11 +498,11 @@ mod tests {
         let mut warnings = Vec::new();
         for i in 1..=70u32 {
             let sent = t0 + INTERVAL * i;
-            let beat = pulse.send(sent, (0, 0));
+            let beat = pulse.send(sent, nothing());
             // Fast ones never warn; slow ones (above 1.5 s) warn at most every 30 s.
             let rtt = if i % 2 == 0 { ms(1_600) } else { ms(200) };
             let (_, _, slow) =
-                renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), sent + rtt));
+                renewed(pulse.answered(&beat, Ok(vec![]), &ServerFloor::default(), sent + rtt));
             if let Some(slow) = slow {
                 assert_eq!(slow.warn_above, ms(1_500));
                 assert_eq!(slow.limit, ms(2_000));
@@ -458,9 +511,9 @@ mod tests {
         }
         assert_eq!(warnings, vec![(2, 1), (32, 15), (62, 15)]);
         // Exactly half is not above half.
-        let beat = pulse.send(t0 + ms(100_000), (0, 0));
+        let beat = pulse.send(t0 + ms(100_000), nothing());
         let (_, _, slow) =
-            renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), t0 + ms(101_500)));
+            renewed(pulse.answered(&beat, Ok(vec![]), &ServerFloor::default(), t0 + ms(101_500)));
         assert!(slow.is_none());
     }
 
@@ -493,7 +546,7 @@ mod tests {
             if answer_at == Some(now) {
                 let (_, beat) = answers.pop_front().expect("BUG: an answer is due");
                 let Verdict::Renew { until, .. } =
-                    pulse.answered(beat, Ok(0), &ServerFloor::default(), now)
+                    pulse.answered(&beat, Ok(vec![]), &ServerFloor::default(), now)
                 else {
                     panic!("no pooler here");
                 };
@@ -501,7 +554,7 @@ mod tests {
                     return Some(now - t0);
                 }
             } else {
-                let beat = pulse.send(now, (0, 0));
+                let beat = pulse.send(now, nothing());
                 answers.push_back((now + rtt, beat));
                 sent += 1;
             }
@@ -581,9 +634,9 @@ mod tests {
         let mut pulse = Pulse::new(t0, interval, lease);
 
         // hb@1000: answered at once.
-        let beat = pulse.send(t0 + ms(1_000), (0, 0));
+        let beat = pulse.send(t0 + ms(1_000), nothing());
         let (until, _, _) =
-            renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), t0 + ms(1_001)));
+            renewed(pulse.answered(&beat, Ok(vec![]), &ServerFloor::default(), t0 + ms(1_001)));
         assert!(shared.renew_validity(until, t0 + ms(1_001)));
         // T0: the server's first byte that will stay unacknowledged.
         let oldest_unacked = t0 + ms(1_002);
@@ -597,13 +650,13 @@ mod tests {
                 Some(at),
                 "on the grid, pipeline not full"
             );
-            queued.push(pulse.send(at, (0, 0)));
+            queued.push(pulse.send(at, nothing()));
         }
         // The retransmission at T0 + 6200 delivers them all; then the link fails.
         let delivered = oldest_unacked + ms(6_200);
         for beat in queued {
             let (until, _, _) =
-                renewed(pulse.answered(beat, Ok(0), &ServerFloor::default(), delivered));
+                renewed(pulse.answered(&beat, Ok(vec![]), &ServerFloor::default(), delivered));
             assert!(shared.renew_validity(until, delivered), "not lapsed yet");
         }
         let server_releases = oldest_unacked + crate::pg::tcp_user_timeout(&shared.options);

@@ -1,6 +1,7 @@
 //! State shared between the manager's task and every handle: the watchdog deadline
 //! lives here so that lease checks are correct even when the task is starved.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -8,19 +9,32 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::key::LockKey;
 use crate::options::ManagerOptions;
 use crate::status::ConnectionState;
 
-/// How many advisory locks the session holds at least, and an epoch that grows
-/// whenever that number falls, with the floors set by the last lowerings: the
-/// heartbeat's pooler guard judges a lock count against the lowest floor in effect
-/// since it read the floor (see `Pulse::answered`).
+/// One advisory lock of the session as the server's lock table shows it: the key and
+/// whether it is held exclusively (leases) or shared (stop fences, interest keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct SessionLock {
+    pub(crate) key: LockKey,
+    pub(crate) exclusive: bool,
+}
+
+/// The advisory locks the session holds for certain (taken by statements already
+/// answered, their release not yet sent), and an epoch that grows whenever one of them
+/// is to be released, with the locks each of the last such lowerings removed: the
+/// heartbeat's guard checks that every lock of the set it read before it was sent is
+/// still on the session when it ran, but for those released since (see
+/// `Pulse::answered`). It checks which locks, not how many: a count would let a key
+/// taken after another client released the session's locks make up for one released.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ServerFloor {
     epoch: u64,
-    floor: usize,
-    /// `(epoch, floor)` of the last lowerings, oldest first.
-    lows: std::collections::VecDeque<(u64, usize)>,
+    /// Sorted, without repeats.
+    held: Arc<[SessionLock]>,
+    /// `(epoch, locks removed)` of the last lowerings, oldest first.
+    lows: std::collections::VecDeque<(u64, Vec<SessionLock>)>,
 }
 
 /// How many lowerings [`ServerFloor`] remembers: a heartbeat answered after more than
@@ -28,76 +42,140 @@ pub(crate) struct ServerFloor {
 const KEPT_LOWERINGS: usize = 64;
 
 impl ServerFloor {
-    /// The session holds at least `floor` locks from now on; set *before* the statement
-    /// that lowers it is sent.
-    pub(crate) fn set(&mut self, floor: usize) {
-        if floor < self.floor {
+    /// The session holds `held` for certain from now on; set *before* a statement that
+    /// releases some of the locks held so far is sent.
+    pub(crate) fn set(&mut self, mut held: Vec<SessionLock>) {
+        held.sort_unstable();
+        held.dedup();
+        if *self.held == *held {
+            return;
+        }
+        let removed: Vec<SessionLock> = self
+            .held
+            .iter()
+            .filter(|l| held.binary_search(l).is_err())
+            .copied()
+            .collect();
+        if !removed.is_empty() {
             self.epoch += 1;
-            self.lows.push_back((self.epoch, floor));
+            self.lows.push_back((self.epoch, removed));
             if self.lows.len() > KEPT_LOWERINGS {
                 self.lows.pop_front();
             }
         }
-        self.floor = floor;
+        self.held = held.into();
     }
 
-    /// `(epoch, floor)`.
-    pub(crate) fn get(&self) -> (u64, usize) {
-        (self.epoch, self.floor)
+    /// `(epoch, locks held for certain)`.
+    pub(crate) fn get(&self) -> (u64, Arc<[SessionLock]>) {
+        (self.epoch, Arc::clone(&self.held))
     }
 
-    /// The lowest floor in effect at any time since `(epoch, floor)` was read: a
-    /// statement that ran in between found at least that many locks on the session,
-    /// unless another client released them. `None` when too many lowerings ago to tell.
-    pub(crate) fn lowest_since(&self, epoch: u64, floor: usize) -> Option<usize> {
-        if epoch == self.epoch {
-            return Some(floor);
+    /// The locks of `read` (read at `epoch`) that the server's lock table `on_server`
+    /// (sorted) lacks, though none of them was released since: a statement that ran
+    /// after the read found every lock of `read` on the session, but for those, unless
+    /// another client released them. `None` when too many lowerings ago to tell.
+    pub(crate) fn missing_since(
+        &self,
+        epoch: u64,
+        read: &[SessionLock],
+        on_server: &[SessionLock],
+    ) -> Option<Vec<SessionLock>> {
+        if epoch != self.epoch {
+            let oldest_kept = self.lows.front().map_or(self.epoch + 1, |(e, _)| *e);
+            if epoch + 1 < oldest_kept {
+                return None;
+            }
         }
-        let oldest_kept = self.lows.front().map_or(self.epoch + 1, |(e, _)| *e);
-        if epoch + 1 < oldest_kept {
-            return None;
-        }
-        Some(
+        let released = |l: &SessionLock| {
             self.lows
                 .iter()
                 .filter(|(e, _)| *e > epoch)
-                .map(|(_, f)| *f)
-                .fold(floor, usize::min),
+                .any(|(_, removed)| removed.binary_search(l).is_ok())
+        };
+        Some(
+            read.iter()
+                .filter(|l| on_server.binary_search(l).is_err() && !released(l))
+                .copied()
+                .collect(),
         )
     }
 }
 
 #[cfg(test)]
 mod floor_tests {
-    use super::ServerFloor;
+    use super::{LockKey, ServerFloor, SessionLock};
+
+    fn lock(n: i32) -> SessionLock {
+        SessionLock {
+            key: LockKey::Pair(0, n),
+            exclusive: true,
+        }
+    }
+
+    fn locks(ns: impl IntoIterator<Item = i32>) -> Vec<SessionLock> {
+        ns.into_iter().map(lock).collect()
+    }
 
     #[test]
-    fn the_lowest_floor_since_a_read_is_known_for_the_last_64_lowerings() {
+    fn a_lock_missing_from_the_server_is_found_unless_released_since_the_read() {
         let mut f = ServerFloor::default();
-        f.set(10);
-        let (epoch, floor) = f.get();
-        assert_eq!(f.lowest_since(epoch, floor), Some(10), "nothing since");
-        // A rise, then a lowering below the read, then a rise again.
-        f.set(12);
-        f.set(4);
-        f.set(9);
-        assert_eq!(f.lowest_since(epoch, floor), Some(4));
-        // 64 lowerings since the read: all remembered.
+        f.set(locks([3, 1, 2]));
+        let (epoch, read) = f.get();
+        assert_eq!(&*read, &locks([1, 2, 3])[..], "sorted");
+        assert_eq!(
+            f.missing_since(epoch, &read, &locks([1, 2, 3])),
+            Some(vec![])
+        );
+        // Another client released 2; a key taken since (9) does not make up for it.
+        assert_eq!(
+            f.missing_since(epoch, &read, &locks([1, 3, 9])),
+            Some(locks([2]))
+        );
+        // The same lock held shared is not the lock held exclusively.
+        let shared = SessionLock {
+            key: LockKey::Pair(0, 2),
+            exclusive: false,
+        };
+        let mut on_server = locks([1, 3]);
+        on_server.push(shared);
+        on_server.sort_unstable();
+        assert_eq!(f.missing_since(epoch, &read, &on_server), Some(locks([2])));
+        // Released (and taken again) since the read: not required any more.
+        f.set(locks([1, 3]));
+        f.set(locks([1, 2, 3, 4]));
+        assert_eq!(f.missing_since(epoch, &read, &locks([1, 3])), Some(vec![]));
+        assert_eq!(f.missing_since(epoch, &read, &locks([3])), Some(locks([1])));
+    }
+
+    #[test]
+    fn lowerings_are_remembered_for_the_last_64() {
         let mut f = ServerFloor::default();
-        f.set(100);
-        let (epoch, floor) = f.get();
+        f.set(locks(0..100));
+        let (epoch, read) = f.get();
         for i in 0..64 {
-            f.set(90 - i);
-            f.set(100);
+            f.set(locks((0..100).filter(|n| *n != i)));
         }
-        assert_eq!(f.lowest_since(epoch, floor), Some(27));
+        assert_eq!(
+            f.missing_since(epoch, &read, &locks(64..100)),
+            Some(vec![]),
+            "all 64 remembered"
+        );
         // One more: the oldest needed is forgotten, so nothing is claimed.
-        f.set(50);
-        assert_eq!(f.lowest_since(epoch, floor), None);
+        f.set(locks((0..100).filter(|n| *n != 64)));
+        assert_eq!(f.missing_since(epoch, &read, &[]), None);
         // A read after the forgotten ones is judged again.
-        let (epoch, floor) = f.get();
-        f.set(40);
-        assert_eq!(f.lowest_since(epoch, floor), Some(40));
+        let (epoch, read) = f.get();
+        f.set(locks(0..10));
+        assert_eq!(
+            f.missing_since(epoch, &read, &locks(0..5)),
+            Some(locks(5..10))
+        );
+        // Setting the same set again is no lowering.
+        let (epoch, read) = f.get();
+        f.set(locks(0..10));
+        assert_eq!(f.get().0, epoch);
+        assert_eq!(f.missing_since(epoch, &read, &[]), Some(locks(0..10)));
     }
 }
 
@@ -109,9 +187,10 @@ pub(crate) struct Shared {
     valid_until: AtomicU64,
     next_id: AtomicU64,
     pub(crate) status: watch::Sender<ConnectionState>,
-    /// How many advisory locks the session holds at least, and an epoch that grows
-    /// whenever that number falls (before the statement that lowers it is sent), for the
-    /// heartbeat's check that nothing released them behind the manager's back.
+    /// The advisory locks the session holds for certain, and an epoch that grows
+    /// whenever one of them is to be released (before the statement that releases it is
+    /// sent), for the heartbeat's check that nothing released them behind the
+    /// manager's back.
     server_floor: std::sync::Mutex<ServerFloor>,
     /// Cancelled when [`LockManager::shutdown`](crate::LockManager::shutdown) begins;
     /// every singleton's and election's stop token is a child of it.
@@ -135,8 +214,8 @@ impl Shared {
         }
     }
 
-    /// Records how many advisory locks the session holds at least.
-    pub(crate) fn set_server_floor(&self, floor: usize) {
+    /// Records the advisory locks the session holds for certain.
+    pub(crate) fn set_server_floor(&self, floor: Vec<SessionLock>) {
         self.server_floor
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -144,14 +223,14 @@ impl Shared {
     }
 
     /// `(epoch, floor)`: see [`Self::set_server_floor`].
-    pub(crate) fn server_floor(&self) -> (u64, usize) {
+    pub(crate) fn server_floor(&self) -> (u64, Arc<[SessionLock]>) {
         self.server_floor
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get()
     }
 
-    /// Reads the floor and its recent lowerings (see [`ServerFloor::lowest_since`]).
+    /// Reads the floor and its recent lowerings (see [`ServerFloor::missing_since`]).
     pub(crate) fn with_server_floor<R>(&self, f: impl FnOnce(&ServerFloor) -> R) -> R {
         f(&self
             .server_floor

@@ -45,6 +45,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::key::LockKey;
+use crate::shared::SessionLock;
 use crate::token::FencingToken;
 
 /// Identifies one acquire request (and the lease it becomes).
@@ -1554,28 +1555,40 @@ impl LockTable {
             .min()
     }
 
-    /// How many advisory locks this session holds at the server at least: keys and stop
-    /// fences held, not counting those in a statement that may release them or take them.
-    pub(crate) fn server_floor(&self) -> usize {
-        self.slots
-            .values()
-            .map(|s| {
-                let key = !matches!(
-                    s.server,
-                    Server::Free | Server::Trying | Server::Unlocking { sent: true, .. }
-                );
-                let fence = matches!(
-                    s.stopping,
-                    Some(Stopping {
-                        fence: Fence::Held | Fence::Releasing { sent: false },
-                        ..
-                    })
-                );
-                usize::from(key) + usize::from(fence)
-            })
-            .sum::<usize>()
-            // Interest keys whose take was answered and whose release is not yet sent.
-            + self.interest.len()
+    /// The advisory locks this session holds at the server for certain: keys and stop
+    /// fences held, interest keys taken, not counting those in a statement that may
+    /// release them or take them.
+    pub(crate) fn server_floor(&self) -> Vec<SessionLock> {
+        let mut held = Vec::with_capacity(self.slots.len() + self.interest.len());
+        for (key, s) in &self.slots {
+            if !matches!(
+                s.server,
+                Server::Free | Server::Trying | Server::Unlocking { sent: true, .. }
+            ) {
+                held.push(SessionLock {
+                    key: *key,
+                    exclusive: true,
+                });
+            }
+            if matches!(
+                s.stopping,
+                Some(Stopping {
+                    fence: Fence::Held | Fence::Releasing { sent: false },
+                    ..
+                })
+            ) {
+                held.push(SessionLock {
+                    key: key.stop_fence(),
+                    exclusive: false,
+                });
+            }
+        }
+        // Interest keys whose take was answered and whose release is not yet sent.
+        held.extend(self.interest.iter().map(|b| SessionLock {
+            key: LockKey::interest_of(*b),
+            exclusive: false,
+        }));
+        held
     }
 
     // ---- views ----------------------------------------------------------------------

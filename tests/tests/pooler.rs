@@ -73,6 +73,46 @@ async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_bac
     );
 }
 
+/// Another client of the pool releases the node's locks and then takes an advisory
+/// lock of its own on the same backend, in one statement: the backend holds as many
+/// advisory locks as before, but not the node's. A guard that counted the session's
+/// locks would see nothing wrong (and the node would keep its lease for ever while
+/// another node holds the lock); the heartbeat checks which locks the session holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_released_behind_the_sessions_back_is_missed_even_when_another_takes_its_place() {
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer(&pg, "pooled_lock_replaced") else {
+        return;
+    };
+    let name = unique_name("pooled-replaced");
+    let pooled = match LockManager::connect(options(&bouncer.url(), "pooled-c")).await {
+        Ok(m) => m,
+        // Refused up front: nothing can release its locks behind its back.
+        Err(_) => return,
+    };
+    let lease = pooled.acquire(name.as_str()).await.unwrap();
+    let app = connect_admin(&bouncer.url()).await.unwrap();
+    app.batch_execute("SELECT pg_advisory_unlock_all(), pg_advisory_lock(424242)")
+        .await
+        .unwrap();
+    let direct = LockManager::connect(options(&pg.url(), "direct-d"))
+        .await
+        .unwrap();
+    let other = direct.try_acquire(name.as_str()).await.unwrap();
+    assert!(other.is_some(), "the lock was released: free to take");
+    // The next heartbeat (well within this) ends the pooled node's lease.
+    let deadline = tokio::time::Instant::now() + pooled.options().get_lease_timeout() * 3;
+    while lease.is_valid() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !lease.is_valid(),
+        "two holders: the pooled node's lease is still valid (token {}) while the direct node holds token {:?}",
+        lease.fencing_token(),
+        other.as_ref().map(chosen_core::Lease::fencing_token)
+    );
+}
+
 /// The session settings (`statement_timeout`, `idle_session_timeout`,
 /// `tcp_user_timeout`, `LISTEN`, the marker) are set before anything proves the backend
 /// is ours alone, and stay on it. Behind a transaction pooler the backend serves every

@@ -19,6 +19,8 @@ use crate::engine::Term;
 use crate::error::Result;
 use crate::fault::{Fault, classify, error_text};
 use crate::generation::Generation;
+use crate::key::LockKey;
+use crate::shared::SessionLock;
 use crate::status::SessionDownReason;
 
 pub(crate) use connect::connect;
@@ -102,7 +104,7 @@ pub(crate) struct HeartbeatSession {
 impl HeartbeatSession {
     /// Proves the session is still ours and writable; answers how many advisory locks
     /// the server shows on it.
-    pub(crate) async fn heartbeat(&self) -> Result<i64, SessionDownReason> {
+    pub(crate) async fn heartbeat(&self) -> Result<Vec<SessionLock>, SessionDownReason> {
         let lost = |message: String| SessionDownReason::ConnectionLost { message };
         let row = match self.client.query_one(&self.statement, &[]).await {
             Ok(row) => row,
@@ -118,15 +120,39 @@ impl HeartbeatSession {
                 row.try_get::<_, Option<i32>>(0)?,
                 row.try_get::<_, Option<bool>>(1)?,
                 row.try_get::<_, Option<String>>(2)?,
-                row.try_get::<_, Option<i64>>(3)?,
-                row.try_get::<_, Option<bool>>(4)?,
+                row.try_get::<_, Option<Vec<i64>>>(3)?,
+                row.try_get::<_, Option<Vec<i32>>>(4)?,
+                row.try_get::<_, Option<bool>>(5)?,
             ))
         })();
-        let (Some(pid), Some(in_recovery), Some(marker), Some(locks), Some(read_only)) =
+        let (Some(pid), Some(in_recovery), Some(marker), Some(keys), Some(kinds), Some(read_only)) =
             parsed.map_err(|e| lost(format!("heartbeat answered an odd row: {e}")))?
         else {
             return Err(lost("heartbeat answered NULL".to_owned()));
         };
+        if keys.len() != kinds.len() {
+            return Err(lost(format!(
+                "heartbeat answered {} locks but {} modes",
+                keys.len(),
+                kinds.len()
+            )));
+        }
+        let locks = keys
+            .iter()
+            .zip(&kinds)
+            .filter_map(|(&k, &kind)| {
+                let key = match kind >> 1 {
+                    2 => LockKey::Pair((k >> 32) as i32, k as i32),
+                    1 => LockKey::Int(k),
+                    // Not a form this manager takes: it cannot be one of its locks.
+                    _ => return None,
+                };
+                Some(SessionLock {
+                    key,
+                    exclusive: kind & 1 == 1,
+                })
+            })
+            .collect();
         if pid == self.backend_pid && marker != self.marker {
             return Err(SessionDownReason::PoolerDetected {
                 detail: "another client changed this session's marker: the backend is shared"

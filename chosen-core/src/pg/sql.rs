@@ -19,8 +19,8 @@ pub(crate) const MARKER_SETTING: &str = "chosen.session";
 
 pub(super) const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), ''), current_setting('transaction_read_only')";
 
-/// Proves the session: the same backend, writable, still marked as ours, and how many
-/// advisory locks it holds (fewer than the manager holds means something released them
+/// Proves the session: the same backend, writable, still marked as ours, and which
+/// advisory locks it holds (one the manager holds missing means something released it
 /// behind its back: a transaction pooler sharing the backend, `DISCARD ALL`,
 /// `pg_advisory_unlock_all()`).
 ///
@@ -28,12 +28,19 @@ pub(super) const PROBE_SQL: &str = "SELECT current_setting('server_version_num')
 /// primary with `default_transaction_read_only = on` and a reload before promoting its
 /// standby is seen by the next heartbeat (a reload reaches every session, and the
 /// setting is read at the start of each statement's transaction).
+///
+/// The locks come as two arrays in the same order: `classid << 32 | objid`, and
+/// `objsubid * 2 + 1` when held exclusively (`objsubid * 2` when shared). Both are
+/// aggregated over the same rows of one scan of the lock table, so they line up.
 pub(super) const HEARTBEAT_SQL: &str = "
 SELECT pg_backend_pid(), pg_is_in_recovery(),
        coalesce(current_setting('chosen.session', true), ''),
-       (SELECT count(*) FROM pg_lock_status() l
-        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted),
-       current_setting('transaction_read_only') = 'on'";
+       h.keys, h.kinds,
+       current_setting('transaction_read_only') = 'on'
+FROM (SELECT coalesce(array_agg((l.classid::int8 << 32) | l.objid::int8), '{}') AS keys,
+             coalesce(array_agg(l.objsubid::int4 * 2 + (l.mode = 'ExclusiveLock')::int4), '{}') AS kinds
+      FROM pg_lock_status() l
+      WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted) h";
 
 /// Tries every due key in one statement, on our own marked backend only (behind a
 /// transaction pooler the guard makes it return no rows instead), and only while the

@@ -64,7 +64,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::engine::{CloseNext, Done, Engine, Term, Timing as EngineTiming, TryFailed};
 use crate::heartbeat::{Beat, Pulse, Verdict};
 use crate::key::LockKey;
-use crate::shared::ServerFloor;
+use crate::shared::{ServerFloor, SessionLock};
 use crate::table::{
     Action, Backend as Seen, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId,
     Rules, TryOutcome, Via, next_random, verified,
@@ -335,7 +335,7 @@ enum Down {
         gn: u64,
         beat: Beat,
         /// The advisory locks the backend holds when the heartbeat runs.
-        locks: i64,
+        locks: Vec<SessionLock>,
     },
     Notify {
         to: i32,
@@ -652,8 +652,6 @@ enum End {
     Server,
     /// Another client released its locks (gap (e)).
     Discard,
-    /// ... and a key it took since masked that from the lock-count guard.
-    Masked,
 }
 
 /// How a tenure began, and the server time that decided it.
@@ -866,9 +864,6 @@ struct Stats {
     /// lock-count guard ends its session with the next heartbeat (gap (c)'s bound).
     gap_e: u64,
     gap_e_acting: u64,
-    /// Gap (e) past gap (c)'s bound: a key the session took after the release masked
-    /// the loss from the lock-count guard until that key's answer raised the floor.
-    gap_e_masked: u64,
     /// Gap (a) by another path: the old holder froze while stopping, until the new
     /// holder's maximum fence wait ran out.
     gap_a_fence_wait: u64,
@@ -933,7 +928,6 @@ impl Stats {
         self.gap_d += o.gap_d;
         self.gap_e += o.gap_e;
         self.gap_e_acting += o.gap_e_acting;
-        self.gap_e_masked += o.gap_e_masked;
         self.gap_a_fence_wait += o.gap_a_fence_wait;
         self.gap_b_acting += o.gap_b_acting;
         self.b_past_fence += o.b_past_fence;
@@ -1014,8 +1008,6 @@ struct Sim {
     server_ended: BTreeMap<i32, T>,
     /// Backends whose advisory locks another client released, and when.
     discarded: Vec<(i32, T)>,
-    /// Every key taken at the server: by which backend, when.
-    takes: Vec<(i32, T)>,
     /// When the effects of the faults drawn so far end at the latest (a partition
     /// heals, a freeze thaws, a server's term hold ends, a node restarts).
     disturbed_until: T,
@@ -1142,7 +1134,6 @@ impl Sim {
             last_system: BTreeMap::new(),
             server_ended: BTreeMap::new(),
             discarded: Vec::new(),
-            takes: Vec::new(),
             undelivered_origin: BTreeMap::new(),
             disturbed_until: 0,
             runs: Vec::new(),
@@ -1835,7 +1826,7 @@ impl Sim {
                     pulse.switch_off_lock_guard();
                 }
                 // A new session holds nothing yet.
-                node.floor.set(0);
+                node.floor.set(Vec::new());
                 let valid_until = node.valid_until;
                 let inst = node.inst;
                 if let Some(held) = self.nodes[n].engine.session_started(gn, &term, now) {
@@ -1870,9 +1861,10 @@ impl Sim {
                     return;
                 };
                 let was_full = pulse.next_send().is_none();
-                let verdict = pulse.answered(beat, Ok(locks), &node.floor, now);
+                let shown = locks.len();
+                let verdict = pulse.answered(&beat, Ok(locks), &node.floor, now);
                 let floor = node.floor.get();
-                self.log(|| format!("n{n} heartbeat {beat:?} answered: {locks} locks, floor now {floor:?}: {verdict:?}"));
+                self.log(|| format!("n{n} heartbeat {beat:?} answered: {shown} locks, floor now {floor:?}: {verdict:?}"));
                 match verdict {
                     Verdict::Renew { until, .. } => {
                         let until = self.t_of(until);
@@ -3142,7 +3134,6 @@ impl Sim {
                     }
                     None => {
                         self.server.excl.insert(*k, pid);
-                        self.takes.push((pid, self.now));
                         won.push(*k);
                     }
                 }
@@ -3378,18 +3369,37 @@ impl Sim {
         }
     }
 
-    /// The advisory locks a backend holds (what the heartbeat counts): its keys, its
+    /// The advisory locks a backend holds (what the heartbeat reads): its keys, its
     /// stop fences, its interest keys.
-    fn locks_of(&self, pid: i32) -> i64 {
-        let keys = self.server.excl.values().filter(|p| **p == pid).count();
-        let shared = self
+    fn locks_of(&self, pid: i32) -> Vec<SessionLock> {
+        let keys = self
+            .server
+            .excl
+            .iter()
+            .filter(|(_, p)| **p == pid)
+            .map(|(key, _)| SessionLock {
+                key: *key,
+                exclusive: true,
+            });
+        let fences = self
             .server
             .fences_shared
-            .values()
-            .chain(self.server.interest.values())
-            .filter(|pids| pids.contains(&pid))
-            .count();
-        (keys + shared) as i64
+            .iter()
+            .filter(|(_, pids)| pids.contains(&pid))
+            .map(|(key, _)| SessionLock {
+                key: *key,
+                exclusive: false,
+            });
+        let interest = self
+            .server
+            .interest
+            .iter()
+            .filter(|(_, pids)| pids.contains(&pid))
+            .map(|(bucket, _)| SessionLock {
+                key: LockKey::interest_of(*bucket),
+                exclusive: false,
+            });
+        keys.chain(fences).chain(interest).collect()
     }
 
     /// Another client on the node's backend releases its advisory locks behind its back
@@ -3886,18 +3896,6 @@ impl Sim {
             .sum();
         let drop_bound = acting_bound + self.t.stop_budget + frozen_stopping;
         if acting_end > acting_bound || drop_at > drop_bound {
-            // Gap (e) past its bound because a key the session took after the release
-            // masked the loss from the lock-count guard (it counts locks, not which):
-            // detected only once that key's answer raised the floor. A known limit of
-            // the guard, counted apart.
-            let masked = by_discard
-                && self
-                    .takes
-                    .iter()
-                    .any(|(pid, at)| *at > ended && self.pid_owner(*pid) == Some((x.n, x.inst)));
-            if masked {
-                return Ok(End::Masked);
-            }
             return Err(format!(
                 "past the bound of gap (c): acting until {:.3} ms (bound {:.3}), stopped {:.3} ms (bound {:.3}), its session ended at the server at {:.3} ms",
                 acting_end as f64 / 1000.0,
@@ -4176,7 +4174,6 @@ impl Sim {
                 match discard {
                     End::Server => self.stats.gap_b_acting += 1,
                     End::Discard => self.stats.gap_e_acting += 1,
-                    End::Masked => self.stats.gap_e_masked += 1,
                 }
                 Ok(())
             }
@@ -4200,7 +4197,6 @@ impl Sim {
                 match discard {
                     End::Server => self.stats.gap_b += 1,
                     End::Discard => self.stats.gap_e += 1,
-                    End::Masked => self.stats.gap_e_masked += 1,
                 }
                 Ok(())
             }
@@ -4218,7 +4214,6 @@ impl Sim {
                     )
                 })?;
                 match (discard, acting) {
-                    (End::Masked, _) => self.stats.gap_e_masked += 1,
                     (End::Discard, true) => self.stats.gap_e_acting += 1,
                     (End::Discard, false) => self.stats.gap_e += 1,
                     (End::Server, true) => self.stats.gap_c_acting += 1,
@@ -4289,7 +4284,7 @@ fn summary(s: &Stats) -> String {
         out,
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
-         (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}, (e) {} (+{} still acting, {} masked past the bound); brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
+         (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}, (e) {} (+{} still acting); brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
          grants never delivered: {}; sessions ended by the lock-count guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
          shutdowns: {} ({} with a failed statement, {} given up on past its deadline); \
          violations: {}",
@@ -4314,7 +4309,6 @@ fn summary(s: &Stats) -> String {
         s.gap_d,
         s.gap_e,
         s.gap_e_acting,
-        s.gap_e_masked,
         s.b_past_fence,
         s.stale_grants,
         s.stale_grant_overlaps,

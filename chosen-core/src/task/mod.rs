@@ -163,7 +163,7 @@ impl Driver {
                 "the server's term as primary began recently; no lock is granted before the term grant delay passed"
             );
         }
-        self.shared.set_server_floor(0);
+        self.shared.set_server_floor(Vec::new());
         let heartbeat = tokio::spawn(crate::heartbeat::run(
             s.heartbeat_handle(),
             Arc::clone(&self.shared),
