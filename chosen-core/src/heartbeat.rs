@@ -121,7 +121,7 @@ pub(crate) struct Pulse {
     /// how many slow ones came since.
     last_warning: Option<Instant>,
     slow_since_warning: u64,
-    /// The lock-count guard switched off (`Protection::LockCountGuard`), in tests only.
+    /// The lock guard switched off (`Protection::LockGuard`), in tests only.
     #[cfg(test)]
     guard_off: bool,
 }
@@ -182,13 +182,13 @@ impl Pulse {
         }
     }
 
-    /// Switches the lock-count guard off, to show that the simulation fails without it.
+    /// Switches the lock guard off, to show that the simulation fails without it.
     #[cfg(test)]
     pub(crate) fn switch_off_lock_guard(&mut self) {
         self.guard_off = true;
     }
 
-    /// Is the lock-count guard switched off? Never outside tests.
+    /// Is the lock guard switched off? Never outside tests.
     fn guard_off(&self) -> bool {
         #[cfg(test)]
         return self.guard_off;

@@ -143,11 +143,11 @@ pub(crate) enum Protection {
     /// A grant that comes of a statement in flight when the handle began a shutdown is
     /// not delivered (the engine's rule 8).
     HandleClosing,
-    /// A heartbeat that finds fewer advisory locks on the session than it holds ends
-    /// the session (another client released them: a pooler, `DISCARD ALL`). Kept by the
+    /// A heartbeat that finds a lock the session holds missing at the server ends the
+    /// session (another client released it: a pooler, `DISCARD ALL`). Kept by the
     /// heartbeat's `Pulse`, switched there.
     #[cfg(test)]
-    LockCountGuard,
+    LockGuard,
 }
 
 /// How a grant came about.

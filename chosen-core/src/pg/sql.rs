@@ -453,7 +453,7 @@ ORDER BY a.application_name, l.classid, l.objid";
 /// (`pg_advisory_unlock_all()` on a shared backend), another node may hold them now,
 /// and a fresh token would then order this process's stale tenure *after* that node's.
 /// The second column counts the keys found; fewer than asked ends the session, as
-/// the heartbeat's lock-count guard would with its next beat. The nested `CASE` makes
+/// the heartbeat's lock guard would with its next beat. The nested `CASE` makes
 /// the order certain: no WAL record and no transaction id unless every key is held.
 /// (It reads the whole lock table, once per step that hands keys off locally.)
 pub(super) const TOKEN_SQL: &str = "

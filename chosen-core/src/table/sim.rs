@@ -97,6 +97,7 @@ const FAULT_KINDS: &[&str] = &[
     "session_ends_in_statement",
     "give_up",
     "discard_all",
+    "discard_and_take",
     "try_failed",
     "lock_table_full",
     "check_failed",
@@ -756,6 +757,9 @@ struct Server {
     fences_shared: BTreeMap<LockKey, BTreeSet<i32>>,
     /// Interest buckets: the backends holding each bucket's interest key (shared).
     interest: BTreeMap<u16, BTreeSet<i32>>,
+    /// Advisory locks another client took on a node's backend (a pooler's other
+    /// client), in a key space no node uses: how many, per backend.
+    foreign_locks: BTreeMap<i32, u8>,
     next_pid: i32,
     xid: u64,
     /// Backends of no node (a forger on a reused pid): their starts.
@@ -861,7 +865,7 @@ struct Stats {
     gap_c_chained: u64,
     gap_d: u64,
     /// Gap (e): another client released the old holder's locks behind its back; the
-    /// lock-count guard ends its session with the next heartbeat (gap (c)'s bound).
+    /// lock guard ends its session with the next heartbeat (gap (c)'s bound).
     gap_e: u64,
     gap_e_acting: u64,
     /// Gap (a) by another path: the old holder froze while stopping, until the new
@@ -883,7 +887,7 @@ struct Stats {
     beyond_clock_tolerance: u64,
     /// Grants that never reached their caller (it had stopped waiting).
     undelivered: u64,
-    /// Sessions ended by the heartbeat's lock-count guard.
+    /// Sessions ended by the heartbeat's lock guard.
     pooler_detected: u64,
     /// Runs whose faults stopped early enough to check that wanted keys are granted,
     /// and the longest a wanted key stayed free in them after the faults' effects
@@ -1111,6 +1115,7 @@ impl Sim {
                 started: None,
                 backends: BTreeMap::new(),
                 excl: BTreeMap::new(),
+                foreign_locks: BTreeMap::new(),
                 fences_shared: BTreeMap::new(),
                 interest: BTreeMap::new(),
                 next_pid: 1000,
@@ -1820,7 +1825,7 @@ impl Sim {
                     Duration::from_micros(self.t.heartbeat),
                     Duration::from_micros(self.t.lease),
                 ));
-                if self.cfg.off.contains(&Protection::LockCountGuard)
+                if self.cfg.off.contains(&Protection::LockGuard)
                     && let Some(pulse) = node.pulse.as_mut()
                 {
                     pulse.switch_off_lock_guard();
@@ -2183,7 +2188,7 @@ impl Sim {
                     ));
                 }
                 // (Another client may have released it behind the session's back: the
-                // lock-count guard finds out with the next heartbeat.)
+                // lock guard finds out with the next heartbeat.)
                 let held = self.server.excl.get(&key) == Some(&pid);
                 if !held && self.server.backends.contains_key(&pid) && !self.was_discarded(pid) {
                     self.violation(format!(
@@ -2267,7 +2272,7 @@ impl Sim {
             // and learns it with the next message. Physics, as gap (a): the later
             // holder's greater token fences this one's writes. Kept apart as a finding.
             // Or another client released the session's locks behind its back: the
-            // lock-count guard ends it with the next heartbeat.
+            // lock guard ends it with the next heartbeat.
             let ended_at_server = match self.nodes[n].conn {
                 Conn::Up { pid, .. } => self.server.excl.get(&key) != Some(&pid),
                 _ => false,
@@ -3353,6 +3358,7 @@ impl Sim {
     /// interest keys): the backend ended, or another client released them.
     fn release_locks_of(&mut self, pid: i32) {
         self.server.excl.retain(|_, p| *p != pid);
+        self.server.foreign_locks.remove(&pid);
         for pids in self
             .server
             .interest
@@ -3399,7 +3405,12 @@ impl Sim {
                 key: LockKey::interest_of(*bucket),
                 exclusive: false,
             });
-        keys.chain(fences).chain(interest).collect()
+        let foreign =
+            (0..self.server.foreign_locks.get(&pid).copied().unwrap_or(0)).map(|i| SessionLock {
+                key: LockKey::Int(-1 - i64::from(i)),
+                exclusive: true,
+            });
+        keys.chain(fences).chain(interest).chain(foreign).collect()
     }
 
     /// Another client on the node's backend releases its advisory locks behind its back
@@ -3409,11 +3420,31 @@ impl Sim {
         let Some((n, pid)) = self.pick_node(true) else {
             return;
         };
-        self.fault("discard_all");
+        // Half the time that client then takes advisory locks of its own on the
+        // backend, as many as it released or so: a guard that counted the session's
+        // locks would not see the release.
+        let take = if self.rng.below(2) == 0 {
+            let held = self.locks_of(pid).len() as u64;
+            Some(
+                self.rng
+                    .range(held.saturating_sub(1).max(1), held + 2)
+                    .min(250) as u8,
+            )
+        } else {
+            None
+        };
+        self.fault(if take.is_some() {
+            "discard_and_take"
+        } else {
+            "discard_all"
+        });
         self.log(|| {
-            format!("FAULT another client releases every advisory lock of n{n}'s backend {pid}")
+            format!("FAULT another client releases every advisory lock of n{n}'s backend {pid}, then takes {} of its own", take.unwrap_or(0))
         });
         self.release_locks_of(pid);
+        if let Some(take) = take {
+            self.server.foreign_locks.insert(pid, take);
+        }
         self.discarded.push((pid, self.now));
     }
 
@@ -3849,7 +3880,7 @@ impl Sim {
     /// Says which end it was (another client releasing its locks is gap (e)).
     fn within_gap_c(&self, x: &Run, decided_at: T) -> Result<End, String> {
         // A backend whose locks another client released is as good as ended for
-        // its holder: the lock-count guard ends the session with its next heartbeat.
+        // its holder: the lock guard ends the session with its next heartbeat.
         let ended = self
             .server_ended
             .iter()
@@ -4285,7 +4316,7 @@ fn summary(s: &Stats) -> String {
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
          (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}, (e) {} (+{} still acting); brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
-         grants never delivered: {}; sessions ended by the lock-count guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
+         grants never delivered: {}; sessions ended by the lock guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
          shutdowns: {} ({} with a failed statement, {} given up on past its deadline); \
          violations: {}",
         s.seeds,
@@ -4836,7 +4867,7 @@ fn every_protection_is_load_bearing() {
         Protection::TokenFloor,
         Protection::KeepLostOpen,
         Protection::HandleClosing,
-        Protection::LockCountGuard,
+        Protection::LockGuard,
     ] {
         match first_failing_seed(&[p], budget) {
             Some(seed) => seen.push((p, seed)),
