@@ -2132,3 +2132,131 @@ async fn a_leader_stalled_inside_its_job_transaction_does_not_hold_up_the_next_l
     assert!(!matches!(stalled, Ok(true)), "{stalled:?}");
     assert_eq!(witness_rows(&db.admin, &job).await, vec![(1, 6)]);
 }
+
+// A job that made its writes in the ledger transaction, then sat idle there past
+// `TickLedger::idle_in_transaction` while this node still leads (it worked too long
+// between two statements, or only its connection was cut): the server ended the
+// session, and the first statement `commit` sends (the one that records the end of the
+// run) fails on the closed connection. Nothing committed, so the tick is left to the
+// misfire policy, as when COMMIT itself finds the connection closed: `CatchUp` runs it
+// at the next tick. (Before, that statement's failure left the tick recorded `failed`,
+// and no leader ran it again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_on_a_connection_the_server_closed_leaves_the_tick_to_the_misfire_policy() {
+    let db = db().await;
+    let job = unique_name("ledger-idle-commit");
+    let idle = Duration::from_millis(500);
+    let calls: Arc<Mutex<Vec<(i64, bool)>>> = Arc::default();
+    let commit_errors: Arc<Mutex<Vec<String>>> = Arc::default();
+    let job_fn = {
+        let (calls, commit_errors, pool) = (
+            Arc::clone(&calls),
+            Arc::clone(&commit_errors),
+            db.pool.clone(),
+        );
+        tower::service_fn(move |task: Task<Tick>| {
+            let (calls, commit_errors, pool) =
+                (Arc::clone(&calls), Arc::clone(&commit_errors), pool.clone());
+            async move {
+                let t = task.args.get_timestamp();
+                let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
+                calls
+                    .lock()
+                    .unwrap()
+                    .push((t as i64 - T0 as i64, ctx.is_catch_up()));
+                let mut client = pool.get().await?;
+                let Some(tx) = ctx.begin(&mut client).await? else {
+                    return Ok::<(), BoxDynError>(());
+                };
+                tx.execute(
+                    "INSERT INTO witness (job, tick, token) VALUES ($1, $2, $3)",
+                    &[&ctx.job(), &(t as i64), &(ctx.fencing_token().get() as i64)],
+                )
+                .await?;
+                if t == T0 + 1 && !ctx.is_catch_up() {
+                    // Its writes are made; it stalls past the idle bound before committing.
+                    tokio::time::sleep(idle * 4).await;
+                    if let Err(e) = tx.commit().await {
+                        let mut text = e.to_string();
+                        let mut source = std::error::Error::source(&e);
+                        while let Some(s) = source {
+                            text = format!("{text}: {s}");
+                            source = s.source();
+                        }
+                        commit_errors.lock().unwrap().push(text);
+                        return Err(e.into());
+                    }
+                    return Ok(());
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+        })
+    };
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone().idle_in_transaction(idle))
+        .claim(Claim::InJobTransaction)
+        .misfire(Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(3600),
+        })
+        .schedule(every_second())
+        .layer(job_fn);
+    let first = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0)))
+        .await;
+    assert!(matches!(first, Ok(ref o) if o.ran()), "{first:?}");
+    // The stalled run: its commit fails, the job returns that error.
+    let stalled = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0 + 1)))
+        .await;
+    assert!(stalled.is_err(), "{stalled:?}");
+    // Nothing of it committed, and the tick is not recorded: it is a missed tick.
+    assert_eq!(witness_rows(&db.admin, &job).await, vec![(0, 5)]);
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(0, "ran", None, 5)],
+        "the stalled tick must be left unrecorded, to the misfire policy"
+    );
+    // The commit said why.
+    let errors = commit_errors.lock().unwrap().clone();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("connection is closed"), "{errors:?}");
+    // The next tick's misfire policy runs it (CatchUp: late, once), then its own.
+    let next = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(T0 + 2)))
+        .await;
+    assert!(matches!(next, Ok(ref o) if o.ran()), "{next:?}");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![(0, false), (1, false), (1, true), (2, false)]
+    );
+    assert_eq!(
+        witness_rows(&db.admin, &job).await,
+        vec![(0, 5), (1, 5), (2, 5)]
+    );
+    let outcomes: Vec<(i64, String)> = rows(&db.admin, &job)
+        .await
+        .into_iter()
+        .map(|(t, o, ..)| (t, o))
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            (0, "ran".to_owned()),
+            (1, "ran".to_owned()),
+            (2, "ran".to_owned())
+        ]
+    );
+}

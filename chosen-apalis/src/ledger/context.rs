@@ -17,8 +17,9 @@ pub(crate) enum Slot {
     #[default]
     Open,
     /// [`TickContext::begin`] failed (the ledger, not the job: a lock wait past the
-    /// timeout, a stale token, a lost connection): the gate leaves the tick unrecorded,
-    /// for the misfire policy of a later tick.
+    /// timeout, a stale token, a lost connection), or [`LedgerTx::commit`] found its
+    /// connection closed: the gate leaves the tick unrecorded, for the misfire policy
+    /// of a later tick.
     Failed,
     /// A ledger transaction claimed the tick and committed.
     Committed,
@@ -235,6 +236,16 @@ impl TickContext {
 /// from [`TickContext::begin`]. Use it as a `tokio_postgres::Transaction` (it
 /// dereferences to one), then [`commit`](Self::commit). Dropping it rolls back: the
 /// tick stays unclaimed.
+///
+/// While it is open it holds the job's fence row, and a newer leader's tick waits for
+/// that row. The server ends the transaction once it has sat idle
+/// [`TickLedger::idle_in_transaction`] between two statements (nothing of it commits:
+/// [`commit`](Self::commit) then fails on the closed connection, and the tick is left
+/// to the misfire policy). A newer leader's tick that finds it still open waits for
+/// the row at most [`TickLedger::timeout`] and then gives up, unrun and unrecorded:
+/// [`TickContext::begin`] fails with [`LedgerError::Timeout`] (with
+/// [`Claim::BeforeRun`], the gate answers `Outcome::Skipped(Ledger)`), and the misfire
+/// policy of a later tick decides about it.
 pub struct LedgerTx<'c> {
     tx: Transaction<'c>,
     ctx: TickContext,
@@ -270,6 +281,15 @@ impl LedgerTx<'_> {
     /// the fence aborted fails here too): then nothing committed, unless the commit
     /// itself was lost on the way back (the next leader then finds the row).
     ///
+    /// When the statement that records the end of the run or the commit finds the
+    /// connection closed (the server ended the session: the transaction sat idle past
+    /// [`TickLedger::idle_in_transaction`], or its backend was terminated), the error
+    /// says so, and the tick is not the job's failure: the gate leaves it unrecorded,
+    /// for the misfire policy of a later tick, which reads what the ledger holds (the
+    /// row, if the commit's answer was lost with the connection). It is not recorded
+    /// `failed`, whatever the job returns then. Any other failure of that statement is
+    /// the job's: a job that returns it is recorded `failed`.
+    ///
     /// # Cancel safety
     ///
     /// Not cancel safe: the commit may or may not have happened.
@@ -277,7 +297,8 @@ impl LedgerTx<'_> {
         let ledger = &self.ctx.ledger;
         if self.claimed {
             // The row was inserted by this transaction, so it is there to update.
-            self.tx
+            let finished = self
+                .tx
                 .execute_typed(
                     &ledger.finish_sql(),
                     &[
@@ -288,22 +309,34 @@ impl LedgerTx<'_> {
                         (&None::<&str>, Type::TEXT),
                     ],
                 )
-                .await
-                .map_err(ledger.db("recording the end of the run"))?;
+                .await;
+            match finished {
+                Ok(_) => {}
+                // The COMMIT was never sent: nothing of the transaction committed.
+                Err(source) if source.is_closed() => {
+                    return Err(connection_closed(
+                        &self.ctx,
+                        "recording the end of the run (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)",
+                        source,
+                    ));
+                }
+                Err(source) => return Err(ledger.db("recording the end of the run")(source)),
+            }
         }
         if let Err(source) = self.tx.commit().await {
-            // The server ended the session (it sat idle past
-            // `TickLedger::idle_in_transaction`, or was terminated): nothing of it
-            // committed, or the commit's answer was lost with the connection. Not the
-            // job's failure: the tick is left to the misfire policy, which reads what
-            // the ledger holds.
-            let action = if source.is_closed() {
-                self.ctx.settle(Slot::Failed);
-                "committing the ledger transaction (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)"
-            } else {
-                "committing the ledger transaction"
-            };
-            return Err(LedgerError::Database { action, source });
+            // Nothing of it committed, or the commit's answer was lost with the
+            // connection.
+            if source.is_closed() {
+                return Err(connection_closed(
+                    &self.ctx,
+                    "committing the ledger transaction (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)",
+                    source,
+                ));
+            }
+            return Err(LedgerError::Database {
+                action: "committing the ledger transaction",
+                source,
+            });
         }
         if self.claimed {
             self.ctx.settle(Slot::Committed);
@@ -321,4 +354,18 @@ impl LedgerTx<'_> {
         let ledger = self.ctx.ledger.clone();
         self.tx.rollback().await.map_err(ledger.db("rolling back"))
     }
+}
+
+/// A statement of [`LedgerTx::commit`] found its connection closed: the server ended
+/// the session (it sat idle past `TickLedger::idle_in_transaction`, or was
+/// terminated). Not the job's failure: the tick is left to the misfire policy, which
+/// reads what the ledger holds. The same for the statement that records the end of the
+/// run as for the COMMIT.
+fn connection_closed(
+    ctx: &TickContext,
+    action: &'static str,
+    source: tokio_postgres::Error,
+) -> LedgerError {
+    ctx.settle(Slot::Failed);
+    LedgerError::Database { action, source }
 }

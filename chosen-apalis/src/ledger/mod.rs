@@ -163,12 +163,17 @@ impl TickLedger {
     /// silent, `server_release_after` less one `heartbeat_interval` (7 s − 1 s with
     /// chosen-core's defaults), so the new leader never waits for a stalled
     /// transaction; raise it (and `server_release_after`) for a job that works longer
-    /// than this between two statements of its transaction. A new leader still waits
-    /// (at most the ledger's [`timeout`](Self::timeout)) when the old leader's lock
-    /// session ended while its job's connection lived on (the server terminated the
-    /// one, a failover), or the old transaction's backend is stuck sending to a dead
-    /// client (it counts as active, not idle). Taken as at least 100 ms and at most
-    /// [`MAX_LEDGER_TIMEOUT`].
+    /// than this between two statements of its transaction. A new leader can still
+    /// find the old transaction open when the old leader's lock session ended while
+    /// its job's connection lived on (the server terminated that one session; or the
+    /// lock manager's server failed over while the ledger is on another server: on one
+    /// server, a failover ends the job's transaction too), or when the old
+    /// transaction's backend is stuck sending to a dead client (it counts as active,
+    /// not idle). Its tick then waits at most the ledger's [`timeout`](Self::timeout)
+    /// and gives up, unrun and unrecorded (`Outcome::Skipped(Ledger)` with
+    /// [`Claim::BeforeRun`]; [`TickContext::begin`] fails with [`LedgerError::Timeout`]
+    /// with [`Claim::InJobTransaction`]): the misfire policy of a later tick decides
+    /// about it. Taken as at least 100 ms and at most [`MAX_LEDGER_TIMEOUT`].
     #[must_use]
     pub fn idle_in_transaction(mut self, idle: Duration) -> Self {
         self.idle_in_transaction = idle.clamp(Duration::from_millis(100), MAX_LEDGER_TIMEOUT);
@@ -241,8 +246,10 @@ impl TickLedger {
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: each try is one implicit transaction, rolled back if it does not
-    /// commit.
+    /// Each try is one implicit transaction: it commits whole or not at all. Dropping
+    /// the future does not stop a try already sent, so a dropped `install` may still
+    /// have committed (or not). It is idempotent (`CREATE TABLE IF NOT EXISTS`, and an
+    /// upgrade that changes nothing once done), so running it again is safe.
     pub async fn install(&self) -> Result<(), LedgerError> {
         let patience = self.timeout.saturating_mul(6);
         let timed_out = || LedgerError::Timeout {
