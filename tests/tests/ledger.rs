@@ -2143,6 +2143,23 @@ async fn a_leader_stalled_inside_its_job_transaction_does_not_hold_up_the_next_l
 // and no leader ran it again.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_on_a_connection_the_server_closed_leaves_the_tick_to_the_misfire_policy() {
+    stalled_inside_the_job_transaction(Stalled::BeforeCommit).await;
+}
+
+// The same when the job's own next statement finds the session ended: the job returns
+// that error without committing, and the tick is not recorded `failed` for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_statement_on_a_connection_the_server_closed_leaves_the_tick_to_the_misfire_policy() {
+    stalled_inside_the_job_transaction(Stalled::BeforeItsNextWrite).await;
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stalled {
+    BeforeCommit,
+    BeforeItsNextWrite,
+}
+
+async fn stalled_inside_the_job_transaction(how: Stalled) {
     let db = db().await;
     let job = unique_name("ledger-idle-commit");
     let idle = Duration::from_millis(500);
@@ -2174,8 +2191,13 @@ async fn a_commit_on_a_connection_the_server_closed_leaves_the_tick_to_the_misfi
                 )
                 .await?;
                 if t == T0 + 1 && !ctx.is_catch_up() {
-                    // Its writes are made; it stalls past the idle bound before committing.
+                    // Its writes are made; it stalls past the idle bound.
                     tokio::time::sleep(idle * 4).await;
+                    if how == Stalled::BeforeItsNextWrite {
+                        // Fails on the closed connection; the job returns the error.
+                        tx.execute("SELECT 1", &[]).await?;
+                        return Ok(());
+                    }
                     if let Err(e) = tx.commit().await {
                         let mut text = e.to_string();
                         let mut source = std::error::Error::source(&e);
@@ -2228,8 +2250,12 @@ async fn a_commit_on_a_connection_the_server_closed_leaves_the_tick_to_the_misfi
     );
     // The commit said why.
     let errors = commit_errors.lock().unwrap().clone();
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(errors[0].contains("connection is closed"), "{errors:?}");
+    if how == Stalled::BeforeCommit {
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("connection is closed"), "{errors:?}");
+    } else {
+        assert!(errors.is_empty(), "{errors:?}");
+    }
     // The next tick's misfire policy runs it (CatchUp: late, once), then its own.
     let next = svc
         .ready()

@@ -225,7 +225,7 @@ impl TickContext {
             }
         };
         Ok(Some(LedgerTx {
-            tx,
+            tx: Some(tx),
             ctx: self.clone(),
             claimed,
         }))
@@ -240,16 +240,33 @@ impl TickContext {
 /// While it is open it holds the job's fence row, and a newer leader's tick waits for
 /// that row. The server ends the transaction once it has sat idle
 /// [`TickLedger::idle_in_transaction`] between two statements (nothing of it commits:
-/// [`commit`](Self::commit) then fails on the closed connection, and the tick is left
-/// to the misfire policy). A newer leader's tick that finds it still open waits for
+/// [`commit`](Self::commit), or the job's next statement in it, then fails on the
+/// closed connection, and the tick is left to the misfire policy, whatever the job
+/// returns). A newer leader's tick that finds it still open waits for
 /// the row at most [`TickLedger::timeout`] and then gives up, unrun and unrecorded:
 /// [`TickContext::begin`] fails with [`LedgerError::Timeout`] (with
 /// [`Claim::BeforeRun`], the gate answers `Outcome::Skipped(Ledger)`), and the misfire
 /// policy of a later tick decides about it.
 pub struct LedgerTx<'c> {
-    tx: Transaction<'c>,
+    /// `None` only once [`commit`](Self::commit) or [`rollback`](Self::rollback) took it.
+    tx: Option<Transaction<'c>>,
     ctx: TickContext,
     claimed: bool,
+}
+
+impl Drop for LedgerTx<'_> {
+    /// Dropped uncommitted on a closed connection (the server ended the session while
+    /// the job's own statement waited or ran): nothing of it committed, and it is not
+    /// the job's failure, whatever the job returns: the tick is left to the misfire
+    /// policy, as when [`commit`](Self::commit) finds the connection closed.
+    fn drop(&mut self) {
+        if let Some(tx) = &self.tx
+            && self.claimed
+            && tx.client().is_closed()
+        {
+            self.ctx.settle(Slot::Failed);
+        }
+    }
 }
 
 impl std::fmt::Debug for LedgerTx<'_> {
@@ -267,7 +284,9 @@ impl<'c> Deref for LedgerTx<'c> {
     type Target = Transaction<'c>;
 
     fn deref(&self) -> &Self::Target {
-        &self.tx
+        self.tx.as_ref().expect(
+            "BUG: a LedgerTx's transaction is taken only by commit and rollback, which consume it",
+        )
     }
 }
 
@@ -293,12 +312,16 @@ impl LedgerTx<'_> {
     /// # Cancel safety
     ///
     /// Not cancel safe: the commit may or may not have happened.
-    pub async fn commit(self) -> Result<(), LedgerError> {
+    pub async fn commit(mut self) -> Result<(), LedgerError> {
+        let Some(tx) = self.tx.take() else {
+            unreachable!(
+                "BUG: a LedgerTx's transaction is taken only by commit and rollback, which consume it"
+            )
+        };
         let ledger = &self.ctx.ledger;
         if self.claimed {
             // The row was inserted by this transaction, so it is there to update.
-            let finished = self
-                .tx
+            let finished = tx
                 .execute_typed(
                     &ledger.finish_sql(),
                     &[
@@ -313,7 +336,7 @@ impl LedgerTx<'_> {
             match finished {
                 Ok(_) => {}
                 // The COMMIT was never sent: nothing of the transaction committed.
-                Err(source) if source.is_closed() => {
+                Err(source) if session_ended(&source) => {
                     return Err(connection_closed(
                         &self.ctx,
                         "recording the end of the run (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)",
@@ -323,10 +346,10 @@ impl LedgerTx<'_> {
                 Err(source) => return Err(ledger.db("recording the end of the run")(source)),
             }
         }
-        if let Err(source) = self.tx.commit().await {
+        if let Err(source) = tx.commit().await {
             // Nothing of it committed, or the commit's answer was lost with the
             // connection.
-            if source.is_closed() {
+            if session_ended(&source) {
                 return Err(connection_closed(
                     &self.ctx,
                     "committing the ledger transaction (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)",
@@ -350,9 +373,14 @@ impl LedgerTx<'_> {
     ///
     /// [`LedgerError::Database`] when the rollback fails (the server rolls back anyway
     /// when the connection ends).
-    pub async fn rollback(self) -> Result<(), LedgerError> {
+    pub async fn rollback(mut self) -> Result<(), LedgerError> {
+        let Some(tx) = self.tx.take() else {
+            unreachable!(
+                "BUG: a LedgerTx's transaction is taken only by commit and rollback, which consume it"
+            )
+        };
         let ledger = self.ctx.ledger.clone();
-        self.tx.rollback().await.map_err(ledger.db("rolling back"))
+        tx.rollback().await.map_err(ledger.db("rolling back"))
     }
 }
 
@@ -368,4 +396,21 @@ fn connection_closed(
 ) -> LedgerError {
     ctx.settle(Slot::Failed);
     LedgerError::Database { action, source }
+}
+
+/// Did `e` come of the session's end rather than of the statement: the connection is
+/// closed, or the server's last words before it closed it (the transaction sat idle
+/// past `idle_in_transaction_session_timeout`, an administrator or a shutdown
+/// terminated the backend, the connection failed), which tokio-postgres may report as
+/// the statement's error when they arrive with it.
+fn session_ended(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.is_closed()
+        || e.code().is_some_and(|code| {
+            *code == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
+                || *code == SqlState::ADMIN_SHUTDOWN
+                || *code == SqlState::CRASH_SHUTDOWN
+                || *code == SqlState::CANNOT_CONNECT_NOW
+                || code.code().starts_with("08")
+        })
 }
