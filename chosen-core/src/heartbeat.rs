@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 
 use crate::generation::Generation;
 use crate::pg;
-use crate::shared::{ServerFloor, SessionLock, Shared};
+use crate::shared::{FloorRead, ServerFloor, SessionLock, Shared};
 use crate::status::SessionDownReason;
 
 /// However the settings compare, never more heartbeats than this on their way at once
@@ -65,6 +65,11 @@ pub(crate) async fn run(
             () = sleep_until(watchdog) => return revoke(overdue()),
             Some((beat, answer)) = in_flight.next(), if !in_flight.is_empty() => {
                 let now = Instant::now();
+                // Sorted before the floor's lock is taken (the task waits for it).
+                let mut answer: Result<Vec<SessionLock>, SessionDownReason> = answer;
+                if let Ok(locks) = answer.as_mut() {
+                    locks.sort_unstable();
+                }
                 match shared.with_server_floor(|floors| pulse.answered(&beat, answer, floors, now)) {
                     Verdict::Renew { until, rtt, slow } => {
                         if !shared.renew_validity(until, now) {
@@ -87,6 +92,9 @@ pub(crate) async fn run(
                         }
                     }
                     Verdict::Revoke(reason) => return revoke(reason),
+                    Verdict::Unjudged { rtt } => {
+                        debug!(rtt_us = rtt.as_micros() as u64, "heartbeat answered after more lock releases than are remembered: renews nothing");
+                    }
                 }
             }
             () = sleep_until(next.unwrap_or_else(far_future)), if next.is_some() => {
@@ -124,15 +132,17 @@ pub(crate) struct Pulse {
     /// The lock guard switched off (`Protection::LockGuard`), in tests only.
     #[cfg(test)]
     guard_off: bool,
+    /// Statements in flight ignored (`Protection::TakesInFlight`), in tests only.
+    #[cfg(test)]
+    takes_off: bool,
 }
 
-/// One heartbeat on its way: when it was sent, and the locks held for certain (with
-/// their epoch, see [`Shared::set_server_floor`]) read just before.
+/// One heartbeat on its way: when it was sent, and the lock floor (see
+/// [`Shared::set_server_floor`]) read just before.
 #[derive(Clone, Debug)]
 pub(crate) struct Beat {
     sent: Instant,
-    epoch: u64,
-    floor: Arc<[SessionLock]>,
+    floor: FloorRead,
 }
 
 /// What an answer means.
@@ -147,6 +157,9 @@ pub(crate) enum Verdict {
     },
     /// End the session.
     Revoke(SessionDownReason),
+    /// Renew nothing: answered after more lowerings of the floor than are remembered,
+    /// so what it shows cannot be judged.
+    Unjudged { rtt: Duration },
 }
 
 /// A warning about slow heartbeats is due.
@@ -179,6 +192,8 @@ impl Pulse {
             slow_since_warning: 0,
             #[cfg(test)]
             guard_off: false,
+            #[cfg(test)]
+            takes_off: false,
         }
     }
 
@@ -186,6 +201,21 @@ impl Pulse {
     #[cfg(test)]
     pub(crate) fn switch_off_lock_guard(&mut self) {
         self.guard_off = true;
+    }
+
+    /// Makes answers renew from their own send even while a statement that may take
+    /// locks is unanswered, to show that the simulation fails then.
+    #[cfg(test)]
+    pub(crate) fn switch_off_takes_in_flight(&mut self) {
+        self.takes_off = true;
+    }
+
+    /// Are statements in flight ignored? Never outside tests.
+    fn takes_off(&self) -> bool {
+        #[cfg(test)]
+        return self.takes_off;
+        #[cfg(not(test))]
+        false
     }
 
     /// Is the lock guard switched off? Never outside tests.
@@ -203,7 +233,7 @@ impl Pulse {
     }
 
     /// A heartbeat is sent at `now`, after reading the lock floor `(epoch, floor)`.
-    pub(crate) fn send(&mut self, now: Instant, (epoch, floor): (u64, Arc<[SessionLock]>)) -> Beat {
+    pub(crate) fn send(&mut self, now: Instant, floor: FloorRead) -> Beat {
         self.in_flight += 1;
         // On the grid; but after a stall (a freeze, a full pipeline) start again from
         // now rather than sending the missed ones in a burst.
@@ -213,11 +243,7 @@ impl Pulse {
             .filter(|next| *next > now)
             .or_else(|| now.checked_add(self.interval))
             .unwrap_or(now);
-        Beat {
-            sent: now,
-            epoch,
-            floor,
-        }
+        Beat { sent: now, floor }
     }
 
     /// The answer to `beat` arrived at `now` (the session's advisory locks as the
@@ -231,7 +257,12 @@ impl Pulse {
     /// those released since (`floors` remembers which). One missing means another client
     /// released it. The check is by lock, not by count: a key the session took after
     /// such a release (a try, an interest key) cannot make up for the one released.
-    /// (A heartbeat answered after more lowerings than are remembered is not judged.)
+    ///
+    /// Locks taken by a statement still unanswered when the floor was read are in no
+    /// floor, and another client may have released them before this query ran: then the
+    /// answer proves the session no later than that statement's send (the release came
+    /// after the take), and validity is renewed from there. A heartbeat answered after
+    /// more lowerings than are remembered cannot be judged, and renews nothing.
     pub(crate) fn answered(
         &mut self,
         beat: &Beat,
@@ -245,8 +276,12 @@ impl Pulse {
             Err(reason) => return Verdict::Revoke(reason),
         };
         on_server.sort_unstable();
-        if let Some(missing) = floors.missing_since(beat.epoch, &beat.floor, &on_server)
-            && let Some(first) = missing.first()
+        let rtt = now.saturating_duration_since(beat.sent);
+        let Some(missing) = floors.missing_since(beat.floor.epoch, &beat.floor.held, &on_server)
+        else {
+            return Verdict::Unjudged { rtt };
+        };
+        if let Some(first) = missing.first()
             && !self.guard_off()
         {
             return Verdict::Revoke(SessionDownReason::PoolerDetected {
@@ -257,12 +292,13 @@ impl Pulse {
                 ),
             });
         }
-        let rtt = now.saturating_duration_since(beat.sent);
+        let from = beat
+            .floor
+            .taking_since
+            .filter(|_| !self.takes_off())
+            .map_or(beat.sent, |since| since.min(beat.sent));
         Verdict::Renew {
-            until: beat
-                .sent
-                .checked_add(self.lease_timeout)
-                .unwrap_or(beat.sent),
+            until: from.checked_add(self.lease_timeout).unwrap_or(from),
             rtt,
             slow: self.slow(rtt, now),
         }
@@ -304,8 +340,8 @@ mod tests {
     }
 
     /// A floor with no lock, at epoch 0.
-    fn nothing() -> (u64, Arc<[SessionLock]>) {
-        (0, Arc::from([]))
+    fn nothing() -> FloorRead {
+        ServerFloor::default().get()
     }
 
     fn lock(n: i32, exclusive: bool) -> SessionLock {
@@ -482,13 +518,56 @@ mod tests {
         let late = pulse.send(t0 + 9 * INTERVAL, floors.get());
         renewed(pulse.answered(&late, Ok(vec![lock(2, false)]), &floors, t0 + ms(9_500)));
         renewed(pulse.answered(&early, Ok(vec![lock(2, false)]), &floors, t0 + ms(9_500)));
-        // Answered after more lowerings than are remembered: not judged.
+        // Answered after more lowerings than are remembered: not judged, and renews
+        // nothing.
         let beat = pulse.send(t0 + 10 * INTERVAL, floors.get());
         for _ in 0..100 {
             floors.set(vec![lock(1, true), lock(2, false)]);
             floors.set(vec![lock(2, false)]);
         }
-        renewed(pulse.answered(&beat, Ok(vec![]), &floors, t0 + ms(10_010)));
+        assert_eq!(
+            pulse.answered(&beat, Ok(vec![]), &floors, t0 + ms(10_010)),
+            Verdict::Unjudged { rtt: ms(10) }
+        );
+    }
+
+    #[test]
+    fn while_a_statement_that_takes_locks_is_unanswered_an_answer_renews_from_its_send() {
+        let t0 = Instant::now();
+        let mut pulse = Pulse::new(t0, INTERVAL, LEASE);
+        let mut floors = ServerFloor::default();
+        floors.set(vec![lock(1, true)]);
+        // A try is sent at 900 ms; it may win lock 2, which another client may release
+        // before the heartbeat runs: the heartbeat cannot tell, so it proves the
+        // session only as of the try's send.
+        floors.taking(Some(t0 + ms(900)));
+        let beat = pulse.send(t0 + INTERVAL, floors.get());
+        // The try's answer is applied (lock 2 won) before the heartbeat's arrives.
+        floors.set(vec![lock(1, true), lock(2, true)]);
+        floors.taking(None);
+        let (until, rtt, _) =
+            renewed(pulse.answered(&beat, Ok(vec![lock(1, true)]), &floors, t0 + ms(1_100)));
+        assert_eq!(until, t0 + ms(900) + LEASE);
+        assert_eq!(rtt, ms(100), "the round trip is the heartbeat's own");
+        // The next heartbeat reads lock 2 in the floor: its absence ends the session.
+        let beat = pulse.send(t0 + 2 * INTERVAL, floors.get());
+        assert!(matches!(
+            pulse.answered(&beat, Ok(vec![lock(1, true)]), &floors, t0 + ms(2_010)),
+            Verdict::Revoke(SessionDownReason::PoolerDetected { .. })
+        ));
+        // With nothing on its way, from the heartbeat's own send.
+        let beat = pulse.send(t0 + 3 * INTERVAL, floors.get());
+        let (until, _, _) = renewed(pulse.answered(
+            &beat,
+            Ok(vec![lock(2, true), lock(1, true)]),
+            &floors,
+            t0 + ms(3_010),
+        ));
+        assert_eq!(until, t0 + 3 * INTERVAL + LEASE);
+        // Several statements: the oldest unanswered send counts.
+        floors.taking(Some(t0 + ms(3_500)));
+        floors.taking(Some(t0 + ms(3_700)));
+        assert_eq!(floors.get().taking_since, Some(t0 + ms(3_500)));
     }
 
     #[test]

@@ -28,13 +28,30 @@ pub(crate) struct SessionLock {
 /// still on the session when it ran, but for those released since (see
 /// `Pulse::answered`). It checks which locks, not how many: a count would let a key
 /// taken after another client released the session's locks make up for one released.
+///
+/// Locks a statement still on its way takes are in no floor yet, and another client may
+/// release them before a heartbeat runs, which then cannot tell they were there: while
+/// such a statement is unanswered, a heartbeat's answer proves the session no later
+/// than that statement's send (`taking_since`; the release came after it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ServerFloor {
     epoch: u64,
     /// Sorted, without repeats.
     held: Arc<[SessionLock]>,
+    /// When the oldest statement that may take locks, not yet answered, was sent.
+    taking_since: Option<Instant>,
     /// `(epoch, locks removed)` of the last lowerings, oldest first.
     lows: std::collections::VecDeque<(u64, Vec<SessionLock>)>,
+}
+
+/// What a heartbeat read of the [`ServerFloor`] before it was sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct FloorRead {
+    pub(crate) epoch: u64,
+    /// The locks held for certain then.
+    pub(crate) held: Arc<[SessionLock]>,
+    /// A statement that may take locks was on its way since then.
+    pub(crate) taking_since: Option<Instant>,
 }
 
 /// How many lowerings [`ServerFloor`] remembers: a heartbeat answered after more than
@@ -66,9 +83,22 @@ impl ServerFloor {
         self.held = held.into();
     }
 
-    /// `(epoch, locks held for certain)`.
-    pub(crate) fn get(&self) -> (u64, Arc<[SessionLock]>) {
-        (self.epoch, Arc::clone(&self.held))
+    /// A statement that may take locks is sent at `at` (`Some`, set before it is
+    /// sent), or the last one's answer was applied to the floor (`None`).
+    pub(crate) fn taking(&mut self, at: Option<Instant>) {
+        self.taking_since = match at {
+            Some(at) => Some(self.taking_since.map_or(at, |since| since.min(at))),
+            None => None,
+        };
+    }
+
+    /// What a heartbeat reads before it is sent.
+    pub(crate) fn get(&self) -> FloorRead {
+        FloorRead {
+            epoch: self.epoch,
+            held: Arc::clone(&self.held),
+            taking_since: self.taking_since,
+        }
     }
 
     /// The locks of `read` (read at `epoch`) that the server's lock table `on_server`
@@ -104,7 +134,7 @@ impl ServerFloor {
 
 #[cfg(test)]
 mod floor_tests {
-    use super::{LockKey, ServerFloor, SessionLock};
+    use super::{FloorRead, LockKey, ServerFloor, SessionLock};
 
     fn lock(n: i32) -> SessionLock {
         SessionLock {
@@ -121,7 +151,9 @@ mod floor_tests {
     fn a_lock_missing_from_the_server_is_found_unless_released_since_the_read() {
         let mut f = ServerFloor::default();
         f.set(locks([3, 1, 2]));
-        let (epoch, read) = f.get();
+        let FloorRead {
+            epoch, held: read, ..
+        } = f.get();
         assert_eq!(&*read, &locks([1, 2, 3])[..], "sorted");
         assert_eq!(
             f.missing_since(epoch, &read, &locks([1, 2, 3])),
@@ -152,7 +184,9 @@ mod floor_tests {
     fn lowerings_are_remembered_for_the_last_64() {
         let mut f = ServerFloor::default();
         f.set(locks(0..100));
-        let (epoch, read) = f.get();
+        let FloorRead {
+            epoch, held: read, ..
+        } = f.get();
         for i in 0..64 {
             f.set(locks((0..100).filter(|n| *n != i)));
         }
@@ -165,16 +199,20 @@ mod floor_tests {
         f.set(locks((0..100).filter(|n| *n != 64)));
         assert_eq!(f.missing_since(epoch, &read, &[]), None);
         // A read after the forgotten ones is judged again.
-        let (epoch, read) = f.get();
+        let FloorRead {
+            epoch, held: read, ..
+        } = f.get();
         f.set(locks(0..10));
         assert_eq!(
             f.missing_since(epoch, &read, &locks(0..5)),
             Some(locks(5..10))
         );
         // Setting the same set again is no lowering.
-        let (epoch, read) = f.get();
+        let FloorRead {
+            epoch, held: read, ..
+        } = f.get();
         f.set(locks(0..10));
-        assert_eq!(f.get().0, epoch);
+        assert_eq!(f.get().epoch, epoch);
         assert_eq!(f.missing_since(epoch, &read, &[]), Some(locks(0..10)));
     }
 }
@@ -214,16 +252,20 @@ impl Shared {
         }
     }
 
-    /// Records the advisory locks the session holds for certain.
-    pub(crate) fn set_server_floor(&self, floor: Vec<SessionLock>) {
-        self.server_floor
+    /// Records the advisory locks the session holds for certain, and whether a
+    /// statement that may take more is on its way (sent at `taking`, `Some` only just
+    /// before it is sent: see [`ServerFloor::taking`]).
+    pub(crate) fn set_server_floor(&self, floor: Vec<SessionLock>, taking: Option<Instant>) {
+        let mut f = self
+            .server_floor
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .set(floor);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.set(floor);
+        f.taking(taking);
     }
 
     /// `(epoch, floor)`: see [`Self::set_server_floor`].
-    pub(crate) fn server_floor(&self) -> (u64, Arc<[SessionLock]>) {
+    pub(crate) fn server_floor(&self) -> FloorRead {
         self.server_floor
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

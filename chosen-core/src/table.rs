@@ -148,6 +148,12 @@ pub(crate) enum Protection {
     /// heartbeat's `Pulse`, switched there.
     #[cfg(test)]
     LockGuard,
+    /// While a statement that may take locks is unanswered, a heartbeat's answer
+    /// proves the session no later than that statement's send (another client may
+    /// release what it took before the heartbeat runs, which the floor cannot show).
+    /// Kept by the heartbeat's `Pulse`, switched there.
+    #[cfg(test)]
+    TakesInFlight,
 }
 
 /// How a grant came about.
@@ -208,6 +214,13 @@ impl Plan {
             && self.check.is_empty()
             && self.register.is_empty()
             && self.unregister.is_empty()
+    }
+
+    /// Can these statements take advisory locks that stay on the session (keys, stop
+    /// fences, interest keys)? The fence checks take and release theirs in one
+    /// expression.
+    pub(crate) fn takes_locks(&self) -> bool {
+        !self.try_keys.is_empty() || !self.fence.is_empty()
     }
 }
 

@@ -102,8 +102,8 @@ pub(crate) struct HeartbeatSession {
 }
 
 impl HeartbeatSession {
-    /// Proves the session is still ours and writable; answers how many advisory locks
-    /// the server shows on it.
+    /// Proves the session is still ours and writable; answers the advisory locks the
+    /// server shows on it (those of a form this manager never takes left out).
     pub(crate) async fn heartbeat(&self) -> Result<Vec<SessionLock>, SessionDownReason> {
         let lost = |message: String| SessionDownReason::ConnectionLost { message };
         let row = match self.client.query_one(&self.statement, &[]).await {

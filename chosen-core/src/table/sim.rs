@@ -98,6 +98,7 @@ const FAULT_KINDS: &[&str] = &[
     "give_up",
     "discard_all",
     "discard_and_take",
+    "discard_after_win",
     "try_failed",
     "lock_table_full",
     "check_failed",
@@ -108,6 +109,11 @@ const FAULT_KINDS: &[&str] = &[
 /// again within this (a poll, the grace, a fence check, a reconnect backoff of up to
 /// `reconnect_max`, a stop fence outliving its wait).
 const LIVENESS: T = 15 * SEC;
+
+/// How soon after a thaw a frozen node is taken to have seen what its clock says
+/// (its deadlines passed during the freeze): the events that waited replay right after
+/// it, one a microsecond.
+const THAW_SLACK: T = MS;
 
 /// Why a backend ended when its client closed the connection.
 const CLIENT_CLOSED: &str = "client closed the connection";
@@ -546,6 +552,11 @@ enum BatchFault {
     /// The server ends the session while they run (a DBA's `transaction_timeout`, an
     /// out-of-memory kill of the backend).
     SessionEnds,
+    /// Right after statements that win a key run, another client releases every
+    /// advisory lock of the backend, and the connection turns slow (every message up to
+    /// `extra` later, for `for_`): heartbeats sent before the win's answer arrives
+    /// read a floor without the key.
+    DiscardAfterWin { extra: T, for_: T },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -613,7 +624,9 @@ struct Node {
     /// as TCP does).
     cut: Cut,
     held_up: Vec<Up>,
-    held_down: Vec<(u32, Down)>,
+    /// Messages to the node held by a cut, with when they were sent (a reply to a
+    /// connect is sent once its handshake is done, which may be after the cut heals).
+    held_down: Vec<(u32, Down, T)>,
     last_up: T,
     last_down: T,
     wake_at: Option<T>,
@@ -1501,8 +1514,8 @@ impl Sim {
                 for msg in std::mem::take(&mut self.nodes[n].held_up) {
                     self.send_up(n, msg);
                 }
-                for (inst, msg) in std::mem::take(&mut self.nodes[n].held_down) {
-                    self.send_down(n, inst, msg, self.now);
+                for (inst, msg, at) in std::mem::take(&mut self.nodes[n].held_down) {
+                    self.send_down(n, inst, msg, at.max(self.now));
                 }
             }
             Ev::RestartNode { n } => {
@@ -1684,9 +1697,12 @@ impl Sim {
             return;
         };
         let stmts = plan;
-        // Lowered before the statements that release locks are sent (as the task does).
+        // Lowered before the statements that release locks are sent, and marked while
+        // they may take locks (as the task does).
         let floor = self.nodes[n].engine.server_floor();
+        let taking = stmts.takes_locks().then(|| self.at(self.now));
         self.nodes[n].floor.set(floor);
+        self.nodes[n].floor.taking(taking);
         self.log(|| format!("n{n} sends {stmts:?}"));
         self.nodes[n].busy = Some(stmts.clone());
         self.stats.statements += 1;
@@ -1830,8 +1846,14 @@ impl Sim {
                 {
                     pulse.switch_off_lock_guard();
                 }
+                if self.cfg.off.contains(&Protection::TakesInFlight)
+                    && let Some(pulse) = node.pulse.as_mut()
+                {
+                    pulse.switch_off_takes_in_flight();
+                }
                 // A new session holds nothing yet.
                 node.floor.set(Vec::new());
+                node.floor.taking(None);
                 let valid_until = node.valid_until;
                 let inst = node.inst;
                 if let Some(held) = self.nodes[n].engine.session_started(gn, &term, now) {
@@ -1843,7 +1865,12 @@ impl Sim {
                         )
                     });
                 }
-                self.log(|| format!("n{n} connected: generation {gn}, pid {pid}"));
+                self.log(|| {
+                    format!(
+                        "n{n} connected: generation {gn}, pid {pid}, proven at {:.3} ms",
+                        proven_at as f64 / 1000.0
+                    )
+                });
                 self.push(proven_at + self.t.heartbeat, Ev::HbTimer { n, inst, gn });
                 self.push(valid_until, Ev::Watchdog { n, inst, gn });
                 self.poke(n);
@@ -1884,6 +1911,13 @@ impl Sim {
                             }
                         } else {
                             self.lose_session(n, "heartbeat answered too late");
+                        }
+                    }
+                    // Renews nothing: the next one is sent on the grid anyway.
+                    Verdict::Unjudged { .. } => {
+                        if was_full {
+                            let inst = self.nodes[n].inst;
+                            self.push(self.now, Ev::HbTimer { n, inst, gn });
                         }
                     }
                     Verdict::Revoke(reason) => {
@@ -2028,6 +2062,7 @@ impl Sim {
         }
         let floor = self.nodes[n].engine.server_floor();
         self.nodes[n].floor.set(floor);
+        self.nodes[n].floor.taking(None);
         // Announcements that arrived during the tries were applied after the answers:
         // the one the table now believes (from the holder its try saw) is recorded.
         for (k, _) in &reply.tried {
@@ -2918,7 +2953,7 @@ impl Sim {
 
     fn send_down(&mut self, n: usize, inst: u32, msg: Down, at: T) {
         if matches!(self.nodes[n].cut, Cut::Both | Cut::Down) {
-            self.nodes[n].held_down.push((inst, msg));
+            self.nodes[n].held_down.push((inst, msg, at));
             return;
         }
         let arrival = (at + self.latency_of(n)).max(self.nodes[n].last_down + 1);
@@ -3001,7 +3036,12 @@ impl Sim {
                     return;
                 };
                 self.touch(pid);
-                match self.nodes[n].batch_fault.take() {
+                let fault = self.nodes[n].batch_fault.take();
+                if let Some(armed @ BatchFault::DiscardAfterWin { .. }) = fault {
+                    // Armed until statements win a key.
+                    self.nodes[n].batch_fault = Some(armed);
+                }
+                match fault {
                     Some(BatchFault::SessionEnds) => {
                         return self.terminate(pid, true, "transaction_timeout");
                     }
@@ -3009,9 +3049,24 @@ impl Sim {
                         self.execute(n, pid, &stmts);
                         return self.terminate(pid, true, "connection broke after the commit");
                     }
-                    None => {}
+                    Some(BatchFault::DiscardAfterWin { .. }) | None => {}
                 }
                 let reply = self.execute(n, pid, &stmts);
+                if let Some(BatchFault::DiscardAfterWin { extra, for_ }) = self.nodes[n].batch_fault
+                    && reply.tried.iter().any(|(_, o)| {
+                        matches!(o, TryOutcome::Won(_) | TryOutcome::WonFenced { .. })
+                    })
+                {
+                    self.nodes[n].batch_fault = None;
+                    self.fault("discard_after_win");
+                    self.log(|| format!("FAULT n{n} won a key; another client releases every advisory lock of backend {pid}; its connection is slow for {} ms", for_ / MS));
+                    self.release_locks_of(pid);
+                    self.discarded.push((pid, self.now));
+                    self.disturbed_until = self.disturbed_until.max(self.now + for_);
+                    let node = &mut self.nodes[n];
+                    node.slow_until = self.now + for_;
+                    node.slow_extra = extra;
+                }
                 self.send_down(n, b.inst, Down::Reply { gn, reply }, self.now);
             }
             Up::Heartbeat { gn, pid, beat } => match self.server.backends.get(&pid).copied() {
@@ -3756,13 +3811,21 @@ impl Sim {
             }
             _ => {
                 if let Some((n, _)) = self.pick_node(true) {
-                    let (fault, kind) = if self.rng.chance(50) {
-                        (BatchFault::ReplyLost, "reply_lost_after_commit")
-                    } else {
-                        (BatchFault::SessionEnds, "session_ends_in_statement")
+                    let fault = match self.rng.below(4) {
+                        0 => BatchFault::ReplyLost,
+                        1 => BatchFault::SessionEnds,
+                        _ => BatchFault::DiscardAfterWin {
+                            extra: self.rng.range(100 * MS, self.t.lease),
+                            for_: self.rng.range(500 * MS, 6 * SEC),
+                        },
                     };
-                    self.fault(kind);
-                    self.log(|| format!("FAULT {kind} n{n}, at its next statements"));
+                    match fault {
+                        BatchFault::ReplyLost => self.fault("reply_lost_after_commit"),
+                        BatchFault::SessionEnds => self.fault("session_ends_in_statement"),
+                        // Counted when it strikes.
+                        BatchFault::DiscardAfterWin { .. } => {}
+                    }
+                    self.log(|| format!("FAULT {fault:?} n{n}, at its next statements"));
                     self.nodes[n].batch_fault = Some(fault);
                 }
             }
@@ -3919,7 +3982,9 @@ impl Sim {
         let mut acting_bound = ended + self.t.lease;
         for f in mine() {
             if f.from <= acting_bound && acting_bound < f.to {
-                acting_bound = f.to;
+                // What waited during the freeze runs right after it, one event a
+                // microsecond here: the loss is seen within a moment of the thaw.
+                acting_bound = f.to + THAW_SLACK;
             }
         }
         let frozen_stopping: T = mine()
@@ -4850,7 +4915,7 @@ fn first_failing_seed(off: &[Protection], budget: u64) -> Option<u64> {
 #[test]
 fn every_protection_is_load_bearing() {
     report_through_tracing();
-    let budget = env_u64("CHOSEN_SIM_PROOF_SEEDS").unwrap_or(5_000);
+    let budget = env_u64("CHOSEN_SIM_PROOF_SEEDS").unwrap_or(20_000);
     // None left: kept for a protection added before the simulation can see it.
     let blind: &[(Protection, &str)] = &[];
     let mut seen = Vec::new();
@@ -4868,6 +4933,7 @@ fn every_protection_is_load_bearing() {
         Protection::KeepLostOpen,
         Protection::HandleClosing,
         Protection::LockGuard,
+        Protection::TakesInFlight,
     ] {
         match first_failing_seed(&[p], budget) {
             Some(seed) => seen.push((p, seed)),

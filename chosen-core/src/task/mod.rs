@@ -163,7 +163,7 @@ impl Driver {
                 "the server's term as primary began recently; no lock is granted before the term grant delay passed"
             );
         }
-        self.shared.set_server_floor(Vec::new());
+        self.shared.set_server_floor(Vec::new(), None);
         let heartbeat = tokio::spawn(crate::heartbeat::run(
             s.heartbeat_handle(),
             Arc::clone(&self.shared),
@@ -304,8 +304,13 @@ impl Driver {
             .engine
             .plan(Instant::now(), self.shared.is_valid_now(), closing)
             .map_err(overdue)?;
-        // Lowered before the statements that release locks are sent.
-        self.shared.set_server_floor(self.engine.server_floor());
+        // Lowered before the statements that release locks are sent; and until their
+        // answer is applied, heartbeats prove the session no later than their send
+        // (what they take is in no floor yet).
+        self.shared.set_server_floor(
+            self.engine.server_floor(),
+            plan.takes_locks().then(Instant::now),
+        );
         self.carry_out();
         if !plan.is_empty() {
             if let (Some(m), false) = (self.metrics(), plan.try_keys.is_empty()) {
@@ -327,7 +332,8 @@ impl Driver {
                     Instant::now(),
                 )
                 .map_err(overdue)?;
-            self.shared.set_server_floor(self.engine.server_floor());
+            self.shared
+                .set_server_floor(self.engine.server_floor(), None);
             self.carry_out();
         }
         self.answer_releases();
