@@ -2153,10 +2153,25 @@ async fn a_job_statement_on_a_connection_the_server_closed_leaves_the_tick_to_th
     stalled_inside_the_job_transaction(Stalled::BeforeItsNextWrite).await;
 }
 
+// ... and when the job rolls the dead transaction back itself and answers `Ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_on_a_connection_the_server_closed_leaves_the_tick_to_the_misfire_policy() {
+    stalled_inside_the_job_transaction(Stalled::RolledBack).await;
+}
+
+// ... and when the server terminates the backend while the job's statement runs: the
+// statement fails with the server's FATAL error before the connection is seen closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_statement_whose_backend_is_terminated_leaves_the_tick_to_the_misfire_policy() {
+    stalled_inside_the_job_transaction(Stalled::Terminated).await;
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Stalled {
     BeforeCommit,
     BeforeItsNextWrite,
+    RolledBack,
+    Terminated,
 }
 
 async fn stalled_inside_the_job_transaction(how: Stalled) {
@@ -2190,9 +2205,30 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
                     &[&ctx.job(), &(t as i64), &(ctx.fencing_token().get() as i64)],
                 )
                 .await?;
+                if t == T0 + 1 && !ctx.is_catch_up() && how == Stalled::Terminated {
+                    let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+                    let other = pool.get().await?;
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        other
+                            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                            .await
+                            .unwrap();
+                    });
+                    tx.execute("SELECT pg_sleep(30)", &[]).await?;
+                    return Ok(());
+                }
                 if t == T0 + 1 && !ctx.is_catch_up() {
                     // Its writes are made; it stalls past the idle bound.
                     tokio::time::sleep(idle * 4).await;
+                    if how == Stalled::RolledBack {
+                        // Fails on the closed connection; the job rolls back and says
+                        // nothing.
+                        let failed = tx.execute("SELECT 1", &[]).await.is_err();
+                        let _ = tx.rollback().await;
+                        assert!(failed, "the session had ended");
+                        return Ok(());
+                    }
                     if how == Stalled::BeforeItsNextWrite {
                         // Fails on the closed connection; the job returns the error.
                         tx.execute("SELECT 1", &[]).await?;
@@ -2240,7 +2276,7 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
         .unwrap()
         .call(Task::new(Tick::new(T0 + 1)))
         .await;
-    assert!(stalled.is_err(), "{stalled:?}");
+    assert_eq!(stalled.is_err(), how != Stalled::RolledBack, "{stalled:?}");
     // Nothing of it committed, and the tick is not recorded: it is a missed tick.
     assert_eq!(witness_rows(&db.admin, &job).await, vec![(0, 5)]);
     assert_eq!(

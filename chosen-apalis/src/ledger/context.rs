@@ -17,9 +17,10 @@ pub(crate) enum Slot {
     #[default]
     Open,
     /// [`TickContext::begin`] failed (the ledger, not the job: a lock wait past the
-    /// timeout, a stale token, a lost connection), or [`LedgerTx::commit`] found its
-    /// connection closed: the gate leaves the tick unrecorded, for the misfire policy
-    /// of a later tick.
+    /// timeout, a stale token, a lost connection), or the job's transaction found its
+    /// session ended ([`LedgerTx::commit`] or [`LedgerTx::rollback`] did, or it was
+    /// dropped uncommitted on a closed connection): the gate leaves the tick
+    /// unrecorded, for the misfire policy of a later tick.
     Failed,
     /// A ledger transaction claimed the tick and committed.
     Committed,
@@ -59,6 +60,9 @@ pub struct TickContext {
     claim: Claim,
     ledger: TickLedger,
     slot: Arc<Mutex<Slot>>,
+    /// How many transactions [`begin`](Self::begin) opened: only the latest one's end
+    /// settles the slot from its drop.
+    begun: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl TickContext {
@@ -78,6 +82,7 @@ impl TickContext {
             claim,
             ledger,
             slot: Arc::default(),
+            begun: Arc::default(),
         }
     }
 
@@ -131,6 +136,11 @@ impl TickContext {
     #[must_use]
     pub fn claim(&self) -> Claim {
         self.claim
+    }
+
+    /// Did the job open a ledger transaction with [`begin`](Self::begin)?
+    pub(crate) fn began(&self) -> bool {
+        self.begun.load(std::sync::atomic::Ordering::Acquire) > 0
     }
 
     pub(crate) fn slot(&self) -> Slot {
@@ -224,8 +234,10 @@ impl TickContext {
                 true
             }
         };
+        let attempt = self.begun.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
         Ok(Some(LedgerTx {
             tx: Some(tx),
+            attempt,
             ctx: self.clone(),
             claimed,
         }))
@@ -241,8 +253,8 @@ impl TickContext {
 /// that row. The server ends the transaction once it has sat idle
 /// [`TickLedger::idle_in_transaction`] between two statements (nothing of it commits:
 /// [`commit`](Self::commit), or the job's next statement in it, then fails on the
-/// closed connection, and the tick is left to the misfire policy, whatever the job
-/// returns). A newer leader's tick that finds it still open waits for
+/// closed connection, and with [`Claim::InJobTransaction`] the tick is left to the
+/// misfire policy, whatever the job returns). A newer leader's tick that finds it still open waits for
 /// the row at most [`TickLedger::timeout`] and then gives up, unrun and unrecorded:
 /// [`TickContext::begin`] fails with [`LedgerError::Timeout`] (with
 /// [`Claim::BeforeRun`], the gate answers `Outcome::Skipped(Ledger)`), and the misfire
@@ -250,6 +262,8 @@ impl TickContext {
 pub struct LedgerTx<'c> {
     /// `None` only once [`commit`](Self::commit) or [`rollback`](Self::rollback) took it.
     tx: Option<Transaction<'c>>,
+    /// Which of the context's transactions this is (1 for the first).
+    attempt: u64,
     ctx: TickContext,
     claimed: bool,
 }
@@ -261,10 +275,9 @@ impl Drop for LedgerTx<'_> {
     /// policy, as when [`commit`](Self::commit) finds the connection closed.
     fn drop(&mut self) {
         if let Some(tx) = &self.tx
-            && self.claimed
             && tx.client().is_closed()
         {
-            self.ctx.settle(Slot::Failed);
+            self.session_ended();
         }
     }
 }
@@ -291,6 +304,16 @@ impl<'c> Deref for LedgerTx<'c> {
 }
 
 impl LedgerTx<'_> {
+    /// The server ended this transaction's session: nothing of it committed, and the
+    /// tick is not the job's failure (if the tick was claimed here and this is the
+    /// latest transaction the job began for it).
+    fn session_ended(&self) {
+        if self.claimed && self.ctx.begun.load(std::sync::atomic::Ordering::Acquire) == self.attempt
+        {
+            self.ctx.settle(Slot::Failed);
+        }
+    }
+
     /// Records the run's end time on the tick's row and commits: the writes made in
     /// this transaction and the tick's row (outcome `ran`) commit together.
     ///
@@ -301,13 +324,13 @@ impl LedgerTx<'_> {
     /// itself was lost on the way back (the next leader then finds the row).
     ///
     /// When the statement that records the end of the run or the commit finds the
-    /// connection closed (the server ended the session: the transaction sat idle past
-    /// [`TickLedger::idle_in_transaction`], or its backend was terminated), the error
-    /// says so, and the tick is not the job's failure: the gate leaves it unrecorded,
-    /// for the misfire policy of a later tick, which reads what the ledger holds (the
-    /// row, if the commit's answer was lost with the connection). It is not recorded
-    /// `failed`, whatever the job returns then. Any other failure of that statement is
-    /// the job's: a job that returns it is recorded `failed`.
+    /// session ended (the transaction sat idle past
+    /// [`TickLedger::idle_in_transaction`], its backend was terminated, the connection
+    /// failed), the error says so, and with [`Claim::InJobTransaction`] the tick is not
+    /// the job's failure: the gate leaves it unrecorded, for the misfire policy of a
+    /// later tick, which reads what the ledger holds (the row, if the commit's answer
+    /// was lost with the connection), whatever the job returns then. Any other failure
+    /// of that statement is the job's: a job that returns it is recorded `failed`.
     ///
     /// # Cancel safety
     ///
@@ -338,7 +361,7 @@ impl LedgerTx<'_> {
                 // The COMMIT was never sent: nothing of the transaction committed.
                 Err(source) if session_ended(&source) => {
                     return Err(connection_closed(
-                        &self.ctx,
+                        &self,
                         "recording the end of the run (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)",
                         source,
                     ));
@@ -351,7 +374,7 @@ impl LedgerTx<'_> {
             // connection.
             if session_ended(&source) {
                 return Err(connection_closed(
-                    &self.ctx,
+                    &self,
                     "committing the ledger transaction (its connection is closed: the server ended the session, e.g. idle in the transaction past TickLedger::idle_in_transaction)",
                     source,
                 ));
@@ -379,8 +402,13 @@ impl LedgerTx<'_> {
                 "BUG: a LedgerTx's transaction is taken only by commit and rollback, which consume it"
             )
         };
+        let closed = tx.client().is_closed();
+        let rolled_back = tx.rollback().await;
+        if closed || rolled_back.as_ref().err().is_some_and(session_ended) {
+            self.session_ended();
+        }
         let ledger = self.ctx.ledger.clone();
-        tx.rollback().await.map_err(ledger.db("rolling back"))
+        rolled_back.map_err(ledger.db("rolling back"))
     }
 }
 
@@ -390,27 +418,43 @@ impl LedgerTx<'_> {
 /// reads what the ledger holds. The same for the statement that records the end of the
 /// run as for the COMMIT.
 fn connection_closed(
-    ctx: &TickContext,
+    tx: &LedgerTx<'_>,
     action: &'static str,
     source: tokio_postgres::Error,
 ) -> LedgerError {
-    ctx.settle(Slot::Failed);
+    tx.session_ended();
     LedgerError::Database { action, source }
 }
 
 /// Did `e` come of the session's end rather than of the statement: the connection is
-/// closed, or the server's last words before it closed it (the transaction sat idle
-/// past `idle_in_transaction_session_timeout`, an administrator or a shutdown
-/// terminated the backend, the connection failed), which tokio-postgres may report as
-/// the statement's error when they arrive with it.
-fn session_ended(e: &tokio_postgres::Error) -> bool {
-    use tokio_postgres::error::SqlState;
+/// closed, or the server's last words before it closed it (any `FATAL` or `PANIC`
+/// error: the transaction sat idle past `idle_in_transaction_session_timeout`, ran past
+/// `transaction_timeout`, an administrator or a shutdown terminated the backend),
+/// which tokio-postgres reports as the statement's error when they arrive with it.
+pub(crate) fn session_ended(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::{Severity, SqlState};
     e.is_closed()
-        || e.code().is_some_and(|code| {
-            *code == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
-                || *code == SqlState::ADMIN_SHUTDOWN
-                || *code == SqlState::CRASH_SHUTDOWN
-                || *code == SqlState::CANNOT_CONNECT_NOW
-                || code.code().starts_with("08")
+        || e.as_db_error().is_some_and(|db| {
+            matches!(
+                db.parsed_severity(),
+                Some(Severity::Fatal | Severity::Panic)
+            ) || *db.code() == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
+                || *db.code() == SqlState::ADMIN_SHUTDOWN
+                || *db.code() == SqlState::CRASH_SHUTDOWN
         })
+}
+
+/// Does the chain of `e` hold a database error of the session's end (see
+/// [`session_ended`])?
+pub(crate) fn ended_session(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<tokio_postgres::Error>()
+            .is_some_and(session_ended)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
