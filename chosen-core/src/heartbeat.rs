@@ -5,7 +5,11 @@
 //! earlier ones have answered (tokio-postgres pipelines queries on one `Client`; the
 //! server answers them in order). So a slow database is not a dead one: leases stay
 //! valid while the round trip stays below `lease_timeout - heartbeat_interval`, where
-//! one heartbeat at a time lost them above `lease_timeout / 2`.
+//! one heartbeat at a time lost them above `lease_timeout / 2`. (While a statement that
+//! takes locks is on its way, an answer renews only from that statement's send; with
+//! requests waiting, whose tries go out one poll interval after the last answer, that
+//! brings the limit down to about half that. Known, to be made exact: see
+//! `Pulse::answered`.)
 //!
 //! The rules ([`Pulse`]: when to send, how many may be on their way, what an answer
 //! means) are apart from the task that carries them out ([`run`]).
@@ -93,7 +97,7 @@ pub(crate) async fn run(
                     }
                     Verdict::Revoke(reason) => return revoke(reason),
                     Verdict::Unjudged { rtt } => {
-                        debug!(rtt_us = rtt.as_micros() as u64, "heartbeat answered after more lock releases than are remembered: renews nothing");
+                        warn!(node_id = %shared.options.node_id, rtt_ms = rtt.as_millis() as u64, "heartbeat answered after more lock releases than are remembered (the heartbeat task was starved): it renews nothing");
                     }
                 }
             }
@@ -232,7 +236,9 @@ impl Pulse {
         (self.in_flight < self.max_in_flight).then_some(self.next)
     }
 
-    /// A heartbeat is sent at `now`, after reading the lock floor `(epoch, floor)`.
+    /// A heartbeat is sent at `now` (read before the floor: a statement sent after this
+    /// read and queued before the heartbeat took its locks after `now`), after reading
+    /// the lock floor.
     pub(crate) fn send(&mut self, now: Instant, floor: FloorRead) -> Beat {
         self.in_flight += 1;
         // On the grid; but after a stall (a freeze, a full pipeline) start again from

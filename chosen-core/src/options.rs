@@ -303,7 +303,10 @@ impl ManagerOptions {
     /// Heartbeats are pipelined: one is sent every interval whether or not the earlier
     /// ones have answered, so leases survive database round trips below
     /// `lease_timeout - heartbeat_interval` (2 s with the defaults); a round trip above
-    /// half the lease timeout is logged as a warning (at most every 30 s).
+    /// half the lease timeout is logged as a warning (at most every 30 s). While
+    /// requests wait (their tries are then on their way most of the time on a slow
+    /// database, and a heartbeat answer renews only from a try's send), the limit is
+    /// about half that.
     #[must_use]
     pub fn heartbeat_interval(mut self, interval: Duration) -> Self {
         self.heartbeat_interval = interval;

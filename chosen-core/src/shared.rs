@@ -264,7 +264,7 @@ impl Shared {
         f.taking(taking);
     }
 
-    /// `(epoch, floor)`: see [`Self::set_server_floor`].
+    /// The floor as a heartbeat reads it before it is sent: see [`Self::set_server_floor`].
     pub(crate) fn server_floor(&self) -> FloorRead {
         self.server_floor
             .lock()
