@@ -2159,19 +2159,11 @@ async fn a_rollback_on_a_connection_the_server_closed_leaves_the_tick_to_the_mis
     stalled_inside_the_job_transaction(Stalled::RolledBack).await;
 }
 
-// ... and when the server terminates the backend while the job's statement runs: the
-// statement fails with the server's FATAL error before the connection is seen closed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_statement_whose_backend_is_terminated_leaves_the_tick_to_the_misfire_policy() {
-    stalled_inside_the_job_transaction(Stalled::Terminated).await;
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Stalled {
     BeforeCommit,
     BeforeItsNextWrite,
     RolledBack,
-    Terminated,
 }
 
 async fn stalled_inside_the_job_transaction(how: Stalled) {
@@ -2205,19 +2197,6 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
                     &[&ctx.job(), &(t as i64), &(ctx.fencing_token().get() as i64)],
                 )
                 .await?;
-                if t == T0 + 1 && !ctx.is_catch_up() && how == Stalled::Terminated {
-                    let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
-                    let other = pool.get().await?;
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        other
-                            .execute("SELECT pg_terminate_backend($1)", &[&pid])
-                            .await
-                            .unwrap();
-                    });
-                    tx.execute("SELECT pg_sleep(30)", &[]).await?;
-                    return Ok(());
-                }
                 if t == T0 + 1 && !ctx.is_catch_up() {
                     // Its writes are made; it stalls past the idle bound.
                     tokio::time::sleep(idle * 4).await;

@@ -138,11 +138,6 @@ impl TickContext {
         self.claim
     }
 
-    /// Did the job open a ledger transaction with [`begin`](Self::begin)?
-    pub(crate) fn began(&self) -> bool {
-        self.begun.load(std::sync::atomic::Ordering::Acquire) > 0
-    }
-
     pub(crate) fn slot(&self) -> Slot {
         *self.slot.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -390,7 +385,11 @@ impl LedgerTx<'_> {
         Ok(())
     }
 
-    /// Rolls back: nothing written in it commits, and the tick stays unclaimed.
+    /// Rolls back: nothing written in it commits, and the tick stays unclaimed. What the
+    /// job returns then decides (with [`Claim::InJobTransaction`]: `Err` is recorded
+    /// `failed`, `Ok` is recorded `ran`), unless the session had ended (the connection
+    /// is closed, or the rollback fails with the server's `FATAL` error): then the tick
+    /// is left to the misfire policy of a later tick.
     ///
     /// # Errors
     ///
@@ -427,34 +426,19 @@ fn connection_closed(
 }
 
 /// Did `e` come of the session's end rather than of the statement: the connection is
-/// closed, or the server's last words before it closed it (any `FATAL` or `PANIC`
-/// error: the transaction sat idle past `idle_in_transaction_session_timeout`, ran past
+/// closed, or the server's last words before it closed it (a `FATAL` or `PANIC` error:
+/// the transaction sat idle past `idle_in_transaction_session_timeout`, ran past
 /// `transaction_timeout`, an administrator or a shutdown terminated the backend),
 /// which tokio-postgres reports as the statement's error when they arrive with it.
-pub(crate) fn session_ended(e: &tokio_postgres::Error) -> bool {
-    use tokio_postgres::error::{Severity, SqlState};
+/// (The same codes at `ERROR` severity come from another server, through
+/// `postgres_fdw` or `dblink`, on a session that lives on.)
+fn session_ended(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::Severity;
     e.is_closed()
         || e.as_db_error().is_some_and(|db| {
             matches!(
                 db.parsed_severity(),
                 Some(Severity::Fatal | Severity::Panic)
-            ) || *db.code() == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
-                || *db.code() == SqlState::ADMIN_SHUTDOWN
-                || *db.code() == SqlState::CRASH_SHUTDOWN
+            )
         })
-}
-
-/// Does the chain of `e` hold a database error of the session's end (see
-/// [`session_ended`])?
-pub(crate) fn ended_session(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut next = Some(e);
-    while let Some(e) = next {
-        if e.downcast_ref::<tokio_postgres::Error>()
-            .is_some_and(session_ended)
-        {
-            return true;
-        }
-        next = e.source();
-    }
-    false
 }

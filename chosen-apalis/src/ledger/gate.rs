@@ -17,7 +17,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{debug, error, info, warn};
 
-use super::context::{Slot, TickContext, ended_session};
+use super::context::{Slot, TickContext};
 use super::overlap::{Held, Overlap, Refused, Turn};
 use super::plan::{MAX_MISSED, MissReason, missed_ticks, next_after, plan};
 use super::{Claim, JobIds, LedgerError, Misfire, TickLedger, at, chain};
@@ -733,12 +733,6 @@ impl Shared {
             Err(stop) => return Ok(self.cancelled(&ctx, stop).await),
         };
         let failure = result.as_ref().err().map(describe);
-        // The job failed because the server ended its ledger transaction's session
-        // (however the job's statement learnt it): nothing of it committed, and it is
-        // not the job's failure.
-        let session_ended = self.claim == Claim::InJobTransaction
-            && ctx.began()
-            && result.as_ref().err().is_some_and(failed_by_session_end);
         match self.claim {
             Claim::BeforeRun => {
                 let outcome = if failure.is_some() { "failed" } else { "ran" };
@@ -756,9 +750,6 @@ impl Shared {
                 // unrecorded, the tick is a missed tick for the next one to decide about.
                 (Slot::Failed, _) => {
                     warn!(lock = %self.job, tick, "the run's ledger transaction failed: the tick is left to the misfire policy");
-                }
-                (Slot::Open, Some(failure)) if session_ended => {
-                    warn!(lock = %self.job, tick, error = %failure, "the server ended the run's ledger transaction: the tick is left to the misfire policy");
                 }
                 (Slot::AlreadyRecorded, None) => return Ok(self.already_recorded(tick)),
                 (_, failure) => {
@@ -996,21 +987,6 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(not a string)".to_owned())
-}
-
-/// Did the job fail because a database session ended under it: its error (a boxed
-/// error, a tokio-postgres error or a ledger error), or one of its sources, is a
-/// database error of the session's end (see [`session_ended`](super::context::session_ended)).
-fn failed_by_session_end<E: 'static>(e: &E) -> bool {
-    let any: &dyn std::any::Any = e;
-    if let Some(boxed) = any.downcast_ref::<apalis_core::error::BoxDynError>() {
-        return ended_session(boxed.as_ref());
-    }
-    if let Some(e) = any.downcast_ref::<tokio_postgres::Error>() {
-        return ended_session(e);
-    }
-    any.downcast_ref::<LedgerError>()
-        .is_some_and(|e| ended_session(e))
 }
 
 /// A job's error as text for the ledger: its sources too when it is a boxed error
