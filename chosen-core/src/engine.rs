@@ -687,7 +687,7 @@ impl Engine {
     }
 
     /// The locks the session holds for certain, for the heartbeat's pooler guard.
-    pub(crate) fn server_floor(&self) -> Vec<crate::shared::SessionLock> {
+    pub(crate) fn server_floor(&self) -> Vec<crate::key::SessionLock> {
         self.table.server_floor()
     }
 

@@ -22,8 +22,9 @@ use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
 use crate::generation::Generation;
+use crate::key::SessionLock;
 use crate::pg;
-use crate::shared::{FloorRead, ServerFloor, SessionLock, Shared};
+use crate::shared::{FloorRead, ServerFloor, Shared};
 use crate::status::SessionDownReason;
 
 /// However the settings compare, never more heartbeats than this on their way at once

@@ -55,6 +55,14 @@ pub enum LockKey {
     Int(i64),
 }
 
+/// One advisory lock of a session as the server's lock table shows it: the key and
+/// whether it is held exclusively (leases) or shared (stop fences, interest keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct SessionLock {
+    pub(crate) key: LockKey,
+    pub(crate) exclusive: bool,
+}
+
 /// How many interest buckets there are (see [`LockKey::interest`]). Do not change.
 const INTEREST_BUCKETS: u32 = 256;
 

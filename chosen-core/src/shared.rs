@@ -9,17 +9,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::key::LockKey;
+use crate::key::SessionLock;
 use crate::options::ManagerOptions;
 use crate::status::ConnectionState;
-
-/// One advisory lock of the session as the server's lock table shows it: the key and
-/// whether it is held exclusively (leases) or shared (stop fences, interest keys).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct SessionLock {
-    pub(crate) key: LockKey,
-    pub(crate) exclusive: bool,
-}
 
 /// The advisory locks the session holds for certain (taken by statements already
 /// answered, their release not yet sent), and an epoch that grows whenever one of them
@@ -134,7 +126,8 @@ impl ServerFloor {
 
 #[cfg(test)]
 mod floor_tests {
-    use super::{FloorRead, LockKey, ServerFloor, SessionLock};
+    use super::{FloorRead, ServerFloor, SessionLock};
+    use crate::key::LockKey;
 
     fn lock(n: i32) -> SessionLock {
         SessionLock {

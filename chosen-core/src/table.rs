@@ -44,8 +44,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::key::LockKey;
-use crate::shared::SessionLock;
+use crate::key::{LockKey, SessionLock};
 use crate::token::FencingToken;
 
 /// Identifies one acquire request (and the lease it becomes).

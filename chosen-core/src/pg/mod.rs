@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::fault::{Fault, classify, error_text};
 use crate::generation::Generation;
 use crate::key::LockKey;
-use crate::shared::SessionLock;
+use crate::key::SessionLock;
 use crate::status::SessionDownReason;
 
 pub(crate) use connect::connect;

@@ -64,7 +64,8 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::engine::{CloseNext, Done, Engine, Term, Timing as EngineTiming, TryFailed};
 use crate::heartbeat::{Beat, Pulse, Verdict};
 use crate::key::LockKey;
-use crate::shared::{ServerFloor, SessionLock};
+use crate::key::SessionLock;
+use crate::shared::ServerFloor;
 use crate::table::{
     Action, Backend as Seen, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId,
     Rules, TryOutcome, Via, next_random, verified,
