@@ -19,8 +19,7 @@ use crate::engine::Term;
 use crate::error::Result;
 use crate::fault::{Fault, classify, error_text};
 use crate::generation::Generation;
-use crate::key::LockKey;
-use crate::key::SessionLock;
+use crate::key::{LockKey, SessionLock};
 use crate::status::SessionDownReason;
 
 pub(crate) use connect::connect;
