@@ -22,6 +22,8 @@ pub struct GateStats {
     pub(crate) skipped_ledger_error: AtomicU64,
     pub(crate) skipped_overlap: AtomicU64,
     pub(crate) cancelled: AtomicU64,
+    pub(crate) held_early: AtomicU64,
+    pub(crate) skipped_not_due: AtomicU64,
 }
 
 impl GateStats {
@@ -82,6 +84,21 @@ impl GateStats {
     #[must_use]
     pub fn cancelled(&self) -> u64 {
         self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Ticks delivered before the database's clock reached them (this node's clock
+    /// ahead of the database's by more than the tolerance), held until it did (tick
+    /// ledger only; counted whatever became of them then).
+    #[must_use]
+    pub fn held_early(&self) -> u64 {
+        self.held_early.load(Ordering::Relaxed)
+    }
+
+    /// Ticks not run because they were delivered more than an hour before the
+    /// database's clock reached them (tick ledger only).
+    #[must_use]
+    pub fn skipped_not_due(&self) -> u64 {
+        self.skipped_not_due.load(Ordering::Relaxed)
     }
 }
 

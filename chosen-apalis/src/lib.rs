@@ -15,9 +15,10 @@ pub use layer::{GateStats, LeaderOnlyJobLayer, LeaderOnlyLayer};
 #[cfg(feature = "ledger")]
 #[cfg_attr(docsrs, doc(cfg(feature = "ledger")))]
 pub use ledger::{
-    Claim, DEFAULT_IDLE_IN_TRANSACTION, DEFAULT_LEDGER_TABLE, DEFAULT_LEDGER_TIMEOUT,
-    LEDGER_INSTALL_SQL, LedgerError, LedgerFuture, LedgerTable, LedgerTx, LedgeredCron,
-    LedgeredCronLayer, MAX_LEDGER_TIMEOUT, Misfire, Overlap, TickContext, TickLedger,
+    Claim, DEFAULT_CLOCK_TOLERANCE, DEFAULT_IDLE_IN_TRANSACTION, DEFAULT_LEDGER_TABLE,
+    DEFAULT_LEDGER_TIMEOUT, LEDGER_INSTALL_SQL, LedgerError, LedgerFuture, LedgerTable, LedgerTx,
+    LedgeredCron, LedgeredCronLayer, MAX_EARLY_HOLD, MAX_LEDGER_TIMEOUT, Misfire, Overlap,
+    TickContext, TickLedger,
 };
 pub use policy::{AnyTask, CronTicks, TaskSchedule};
 #[allow(deprecated)] // the old name, kept so that existing code still compiles

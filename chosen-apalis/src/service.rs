@@ -83,6 +83,16 @@ pub enum SkipReason {
         /// Why.
         reason: String,
     },
+    /// The tick was delivered more than an hour (`MAX_EARLY_HOLD`) before the
+    /// database's clock reaches it (tick ledger): this node's clock is ahead of the
+    /// database's. It is not run here and left unrecorded; the misfire policy of a
+    /// later tick decides about it. (Ticks less early are held until they are due.)
+    NotDue {
+        /// The tick's scheduled time.
+        tick: SystemTime,
+        /// How far ahead of the database's clock it was delivered.
+        early: Duration,
+    },
     /// The run panicked (tick ledger): the panic was caught, the tick recorded `failed`
     /// with the message, and the worker goes on (a leader whose worker died would hold
     /// the job's lock and run nothing).

@@ -22,8 +22,13 @@ use deadpool_postgres::Pool;
 use tokio_postgres::Client;
 use tower::{Layer, Service, ServiceExt};
 
-/// A tick well in the future, a multiple of 60.
-const T0: u64 = 1_900_000_020;
+/// A tick in the past (ticks are due by the database's clock: a future one would be
+/// held until then), two days ago at a whole hour, the same for every test in this
+/// process. Ticks up to a day after it are in the past too.
+fn t0() -> u64 {
+    static T0: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *T0.get_or_init(|| (unix_now() - 2 * 86_400) / 3600 * 3600)
+}
 
 struct Db {
     _pg: PgCluster,
@@ -225,7 +230,7 @@ async fn rows(admin: &Client, job: &str) -> Vec<(i64, String, Option<String>, i6
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1), r.get(2), r.get(3)))
+        .map(|r| (r.get::<_, i64>(0) - t0() as i64, r.get(1), r.get(2), r.get(3)))
         .collect()
 }
 
@@ -251,10 +256,13 @@ async fn skip_records_every_missed_tick_and_runs_none() {
         Claim::BeforeRun,
         false,
     );
-    assert!(tick(&mut a, T0).await.ran());
+    assert!(tick(&mut a, t0()).await.ran());
     // Four ticks nobody handled, then T0+5.
-    assert!(tick(&mut a, T0 + 5).await.ran());
-    assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 5, false)]);
+    assert!(tick(&mut a, t0() + 5).await.ran());
+    assert_eq!(
+        *a.runs.lock().unwrap(),
+        vec![(t0(), false), (t0() + 5, false)]
+    );
     let missed = Some("missed: not run when due");
     assert_eq!(
         rows(&db.admin, &job).await,
@@ -270,13 +278,13 @@ async fn skip_records_every_missed_tick_and_runs_none() {
     assert_eq!(a.layer.stats().skipped_missed(), 4);
     // The same tick again (a second scheduler, a retry): not run twice.
     assert!(matches!(
-        tick(&mut a, T0 + 5).await,
+        tick(&mut a, t0() + 5).await,
         Outcome::Skipped(SkipReason::AlreadyRecorded { .. })
     ));
     assert_eq!(a.runs.lock().unwrap().len(), 2);
     a.control.follow(Some("node-b"));
     assert!(matches!(
-        tick(&mut a, T0 + 6).await,
+        tick(&mut a, t0() + 6).await,
         Outcome::Skipped(SkipReason::NotLeader { .. })
     ));
 }
@@ -294,11 +302,11 @@ async fn run_once_runs_the_most_recent_missed_tick_then_the_due_one() {
         Claim::BeforeRun,
         false,
     );
-    tick(&mut a, T0).await;
-    tick(&mut a, T0 + 5).await;
+    tick(&mut a, t0()).await;
+    tick(&mut a, t0() + 5).await;
     assert_eq!(
         *a.runs.lock().unwrap(),
-        vec![(T0, false), (T0 + 4, true), (T0 + 5, false)]
+        vec![(t0(), false), (t0() + 4, true), (t0() + 5, false)]
     );
     let sup = Some("superseded by a later missed tick");
     assert_eq!(
@@ -334,7 +342,7 @@ async fn catch_up_runs_the_missed_ticks_within_the_window_oldest_first() {
         Claim::InJobTransaction,
         true,
     );
-    tick(&mut a, T0).await;
+    tick(&mut a, t0()).await;
     a.control.stop();
     let mut b = node(
         &db,
@@ -345,15 +353,15 @@ async fn catch_up_runs_the_missed_ticks_within_the_window_oldest_first() {
         Claim::InJobTransaction,
         true,
     );
-    assert!(tick(&mut b, T0 + 10).await.ran());
+    assert!(tick(&mut b, t0() + 10).await.ran());
     // Within 4 s of T0+10: T0+6..T0+9; the most recent 3 run, oldest first.
     assert_eq!(
         *b.runs.lock().unwrap(),
         vec![
-            (T0 + 7, true),
-            (T0 + 8, true),
-            (T0 + 9, true),
-            (T0 + 10, false)
+            (t0() + 7, true),
+            (t0() + 8, true),
+            (t0() + 9, true),
+            (t0() + 10, false)
         ]
     );
     let (win, max) = (Some("beyond catch-up window"), Some("beyond catch-up max"));
@@ -382,7 +390,7 @@ async fn catch_up_runs_the_missed_ticks_within_the_window_oldest_first() {
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1)))
+        .map(|r| (r.get::<_, i64>(0) - t0() as i64, r.get(1)))
         .collect();
     assert_eq!(witness, vec![(0, 5), (7, 7), (8, 7), (9, 7), (10, 7)]);
     // Each missed tick's task has an id of its own (review finding: they were built
@@ -403,7 +411,7 @@ async fn two_gates_one_tick_one_run() {
         let job = unique_name("ledger-unique");
         let mut a = node(&db, &job, "node-a", 5, Misfire::Skip, claim, true);
         let mut b = node(&db, &job, "node-b", 5, Misfire::Skip, claim, true);
-        for t in T0..T0 + 5 {
+        for t in t0()..t0() + 5 {
             let (x, y) = tokio::join!(tick(&mut a, t), tick(&mut b, t));
             assert!(x.ran() != y.ran(), "{claim:?} {t}: {x:?} {y:?}");
         }
@@ -433,9 +441,9 @@ async fn a_stale_leader_cannot_claim_or_commit() {
         let job = unique_name("ledger-stale");
         let mut old = node(&db, &job, "node-a", 5, Misfire::Skip, claim, true);
         let mut new = node(&db, &job, "node-b", 7, Misfire::Skip, claim, true);
-        assert!(tick(&mut old, T0).await.ran());
-        assert!(tick(&mut new, T0 + 1).await.ran());
-        let out = try_tick(&mut old, T0 + 2).await;
+        assert!(tick(&mut old, t0()).await.ran());
+        assert!(tick(&mut new, t0() + 1).await.ran());
+        let out = try_tick(&mut old, t0() + 2).await;
         match claim {
             // The gate's claim is refused: the job does not run.
             Claim::BeforeRun => {
@@ -463,7 +471,7 @@ async fn a_stale_leader_cannot_claim_or_commit() {
             .await
             .unwrap()
             .iter()
-            .map(|r| (r.get::<_, i64>(0) - T0 as i64, r.get(1)))
+            .map(|r| (r.get::<_, i64>(0) - t0() as i64, r.get(1)))
             .collect();
         assert_eq!(witness, vec![(0, 5), (1, 7)], "{claim:?}");
         // No row of the stale leader after the newer one's.
@@ -587,10 +595,10 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
     let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
         l.schedule(every_second()).overlap(Overlap::Skip)
     });
-    a.delays.lock().unwrap().push((T0, slow));
-    let first = tick_in_background(&a, T0);
-    started(&a, T0).await;
-    let out = tick(&mut a, T0 + 1).await;
+    a.delays.lock().unwrap().push((t0(), slow));
+    let first = tick_in_background(&a, t0());
+    started(&a, t0()).await;
+    let out = tick(&mut a, t0() + 1).await;
     assert!(
         matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
         "{out:?}"
@@ -607,25 +615,28 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
     let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
         l.schedule(every_second()).overlap(Overlap::Buffer)
     });
-    a.delays.lock().unwrap().push((T0, slow));
-    let first = tick_in_background(&a, T0);
-    started(&a, T0).await;
-    let second = tick_in_background(&a, T0 + 1);
+    a.delays.lock().unwrap().push((t0(), slow));
+    let first = tick_in_background(&a, t0());
+    started(&a, t0()).await;
+    let second = tick_in_background(&a, t0() + 1);
     tokio::time::sleep(settle).await;
-    let out = tick(&mut a, T0 + 2).await;
+    let out = tick(&mut a, t0() + 2).await;
     assert!(
         matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
         "{out:?}"
     );
     assert!(first.await.unwrap().ran());
     assert!(second.await.unwrap().ran());
-    assert_eq!(*a.runs.lock().unwrap(), vec![(T0, false), (T0 + 1, false)]);
+    assert_eq!(
+        *a.runs.lock().unwrap(),
+        vec![(t0(), false), (t0() + 1, false)]
+    );
     // The third was left to the misfire policy (Skip here): the next tick records it.
     assert_eq!(
         rows(&db.admin, &job).await,
         vec![row(0, "ran", None, 5), row(1, "ran", None, 5)]
     );
-    assert!(tick(&mut a, T0 + 3).await.ran());
+    assert!(tick(&mut a, t0() + 3).await.ran());
     assert_eq!(
         rows(&db.admin, &job).await,
         vec![
@@ -644,10 +655,13 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
             .overlap(Overlap::CancelPrevious)
             .claim(Claim::InJobTransaction)
     });
-    a.delays.lock().unwrap().push((T0, Duration::from_secs(60)));
-    let first = tick_in_background(&a, T0);
-    started(&a, T0).await;
-    assert!(tick(&mut a, T0 + 1).await.ran());
+    a.delays
+        .lock()
+        .unwrap()
+        .push((t0(), Duration::from_secs(60)));
+    let first = tick_in_background(&a, t0());
+    started(&a, t0()).await;
+    assert!(tick(&mut a, t0() + 1).await.ran());
     let out = first.await.unwrap();
     assert!(
         matches!(out, Outcome::Skipped(SkipReason::Cancelled { .. })),
@@ -666,7 +680,7 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .map(|r| r.get::<_, i64>(0) - t0() as i64)
         .collect();
     assert_eq!(witness, vec![1], "the cancelled run's write rolled back");
 
@@ -676,8 +690,11 @@ async fn overlap_policies_and_max_runtime_record_what_they_did() {
         l.schedule(every_second())
             .max_runtime(Duration::from_millis(300))
     });
-    a.delays.lock().unwrap().push((T0, Duration::from_secs(60)));
-    let out = tick(&mut a, T0).await;
+    a.delays
+        .lock()
+        .unwrap()
+        .push((t0(), Duration::from_secs(60)));
+    let out = tick(&mut a, t0()).await;
     assert!(
         matches!(out, Outcome::Skipped(SkipReason::Cancelled { .. })),
         "{out:?}"
@@ -772,7 +789,7 @@ async fn two_jobs_of_one_leadership_each_run_every_tick() {
         });
         jobs.push((svc, runs, format!("{lock}/{name}")));
     }
-    for t in T0..T0 + 3 {
+    for t in t0()..t0() + 3 {
         for (svc, ..) in &mut jobs {
             let out = svc
                 .ready()
@@ -818,16 +835,16 @@ async fn a_hole_below_the_newest_row_is_decided() {
             Claim::InJobTransaction,
             true,
         );
-        assert!(tick(&mut a, T0).await.ran());
+        assert!(tick(&mut a, t0()).await.ran());
         // T0+3 recorded (as an overlap skip would be), T0+1 and T0+2 not.
         db.admin
             .execute(
                 "INSERT INTO chosen_ticks (job, tick, token, outcome, reason, node, started_at) VALUES ($1, to_timestamp($2), 5, 'skipped', 'previous run still running', 'node-a', now())",
-                &[&job, &((T0 + 3) as f64)],
+                &[&job, &((t0() + 3) as f64)],
             )
             .await
             .unwrap();
-        assert!(tick(&mut a, T0 + 4).await.ran());
+        assert!(tick(&mut a, t0() + 4).await.ran());
         let got: Vec<(i64, String)> = rows(&db.admin, &job)
             .await
             .into_iter()
@@ -879,7 +896,7 @@ async fn a_fence_row_held_by_a_frozen_session_bounds_the_wait() {
             delays,
             ids,
         };
-        assert!(tick(&mut a, T0).await.ran(), "{claim:?}");
+        assert!(tick(&mut a, t0()).await.ran(), "{claim:?}");
         // Another session holds the fence row, inside a transaction it never ends.
         let (mut frozen, conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls)
             .await
@@ -893,7 +910,7 @@ async fn a_fence_row_held_by_a_frozen_session_bounds_the_wait() {
         .await
         .unwrap();
         let started = std::time::Instant::now();
-        let out = tokio::time::timeout(Duration::from_secs(30), try_tick(&mut a, T0 + 1))
+        let out = tokio::time::timeout(Duration::from_secs(30), try_tick(&mut a, t0() + 1))
             .await
             .expect("a held fence row does not hang the gate");
         assert!(
@@ -912,7 +929,7 @@ async fn a_fence_row_held_by_a_frozen_session_bounds_the_wait() {
         }
         tx.rollback().await.unwrap();
         // The next tick decides about the one left over (Skip: recorded as missed).
-        assert!(tick(&mut a, T0 + 2).await.ran(), "{claim:?}");
+        assert!(tick(&mut a, t0() + 2).await.ran(), "{claim:?}");
         let got: Vec<(i64, String)> = rows(&db.admin, &job)
             .await
             .into_iter()
@@ -945,8 +962,8 @@ async fn a_gap_longer_than_the_look_is_marked() {
         Claim::BeforeRun,
         false,
     );
-    assert!(tick(&mut a, T0).await.ran());
-    assert!(tick(&mut a, T0 + 1500).await.ran());
+    assert!(tick(&mut a, t0()).await.ran());
+    assert!(tick(&mut a, t0() + 1500).await.ran());
     let got = rows(&db.admin, &job).await;
     assert_eq!(got.len(), 1 + 1000 + 1);
     let oldest = &got[1];
@@ -983,7 +1000,7 @@ async fn ticks_run_twice(admin: &Client, jobs: &[String]) -> Vec<i64> {
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .map(|r| r.get::<_, i64>(0) - t0() as i64)
         .collect()
 }
 
@@ -1008,15 +1025,15 @@ async fn per_node_worker_names_do_not_run_a_tick_twice() {
         })
     };
     let mut b = mk("node-b", 5);
-    assert!(tick(&mut b, T0).await.ran());
+    assert!(tick(&mut b, t0()).await.ran());
     b.control.follow(Some("node-a"));
     let mut a = mk("node-a", 7);
-    for t in T0 + 1..T0 + 5 {
+    for t in t0() + 1..t0() + 5 {
         assert!(tick(&mut a, t).await.ran());
     }
     a.control.follow(Some("node-b"));
     b.control.lead(9);
-    assert!(tick(&mut b, T0 + 5).await.ran());
+    assert!(tick(&mut b, t0() + 5).await.ran());
     let jobs = vec![lock.clone()];
     let twice = ticks_run_twice(&db.admin, &jobs).await;
     assert!(
@@ -1038,11 +1055,11 @@ async fn jobs_of_one_name_under_two_leaderships_each_run() {
     let mut y = node_with(&db, &unique_name("svc-y"), "node-1", 5, false, |l| {
         l.schedule(every_second()).job(&name)
     });
-    assert!(tick(&mut x, T0).await.ran());
-    let out = tick(&mut y, T0).await;
-    assert!(out.ran(), "svc-y's tick T0: {out:?}");
-    let out = tick(&mut y, T0 + 1).await;
-    assert!(out.ran(), "svc-y's tick T0+1: {out:?}");
+    assert!(tick(&mut x, t0()).await.ran());
+    let out = tick(&mut y, t0()).await;
+    assert!(out.ran(), "svc-y's tick t0(): {out:?}");
+    let out = tick(&mut y, t0() + 1).await;
+    assert!(out.ran(), "svc-y's tick t0()+1: {out:?}");
 }
 
 // R2. A catch-up on gaining leadership before this node's scheduler delivered any tick
@@ -1132,8 +1149,8 @@ async fn a_panicking_run_does_not_block_every_later_tick() {
             let (calls, pool) = (Arc::clone(&calls), pool.clone());
             async move {
                 let t = task.args.get_timestamp();
-                calls.lock().unwrap().push(t - T0);
-                assert_ne!(t, T0 + 1, "the job panics on T0+1");
+                calls.lock().unwrap().push(t - t0());
+                assert_ne!(t, t0() + 1, "the job panics on t0()+1");
                 let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
                 let mut client = pool.get().await?;
                 if let Some(tx) = ctx.begin(&mut client).await? {
@@ -1158,13 +1175,13 @@ async fn a_panicking_run_does_not_block_every_later_tick() {
         let mut svc = svc.clone();
         tokio::spawn(async move { svc.ready().await?.call(Task::new(Tick::new(t))).await })
     };
-    assert!(run(T0).await.unwrap().unwrap().ran());
-    let out = run(T0 + 1).await.unwrap().unwrap();
+    assert!(run(t0()).await.unwrap().unwrap().ran());
+    let out = run(t0() + 1).await.unwrap().unwrap();
     assert!(
-        matches!(&out, Outcome::Skipped(SkipReason::Panicked { message, .. }) if message.contains("the job panics on T0+1")),
+        matches!(&out, Outcome::Skipped(SkipReason::Panicked { message, .. }) if message.contains("the job panics on t0()+1")),
         "{out:?}"
     );
-    let out = run(T0 + 2).await;
+    let out = run(t0() + 2).await;
     assert!(
         matches!(&out, Ok(Ok(o)) if o.ran()),
         "the tick at hand: {out:?}; calls {:?}",
@@ -1175,7 +1192,7 @@ async fn a_panicking_run_does_not_block_every_later_tick() {
     assert_eq!(got[1].1, "failed", "{got:?}");
     assert!(
         got[1].2.as_deref().is_some_and(
-            |r| r.starts_with("the run panicked: ") && r.contains("the job panics on T0+1")
+            |r| r.starts_with("the run panicked: ") && r.contains("the job panics on t0()+1")
         ),
         "{got:?}"
     );
@@ -1234,7 +1251,7 @@ async fn the_job_s_own_statements_keep_their_lock_waits() {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await;
     release.await.unwrap();
     assert!(
@@ -1268,7 +1285,7 @@ async fn a_long_ledger_timeout_is_usable() {
             svc.ready()
                 .await
                 .unwrap()
-                .call(Task::new(Tick::new(T0)))
+                .call(Task::new(Tick::new(t0())))
                 .await
                 .unwrap()
         })
@@ -1291,8 +1308,8 @@ async fn a_failure_with_a_nul_in_its_message_is_recorded_once() {
             let calls = Arc::clone(&calls);
             async move {
                 let t = task.args.get_timestamp();
-                calls.lock().unwrap().push(t - T0);
-                if t == T0 + 1 {
+                calls.lock().unwrap().push(t - t0());
+                if t == t0() + 1 {
                     return Err::<(), BoxDynError>("bad input: \0 in a field".into());
                 }
                 Ok(())
@@ -1310,7 +1327,7 @@ async fn a_failure_with_a_nul_in_its_message_is_recorded_once() {
         })
         .schedule(every_second())
         .layer(job_fn);
-    for t in T0..T0 + 4 {
+    for t in t0()..t0() + 4 {
         let _ = svc
             .ready()
             .await
@@ -1318,7 +1335,7 @@ async fn a_failure_with_a_nul_in_its_message_is_recorded_once() {
             .call(Task::new(Tick::new(t)))
             .await;
     }
-    assert_eq!(*calls.lock().unwrap(), vec![0, 1, 2, 3], "T0+1 runs once");
+    assert_eq!(*calls.lock().unwrap(), vec![0, 1, 2, 3], "t0()+1 runs once");
     let outcomes: Vec<(i64, String)> = rows(&db.admin, &job)
         .await
         .into_iter()
@@ -1343,10 +1360,13 @@ async fn a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
                 within: Duration::from_secs(60),
             })
     });
-    a.delays.lock().unwrap().push((T0, Duration::from_secs(2)));
-    let first = tick_in_background(&a, T0);
-    started(&a, T0).await;
-    let second = tick(&mut a, T0).await;
+    a.delays
+        .lock()
+        .unwrap()
+        .push((t0(), Duration::from_secs(2)));
+    let first = tick_in_background(&a, t0());
+    started(&a, t0()).await;
+    let second = tick(&mut a, t0()).await;
     let first = first.await.unwrap();
     let witness: Vec<i64> = db
         .admin
@@ -1354,7 +1374,7 @@ async fn a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get::<_, i64>(0) - T0 as i64)
+        .map(|r| r.get::<_, i64>(0) - t0() as i64)
         .collect();
     assert_eq!(
         witness,
@@ -1368,42 +1388,52 @@ async fn a_duplicate_delivery_does_not_cancel_the_tick_it_duplicates() {
 // since the job's first row a "hole": the next tick runs catch-ups of ticks that were
 // never scheduled (before this commit only ticks after the newest row counted).
 #[tokio::test]
-async fn a_schedule_change_does_not_replay_history() {
+async fn a_schedule_change_after_a_quiet_spell_does_not_replay_history() {
+    // An hourly job last ran two days ago; it comes back as a per-minute job. No
+    // per-minute tick before its first row was ever due under a deployed schedule: none
+    // is missed, none caught up, on gaining leadership or at the first tick.
     let db = db().await;
     let job = unique_name("ledger-reschedule");
-    let h0 = T0 - T0 % 3600 + 3600;
+    let now = db_now(&db.admin).await;
+    let hour = now / 3600 * 3600 - 2 * 86_400;
+    for t in [hour - 3600, hour] {
+        db.admin
+            .execute(
+                "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now(), '0 0 * * * *')",
+                &[&job, &(t as f64)],
+            )
+            .await
+            .unwrap();
+    }
     let policy = Misfire::CatchUp {
-        max: 24,
+        max: 1000,
         within: Duration::from_secs(6 * 3600),
     };
-    let hourly: Schedule = "0 0 * * * *".parse().unwrap();
-    let quarterly: Schedule = "0 */15 * * * *".parse().unwrap();
-    let mut a = node_on(
-        &db,
-        &job,
-        "node-a",
-        5,
-        (policy, Claim::BeforeRun, hourly),
-        false,
-    );
-    assert!(tick(&mut a, h0).await.ran());
-    assert!(tick(&mut a, h0 + 3600).await.ran());
-    a.control.stop();
-    // The new release, with the new schedule.
+    let minutely: Schedule = "0 * * * * *".parse().unwrap();
     let mut b = node_on(
         &db,
         &job,
         "node-b",
         7,
-        (policy, Claim::BeforeRun, quarterly),
+        (policy, Claim::BeforeRun, minutely),
         false,
     );
-    assert!(tick(&mut b, h0 + 3600 + 900).await.ran());
+    let minute = (now - 6) / 60 * 60;
+    assert!(tick(&mut b, minute).await.ran());
+    // The catch-up on gaining leadership has decided by now (it waits 5 s at most).
+    tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
         *b.runs.lock().unwrap(),
-        vec![(h0 + 3600 + 900, false)],
+        vec![(minute, false)],
         "ticks of the new schedule before the change were never due"
     );
+    let recorded: i64 = db
+        .admin
+        .query_one("SELECT count(*) FROM chosen_ticks WHERE job = $1", &[&job])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(recorded, 3, "nothing recorded as missed");
 }
 
 // R10. Counters: with the claim in the job's transaction, a tick another gate already
@@ -1430,8 +1460,8 @@ async fn a_tick_is_counted_once() {
         Claim::InJobTransaction,
         true,
     );
-    assert!(tick(&mut a, T0).await.ran());
-    assert!(!tick(&mut b, T0).await.ran());
+    assert!(tick(&mut a, t0()).await.ran());
+    assert!(!tick(&mut b, t0()).await.ran());
     let s = b.layer.stats();
     assert_eq!((s.ran(), s.skipped_already_recorded()), (0, 1), "{s:?}");
 }
@@ -1469,7 +1499,7 @@ async fn jobs_named_on_clones_of_one_layer_each_run_every_tick() {
         let svc = base.clone().job(name).layer(quiet_job(&runs));
         jobs.push((svc, runs, format!("{lock}/{name}")));
     }
-    for t in T0..T0 + 3 {
+    for t in t0()..t0() + 3 {
         for (svc, _, job) in &mut jobs {
             let out = svc
                 .ready()
@@ -1503,7 +1533,7 @@ async fn a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
     slow_delays
         .lock()
         .unwrap()
-        .push((T0, Duration::from_secs(3)));
+        .push((t0(), Duration::from_secs(3)));
     let slow = LeaderOnlyJobLayer::new(leadership.clone())
         .ledger(ledger.clone())
         .schedule(every_second())
@@ -1527,7 +1557,7 @@ async fn a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
             slow.ready()
                 .await
                 .unwrap()
-                .call(Task::new(Tick::new(T0)))
+                .call(Task::new(Tick::new(t0())))
                 .await
         })
     };
@@ -1543,7 +1573,7 @@ async fn a_long_ledger_transaction_of_one_job_does_not_stop_another_job() {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await
         .unwrap();
     assert!(first.await.unwrap().unwrap().ran());
@@ -1567,9 +1597,9 @@ async fn a_job_failure_after_a_retried_begin_is_recorded_failed() {
             let (calls, pool, url) = (Arc::clone(&calls), pool.clone(), url.clone());
             async move {
                 let t = task.args.get_timestamp();
-                calls.lock().unwrap().push(t - T0);
+                calls.lock().unwrap().push(t - t0());
                 let ctx = task.ctx().data().get::<TickContext>().cloned().unwrap();
-                if t == T0 + 1 {
+                if t == t0() + 1 {
                     // A cached connection that has died: begin fails; reconnect.
                     let (mut dead, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
                         .await
@@ -1581,7 +1611,7 @@ async fn a_job_failure_after_a_retried_begin_is_recorded_failed() {
                 let Some(tx) = ctx.begin(&mut client).await? else {
                     return Ok(());
                 };
-                if t == T0 + 1 {
+                if t == t0() + 1 {
                     drop(tx);
                     return Err::<(), BoxDynError>("invoice 42 is invalid".into());
                 }
@@ -1601,7 +1631,7 @@ async fn a_job_failure_after_a_retried_begin_is_recorded_failed() {
         })
         .schedule(every_second())
         .layer(job_fn);
-    for t in T0..T0 + 3 {
+    for t in t0()..t0() + 3 {
         let _ = svc
             .ready()
             .await
@@ -1628,7 +1658,7 @@ async fn a_differently_spelled_schedule_does_not_hide_a_hole() {
         db.admin
             .execute(
                 "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 5, $3, 'node-a', now(), '*/1 * * * * *')",
-                &[&job, &((T0 + dt) as f64), &outcome],
+                &[&job, &((t0() + dt) as f64), &outcome],
             )
             .await
             .unwrap();
@@ -1643,8 +1673,8 @@ async fn a_differently_spelled_schedule_does_not_hide_a_hole() {
         Claim::BeforeRun,
         false,
     );
-    assert!(tick(&mut b, T0 + 3).await.ran());
-    assert!(tick(&mut b, T0 + 4).await.ran());
+    assert!(tick(&mut b, t0() + 3).await.ran());
+    assert!(tick(&mut b, t0() + 4).await.ran());
     let got: Vec<(i64, String)> = rows(&db.admin, &job)
         .await
         .into_iter()
@@ -1652,7 +1682,7 @@ async fn a_differently_spelled_schedule_does_not_hide_a_hole() {
         .collect();
     assert!(
         got.iter().any(|(t, _)| *t == 1),
-        "T0+1 neither ran nor has a row: {got:?}"
+        "t0()+1 neither ran nor has a row: {got:?}"
     );
 }
 
@@ -1684,7 +1714,7 @@ async fn a_table_created_by_the_previous_version_keeps_working() {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await
         .unwrap();
     assert!(out.ran(), "{out:?}");
@@ -1707,12 +1737,12 @@ async fn a_clock_step_forward_and_back_does_not_stop_the_job() {
         Claim::BeforeRun,
         false,
     );
-    assert!(tick(&mut a, T0).await.ran());
+    assert!(tick(&mut a, t0()).await.ran());
     // The clock stepped 2 h forward for a moment: one tick from the future.
-    assert!(tick(&mut a, T0 + 7200).await.ran());
+    assert!(tick(&mut a, t0() + 7200).await.ran());
     // Back to the right time: the next real ticks.
     let mut outs = Vec::new();
-    for t in T0 + 1000..T0 + 1003 {
+    for t in t0() + 1000..t0() + 1003 {
         outs.push(tick(&mut a, t).await);
     }
     let got: Vec<i64> = rows(&db.admin, &job)
@@ -1764,7 +1794,7 @@ async fn the_job_s_statements_keep_a_session_lock_timeout() {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await;
     assert!(matches!(&out, Ok(o) if o.ran()), "{out:?}");
     assert_eq!(seen.lock().unwrap().as_deref(), Some("7s"));
@@ -1805,7 +1835,7 @@ async fn install_on_a_starting_node_does_not_stall_the_ledger() {
     slow_delays
         .lock()
         .unwrap()
-        .push((T0, Duration::from_secs(5)));
+        .push((t0(), Duration::from_secs(5)));
     let slow = LeaderOnlyJobLayer::new(leadership.clone())
         .ledger(ledger.clone())
         .schedule(every_second())
@@ -1829,7 +1859,7 @@ async fn install_on_a_starting_node_does_not_stall_the_ledger() {
             slow.ready()
                 .await
                 .unwrap()
-                .call(Task::new(Tick::new(T0)))
+                .call(Task::new(Tick::new(t0())))
                 .await
         })
     };
@@ -1859,7 +1889,7 @@ async fn install_on_a_starting_node_does_not_stall_the_ledger() {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await
         .unwrap();
     installing.await.unwrap().unwrap();
@@ -1968,25 +1998,25 @@ async fn a_deferred_tick_after_a_clock_step_is_decided() {
     let mut a = node_with(&db, &job, "node-a", 5, false, |l| {
         l.schedule(every_second()).overlap(Overlap::Buffer)
     });
-    assert!(tick(&mut a, T0).await.ran());
-    assert!(tick(&mut a, T0 + 7200).await.ran());
+    assert!(tick(&mut a, t0()).await.ran());
+    assert!(tick(&mut a, t0() + 7200).await.ran());
     // Back to the right time. T0+1000 runs 2 s, T0+1001 waits, T0+1002 is deferred.
     a.delays
         .lock()
         .unwrap()
-        .push((T0 + 1000, Duration::from_secs(2)));
-    let running = tick_in_background(&a, T0 + 1000);
-    started(&a, T0 + 1000).await;
-    let waiting = tick_in_background(&a, T0 + 1001);
+        .push((t0() + 1000, Duration::from_secs(2)));
+    let running = tick_in_background(&a, t0() + 1000);
+    started(&a, t0() + 1000).await;
+    let waiting = tick_in_background(&a, t0() + 1001);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let deferred = tick(&mut a, T0 + 1002).await;
+    let deferred = tick(&mut a, t0() + 1002).await;
     assert!(
         matches!(deferred, Outcome::Skipped(SkipReason::Overlap { .. })),
         "{deferred:?}"
     );
     running.await.unwrap();
     waiting.await.unwrap();
-    for t in T0 + 1003..T0 + 1006 {
+    for t in t0() + 1003..t0() + 1006 {
         assert!(tick(&mut a, t).await.ran());
     }
     let got: Vec<i64> = rows(&db.admin, &job)
@@ -1997,7 +2027,7 @@ async fn a_deferred_tick_after_a_clock_step_is_decided() {
         .collect();
     assert!(
         got.contains(&1002),
-        "the deferred tick T0+1002 has no row after later ticks ran: {got:?}"
+        "the deferred tick t0()+1002 has no row after later ticks ran: {got:?}"
     );
 }
 
@@ -2034,7 +2064,7 @@ async fn a_named_job_s_fence_is_not_another_lock_s() {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await
         .unwrap();
     assert!(out.ran(), "{out:?}");
@@ -2045,7 +2075,7 @@ async fn witness_rows(admin: &Client, job: &str) -> Vec<(i64, i64)> {
     admin
         .query(
             "SELECT tick - $2, token FROM witness WHERE job = $1 ORDER BY tick",
-            &[&job, &(T0 as i64)],
+            &[&job, &(t0() as i64)],
         )
         .await
         .unwrap()
@@ -2080,14 +2110,14 @@ async fn a_leader_stalled_inside_its_job_transaction_does_not_hold_up_the_next_l
     old.delays
         .lock()
         .unwrap()
-        .push((T0, Duration::from_secs(15)));
-    let stalled = tokio::spawn(async move { try_tick(&mut old, T0).await.map(|o| o.ran()) });
+        .push((t0(), Duration::from_secs(15)));
+    let stalled = tokio::spawn(async move { try_tick(&mut old, t0()).await.map(|o| o.ran()) });
     // Its claim is in: the fence row is locked by its transaction.
-    let t0 = std::time::Instant::now();
+    let stalled_at = std::time::Instant::now();
     while db
         .admin
         .query_one(
-            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND query LIKE '%chosen_ticks%' AND query LIKE 'INSERT%'",
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND query LIKE '%chosen_ticks%' AND query LIKE '%INSERT INTO%'",
             &[],
         )
         .await
@@ -2095,7 +2125,7 @@ async fn a_leader_stalled_inside_its_job_transaction_does_not_hold_up_the_next_l
         .get::<_, i64>(0)
         == 0
     {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the old leader never began");
+        assert!(stalled_at.elapsed() < Duration::from_secs(10), "the old leader never began");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // A newer leader: its tick fences the same row.
@@ -2112,7 +2142,7 @@ async fn a_leader_stalled_inside_its_job_transaction_does_not_hold_up_the_next_l
         true,
     );
     let started = std::time::Instant::now();
-    let out = tokio::time::timeout(Duration::from_secs(30), try_tick(&mut new, T0 + 1))
+    let out = tokio::time::timeout(Duration::from_secs(30), try_tick(&mut new, t0() + 1))
         .await
         .expect("the new leader's tick hung");
     assert!(
@@ -2187,7 +2217,7 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
                 calls
                     .lock()
                     .unwrap()
-                    .push((t as i64 - T0 as i64, ctx.is_catch_up()));
+                    .push((t as i64 - t0() as i64, ctx.is_catch_up()));
                 let mut client = pool.get().await?;
                 let Some(tx) = ctx.begin(&mut client).await? else {
                     return Ok::<(), BoxDynError>(());
@@ -2197,7 +2227,7 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
                     &[&ctx.job(), &(t as i64), &(ctx.fencing_token().get() as i64)],
                 )
                 .await?;
-                if t == T0 + 1 && !ctx.is_catch_up() {
+                if t == t0() + 1 && !ctx.is_catch_up() {
                     // Its writes are made; it stalls past the idle bound.
                     tokio::time::sleep(idle * 4).await;
                     if how == Stalled::RolledBack {
@@ -2245,7 +2275,7 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0)))
+        .call(Task::new(Tick::new(t0())))
         .await;
     assert!(matches!(first, Ok(ref o) if o.ran()), "{first:?}");
     // The stalled run: its commit fails, the job returns that error.
@@ -2253,7 +2283,7 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0 + 1)))
+        .call(Task::new(Tick::new(t0() + 1)))
         .await;
     assert_eq!(stalled.is_err(), how != Stalled::RolledBack, "{stalled:?}");
     // Nothing of it committed, and the tick is not recorded: it is a missed tick.
@@ -2276,7 +2306,7 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
         .ready()
         .await
         .unwrap()
-        .call(Task::new(Tick::new(T0 + 2)))
+        .call(Task::new(Tick::new(t0() + 2)))
         .await;
     assert!(matches!(next, Ok(ref o) if o.ran()), "{next:?}");
     assert_eq!(
@@ -2299,5 +2329,222 @@ async fn stalled_inside_the_job_transaction(how: Stalled) {
             (1, "ran".to_owned()),
             (2, "ran".to_owned())
         ]
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// The database's clock decides when a tick is due.
+// ---------------------------------------------------------------------------------
+
+/// The database's clock, in whole Unix seconds.
+async fn db_now(admin: &Client) -> u64 {
+    admin
+        .query_one(
+            "SELECT floor(extract(epoch FROM clock_timestamp()))::bigint",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0) as u64
+}
+
+/// The ticks recorded for `job` after `after` (Unix seconds).
+async fn rows_after(admin: &Client, job: &str, after: u64) -> Vec<i64> {
+    admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint FROM chosen_ticks WHERE job = $1 AND tick > to_timestamp($2) ORDER BY tick",
+            &[&job, &(after as f64)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_leader_ten_minutes_ahead_runs_no_tick_early_and_records_no_future_tick() {
+    // The leader's scheduler delivers the tick due in ten minutes now: it is held, not
+    // run, and nothing is recorded for the ticks before it; a leader with the right
+    // clock then runs the next tick due as any tick.
+    let db = db().await;
+    let job = unique_name("ledger-ahead");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    let now = db_now(&db.admin).await;
+    assert!(tick(&mut a, now - 5).await.ran());
+    let early = tick_in_background(&a, now + 600);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!early.is_finished(), "a tick ten minutes early ran at once");
+    assert_eq!(a.runs.lock().unwrap().len(), 1);
+    assert_eq!(
+        rows_after(&db.admin, &job, now - 5).await,
+        Vec::<i64>::new(),
+        "ticks recorded ahead of the database's clock"
+    );
+    assert_eq!(a.layer.stats().held_early(), 1);
+    early.abort();
+    a.control.follow(Some("node-b"));
+    let mut b = node(
+        &db,
+        &job,
+        "node-b",
+        7,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    let due = db_now(&db.admin).await + 1;
+    let out = tick(&mut b, due).await;
+    assert!(out.ran(), "the tick due next: {out:?}");
+    // The ticks in between were missed (nobody ran them), none after the tick at hand.
+    let after = rows_after(&db.admin, &job, now - 5).await;
+    assert_eq!(after.last().copied(), Some(due as i64), "{after:?}");
+    assert_eq!(after.len() as u64, due - (now - 5), "{after:?}");
+}
+
+#[tokio::test]
+async fn an_early_tick_waits_for_the_database_clock_then_runs() {
+    let db = db().await;
+    let job = unique_name("ledger-early");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    let due = db_now(&db.admin).await + 4;
+    let out = tick(&mut a, due).await;
+    assert!(out.ran(), "{out:?}");
+    // Claimed no earlier than the tolerance (1 s) before it was due.
+    let early_by: f64 = db
+        .admin
+        .query_one(
+            "SELECT extract(epoch FROM tick - started_at)::float8 FROM chosen_ticks WHERE job = $1",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(early_by <= 1.0, "claimed {early_by} s before it was due");
+    assert_eq!(a.layer.stats().held_early(), 1);
+}
+
+#[tokio::test]
+async fn an_early_tick_held_on_a_follower_runs_if_it_leads_by_then() {
+    // A follower whose clock is ahead gets a tick before it is due, and leads by the
+    // time it is: the tick runs there (answered "not the leader" at once, it would be
+    // lost to that node, and missed).
+    let db = db().await;
+    let job = unique_name("ledger-early-follower");
+    let mut b = node(
+        &db,
+        &job,
+        "node-b",
+        7,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    b.control.follow(Some("node-a"));
+    let due = db_now(&db.admin).await + 3;
+    let held = tick_in_background(&b, due);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.control.lead(9);
+    let out = held.await.unwrap();
+    assert!(out.ran(), "{out:?}");
+    // Nothing to do with this node's own later ticks: it still runs them.
+    assert!(tick(&mut b, due + 1).await.ran());
+}
+
+#[tokio::test]
+async fn a_tick_more_than_an_hour_ahead_is_not_run_nor_recorded() {
+    let db = db().await;
+    let job = unique_name("ledger-far-ahead");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    let now = db_now(&db.admin).await;
+    assert!(tick(&mut a, now - 1).await.ran());
+    let out = tokio::time::timeout(Duration::from_secs(10), tick(&mut a, now + 7200))
+        .await
+        .expect("a tick two hours ahead was held");
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::NotDue { early, .. }) if early > Duration::from_secs(7000)),
+        "{out:?}"
+    );
+    assert_eq!(
+        rows_after(&db.admin, &job, now - 1).await,
+        Vec::<i64>::new()
+    );
+    assert_eq!(a.layer.stats().skipped_not_due(), 1);
+}
+
+#[tokio::test]
+async fn a_daily_tick_missed_just_before_a_gain_runs_at_once() {
+    // The daily tick fell due 2 s before this node gained leadership, while it
+    // followed: its scheduler delivered it then (answered "not the leader") and will
+    // not again. The previous leader was gone. It must run now, not in a day.
+    let db = db().await;
+    let job = unique_name("ledger-daily-gain");
+    let day = db_now(&db.admin).await - 2;
+    let text = {
+        let s = day % 86_400;
+        format!("{} {} {} * * *", s % 60, s / 60 % 60, s / 3600)
+    };
+    let daily: Schedule = text.parse().unwrap();
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now(), $3)",
+            &[&job, &((day - 86_400) as f64), &text],
+        )
+        .await
+        .unwrap();
+    let (leadership, control) = Leadership::manual(&job, "node-b");
+    control.follow(Some("node-a"));
+    let layer = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .misfire(Misfire::RunOnce)
+        .schedule(daily);
+    let runs = Runs::default();
+    let mut svc = layer.layer(quiet_job(&runs));
+    let out = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(day)))
+        .await
+        .unwrap();
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::NotLeader { .. })),
+        "{out:?}"
+    );
+    control.lead(7);
+    for _ in 0..150 {
+        if !runs.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        *runs.lock().unwrap(),
+        vec![(day, true)],
+        "the missed daily tick"
     );
 }

@@ -44,6 +44,25 @@ pub enum LedgerError {
     /// The pool gave no connection.
     #[error("tick ledger: no connection from the pool")]
     Pool(#[source] deadpool_postgres::PoolError),
+    /// A tick more than [`TickLedger::clock_tolerance`](crate::TickLedger::clock_tolerance)
+    /// ahead of the database's clock: not due yet, so not claimed nor recorded. The
+    /// gate holds early ticks until they are due, so this means the database's clock
+    /// went back meanwhile, or a tick was claimed by hand too early.
+    #[error(
+        "tick ledger: the tick is {early:?} ahead of the database's clock, more than the tolerance ({tolerance:?}): not due yet"
+    )]
+    NotDue {
+        /// The tick's scheduled time.
+        tick: std::time::SystemTime,
+        /// How far ahead of the database's clock it is.
+        early: std::time::Duration,
+        /// The ledger's clock tolerance.
+        tolerance: std::time::Duration,
+    },
+    /// The server answered something a ledger statement cannot have answered (no row,
+    /// a NULL): a bug in chosen, or something between it and the server.
+    #[error("tick ledger: unexpected answer from the server: {0}")]
+    Unexpected(&'static str),
     /// A ledger table name that is not `table` or `schema.table` in lowercase SQL
     /// identifiers.
     #[error("invalid tick ledger table name: {0}")]

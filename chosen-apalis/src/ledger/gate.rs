@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use apalis_core::task::Task;
 use apalis_core::task::task_id::TaskId;
@@ -19,8 +19,8 @@ use tracing::{debug, error, info, warn};
 
 use super::context::{Slot, TickContext};
 use super::overlap::{Held, Overlap, Refused, Turn};
-use super::plan::{MAX_MISSED, MissReason, missed_ticks, next_after, plan};
-use super::{Claim, JobIds, LedgerError, Misfire, TickLedger, at, chain};
+use super::plan::{Look, MAX_MISSED, next_after};
+use super::{Claim, JobIds, LedgerError, MAX_EARLY_HOLD, Misfire, TickLedger, at, chain};
 use crate::guard::LeaderGuard;
 use crate::layer::{GateStats, LeaderOnlyJobLayer};
 use crate::policy::CronTicks;
@@ -74,6 +74,10 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///
 /// What happens to a tick that reaches it, on each node:
 ///
+/// 0. Due by the database's clock: a tick delivered more than
+///    [`TickLedger::clock_tolerance`](crate::TickLedger::clock_tolerance) (1 s) before
+///    the database's clock reaches it (this node's clock is ahead) is held until then,
+///    at most an hour (further ahead: `Ok(Outcome::Skipped(NotDue))`, unrecorded).
 /// 1. Not the leader (no valid lease at this moment): `Ok(Outcome::Skipped(NotLeader))`,
 ///    nothing else, as [`LeaderOnlyJobLayer`].
 /// 2. Runs of one job on one node never overlap: a tick due while the previous run
@@ -83,10 +87,13 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    [`Overlap::CancelPrevious`], and when the lease it was let through under is lost
 ///    (with [`Claim::InJobTransaction`] that tick is then left unrecorded: its writes
 ///    rolled back, and the next leader's misfire policy decides about it).
-/// 3. It looks for missed ticks: ticks of the schedule before this one, after the
-///    job's first row, that have no row (nobody ran, skipped or cancelled them; holes
-///    below the newest row included). The [`Misfire`] policy runs some, oldest first, each claimed like any tick, and the
-///    others are recorded as `skipped` with their reason, in one fenced transaction.
+/// 3. It looks for missed ticks: ticks of the schedule before this one that have no
+///    row (nobody ran, skipped or cancelled them; holes below the newest row
+///    included), after the job's first row, and after the first row written under
+///    this schedule since rows were last written under another (ticks of a new
+///    schedule before it was deployed were never due). The [`Misfire`] policy runs
+///    some, oldest first, each claimed like any tick, and the others are recorded as
+///    `skipped` with their reason, in one fenced transaction.
 /// 4. It runs the tick: with [`Claim::BeforeRun`] the gate claims it first (fenced
 ///    `INSERT … ON CONFLICT DO NOTHING`), runs the job if the claim succeeded, and
 ///    records `ran` or `failed`; with [`Claim::InJobTransaction`] the job claims it
@@ -101,10 +108,12 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    and stops nothing.
 ///
 /// Step 3 also runs when this node gains leadership, if the schedule's next tick is
-/// more than 5 s away (a daily job's missed run does not wait a day): the missed
-/// ticks are then those before that next tick, and the catch-up window ends at this
-/// node's clock at the gain instead of at a tick's scheduled time. A tick due within
-/// 5 s decides about the gap itself. (A catch-up run built at the gain, before this
+/// more than 5 s after the database's clock (a daily job's missed run does not wait
+/// a day, whenever the gain comes): at once for the ticks more than 5 s old, and 5 s
+/// later for the last ones before the gain (this node's scheduler may still deliver
+/// them, or may have delivered them before it led, answered "not the leader"); the
+/// catch-up window ends at the database's clock at the gain instead of at a tick's
+/// scheduled time. A tick due within 5 s decides about the gap itself. (A catch-up run built at the gain, before this
 /// node's scheduler delivered any tick, carries no apalis worker data such as
 /// `WorkerContext`; data added with `.data(..)` is added inside the gate and is there.)
 ///
@@ -342,10 +351,7 @@ where
             continue;
         }
         let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        shared.catch_up_on_gain(&mut inner, &guard, now).await;
+        shared.catch_up_on_gain(&mut inner, &guard).await;
         guard.lost().await;
     }
 }
@@ -384,16 +390,10 @@ where
             .template
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.clone());
-        let (tenure, state) = observe(&shared.leadership);
-        let token = match state {
-            LeaderState::Leading { token, .. } if !tenure.ended() => token,
-            _ => return Box::pin(std::future::ready(Ok(shared.not_leader()))),
-        };
         // The service polled ready goes with the call; a clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
-        Box::pin(async move { shared.run(inner, task, guard).await })
+        Box::pin(async move { shared.admit(inner, task).await })
     }
 }
 
@@ -453,6 +453,79 @@ impl Shared {
         self.report("skipped_already_recorded");
         debug!(lock = %self.job, tick, "tick skipped: already recorded in the ledger");
         Outcome::Skipped(SkipReason::AlreadyRecorded { tick: at(tick) })
+    }
+
+    /// A tick that reached the gate: held until the database's clock reaches it, then
+    /// run if this node leads.
+    async fn admit<S>(&self, inner: S, task: Task<Tick>) -> Result<Outcome<S::Response>, S::Error>
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display + 'static,
+    {
+        let tick = task.args.get_timestamp();
+        if let Err(outcome) = self.until_due(&task, tick).await {
+            return Ok(outcome);
+        }
+        let (tenure, state) = observe(&self.leadership);
+        let token = match state {
+            LeaderState::Leading { token, .. } if !tenure.ended() => token,
+            _ => return Ok(self.not_leader()),
+        };
+        let guard = LeaderGuard::new(token, self.leadership.clone(), tenure);
+        self.run(inner, task, guard).await
+    }
+
+    /// Waits until the database's clock reaches `tick` (less the ledger's tolerance):
+    /// a tick is due by the database's clock, not by this node's, which delivered it.
+    /// On a follower too, so that an early tick is still there if this node leads once
+    /// it is due. `Err` with the answer when it is not run here: the clock cannot be
+    /// read (a follower: not the leader; a leader: the ledger failed), the tick is more
+    /// than [`MAX_EARLY_HOLD`] early, or the worker stops meanwhile.
+    async fn until_due<R>(&self, task: &Task<Tick>, tick: u64) -> Result<(), Outcome<R>> {
+        let tolerance = self.ledger.tolerance();
+        let mut held = false;
+        // Each wait covers the whole distance, so a second round finds the tick due
+        // unless a new reading moved the clock back; the claim statement decides then.
+        for _ in 0..3 {
+            let reading = match self.ledger.clock().await {
+                Ok(reading) => reading,
+                Err(e) if self.leadership.is_leader() => return Err(self.ledger_failed(tick, &e)),
+                Err(_) => return Err(self.not_leader()),
+            };
+            let Some(early) = reading.early_by(tick, tolerance, tokio::time::Instant::now()) else {
+                break;
+            };
+            if early > MAX_EARLY_HOLD {
+                self.stats.skipped_not_due.fetch_add(1, Ordering::Relaxed);
+                self.report("skipped_not_due");
+                warn!(lock = %self.job, tick, early = ?early, "tick not run: delivered further ahead of the database's clock than a tick is held (this node's clock is ahead): left to the misfire policy");
+                return Err(Outcome::Skipped(SkipReason::NotDue {
+                    tick: at(tick),
+                    early,
+                }));
+            }
+            if !held {
+                held = true;
+                self.stats.held_early.fetch_add(1, Ordering::Relaxed);
+                debug!(lock = %self.job, tick, early = ?early, "tick held until the database's clock reaches it");
+            }
+            let wait = tokio::time::sleep(early);
+            tokio::pin!(wait);
+            loop {
+                if self.stopping(task) {
+                    // Not claimed, not run: the next run, here or on the next leader, decides.
+                    return Err(Outcome::Skipped(SkipReason::Cancelled {
+                        tick: at(tick),
+                        reason: Stop::ShuttingDown.reason(),
+                    }));
+                }
+                tokio::select! {
+                    () = &mut wait => break,
+                    () = tokio::time::sleep(SHUTDOWN_POLL) => {}
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn run<S>(
@@ -536,67 +609,25 @@ impl Shared {
             low if low > upto => 0,
             low => low,
         };
-        // The scheduled ticks in [low, upto), newest first, one more than looked at.
-        let mut candidates: Vec<u64> = missed_ticks(schedule, low.saturating_sub(1), upto)
-            .take(MAX_MISSED + 1)
-            .collect();
-        let more = candidates.len() > MAX_MISSED;
-        candidates.truncate(MAX_MISSED);
-        let Some(&from) = candidates.last() else {
+        let look = Look::new(schedule, low, upto);
+        if look.candidates.is_empty() {
             return Ok(());
-        };
-        let found = match self.ledger.recorded(&self.ids, from, upto).await {
+        }
+        let found = match self
+            .ledger
+            .recorded(&self.ids, &look.candidates, upto)
+            .await
+        {
             Ok(found) => found,
             Err(e) => return Err(self.ledger_failed(upto, &e)),
         };
-        // Nothing recorded yet: the job starts with the tick at hand.
-        let Some(first) = found.first else {
-            return Ok(());
-        };
-        // Ticks before the job's first row were never due; nor were those before a
-        // row written under another schedule (the schedule changed since), unless
-        // that schedule is this one spelled otherwise (the same ticks in the window).
-        let mut floor = first;
-        for (text, newest) in &found.rescheduled {
-            let same = text.parse::<cron::Schedule>().is_ok_and(|other| {
-                missed_ticks(&other, from.saturating_sub(1), upto)
-                    .take(MAX_MISSED + 1)
-                    .eq(candidates.iter().copied())
-            });
-            if !same {
-                floor = floor.max(*newest);
-            }
-        }
-        let holes: Vec<u64> = candidates
-            .iter()
-            .copied()
-            .filter(|t| *t > floor && !found.ticks.contains(t))
-            .collect();
-        // Everything below the oldest hole is recorded; the holes are looked at again
-        // next time (filled by then, unless this fails).
-        self.low
-            .store(holes.last().copied().unwrap_or(upto), Ordering::Release);
-        let plan = plan(self.misfire, reference, holes.iter().copied());
-        // The gap may go on below the ticks looked at: say so, in the log and in the
-        // oldest hole's row.
-        let truncated = more && holes.last() == Some(&from) && from > floor;
-        if truncated {
-            warn!(lock = %self.job, upto, oldest_looked_at = from, "more ticks were missed than are looked at ({MAX_MISSED}): the older ones are neither run nor recorded one by one");
+        let plan = look.decide(self.misfire, &found, reference);
+        self.low.store(plan.low, Ordering::Release);
+        if plan.truncated {
+            warn!(lock = %self.job, upto, oldest_looked_at = look.from(), "more ticks were missed than are looked at ({MAX_MISSED}): the older ones are neither run nor recorded one by one");
         }
         if !plan.skip.is_empty() {
-            let rows: Vec<(u64, String)> = plan
-                .skip
-                .iter()
-                .map(|&(t, r)| {
-                    let reason = if truncated && t == from {
-                        format!("{}; {}", r.as_str(), MissReason::OLDER_NOT_LOOKED_AT)
-                    } else {
-                        r.as_str().to_owned()
-                    };
-                    (t, reason)
-                })
-                .collect();
-            let rows: Vec<(u64, &str)> = rows.iter().map(|(t, r)| (*t, r.as_str())).collect();
+            let rows: Vec<(u64, &str)> = plan.skip.iter().map(|(t, r)| (*t, r.as_str())).collect();
             let token = guard.fencing_token();
             if let Err(e) = self.ledger.record(&self.ids, token, "skipped", &rows).await {
                 return Err(self.ledger_failed(upto, &e));
@@ -608,7 +639,7 @@ impl Shared {
                 self.report("skipped_missed");
             }
             info!(lock = %self.job, upto, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
-        } else if truncated {
+        } else if plan.truncated {
             warn!(lock = %self.job, upto, "the oldest missed tick looked at runs: the older ones are not recorded");
         }
         for tick in plan.run {
@@ -632,12 +663,18 @@ impl Shared {
         Ok(())
     }
 
-    /// On gaining leadership at `now`: if the schedule's next tick is more than
-    /// [`GAIN_MARGIN`] away, decides about the missed ticks now rather than at that
-    /// tick (a daily job's missed run would otherwise wait a day). Every tick before
-    /// the next one is then at least the margin in the past, so none of them can still
-    /// reach the gate from this node's scheduler.
-    async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard, now: u64)
+    /// On gaining leadership: if the schedule's next tick is more than [`GAIN_MARGIN`]
+    /// after the database's clock, decides about the missed ticks now rather than at
+    /// that tick (a daily job's missed run would otherwise wait a day). A tick due
+    /// within the margin decides about the gap itself.
+    ///
+    /// Ticks more than the margin old cannot reach the gate from this node's scheduler
+    /// any more (its clock is within the margin of the database's; a node further off
+    /// is warned about): decided at once. The ticks of the last margin before the gain
+    /// may still come (this node's clock a little behind), or may have come already,
+    /// before this node led, and been answered "not the leader": they are decided once
+    /// the margin has passed, each delivered meanwhile having run as any tick.
+    async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard)
     where
         S: Service<Task<Tick>>,
         S::Error: fmt::Display + 'static,
@@ -645,14 +682,38 @@ impl Shared {
         let Some(schedule) = &self.schedule else {
             return;
         };
+        // Unreadable: the next tick decides about the gap.
+        let Ok(reading) = self.ledger.clock().await else {
+            return;
+        };
+        let now = reading.unix_secs(tokio::time::Instant::now());
         let margin = GAIN_MARGIN.as_secs();
-        let Some(next) = next_after(schedule, now.saturating_sub(margin)) else {
+        let Some(next) = next_after(schedule, now) else {
             return;
         };
         if next <= now + margin {
             return; // that tick comes soon, and decides about the gap itself
         }
-        let mut held = self.turn.wait(next.saturating_sub(1)).await;
+        let older = next_after(schedule, now.saturating_sub(margin)).unwrap_or(next);
+        if older < next {
+            // Ticks in (now - margin, now]: first those older than the margin.
+            self.fill_on_gain(inner, guard, older, now).await;
+            tokio::select! {
+                () = tokio::time::sleep(GAIN_MARGIN) => {}
+                () = guard.lost() => return,
+            }
+        }
+        self.fill_on_gain(inner, guard, next, now).await;
+    }
+
+    /// Decides about the ticks missed before `upto` on gaining leadership, the catch-up
+    /// window ending at the database's clock at the gain (`now`).
+    async fn fill_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard, upto: u64, now: u64)
+    where
+        S: Service<Task<Tick>>,
+        S::Error: fmt::Display + 'static,
+    {
+        let mut held = self.turn.wait(upto.saturating_sub(1)).await;
         if !guard.is_valid() {
             return;
         }
@@ -663,7 +724,7 @@ impl Shared {
             .clone()
             .unwrap_or_else(|| Task::new(Tick::new(now)));
         let _ = self
-            .fill_gap(inner, &mut held, &base, guard, next, now)
+            .fill_gap(inner, &mut held, &base, guard, upto, now)
             .await;
     }
 

@@ -1,12 +1,12 @@
 //! The tick ledger: every (job, scheduled tick) recorded in PostgreSQL, claimed once.
 
+mod clock;
 mod context;
 mod error;
 mod gate;
 mod overlap;
 mod plan;
 
-use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -17,11 +17,14 @@ use deadpool_postgres::Pool;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
+use clock::DbClock;
+pub(crate) use clock::Reading;
 pub use context::{LedgerTx, TickContext};
 pub use error::LedgerError;
 pub use gate::{LedgerFuture, LedgeredCron, LedgeredCronLayer};
 pub use overlap::Overlap;
 pub use plan::Misfire;
+pub(crate) use plan::Recorded;
 
 pub(crate) use error::chain;
 
@@ -109,6 +112,9 @@ pub struct TickLedger {
     fence: FenceTable,
     timeout: Duration,
     idle_in_transaction: Duration,
+    clock_tolerance: Duration,
+    /// The latest reading of the database's clock, shared by every clone.
+    clock: Arc<DbClock>,
 }
 
 /// How much longer than the server the client waits for a ledger operation.
@@ -122,6 +128,14 @@ pub const DEFAULT_LEDGER_TIMEOUT: Duration = Duration::from_secs(10);
 /// lock session takes to end at the server (`server_release_after`, 7 s by default).
 pub const DEFAULT_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
 
+/// How far ahead of the database's clock a tick may run unless
+/// [`TickLedger::clock_tolerance`] says otherwise.
+pub const DEFAULT_CLOCK_TOLERANCE: Duration = Duration::from_secs(1);
+
+/// The longest [`TickLedger::clock_tolerance`]; also the longest a tick delivered early
+/// (this node's clock ahead of the database's) is held until it is due.
+pub const MAX_EARLY_HOLD: Duration = Duration::from_secs(3600);
+
 /// How long one try of [`TickLedger::install`] waits for a lock at most (the fleet's
 /// ledger statements queue behind an `ALTER TABLE` that waits).
 const INSTALL_LOCK_WAIT: Duration = Duration::from_secs(1);
@@ -133,6 +147,7 @@ impl fmt::Debug for TickLedger {
             .field("fence", &self.fence.name())
             .field("timeout", &self.timeout)
             .field("idle_in_transaction", &self.idle_in_transaction)
+            .field("clock_tolerance", &self.clock_tolerance)
             .finish_non_exhaustive()
     }
 }
@@ -150,7 +165,88 @@ impl TickLedger {
             fence: FenceTable::default(),
             timeout: DEFAULT_LEDGER_TIMEOUT,
             idle_in_transaction: DEFAULT_IDLE_IN_TRANSACTION,
+            clock_tolerance: DEFAULT_CLOCK_TOLERANCE,
+            clock: Arc::default(),
         }
+    }
+
+    /// How far ahead of the database's clock a tick may run; default
+    /// [`DEFAULT_CLOCK_TOLERANCE`] (1 s), at most [`MAX_EARLY_HOLD`].
+    ///
+    /// Whether a tick is due is decided by the database's clock
+    /// (`clock_timestamp()`), never by a node's: apalis-cron delivers each tick when
+    /// *this node's* clock reaches it, and a node whose clock runs ahead (an NTP step,
+    /// a VM resumed with a stale offset, a container with a wrong clock) would run it
+    /// early, and record the ticks before it as missed. So:
+    ///
+    /// 1. a tick delivered more than the tolerance before the database's clock reaches
+    ///    it is held by the gate until then (on a follower too, so that it is there
+    ///    if this node leads by then), at most [`MAX_EARLY_HOLD`]; one further ahead
+    ///    is not run here (`Outcome::Skipped(NotDue)`) and left unrecorded;
+    /// 2. on gaining leadership, missed ticks are those before the database's clock;
+    /// 3. the statements that claim or record a tick refuse one that is more than the
+    ///    tolerance ahead of the database's clock ([`LedgerError::NotDue`]), so no path
+    ///    records a future tick;
+    /// 4. a node whose clock is off by more than the tolerance says so in a warning
+    ///    with the offset (`offset_seconds`, positive when it is ahead), at most every
+    ///    ten minutes.
+    ///
+    /// A node whose clock runs *behind* the database's gets each tick late, by its
+    /// offset (its scheduler fires late); the warning says so too. The database's clock
+    /// is read once every 30 s at most (one `SELECT clock_timestamp()` on the pool) and
+    /// carried forward on this node's monotonic clock meanwhile.
+    #[must_use]
+    pub fn clock_tolerance(mut self, tolerance: Duration) -> Self {
+        self.clock_tolerance = tolerance.min(MAX_EARLY_HOLD);
+        self
+    }
+
+    /// How far ahead of the database's clock a tick may run
+    /// ([`clock_tolerance`](Self::clock_tolerance)).
+    #[must_use]
+    pub fn tolerance(&self) -> Duration {
+        self.clock_tolerance
+    }
+
+    /// The database's clock: the latest reading if it is recent, else a new one (one
+    /// round trip, bounded by the ledger's timeout). Warns when this node's wall clock
+    /// is off by more than the tolerance.
+    pub(crate) async fn clock(&self) -> Result<Reading, LedgerError> {
+        if let Some(reading) = self.clock.fresh(tokio::time::Instant::now()) {
+            return Ok(reading);
+        }
+        self.bounded("reading the database's clock", async {
+            let client = self.client().await?;
+            let sent = tokio::time::Instant::now();
+            // One round trip (no prepare), so that the reading's error is half of it.
+            let row = client
+                .query_typed("SELECT clock_timestamp()", &[])
+                .await
+                .map_err(self.db("reading the database's clock"))?;
+            let received = tokio::time::Instant::now();
+            let db: SystemTime = row
+                .first()
+                .and_then(|r| r.try_get::<_, Option<SystemTime>>(0).ok().flatten())
+                .ok_or(LedgerError::Unexpected("clock_timestamp() gave no time"))?;
+            let reading = Reading::new(db, sent, received);
+            if let Some(offset) = self
+                .clock
+                .keep(reading, SystemTime::now(), self.clock_tolerance)
+            {
+                tracing::warn!(
+                    offset_seconds = offset.seconds,
+                    tolerance = ?self.clock_tolerance,
+                    "this node's clock is off from the database's by more than the tick ledger's tolerance: ticks are run when the database's clock reaches them (held when this node's clock is ahead, late when it is behind); fix the node's clock (NTP)"
+                );
+            }
+            Ok(reading)
+        })
+        .await
+    }
+
+    /// The tolerance as the statements take it (seconds).
+    fn tolerance_secs(&self) -> f64 {
+        self.clock_tolerance.as_secs_f64()
     }
 
     /// How long the job's own transaction ([`TickContext::begin`]) may sit idle between
@@ -443,24 +539,29 @@ impl TickLedger {
         }
     }
 
-    /// What the ledger holds for the job of `ids`: its first tick ever recorded; the
-    /// ticks recorded in `[from, upto)`, whatever their outcome; and the other schedule
-    /// texts those were recorded under, with the newest tick of each (the schedule may
-    /// have changed: ticks before it were not due under the current one). One
-    /// statement, in a bounded transaction.
+    /// What the ledger holds for the job of `ids` around the ticks looked at
+    /// (`candidates`, newest first, all in `[from, upto)` with `from` the oldest): its
+    /// first tick ever recorded; which candidates have a row, whatever its outcome; the
+    /// other schedule texts rows in `[from, upto)` were recorded under, with the newest
+    /// row of each; and the newest row before `from` with its schedule (the schedule may
+    /// have changed: see [`plan::missed`]). One statement, in a bounded transaction.
     pub(crate) async fn recorded(
         &self,
         ids: &JobIds,
-        from: u64,
+        candidates: &[u64],
         upto: u64,
     ) -> Result<Recorded, LedgerError> {
+        let Some(&from) = candidates.last() else {
+            return Ok(Recorded::default());
+        };
+        let looked_at: Vec<SystemTime> = candidates.iter().map(|t| at(*t)).collect();
         self.bounded("reading the recorded ticks", async {
             let mut client = self.client().await?;
             let tx = self.bounded_transaction(&mut client).await?;
             let rows = tx
                 .query_typed(
                     &format!(
-                        "WITH w AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n     o AS MATERIALIZED (SELECT schedule, max(tick) AS newest FROM w WHERE schedule <> $4 GROUP BY schedule)\nSELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM w),\n       ARRAY(SELECT schedule FROM o ORDER BY schedule),\n       ARRAY(SELECT newest FROM o ORDER BY schedule)",
+                        "WITH w AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n     o AS MATERIALIZED (SELECT schedule, max(tick) AS newest FROM w WHERE schedule <> $4 GROUP BY schedule),\n     b AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick < $2 ORDER BY tick DESC LIMIT 1)\nSELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM w WHERE tick = ANY ($5::timestamptz[])),\n       ARRAY(SELECT schedule FROM o ORDER BY schedule),\n       ARRAY(SELECT newest FROM o ORDER BY schedule),\n       (SELECT tick FROM b),\n       (SELECT schedule FROM b)",
                         t = self.table.quoted
                     ),
                     &[
@@ -468,6 +569,7 @@ impl TickLedger {
                         (&at(from), Type::TIMESTAMPTZ),
                         (&at(upto), Type::TIMESTAMPTZ),
                         (&ids.schedule.as_deref(), Type::TEXT),
+                        (&looked_at, Type::TIMESTAMPTZ_ARRAY),
                     ],
                 )
                 .await
@@ -478,14 +580,14 @@ impl TickLedger {
             let Some(row) = rows.first() else {
                 return Ok(Recorded::default());
             };
-            let read = self.db("reading the recorded ticks");
+            let read = || self.db("reading the recorded ticks");
             let first = row
                 .try_get::<_, Option<SystemTime>>(0)
-                .map_err(read)?
+                .map_err(read())?
                 .map(secs);
             let ticks = row
                 .try_get::<_, Option<Vec<Option<SystemTime>>>>(1)
-                .map_err(self.db("reading the recorded ticks"))?
+                .map_err(read())?
                 .unwrap_or_default()
                 .into_iter()
                 .flatten()
@@ -493,21 +595,29 @@ impl TickLedger {
                 .collect();
             let texts = row
                 .try_get::<_, Option<Vec<Option<String>>>>(2)
-                .map_err(self.db("reading the recorded ticks"))?
+                .map_err(read())?
                 .unwrap_or_default();
             let newest = row
                 .try_get::<_, Option<Vec<Option<SystemTime>>>>(3)
-                .map_err(self.db("reading the recorded ticks"))?
+                .map_err(read())?
                 .unwrap_or_default();
             let rescheduled = texts
                 .into_iter()
                 .zip(newest)
                 .filter_map(|(text, newest)| Some((text?, secs(newest?))))
                 .collect();
+            let below = row
+                .try_get::<_, Option<SystemTime>>(4)
+                .map_err(read())?
+                .map(|tick| {
+                    let text = row.try_get::<_, Option<String>>(5).ok().flatten();
+                    (secs(tick), text)
+                });
             Ok(Recorded {
                 first,
                 ticks,
                 rescheduled,
+                below,
             })
         })
         .await
@@ -531,23 +641,38 @@ impl TickLedger {
                 .map_err(|e| self.fence_error(e, "fencing"))?;
             let when: Vec<SystemTime> = ticks.iter().map(|(t, _)| at(*t)).collect();
             let why: Vec<String> = ticks.iter().map(|(_, r)| storable(r)).collect();
-            tx.execute_typed(
-                &format!(
-                    "INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at, schedule)\nSELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp(), $7\nFROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)\nON CONFLICT (job, tick) DO NOTHING",
-                    self.table.quoted
-                ),
-                &[
-                    (&&*ids.job, Type::TEXT),
-                    (&when, Type::TIMESTAMPTZ_ARRAY),
-                    (&token_value(token)?, Type::INT8),
-                    (&outcome, Type::TEXT),
-                    (&&*ids.node, Type::TEXT),
-                    (&why, Type::TEXT_ARRAY),
-                    (&ids.schedule.as_deref(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(self.db("recording ticks"))?;
+            // Only ticks the database's clock has reached (less the tolerance): no path
+            // records a future tick, whatever this node's clock says.
+            let rows = tx
+                .query_typed(
+                    &format!(
+                        "WITH d AS MATERIALIZED (SELECT clock_timestamp() + $8::float8 * interval '1 second' AS due),\n     u AS MATERIALIZED (SELECT * FROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)),\n     i AS (INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at, schedule)\n           SELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp(), $7 FROM u, d WHERE u.tick <= d.due\n           ON CONFLICT (job, tick) DO NOTHING)\nSELECT count(*) FROM u, d WHERE u.tick > d.due",
+                        self.table.quoted
+                    ),
+                    &[
+                        (&&*ids.job, Type::TEXT),
+                        (&when, Type::TIMESTAMPTZ_ARRAY),
+                        (&token_value(token)?, Type::INT8),
+                        (&outcome, Type::TEXT),
+                        (&&*ids.node, Type::TEXT),
+                        (&why, Type::TEXT_ARRAY),
+                        (&ids.schedule.as_deref(), Type::TEXT),
+                        (&self.tolerance_secs(), Type::FLOAT8),
+                    ],
+                )
+                .await
+                .map_err(self.db("recording ticks"))?;
+            let not_due = rows
+                .first()
+                .and_then(|r| r.try_get::<_, Option<i64>>(0).ok().flatten())
+                .unwrap_or(0);
+            if not_due > 0 {
+                tracing::warn!(
+                    job = %ids.job,
+                    not_due,
+                    "ticks ahead of the database's clock were not recorded: they are not due yet"
+                );
+            }
             tx.commit().await.map_err(self.db("committing"))
         })
         .await
@@ -584,10 +709,12 @@ impl TickLedger {
         token: FencingToken,
         outcome: &str,
     ) -> Result<bool, LedgerError> {
+        // The tick is claimed only once the database's clock has reached it (less the
+        // tolerance): `due` is false, and nothing inserted, for a future tick.
         let rows = tx
             .query_typed(
                 &format!(
-                    "INSERT INTO {} (job, tick, token, outcome, node, started_at, schedule)\nVALUES ($1, $2, $3, $4, $5, clock_timestamp(), $6)\nON CONFLICT (job, tick) DO NOTHING\nRETURNING 1",
+                    "WITH d AS MATERIALIZED (SELECT $2::timestamptz - clock_timestamp() AS ahead, $7::float8 * interval '1 second' AS tolerance),\n     i AS (INSERT INTO {} (job, tick, token, outcome, node, started_at, schedule)\n           SELECT $1, $2, $3, $4, $5, clock_timestamp(), $6 FROM d WHERE d.ahead <= d.tolerance\n           ON CONFLICT (job, tick) DO NOTHING\n           RETURNING 1)\nSELECT d.ahead <= d.tolerance, extract(epoch FROM d.ahead)::float8, EXISTS (SELECT 1 FROM i) FROM d",
                     self.table.quoted
                 ),
                 &[
@@ -597,11 +724,34 @@ impl TickLedger {
                     (&outcome, Type::TEXT),
                     (&&*ids.node, Type::TEXT),
                     (&ids.schedule.as_deref(), Type::TEXT),
+                    (&self.tolerance_secs(), Type::FLOAT8),
                 ],
             )
             .await
             .map_err(self.db("claiming the tick"))?;
-        Ok(!rows.is_empty())
+        let row = rows
+            .first()
+            .ok_or(LedgerError::Unexpected("the claim statement gave no row"))?;
+        let answer = |i| {
+            row.try_get::<_, Option<bool>>(i)
+                .ok()
+                .flatten()
+                .ok_or(LedgerError::Unexpected("the claim statement gave NULL"))
+        };
+        let (due, inserted) = (answer(0)?, answer(2)?);
+        if !due {
+            let ahead = row
+                .try_get::<_, Option<f64>>(1)
+                .ok()
+                .flatten()
+                .unwrap_or(0.0);
+            return Err(LedgerError::NotDue {
+                tick: at(tick),
+                early: Duration::try_from_secs_f64(ahead).unwrap_or_default(),
+                tolerance: self.clock_tolerance,
+            });
+        }
+        Ok(inserted)
     }
 
     /// The statement that sets the outcome of a tick this leader claimed: `$1` job,
@@ -669,18 +819,6 @@ pub(crate) struct JobIds {
     pub(crate) fence: Arc<str>,
     pub(crate) node: Arc<str>,
     pub(crate) schedule: Option<Arc<str>>,
-}
-
-/// What [`TickLedger::recorded`] found.
-#[derive(Debug, Default)]
-pub(crate) struct Recorded {
-    /// The job's first tick ever recorded.
-    pub(crate) first: Option<u64>,
-    /// The ticks recorded in the window looked at.
-    pub(crate) ticks: BTreeSet<u64>,
-    /// The schedules (their text) other than the current one that ticks in the window
-    /// were recorded under, each with its newest such tick.
-    pub(crate) rescheduled: Vec<(String, u64)>,
 }
 
 /// The longest ledger timeout: the server's settings take at most `i32::MAX` ms.

@@ -1,15 +1,19 @@
-//! The misfire rules: which missed ticks a leader runs, and which it records as
-//! skipped. No I/O: fed the ticks nobody recorded, returns what to do.
+//! The misfire rules: which ticks were missed, which of them a leader runs, and which
+//! it records as skipped. No I/O: fed what the ledger holds around the gap, returns
+//! what to do.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-/// What a leader does with the ticks of a job that nobody ran: those scheduled after the
-/// job's first recorded tick and before the tick at hand that have no row in the
-/// ledger (a failover gap, a time when no node ran the worker, a run stopped and left
-/// unrecorded). Decided from the ledger, not from any node's
-/// memory, so a node that just became leader decides the same as one that led all along.
+/// What a leader does with the ticks of a job that nobody ran: those scheduled before
+/// the tick at hand that have no row in the ledger (a failover gap, a time when no node
+/// ran the worker, a run stopped and left unrecorded), after the job's first recorded
+/// tick and after the first row written under the current schedule since the schedule
+/// changed (ticks of a new schedule before its first row were never due under any
+/// deployed schedule). Decided from the ledger, not from any node's memory, so a node
+/// that just became leader decides the same as one that led all along.
 ///
 /// | policy | missed ticks run | missed ticks recorded as `skipped` |
 /// |---|---|---|
@@ -81,6 +85,160 @@ pub(crate) struct Plan {
     pub(crate) skip: Vec<(u64, MissReason)>,
     /// More than [`MAX_MISSED`] ticks were missed: the older ones were not looked at.
     pub(crate) truncated: bool,
+}
+
+/// What the ledger holds for a job around the ticks looked at (`[from, upto)`, `from`
+/// being the oldest tick looked at): one statement's answer.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Recorded {
+    /// The job's first tick ever recorded.
+    pub(crate) first: Option<u64>,
+    /// The ticks looked at that have a row, whatever its outcome.
+    pub(crate) ticks: BTreeSet<u64>,
+    /// The schedules (their text) other than the current one that rows in
+    /// `[from, upto)` were written under, each with its newest such row.
+    pub(crate) rescheduled: Vec<(String, u64)>,
+    /// The newest row before `from`, and the schedule it was written under (`None`:
+    /// written before the ledger recorded schedules).
+    pub(crate) below: Option<(u64, Option<String>)>,
+}
+
+/// The missed ticks among `candidates` (the schedule's ticks looked at, newest first,
+/// all before the tick at hand): those with no row, after the job's first row, and
+/// after the first row written under the current schedule since it last changed.
+///
+/// A schedule change is a row written under another schedule (`same` says whether a
+/// text is the current schedule spelled otherwise: the same ticks). Ticks of the
+/// current schedule before its first row after the change were never due under any
+/// deployed schedule (when it was deployed is not recorded; its first row is the
+/// earliest the ledger can tell), so none is missed until that row exists. Rows written
+/// before the ledger recorded schedules count as the current schedule's.
+pub(crate) fn missed(
+    candidates: &[u64],
+    found: &Recorded,
+    same: impl Fn(&str) -> bool,
+) -> Vec<u64> {
+    let Some(first) = found.first else {
+        return Vec::new(); // nothing recorded yet: the job starts with the tick at hand
+    };
+    // The newest row written under another schedule, in the look or just below it.
+    let changed = found
+        .rescheduled
+        .iter()
+        .filter(|(text, _)| !same(text))
+        .map(|(_, newest)| *newest)
+        .chain(
+            found
+                .below
+                .as_ref()
+                .filter(|(_, text)| text.as_deref().is_some_and(|t| !same(t)))
+                .map(|(tick, _)| *tick),
+        )
+        .max();
+    let floor = match changed {
+        None => first,
+        // The current schedule's first row since: looked at, as the rows after the
+        // change are the current schedule's ticks (or none yet: nothing missed).
+        Some(change) => match found.ticks.range(change + 1..).next() {
+            Some(&since) => since,
+            None => return Vec::new(),
+        },
+    };
+    candidates
+        .iter()
+        .copied()
+        .filter(|t| *t > floor && !found.ticks.contains(t))
+        .collect()
+}
+
+/// The ticks a look for missed ticks covers: the schedule's ticks in `[low, upto)`,
+/// the [`MAX_MISSED`] most recent of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Look {
+    /// Newest first.
+    pub(crate) candidates: Vec<u64>,
+    /// The schedule has older ticks in `[low, upto)` than those looked at.
+    pub(crate) more: bool,
+    /// The tick at hand (or, on gaining leadership, the next one): every candidate is
+    /// before it.
+    pub(crate) upto: u64,
+    schedule: cron::Schedule,
+}
+
+/// What to do about the ticks looked at.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Decision {
+    /// Missed ticks to run, oldest first.
+    pub(crate) run: Vec<u64>,
+    /// Missed ticks to record as skipped, newest first, each with its reason.
+    pub(crate) skip: Vec<(u64, String)>,
+    /// Where the next look starts: every tick of the schedule before it is recorded,
+    /// or decided now.
+    pub(crate) low: u64,
+    /// The gap goes on below the ticks looked at (its oldest tick looked at is missed,
+    /// and the schedule has older ones).
+    pub(crate) truncated: bool,
+}
+
+impl Look {
+    /// The ticks of `schedule` to look at before `upto`, from `low` on (0: from the
+    /// start).
+    pub(crate) fn new(schedule: &cron::Schedule, low: u64, upto: u64) -> Self {
+        let mut candidates: Vec<u64> = missed_ticks(schedule, low.saturating_sub(1), upto)
+            .take(MAX_MISSED + 1)
+            .collect();
+        let more = candidates.len() > MAX_MISSED;
+        candidates.truncate(MAX_MISSED);
+        Self {
+            candidates,
+            more,
+            upto,
+            schedule: schedule.clone(),
+        }
+    }
+
+    /// The oldest tick looked at (`upto` when there is none).
+    pub(crate) fn from(&self) -> u64 {
+        self.candidates.last().copied().unwrap_or(self.upto)
+    }
+
+    /// Whether `text` (a schedule rows were recorded under) is this schedule, spelled
+    /// the same or otherwise: the same ticks among those looked at.
+    fn same(&self, text: &str) -> bool {
+        text.parse::<cron::Schedule>().is_ok_and(|other| {
+            missed_ticks(&other, self.from().saturating_sub(1), self.upto)
+                .take(MAX_MISSED + 1)
+                .eq(self.candidates.iter().copied())
+        }) || text == self.schedule.source()
+    }
+
+    /// What the `policy` does about the missed ticks among those looked at, given
+    /// what the ledger holds (`found`), the catch-up window ending at `reference`.
+    pub(crate) fn decide(&self, policy: Misfire, found: &Recorded, reference: u64) -> Decision {
+        let holes = missed(&self.candidates, found, |text| self.same(text));
+        let plan = plan(policy, reference, holes.iter().copied());
+        let truncated = self.more && holes.last() == Some(&self.from());
+        let skip = plan
+            .skip
+            .iter()
+            .map(|&(t, r)| {
+                let reason = if truncated && t == self.from() {
+                    format!("{}; {}", r.as_str(), MissReason::OLDER_NOT_LOOKED_AT)
+                } else {
+                    r.as_str().to_owned()
+                };
+                (t, reason)
+            })
+            .collect();
+        Decision {
+            run: plan.run,
+            skip,
+            // Everything below the oldest hole is recorded; the holes are looked at
+            // again next time (filled by then, unless recording them fails).
+            low: holes.last().copied().unwrap_or(self.upto),
+            truncated,
+        }
+    }
 }
 
 /// The plan for the tick scheduled at `current`, given the missed ticks newest first
@@ -243,5 +401,190 @@ mod tests {
         assert_eq!(missed_ticks(&every_10s, current + 10, current).count(), 0);
         assert_eq!(next_after(&every_10s, current), Some(current + 10));
         assert_eq!(next_after(&every_10s, current - 1), Some(current));
+    }
+}
+
+/// The decision against an oracle that states each rule over the whole history (no
+/// window, no statement): which ticks were missed, and what each policy does with them.
+#[cfg(test)]
+mod oracle {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A multiple of 60: every schedule below has a tick at its minute's offset.
+    const BASE: u64 = 1_800_000_000;
+
+    /// `offset/step * * * * *`: every `step` seconds from second `offset` of each
+    /// minute.
+    #[derive(Debug, Clone, Copy)]
+    struct Sched {
+        offset: u64,
+        step: u64,
+    }
+
+    impl Sched {
+        fn text(self) -> String {
+            format!("{}/{} * * * * *", self.offset, self.step)
+        }
+        fn has(self, t: u64) -> bool {
+            let s = t % 60;
+            s >= self.offset && (s - self.offset).is_multiple_of(self.step)
+        }
+        /// The same ticks (another spelling of one schedule).
+        fn same(self, other: Sched) -> bool {
+            (0..60).all(|s| self.has(s) == other.has(s))
+        }
+        /// The latest tick at or before `t` (ticks exist in every minute).
+        fn at_or_before(self, t: u64) -> u64 {
+            (0..=t).rev().find(|&u| self.has(u)).expect("a tick")
+        }
+    }
+
+    fn sched() -> impl Strategy<Value = Sched> {
+        (
+            0u64..6,
+            prop_oneof![Just(1u64), Just(2), Just(3), Just(5), Just(7), Just(30)],
+        )
+            .prop_map(|(offset, step)| Sched { offset, step })
+    }
+
+    fn policy() -> impl Strategy<Value = Misfire> {
+        prop_oneof![
+            Just(Misfire::Skip),
+            Just(Misfire::RunOnce),
+            (0u32..20, 0u64..400).prop_map(|(max, within)| Misfire::CatchUp {
+                max,
+                within: Duration::from_secs(within)
+            }),
+        ]
+    }
+
+    /// Who wrote a row: `None` before the ledger recorded schedules, else which of the
+    /// schedules (0 is the current one).
+    type Rows = BTreeMap<u64, Option<usize>>;
+
+    /// What the ledger statement answers for `look`, from the rows.
+    fn answer(look: &Look, rows: &Rows, scheds: &[Sched]) -> Recorded {
+        let (from, upto) = (look.from(), look.upto);
+        let text = |l: &Option<usize>| l.map(|i| scheds[i].text());
+        let mut rescheduled: BTreeMap<String, u64> = BTreeMap::new();
+        for (t, l) in rows.range(from..upto) {
+            if let Some(x) = text(l).filter(|x| *x != scheds[0].text()) {
+                let e = rescheduled.entry(x).or_default();
+                *e = (*e).max(*t);
+            }
+        }
+        Recorded {
+            first: rows.keys().next().copied(),
+            ticks: look
+                .candidates
+                .iter()
+                .copied()
+                .filter(|t| rows.contains_key(t))
+                .collect(),
+            rescheduled: rescheduled.into_iter().collect(),
+            below: rows.range(..from).next_back().map(|(t, l)| (*t, text(l))),
+        }
+    }
+
+    /// The rules, over the whole history: a tick of the current schedule before `upto`
+    /// is missed when it has no row, is among the 1000 most recent, and comes after
+    /// the first row written since the schedule last changed (a row under another
+    /// schedule); then the policy.
+    fn oracle(
+        rows: &Rows,
+        scheds: &[Sched],
+        upto: u64,
+        policy: Misfire,
+        reference: u64,
+    ) -> (Vec<u64>, Vec<(u64, String)>, bool) {
+        let cur = scheds[0];
+        let same = |l: &Option<usize>| l.is_none_or(|i| scheds[i].same(cur));
+        let change = rows
+            .range(..upto)
+            .rev()
+            .find(|(_, l)| !same(l))
+            .map(|(t, _)| *t);
+        let floor = match change {
+            None => rows.keys().next().copied(),
+            Some(n) => rows.range(n + 1..).next().map(|(t, _)| *t),
+        };
+        let window: Vec<u64> = (1..upto).rev().filter(|t| cur.has(*t)).take(1000).collect();
+        let missed: Vec<u64> = match floor {
+            None => Vec::new(),
+            Some(floor) => window
+                .iter()
+                .copied()
+                .filter(|t| *t > floor && !rows.contains_key(t))
+                .collect(),
+        };
+        let truncated = window.len() == 1000 && missed.last() == window.last();
+        let mut run = Vec::new();
+        let mut skip = Vec::new();
+        for (i, &t) in missed.iter().enumerate() {
+            let reason = match policy {
+                Misfire::Skip => Some("missed: not run when due"),
+                Misfire::RunOnce => (i > 0).then_some("superseded by a later missed tick"),
+                Misfire::CatchUp { max, within } => {
+                    if Duration::from_secs(reference - t) > within {
+                        Some("beyond catch-up window")
+                    } else if run.len() < max as usize {
+                        None
+                    } else {
+                        Some("beyond catch-up max")
+                    }
+                }
+            };
+            match reason {
+                None => run.push(t),
+                Some(r) if truncated && Some(&t) == window.last() => {
+                    skip.push((t, format!("{r}; {}", MissReason::OLDER_NOT_LOOKED_AT)));
+                }
+                Some(r) => skip.push((t, r.to_owned())),
+            }
+        }
+        run.reverse();
+        (run, skip, truncated)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("CHOSEN_LEDGER_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(500),
+            ..ProptestConfig::default()
+        })]
+
+        /// Whatever the history (rows of earlier schedules, spelled otherwise or not,
+        /// rows from before schedules were recorded, holes, rows after the tick at
+        /// hand), the decision is the policy applied to exactly the ticks the rules call
+        /// missed.
+        #[test]
+        fn each_policy_decides_exactly_the_ticks_missed_since_the_schedule_last_changed(
+            scheds in proptest::collection::vec(sched(), 1..4),
+            raw in proptest::collection::vec((0u64..2_400, proptest::option::weighted(0.9, 0usize..4)), 0..40),
+            upto in 0u64..2_400,
+            policy in policy(),
+            late in 0u64..100,
+        ) {
+            let cur = scheds[0];
+            let upto = cur.at_or_before(BASE + 60 + upto);
+            let mut rows = Rows::new();
+            for (t, l) in raw {
+                let l = l.map(|i| i % scheds.len());
+                // A row sits on a tick of the schedule it was written under.
+                let s = l.map_or(cur, |i| scheds[i]);
+                rows.entry(s.at_or_before(BASE + 60 + t)).or_insert(l);
+            }
+            let schedule: cron::Schedule = cur.text().parse().unwrap();
+            let look = Look::new(&schedule, 0, upto);
+            let found = answer(&look, &rows, &scheds);
+            let decision = look.decide(policy, &found, upto + late);
+            let (run, skip, truncated) = oracle(&rows, &scheds, upto, policy, upto + late);
+            prop_assert_eq!(&decision.run, &run);
+            prop_assert_eq!(&decision.skip, &skip);
+            prop_assert_eq!(decision.truncated, truncated);
+        }
     }
 }
