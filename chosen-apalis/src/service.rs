@@ -83,14 +83,16 @@ pub enum SkipReason {
         /// Why.
         reason: String,
     },
-    /// The tick was delivered more than an hour (`MAX_EARLY_HOLD`) before the
-    /// database's clock reaches it (tick ledger): this node's clock is ahead of the
-    /// database's. It is not run here and left unrecorded; the misfire policy of a
-    /// later tick decides about it. (Ticks less early are held until they are due.)
+    /// The tick was delivered more than an hour (`MAX_EARLY_HOLD`) beyond the clock
+    /// tolerance before the database's clock reaches it (tick ledger): this node's
+    /// clock is ahead of the database's. It is not run here and left unrecorded; the
+    /// misfire policy decides about it once it is due (a leader decides about the ticks
+    /// that are due at each such tick). Ticks less early are held until they are due.
     NotDue {
         /// The tick's scheduled time.
         tick: SystemTime,
-        /// How far ahead of the database's clock it was delivered.
+        /// How long it would have had to be held (how far ahead of the database's
+        /// clock it was delivered, less the tolerance).
         early: Duration,
     },
     /// The run panicked (tick ledger): the panic was caught, the tick recorded `failed`

@@ -100,8 +100,12 @@ impl Election {
         let request = lock.into();
         let name = request.validated_name()?;
         let prefer = request.presence_lock();
-        let leadership =
-            Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
+        let leadership = Leadership::new(
+            &name,
+            request.namespace(&manager.options().namespace),
+            manager.node_id(),
+            manager.options().metrics.clone(),
+        );
         // A child of the manager's: its shutdown stops this election too.
         let stop = manager.stop_token();
         let step_down: Arc<Mutex<Option<CancellationToken>>> = Arc::default();

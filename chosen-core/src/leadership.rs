@@ -52,6 +52,8 @@ pub struct Leadership {
 
 struct Inner {
     name: String,
+    /// The namespace the name's key was derived in; `None` for a raw key.
+    namespace: Option<String>,
     node_id: String,
     tx: watch::Sender<Snapshot>,
     metrics: Option<Arc<dyn MetricsSink>>,
@@ -61,6 +63,7 @@ impl fmt::Debug for Leadership {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Leadership")
             .field("name", &self.inner.name)
+            .field("namespace", &self.inner.namespace)
             .field("node_id", &self.inner.node_id)
             .field("state", &self.state())
             .finish()
@@ -68,7 +71,12 @@ impl fmt::Debug for Leadership {
 }
 
 impl Leadership {
-    pub(crate) fn new(name: &str, node_id: &str, metrics: Option<Arc<dyn MetricsSink>>) -> Self {
+    pub(crate) fn new(
+        name: &str,
+        namespace: Option<&str>,
+        node_id: &str,
+        metrics: Option<Arc<dyn MetricsSink>>,
+    ) -> Self {
         let (tx, _) = watch::channel(Snapshot {
             state: LeaderState::Following { leader: None },
             validity: None,
@@ -76,6 +84,7 @@ impl Leadership {
         Self {
             inner: Arc::new(Inner {
                 name: name.to_owned(),
+                namespace: namespace.map(str::to_owned),
                 node_id: node_id.to_owned(),
                 tx,
                 metrics,
@@ -83,12 +92,27 @@ impl Leadership {
         }
     }
 
-    /// A leadership that a test sets by hand (no database), with its controller.
+    /// A leadership that a test sets by hand (no database), with its controller; its
+    /// name is taken as derived in the default namespace
+    /// ([`DEFAULT_NAMESPACE`](crate::DEFAULT_NAMESPACE)).
     #[cfg(any(test, feature = "test-util"))]
     #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     #[must_use]
     pub fn manual(name: &str, node_id: &str) -> (Self, ManualLeadership) {
-        let leadership = Self::new(name, node_id, None);
+        Self::manual_in(Some(crate::key::DEFAULT_NAMESPACE), name, node_id)
+    }
+
+    /// [`manual`](Self::manual), for a name derived in `namespace` (`None`: a raw key's
+    /// leadership, named `key(..)`).
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    #[must_use]
+    pub fn manual_in(
+        namespace: Option<&str>,
+        name: &str,
+        node_id: &str,
+    ) -> (Self, ManualLeadership) {
+        let leadership = Self::new(name, namespace, node_id, None);
         let control = ManualLeadership {
             leadership: leadership.clone(),
             lease: Arc::default(),
@@ -131,6 +155,16 @@ impl Leadership {
     #[must_use]
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// The namespace the lock's key was derived in from its name
+    /// ([`ManagerOptions::namespace`](crate::ManagerOptions::namespace)): two
+    /// leaderships of one name in two namespaces are two locks. `None` for a raw key's
+    /// leadership ([`LockKey`](crate::LockKey), named `key(..)`), the same lock in every
+    /// namespace.
+    #[must_use]
+    pub fn namespace(&self) -> Option<&str> {
+        self.inner.namespace.as_deref()
     }
 
     /// This node's id.
@@ -441,7 +475,7 @@ mod tests {
 
     #[tokio::test]
     async fn leadership_ends_when_its_lease_is_dropped() {
-        let leadership = Leadership::new("test", "node", None);
+        let leadership = Leadership::new("test", Some("chosen"), "node", None);
         let (lease, _rx, _generation) = Lease::for_tests();
         leadership.set_leading(&lease);
         let kept = leadership.clone();

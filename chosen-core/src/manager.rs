@@ -150,6 +150,15 @@ impl LockRequest {
             Target::Key(key) => Ok(format!("key{key}")),
         }
     }
+
+    /// The namespace this request's key is derived in, given the manager's: `None` for
+    /// a raw key.
+    pub(crate) fn namespace<'a>(&self, manager: &'a str) -> Option<&'a str> {
+        match self.target {
+            Target::Name(_) => Some(manager),
+            Target::Key(_) => None,
+        }
+    }
 }
 
 impl From<&str> for LockRequest {

@@ -1086,11 +1086,12 @@ async fn a_graceful_stop_during_a_catch_up_on_gain_does_not_hang() {
     let schedule: Schedule = format!("{},{},{} * * * * *", secs[0], secs[1], secs[2])
         .parse()
         .unwrap();
-    // The job's first row, 30 s ago.
+    // The job's first row, 30 s ago, under this schedule (a row with no schedule off
+    // its ticks would be another schedule's: nothing before the next row is missed).
     db.admin
         .execute(
-            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now())",
-            &[&job, &((now - 30) as f64)],
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now(), $3)",
+            &[&job, &((now - 30) as f64), &schedule.source()],
         )
         .await
         .unwrap();
@@ -2547,4 +2548,259 @@ async fn a_daily_tick_missed_just_before_a_gain_runs_at_once() {
         vec![(day, true)],
         "the missed daily tick"
     );
+}
+
+// ---------------------------------------------------------------------------------
+// One job is one job: no two jobs share rows or a fence, and no job is two.
+// ---------------------------------------------------------------------------------
+
+/// A ledgered every-second job under `leadership`, leading with `token`.
+fn job_under(
+    db: &Db,
+    leadership: Leadership,
+    control: &ManualLeadership,
+    token: u64,
+    job: Option<&str>,
+) -> (LedgeredCron<Job>, Runs) {
+    control.lead(token);
+    let mut layer = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .schedule(every_second());
+    if let Some(job) = job {
+        layer = layer.job(job);
+    }
+    let runs = Runs::default();
+    let svc = layer.layer(quiet_job(&runs));
+    (svc, runs)
+}
+
+async fn call_at(svc: &mut LedgeredCron<Job>, at: u64) -> Outcome<()> {
+    svc.ready()
+        .await
+        .unwrap()
+        .call(Task::new(Tick::new(at)))
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn one_lock_name_in_two_namespaces_is_two_jobs() {
+    // Two applications share a database, each in its own namespace, both locking
+    // `billing`: two locks, two rightful leaders (the second with a smaller token).
+    // Each runs every tick of its own job; neither's fence stops the other.
+    let db = db().await;
+    let lock = unique_name("billing");
+    let (a, ca) = Leadership::manual_in(Some("app-a"), &lock, "node-1");
+    let (b, cb) = Leadership::manual_in(Some("app-b"), &lock, "node-2");
+    let (mut a, _ra) = job_under(&db, a, &ca, 9, None);
+    let (mut b, _rb) = job_under(&db, b, &cb, 5, None);
+    for t in t0()..t0() + 3 {
+        let out = call_at(&mut a, t).await;
+        assert!(out.ran(), "app-a's tick {t}: {out:?}");
+        let out = call_at(&mut b, t).await;
+        assert!(out.ran(), "app-b's tick {t}: {out:?}");
+    }
+}
+
+#[tokio::test]
+async fn jobs_whose_names_joined_look_alike_are_two_jobs() {
+    // The unnamed job of lock `x/y` and job `y` of lock `x`; job `c` of lock `a/b` and
+    // job `b/c` of lock `a`: each pair used to be one ledger job, each tick going to
+    // whichever claimed it first.
+    let db = db().await;
+    let x = unique_name("x");
+    /// A lock and the job's name under it, if any.
+    type Job<'a> = (String, Option<&'a str>);
+    let pairs: [(Job<'_>, Job<'_>); 2] = [
+        ((format!("{x}/y"), None), (x.clone(), Some("y"))),
+        ((format!("{x}/b"), Some("c")), (x.clone(), Some("b/c"))),
+    ];
+    for ((lock1, job1), (lock2, job2)) in pairs {
+        let (l1, c1) = Leadership::manual(&lock1, "node-1");
+        let (l2, c2) = Leadership::manual(&lock2, "node-1");
+        let (mut one, _) = job_under(&db, l1, &c1, 5, job1);
+        let (mut two, _) = job_under(&db, l2, &c2, 5, job2);
+        let out = call_at(&mut one, t0()).await;
+        assert!(out.ran(), "{lock1} {job1:?}: {out:?}");
+        let out = call_at(&mut two, t0()).await;
+        assert!(out.ran(), "{lock2} {job2:?}: {out:?}");
+    }
+}
+
+/// A pool of one connection to `db` (so that a session setting made on it is the one
+/// the ledger's next statement runs under).
+fn one_connection_pool(db: &Db) -> Pool {
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(1)
+    .build()
+    .unwrap()
+}
+
+/// Tables named as the ledger's default ones in a schema of their own, which a
+/// connection whose `search_path` begins with it finds first.
+async fn shadow_tables(db: &Db) -> String {
+    let schema = unique_name("shadow").replace('-', "_");
+    db.admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA {schema};\nCREATE TABLE {schema}.chosen_ticks (LIKE public.chosen_ticks INCLUDING ALL);\nCREATE TABLE {schema}.chosen_fence (LIKE public.chosen_fence INCLUDING ALL)"
+        ))
+        .await
+        .unwrap();
+    schema
+}
+
+#[tokio::test]
+async fn the_ledger_keeps_the_tables_it_resolved_whatever_a_connections_search_path() {
+    // A pooled connection whose session `search_path` changes (the application set it)
+    // finds other tables of the same names first; the ledger keeps writing to the
+    // tables it resolved, so no tick's row lands where the next leader does not look.
+    let db = db().await;
+    let schema = shadow_tables(&db).await;
+    let pool = one_connection_pool(&db);
+    let ledger = TickLedger::new(pool.clone());
+    let job = unique_name("ledger-search-path");
+    let (leadership, control) = Leadership::manual(&job, "node-1");
+    control.lead(5);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(ledger)
+        .schedule(every_second())
+        .layer(quiet_job(&runs));
+    assert!(call_at(&mut svc, t0()).await.ran());
+    pool.get()
+        .await
+        .unwrap()
+        .batch_execute(&format!("SET search_path = {schema}, public"))
+        .await
+        .unwrap();
+    assert!(call_at(&mut svc, t0() + 1).await.ran());
+    let count = |table: String| {
+        let admin = &db.admin;
+        let job = job.clone();
+        async move {
+            admin
+                .query_one(
+                    &format!("SELECT count(*) FROM {table} WHERE job = $1"),
+                    &[&job],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(count("public.chosen_ticks".to_owned()).await, 2);
+    assert_eq!(count(format!("{schema}.chosen_ticks")).await, 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn tables_of_one_name_in_several_schemas_are_warned_about() {
+    // Nodes whose search_path differs would each find their own ledger: whoever sees
+    // several tables of the default names says so, naming them.
+    use std::io::Write;
+
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+    impl Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let lines = lines.clone();
+            move || lines.clone()
+        })
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let db = db().await;
+    let schema = shadow_tables(&db).await;
+    let ledger = TickLedger::new(one_connection_pool(&db));
+    ledger.install().await.unwrap();
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        text.contains("tables of this name exist in several schemas")
+            && text.contains(&format!("{schema}.chosen_ticks"))
+            && text.contains("public.chosen_ticks"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_leader_hours_ahead_still_decides_the_ticks_that_are_due() {
+    // Every tick this leader's scheduler delivers is two hours early, too early to hold:
+    // each is answered NotDue, and at each the misfire policy decides about the ticks
+    // the database's clock has reached, so none is left undecided for its tenure.
+    let db = db().await;
+    let job = unique_name("ledger-hours-ahead");
+    let mut a = node(
+        &db,
+        &job,
+        "node-a",
+        5,
+        Misfire::RunOnce,
+        Claim::BeforeRun,
+        false,
+    );
+    let now = db_now(&db.admin).await;
+    assert!(tick(&mut a, now - 30).await.ran());
+    let out = tick(&mut a, now + 7200).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::NotDue { .. })),
+        "{out:?}"
+    );
+    // RunOnce: the newest tick at least 5 s old ran, late; the older ones skipped.
+    let runs = a.runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert!(runs[1].1 && runs[1].0 >= now - 5, "{runs:?}");
+    let decided = rows_after(&db.admin, &job, now - 30).await;
+    assert_eq!(decided.last().copied(), Some(runs[1].0 as i64));
+    assert_eq!(decided.len() as u64, runs[1].0 - (now - 30), "{decided:?}");
+}
+
+#[tokio::test]
+async fn a_held_tick_does_not_hold_the_jobs_readiness() {
+    // The job allows one run at a time (a concurrency limit inside the gate). A tick
+    // held until it is due must not take that permit while it waits: the gate stays
+    // ready, and a due tick delivered meanwhile runs.
+    let db = db().await;
+    let job = unique_name("ledger-held-permit");
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .schedule(every_second())
+        .layer(tower::limit::ConcurrencyLimit::new(quiet_job(&runs), 1));
+    let now = db_now(&db.admin).await;
+    let held = {
+        let fut = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(Task::new(Tick::new(now + 4)));
+        tokio::spawn(fut)
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!held.is_finished());
+    let ready = tokio::time::timeout(Duration::from_millis(500), svc.ready()).await;
+    assert!(ready.is_ok(), "the gate waited for the held tick's permit");
+    let out = ready
+        .unwrap()
+        .unwrap()
+        .call(Task::new(Tick::new(now - 1)))
+        .await
+        .unwrap();
+    assert!(out.ran(), "{out:?}");
+    assert!(held.await.unwrap().unwrap().ran());
 }

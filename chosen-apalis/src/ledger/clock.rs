@@ -89,6 +89,9 @@ pub(crate) struct Offset {
 #[derive(Debug, Default)]
 pub(crate) struct DbClock {
     state: Mutex<State>,
+    /// Held while a reading is taken: ticks that find the reading stale together wait
+    /// for one new reading rather than each taking its own.
+    pub(crate) reading: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug, Default)]

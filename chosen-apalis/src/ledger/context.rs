@@ -98,16 +98,17 @@ impl TickContext {
         self.tick
     }
 
-    /// The job's name in the ledger (see
+    /// The job's key in the ledger (see
     /// [`LedgeredCronLayer::job_name`](crate::LedgeredCronLayer::job_name)).
     #[must_use]
     pub fn job(&self) -> &str {
         &self.ids.job
     }
 
-    /// The name the job's ledger transaction is fenced under: the lock's name, or
-    /// `chosen.job/lock/name` for a named job (the tokens are the lock's). Fence the
-    /// job's other writes under it too.
+    /// The name the job's ledger transaction is fenced under
+    /// ([`LedgeredCronLayer::fence_name`](crate::LedgeredCronLayer::fence_name): the
+    /// lock's name for an unnamed job in the default namespace; the tokens are the
+    /// lock's). Fence the job's other writes under it too.
     #[must_use]
     pub fn fence_name(&self) -> &str {
         &self.ids.fence

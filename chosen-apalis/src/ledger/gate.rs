@@ -20,7 +20,7 @@ use tracing::{debug, error, info, warn};
 use super::context::{Slot, TickContext};
 use super::overlap::{Held, Overlap, Refused, Turn};
 use super::plan::{Look, MAX_MISSED, next_after};
-use super::{Claim, JobIds, LedgerError, MAX_EARLY_HOLD, Misfire, TickLedger, at, chain};
+use super::{Claim, JobIds, LedgerError, MAX_EARLY_HOLD, Misfire, TickLedger, at, chain, job_key};
 use crate::guard::LeaderGuard;
 use crate::layer::{GateStats, LeaderOnlyJobLayer};
 use crate::policy::CronTicks;
@@ -79,7 +79,8 @@ impl<P> LeaderOnlyJobLayer<P> {
 ///    the database's clock reaches it (this node's clock is ahead) is held until then,
 ///    at most an hour (further ahead: `Ok(Outcome::Skipped(NotDue))`, unrecorded).
 /// 1. Not the leader (no valid lease at this moment): `Ok(Outcome::Skipped(NotLeader))`,
-///    nothing else, as [`LeaderOnlyJobLayer`].
+///    nothing else, as [`LeaderOnlyJobLayer`] (a follower reads the database's clock
+///    for step 0, and answers this at once when it cannot).
 /// 2. Runs of one job on one node never overlap: a tick due while the previous run
 ///    still runs follows the [`Overlap`] policy (default [`Overlap::Buffer`]: it waits,
 ///    one at most; further ones are left to the misfire policy of the next run). A run is stopped (its future dropped, the tick recorded
@@ -118,7 +119,9 @@ impl<P> LeaderOnlyJobLayer<P> {
 /// `WorkerContext`; data added with `.data(..)` is added inside the gate and is there.)
 ///
 /// Every run gets a [`LeaderGuard`] and a [`TickContext`] in its data. Skips are `Ok`,
-/// nothing happens in `poll_ready`, and the layer must be outermost, as for
+/// `poll_ready` is ready at once (a held tick must not hold the job's readiness, such
+/// as a concurrency permit: the run waits for it once the tick is due), and the layer
+/// must be outermost, as for
 /// [`LeaderOnlyJobLayer`].
 #[derive(Debug, Clone)]
 pub struct LedgeredCronLayer {
@@ -137,8 +140,9 @@ pub struct LedgeredCronLayer {
 
 impl LedgeredCronLayer {
     /// Names the job, for several ledgered jobs gated by one leadership: its rows are
-    /// then recorded under `lock/name` instead of the lock's name. Every node must give
-    /// the job the same name (the worker's name plays no part: it may differ per node).
+    /// then recorded under a key of its own (`lock/name`; see
+    /// [`job_name`](Self::job_name)). Every node must give the job the same name (the
+    /// worker's name plays no part: it may differ per node).
     #[must_use]
     pub fn job(mut self, name: &str) -> Self {
         self.job = Some(name.into());
@@ -147,17 +151,47 @@ impl LedgeredCronLayer {
         self
     }
 
-    /// The job's name in the ledger (its `job` column): the leadership's lock name, or
-    /// `lock/name` when named with [`job`](Self::job) (a NUL in it, which `text`
-    /// cannot store, is replaced). Its ledger transactions are fenced under the lock's
-    /// name, or `chosen.job/lock/name` for a named job.
+    /// The job's key in the ledger (its `job` column): who the job is, from the lock
+    /// (its name and the namespace its key was derived in,
+    /// [`Leadership::namespace`](chosen_core::Leadership::namespace)) and the job's
+    /// name ([`job`](Self::job)), so that two jobs never share rows and one job always
+    /// finds its own. In the default namespace (or for a raw key), with no `/` in the
+    /// names: the lock's name, or `lock/name` for a named job, as earlier versions
+    /// wrote. Otherwise `chosen.job:namespace/lock[/name]`, each part percent-encoded
+    /// (`%`, `/`, `*` and NUL; `*` stands for a raw key's namespace), e.g.
+    /// `chosen.job:tenant-a/billing`.
+    ///
+    /// Its ledger transactions are fenced under [`fence_name`](Self::fence_name).
+    ///
+    /// Upgrading: jobs whose key has the first form keep their rows. A job in another
+    /// namespace, or with a `/` in its lock's or its own name, was keyed `lock` or
+    /// `lock/name` before (shared with other jobs: the defect this fixes) and starts
+    /// under its new key with no rows: its first tick after the upgrade starts its
+    /// history (nothing before it is missed or caught up). Stop such a job on every
+    /// node for the upgrade, or a tick at a hand-over between a node of each version
+    /// may run on both.
     #[must_use]
     pub fn job_name(&self) -> String {
-        let lock = self.gate.leadership().name();
-        match &self.job {
-            Some(name) => format!("{lock}/{name}").replace('\0', "\u{fffd}"),
-            None => lock.to_owned(),
-        }
+        self.key().job
+    }
+
+    /// The name the job's ledger transactions are fenced under: the lock's name for an
+    /// unnamed job keyed by it, `chosen.job/lock/name` for a named job keyed
+    /// `lock/name`, else the job's key (see [`job_name`](Self::job_name)). Names
+    /// beginning with `chosen.` are the library's: no lock of an application fences
+    /// under them.
+    #[must_use]
+    pub fn fence_name(&self) -> String {
+        self.key().fence
+    }
+
+    fn key(&self) -> super::identity::JobKey {
+        let leadership = self.gate.leadership();
+        job_key(
+            leadership.namespace(),
+            leadership.name(),
+            self.job.as_deref(),
+        )
     }
 
     /// What to do with missed ticks (default [`Misfire::Skip`]).
@@ -229,16 +263,12 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         let leadership = self.gate.leadership.clone();
-        let job: Arc<str> = self.job_name().into();
+        // Fenced per job: the tokens are the lock's, and one job's long ledger
+        // transaction does not hold up another's.
+        let key = self.key();
         let ids = JobIds {
-            // Fenced per job: the tokens are the lock's, and one job's long ledger
-            // transaction does not hold up another's. A named job's fence name is
-            // reserved (`chosen.job/lock/name`), so that no lock fences under it.
-            fence: match &self.job {
-                Some(_) => format!("chosen.job/{job}").into(),
-                None => Arc::clone(&job),
-            },
-            job,
+            fence: key.fence.into(),
+            job: key.job.into(),
             node: leadership.node_id().into(),
             schedule: self.schedule.as_ref().map(|s| s.source().into()),
         };
@@ -312,8 +342,10 @@ struct Shared {
     worker: std::sync::Mutex<Option<WorkerContext>>,
     /// Every scheduled tick before this one is known to be recorded in the ledger
     /// (0: nothing known yet): where the next look for missed ticks starts. Learnt
-    /// from the ledger only, never from what this node meant to do, and rows are never
-    /// deleted by chosen, so it only moves forward.
+    /// from the ledger only, never from what this node meant to do. A look up to a tick
+    /// below it (the clock stepped back, or a catch-up on gaining leadership whose
+    /// `upto` was fixed before a later tick ran) starts again from 0 and may move it
+    /// back: that only looks at more ticks.
     low: AtomicU64,
 }
 
@@ -321,6 +353,10 @@ struct Shared {
 /// tick is further away than this; a tick this close to the gain may still reach the
 /// gate from this node's scheduler, and the next tick decides about the gap anyway.
 const GAIN_MARGIN: Duration = Duration::from_secs(5);
+
+/// How long the catch-up on gaining leadership waits before it reads the database's
+/// clock again, when it could not.
+const GAIN_RETRY: Duration = Duration::from_secs(2);
 
 /// Stops the task that catches up on gaining leadership when the last clone of the
 /// service is dropped (the worker stopped).
@@ -374,8 +410,12 @@ where
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), S::Error>> {
-        // Never gate here: a Pending would stall the cron backend.
-        self.inner.poll_ready(cx)
+        // Ready at once, whatever the job: a tick may be held until it is due, and must
+        // not hold the job's readiness (a concurrency permit) meanwhile; the run waits
+        // for the job's readiness itself, once it is due and claimed. (And never gate
+        // here: a Pending would stall the cron backend.)
+        let _ = cx;
+        std::task::Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, task: Task<Tick>) -> Self::Future {
@@ -390,9 +430,8 @@ where
             .template
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.clone());
-        // The service polled ready goes with the call; a clone stays for the next.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        // A clone of the job goes with the call; it is polled ready when the tick runs.
+        let inner = self.inner.clone();
         Box::pin(async move { shared.admit(inner, task).await })
     }
 }
@@ -457,75 +496,124 @@ impl Shared {
 
     /// A tick that reached the gate: held until the database's clock reaches it, then
     /// run if this node leads.
-    async fn admit<S>(&self, inner: S, task: Task<Tick>) -> Result<Outcome<S::Response>, S::Error>
+    async fn admit<S>(
+        &self,
+        mut inner: S,
+        task: Task<Tick>,
+    ) -> Result<Outcome<S::Response>, S::Error>
     where
         S: Service<Task<Tick>>,
         S::Error: fmt::Display + 'static,
     {
         let tick = task.args.get_timestamp();
-        if let Err(outcome) = self.until_due(&task, tick).await {
-            return Ok(outcome);
-        }
+        let too_early = match self.until_due(&task, tick).await {
+            Hold::Due => None,
+            Hold::NotRun(outcome) => return Ok(outcome),
+            Hold::TooEarly { outcome, now } => Some((outcome, now)),
+        };
         let (tenure, state) = observe(&self.leadership);
         let token = match state {
             LeaderState::Leading { token, .. } if !tenure.ended() => token,
-            _ => return Ok(self.not_leader()),
+            _ => return Ok(too_early.map_or_else(|| self.not_leader(), |(o, _)| o)),
         };
         let guard = LeaderGuard::new(token, self.leadership.clone(), tenure);
+        if let Some((outcome, now)) = too_early {
+            // Every tick this leader's scheduler delivers is this early: decide about the
+            // ticks the database's clock has reached at each of them, or none would ever
+            // reach the misfire policy while it leads.
+            if let Some(schedule) = &self.schedule {
+                let upto = next_after(schedule, now.saturating_sub(GAIN_MARGIN.as_secs()));
+                if let Some(upto) = upto {
+                    self.fill_upto(&mut inner, &guard, upto, now).await;
+                }
+            }
+            return Ok(outcome);
+        }
         self.run(inner, task, guard).await
     }
 
     /// Waits until the database's clock reaches `tick` (less the ledger's tolerance):
     /// a tick is due by the database's clock, not by this node's, which delivered it.
     /// On a follower too, so that an early tick is still there if this node leads once
-    /// it is due. `Err` with the answer when it is not run here: the clock cannot be
-    /// read (a follower: not the leader; a leader: the ledger failed), the tick is more
-    /// than [`MAX_EARLY_HOLD`] early, or the worker stops meanwhile.
-    async fn until_due<R>(&self, task: &Task<Tick>, tick: u64) -> Result<(), Outcome<R>> {
+    /// it is due. Not run here when the clock cannot be read (a follower: not the
+    /// leader; a leader: the ledger failed), when the worker stops meanwhile, or when
+    /// the tick is more than [`MAX_EARLY_HOLD`] (beyond the tolerance) early.
+    async fn until_due<R>(&self, task: &Task<Tick>, tick: u64) -> Hold<R> {
         let tolerance = self.ledger.tolerance();
+        let shutting_down = || {
+            Hold::NotRun(Outcome::Skipped(SkipReason::Cancelled {
+                tick: at(tick),
+                reason: Stop::ShuttingDown.reason(),
+            }))
+        };
         let mut held = false;
         // Each wait covers the whole distance, so a second round finds the tick due
         // unless a new reading moved the clock back; the claim statement decides then.
         for _ in 0..3 {
-            let reading = match self.ledger.clock().await {
-                Ok(reading) => reading,
-                Err(e) if self.leadership.is_leader() => return Err(self.ledger_failed(tick, &e)),
-                Err(_) => return Err(self.not_leader()),
+            let Some(read) = self
+                .unless_stopping(task, SHUTDOWN_POLL, self.ledger.clock())
+                .await
+            else {
+                return shutting_down();
             };
-            let Some(early) = reading.early_by(tick, tolerance, tokio::time::Instant::now()) else {
+            let reading = match read {
+                Ok(reading) => reading,
+                Err(e) if self.leadership.is_leader() => {
+                    return Hold::NotRun(self.ledger_failed(tick, &e));
+                }
+                Err(_) => return Hold::NotRun(self.not_leader()),
+            };
+            let now = tokio::time::Instant::now();
+            let Some(early) = reading.early_by(tick, tolerance, now) else {
                 break;
             };
             if early > MAX_EARLY_HOLD {
                 self.stats.skipped_not_due.fetch_add(1, Ordering::Relaxed);
                 self.report("skipped_not_due");
-                warn!(lock = %self.job, tick, early = ?early, "tick not run: delivered further ahead of the database's clock than a tick is held (this node's clock is ahead): left to the misfire policy");
-                return Err(Outcome::Skipped(SkipReason::NotDue {
-                    tick: at(tick),
-                    early,
-                }));
+                warn!(lock = %self.job, tick, early = ?early, "tick not run: delivered more than an hour before the database's clock reaches it (this node's clock is ahead); the misfire policy decides about the ticks that are due");
+                return Hold::TooEarly {
+                    outcome: Outcome::Skipped(SkipReason::NotDue {
+                        tick: at(tick),
+                        early,
+                    }),
+                    now: reading.unix_secs(now),
+                };
             }
             if !held {
                 held = true;
                 self.stats.held_early.fetch_add(1, Ordering::Relaxed);
                 debug!(lock = %self.job, tick, early = ?early, "tick held until the database's clock reaches it");
             }
-            let wait = tokio::time::sleep(early);
-            tokio::pin!(wait);
-            loop {
-                if self.stopping(task) {
-                    // Not claimed, not run: the next run, here or on the next leader, decides.
-                    return Err(Outcome::Skipped(SkipReason::Cancelled {
-                        tick: at(tick),
-                        reason: Stop::ShuttingDown.reason(),
-                    }));
-                }
-                tokio::select! {
-                    () = &mut wait => break,
-                    () = tokio::time::sleep(SHUTDOWN_POLL) => {}
-                }
+            if self
+                .unless_stopping(task, HOLD_POLL, tokio::time::sleep(early))
+                .await
+                .is_none()
+            {
+                // Not claimed, not run: the next run, here or on the next leader, decides.
+                return shutting_down();
             }
         }
-        Ok(())
+        Hold::Due
+    }
+
+    /// Runs `work` to its end, or gives up (`None`) once the apalis worker is shutting
+    /// down, looked at every `every`.
+    async fn unless_stopping<T>(
+        &self,
+        task: &Task<Tick>,
+        every: Duration,
+        work: impl Future<Output = T>,
+    ) -> Option<T> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            if self.stopping(task) {
+                return None;
+            }
+            tokio::select! {
+                done = &mut work => return Some(done),
+                () = tokio::time::sleep(every) => {}
+            }
+        }
     }
 
     async fn run<S>(
@@ -629,13 +717,14 @@ impl Shared {
         if !plan.skip.is_empty() {
             let rows: Vec<(u64, &str)> = plan.skip.iter().map(|(t, r)| (*t, r.as_str())).collect();
             let token = guard.fencing_token();
-            if let Err(e) = self.ledger.record(&self.ids, token, "skipped", &rows).await {
-                return Err(self.ledger_failed(upto, &e));
-            }
+            let recorded = match self.ledger.record(&self.ids, token, "skipped", &rows).await {
+                Ok(not_due) => rows.len().saturating_sub(not_due),
+                Err(e) => return Err(self.ledger_failed(upto, &e)),
+            };
             self.stats
                 .skipped_missed
-                .fetch_add(rows.len() as u64, Ordering::Relaxed);
-            for _ in &rows {
+                .fetch_add(recorded as u64, Ordering::Relaxed);
+            for _ in 0..recorded {
                 self.report("skipped_missed");
             }
             info!(lock = %self.job, upto, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
@@ -682,9 +771,19 @@ impl Shared {
         let Some(schedule) = &self.schedule else {
             return;
         };
-        // Unreadable: the next tick decides about the gap.
-        let Ok(reading) = self.ledger.clock().await else {
-            return;
+        // Read again while the clock cannot be read (the database unreachable), for as
+        // long as this tenure lasts: a daily tick must not wait a day for a blip.
+        let reading = loop {
+            match self.ledger.clock().await {
+                Ok(reading) => break reading,
+                Err(e) => {
+                    debug!(lock = %self.job, error = %chain(&e), "the database's clock could not be read on gaining leadership; trying again");
+                    tokio::select! {
+                        () = tokio::time::sleep(GAIN_RETRY) => {}
+                        () = guard.lost() => return,
+                    }
+                }
+            }
         };
         let now = reading.unix_secs(tokio::time::Instant::now());
         let margin = GAIN_MARGIN.as_secs();
@@ -697,18 +796,19 @@ impl Shared {
         let older = next_after(schedule, now.saturating_sub(margin)).unwrap_or(next);
         if older < next {
             // Ticks in (now - margin, now]: first those older than the margin.
-            self.fill_on_gain(inner, guard, older, now).await;
+            self.fill_upto(inner, guard, older, now).await;
             tokio::select! {
                 () = tokio::time::sleep(GAIN_MARGIN) => {}
                 () = guard.lost() => return,
             }
         }
-        self.fill_on_gain(inner, guard, next, now).await;
+        self.fill_upto(inner, guard, next, now).await;
     }
 
-    /// Decides about the ticks missed before `upto` on gaining leadership, the catch-up
-    /// window ending at the database's clock at the gain (`now`).
-    async fn fill_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard, upto: u64, now: u64)
+    /// Decides about the ticks missed before `upto` outside the run of a tick (on
+    /// gaining leadership, or at a tick delivered too early to be held), the catch-up
+    /// window ending at the database's clock (`now`).
+    async fn fill_upto<S>(&self, inner: &mut S, guard: &LeaderGuard, upto: u64, now: u64)
     where
         S: Service<Task<Tick>>,
         S::Error: fmt::Display + 'static,
@@ -925,11 +1025,11 @@ impl Shared {
             // left unrecorded, the tick is a missed tick for the next leader, which may
             // run it (exactly once).
             (Claim::InJobTransaction, _, Stop::LeadershipLost | Stop::ShuttingDown) => Ok(()),
-            (Claim::InJobTransaction, ..) => {
-                self.ledger
-                    .record(&self.ids, token, outcome, &[(tick, &reason)])
-                    .await
-            }
+            (Claim::InJobTransaction, ..) => self
+                .ledger
+                .record(&self.ids, token, outcome, &[(tick, &reason)])
+                .await
+                .map(drop),
         };
         if let Err(e) = recorded {
             warn!(lock = %self.job, tick, error = %chain(&e), "could not record a stopped run");
@@ -982,8 +1082,24 @@ impl Shared {
     }
 }
 
-/// How often a wait for the job's readiness looks whether the worker is stopping.
+/// How often a wait for the job's readiness (or for the database's clock) looks
+/// whether the worker is stopping.
 const SHUTDOWN_POLL: Duration = Duration::from_millis(100);
+
+/// How often a tick held until it is due looks whether the worker is stopping (there
+/// may be thousands of them, on a node far ahead).
+const HOLD_POLL: Duration = Duration::from_secs(1);
+
+/// What became of a tick's wait for the database's clock.
+enum Hold<R> {
+    /// It is due: run it if this node leads.
+    Due,
+    /// It does not run here: the answer.
+    NotRun(Outcome<R>),
+    /// It was delivered too early to be held (the answer); the database's clock reads
+    /// `now` (Unix seconds).
+    TooEarly { outcome: Outcome<R>, now: u64 },
+}
 
 /// Waits for `inner` to be ready, then calls it; `None` (without calling it) once the
 /// apalis worker is shutting down (the task's, or the latest one the gate saw). apalis'
@@ -1089,9 +1205,9 @@ mod tests {
         .expect("a pool without a runtime-dependent timeout builds")
     }
 
-    // No database: a follower never touches the ledger, and a leader whose ledger is
-    // unreachable skips the tick as `Ok` (never `Err`: a hot loop under a retry layer)
-    // without calling the job. Paused time: nothing here waits on a clock.
+    // No database: a follower that cannot read the database's clock answers "not the
+    // leader", and a leader whose ledger is unreachable skips the tick as `Ok` (never
+    // `Err`: a hot loop under a retry layer) without calling the job. Paused time.
     #[tokio::test(start_paused = true)]
     async fn followers_skip_and_an_unreachable_ledger_skips_as_ok() {
         let (leadership, control) = Leadership::manual("ledger-unit", "node-1");

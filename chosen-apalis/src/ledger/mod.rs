@@ -4,11 +4,12 @@ mod clock;
 mod context;
 mod error;
 mod gate;
+mod identity;
 mod overlap;
 mod plan;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_core::fenced::FenceTable;
@@ -22,6 +23,7 @@ pub(crate) use clock::Reading;
 pub use context::{LedgerTx, TickContext};
 pub use error::LedgerError;
 pub use gate::{LedgerFuture, LedgeredCron, LedgeredCronLayer};
+use identity::job_key;
 pub use overlap::Overlap;
 pub use plan::Misfire;
 pub(crate) use plan::Recorded;
@@ -32,7 +34,8 @@ pub(crate) use error::chain;
 pub const DEFAULT_LEDGER_TABLE: &str = "chosen_ticks";
 
 /// The SQL that creates the default ledger table (`"chosen_ticks"` in the schema first
-/// on the `search_path`), for teams that run their own migrations; the fence table
+/// on the `search_path`; the ledger then names it with that schema, see
+/// [`TickLedger::table`]), for teams that run their own migrations; the fence table
 /// ([`chosen_core::fenced::INSTALL_SQL`]) is needed too. Tables created by earlier
 /// versions are brought up to date by [`LedgerTable::upgrade_sql`] (which
 /// [`TickLedger::install`] runs).
@@ -93,8 +96,8 @@ pub enum Claim {
 /// )
 /// ```
 ///
-/// `job` is the job's name ([`LedgeredCronLayer::job`]: the lock's name, or
-/// `lock/name`); `token` the fencing token of the leader that wrote the row; `outcome`
+/// `job` is the job's key ([`LedgeredCronLayer::job_name`]: the lock's name, or
+/// `lock/name`, in the default namespace); `token` the fencing token of the leader that wrote the row; `outcome`
 /// `running` (claimed before the run, not finished: at most once, see [`Claim`]),
 /// `ran`, `skipped` (with `reason`: why, see [`Misfire`]), `failed` (with the job's
 /// error), `cancelled` (stopped: `max_runtime`, a newer tick, a lost lease);
@@ -115,6 +118,10 @@ pub struct TickLedger {
     clock_tolerance: Duration,
     /// The latest reading of the database's clock, shared by every clone.
     clock: Arc<DbClock>,
+    /// The two tables with their schema, as the first statement that found both
+    /// resolved them: every later statement names them so, whatever the connection's
+    /// `search_path` (see [`TickLedger::resolve`]).
+    resolved: Arc<OnceLock<(LedgerTable, FenceTable)>>,
 }
 
 /// How much longer than the server the client waits for a ledger operation.
@@ -167,6 +174,7 @@ impl TickLedger {
             idle_in_transaction: DEFAULT_IDLE_IN_TRANSACTION,
             clock_tolerance: DEFAULT_CLOCK_TOLERANCE,
             clock: Arc::default(),
+            resolved: Arc::default(),
         }
     }
 
@@ -181,8 +189,11 @@ impl TickLedger {
     ///
     /// 1. a tick delivered more than the tolerance before the database's clock reaches
     ///    it is held by the gate until then (on a follower too, so that it is there
-    ///    if this node leads by then), at most [`MAX_EARLY_HOLD`]; one further ahead
-    ///    is not run here (`Outcome::Skipped(NotDue)`) and left unrecorded;
+    ///    if this node leads by then), for up to [`MAX_EARLY_HOLD`] beyond the
+    ///    tolerance; one further ahead is not run here (`Outcome::Skipped(NotDue)`)
+    ///    and left unrecorded, and a leader decides then about the ticks the database's
+    ///    clock has reached, by the misfire policy (so a leader an hour or more ahead
+    ///    still decides about every tick, late);
     /// 2. on gaining leadership, missed ticks are those before the database's clock;
     /// 3. the statements that claim or record a tick refuse one that is more than the
     ///    tolerance ahead of the database's clock ([`LedgerError::NotDue`]), so no path
@@ -191,10 +202,15 @@ impl TickLedger {
     ///    with the offset (`offset_seconds`, positive when it is ahead), at most every
     ///    ten minutes.
     ///
-    /// A node whose clock runs *behind* the database's gets each tick late, by its
-    /// offset (its scheduler fires late); the warning says so too. The database's clock
-    /// is read once every 30 s at most (one `SELECT clock_timestamp()` on the pool) and
-    /// carried forward on this node's monotonic clock meanwhile.
+    /// A node whose clock runs *behind* the database's gets each tick due while it leads
+    /// late, by its offset (its scheduler fires late); the warning says so too. A tick
+    /// due before it gained leadership is a missed tick, decided by the misfire policy
+    /// on the gain (5 s after it for the last 5 s), even if its scheduler delivers it
+    /// later (it then finds it recorded).
+    ///
+    /// A reading of the database's clock (one `SELECT clock_timestamp()` on the pool,
+    /// one at a time) is carried forward on this node's monotonic clock for 30 s; a
+    /// reading that fails is tried again by the next tick.
     #[must_use]
     pub fn clock_tolerance(mut self, tolerance: Duration) -> Self {
         self.clock_tolerance = tolerance.min(MAX_EARLY_HOLD);
@@ -216,6 +232,11 @@ impl TickLedger {
             return Ok(reading);
         }
         self.bounded("reading the database's clock", async {
+            // One reading at a time; whoever waited for it uses it.
+            let _one = self.clock.reading.lock().await;
+            if let Some(reading) = self.clock.fresh(tokio::time::Instant::now()) {
+                return Ok(reading);
+            }
             let client = self.client().await?;
             let sent = tokio::time::Instant::now();
             // One round trip (no prepare), so that the reading's error is half of it.
@@ -297,9 +318,17 @@ impl TickLedger {
     }
 
     /// Another ledger table.
+    ///
+    /// Tables named without a schema (the default ones) are found through the
+    /// connection's `search_path`: the ledger resolves both once, to what the first
+    /// statement that found them saw, and names them with their schema from then on.
+    /// When tables of those names exist in more than one schema it warns, naming them:
+    /// a node whose `search_path` differs would use others, and run ticks again. Name
+    /// the schema (`LedgerTable::new("ops.chosen_ticks")`) to rule that out.
     #[must_use]
     pub fn table(mut self, table: LedgerTable) -> Self {
         self.table = table;
+        self.resolved = Arc::default();
         self
     }
 
@@ -307,6 +336,7 @@ impl TickLedger {
     #[must_use]
     pub fn fence_table(mut self, fence: FenceTable) -> Self {
         self.fence = fence;
+        self.resolved = Arc::default();
         self
     }
 
@@ -384,7 +414,12 @@ impl TickLedger {
         let (mut duplicates, mut waits) = (0, 0);
         loop {
             let source = match client.batch_execute(&sql).await {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    // Named with their schemas from now on (and warned about if nodes
+                    // whose search_path differs would find others).
+                    self.resolve(&**client).await;
+                    return Ok(());
+                }
                 Err(e) => e,
             };
             // Created at the same moment by someone not taking the lock (a migration
@@ -418,7 +453,105 @@ impl TickLedger {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, LedgerError> {
-        self.pool.get().await.map_err(LedgerError::Pool)
+        let client = self.pool.get().await.map_err(LedgerError::Pool)?;
+        self.resolve(&**client).await;
+        Ok(client)
+    }
+
+    /// The ledger table as statements name it: with its schema once resolved.
+    fn quoted(&self) -> &str {
+        &self.resolved.get().map_or(&self.table, |(t, _)| t).quoted
+    }
+
+    /// The fence table as statements name it: with its schema once resolved.
+    fn fences(&self) -> &FenceTable {
+        self.resolved.get().map_or(&self.fence, |(_, f)| f)
+    }
+
+    /// Resolves the two tables to the ones `search_path` finds on `client`, once (both
+    /// must exist), so that every later statement of this ledger, on any connection,
+    /// names the same two. Warns when an unqualified name has tables in more than one
+    /// schema: a node whose `search_path` differs would use others, and a new leader
+    /// that does not see the old leader's rows runs their ticks again. A failure
+    /// leaves the names as given (the statements then say what is wrong).
+    pub(crate) async fn resolve(&self, client: &impl tokio_postgres::GenericClient) {
+        if self.resolved.get().is_some() {
+            return;
+        }
+        let (ledger, fence) = (self.table.name(), self.fence.name());
+        let last = |name: &'static str| {
+            format!(
+                "(SELECT format('%s.%s', n.nspname, c.relname) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass({name}))"
+            )
+        };
+        let all = |name: &'static str| {
+            format!(
+                "ARRAY(SELECT format('%s.%s', n.nspname, c.relname) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relname = {name} AND c.relkind IN ('r', 'p') ORDER BY 1)"
+            )
+        };
+        let sql = format!(
+            "SELECT {}, {}, {}, {}",
+            last("$1"),
+            last("$2"),
+            all("$3"),
+            all("$4")
+        );
+        let quote = |name: &str| {
+            name.split('.')
+                .map(|p| format!("\"{p}\""))
+                .collect::<Vec<_>>()
+                .join(".")
+        };
+        let relname = |name: &str| name.rsplit('.').next().unwrap_or(name).to_owned();
+        let rows = match client
+            .query_typed(
+                &sql,
+                &[
+                    (&quote(ledger), Type::TEXT),
+                    (&quote(fence), Type::TEXT),
+                    (&relname(ledger), Type::NAME),
+                    (&relname(fence), Type::NAME),
+                ],
+            )
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not resolve the tick ledger's tables; using their names as given");
+                return;
+            }
+        };
+        let Some(row) = rows.first() else { return };
+        let text = |i| row.try_get::<_, Option<String>>(i).ok().flatten();
+        let list = |i| {
+            row.try_get::<_, Option<Vec<Option<String>>>>(i)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+        };
+        let (Some(found_ledger), Some(found_fence)) = (text(0), text(1)) else {
+            return; // not installed (yet): looked for again next time
+        };
+        for (given, found, all) in [
+            (ledger, &found_ledger, list(2)),
+            (fence, &found_fence, list(3)),
+        ] {
+            if !given.contains('.') && all.len() > 1 {
+                tracing::warn!(
+                    table = given,
+                    using = %found,
+                    found = ?all,
+                    "tables of this name exist in several schemas: this node uses the first on its search_path, and a node whose search_path differs would use another, and run ticks again; name the schema (LedgerTable::new(\"schema.table\"), FenceTable::new(\"schema.table\"))"
+                );
+            }
+        }
+        // Names the checks refuse (a schema with capitals or spaces) stay as given.
+        let ledger_table = LedgerTable::new(&found_ledger).unwrap_or_else(|_| self.table.clone());
+        let fence_table = FenceTable::new(&found_fence).unwrap_or_else(|_| self.fence.clone());
+        let _ = self.resolved.set((ledger_table, fence_table));
     }
 
     fn db(&self, action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> LedgerError + '_ {
@@ -510,8 +643,9 @@ impl TickLedger {
             .map_err(self.db("bounding the fence's lock wait"))?
             .try_get(0)
             .map_err(self.db("bounding the fence's lock wait"))?;
+        self.resolve(tx).await;
         let fenced = self
-            .fence
+            .fences()
             .fence(tx, &ids.fence, token)
             .await
             .map_err(|e| self.fence_error(e, "fencing"));
@@ -561,8 +695,8 @@ impl TickLedger {
             let rows = tx
                 .query_typed(
                     &format!(
-                        "WITH w AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n     o AS MATERIALIZED (SELECT schedule, max(tick) AS newest FROM w WHERE schedule <> $4 GROUP BY schedule),\n     b AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick < $2 ORDER BY tick DESC LIMIT 1)\nSELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM w WHERE tick = ANY ($5::timestamptz[])),\n       ARRAY(SELECT schedule FROM o ORDER BY schedule),\n       ARRAY(SELECT newest FROM o ORDER BY schedule),\n       (SELECT tick FROM b),\n       (SELECT schedule FROM b)",
-                        t = self.table.quoted
+                        "WITH w AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n     o AS MATERIALIZED (SELECT schedule, max(tick) AS newest FROM w WHERE schedule <> $4 GROUP BY schedule),\n     u AS MATERIALIZED (SELECT max(tick) AS newest FROM w WHERE schedule IS NULL AND tick <> ALL ($5::timestamptz[])),\n     b AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick < $2 ORDER BY tick DESC LIMIT 1)\nSELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM w WHERE tick = ANY ($5::timestamptz[])),\n       ARRAY(SELECT schedule FROM o ORDER BY schedule),\n       ARRAY(SELECT newest FROM o ORDER BY schedule),\n       (SELECT tick FROM b),\n       (SELECT schedule FROM b),\n       (SELECT newest FROM u)",
+                        t = self.quoted()
                     ),
                     &[
                         (&&*ids.job, Type::TEXT),
@@ -613,10 +747,15 @@ impl TickLedger {
                     let text = row.try_get::<_, Option<String>>(5).ok().flatten();
                     (secs(tick), text)
                 });
+            let unscheduled = row
+                .try_get::<_, Option<SystemTime>>(6)
+                .map_err(read())?
+                .map(secs);
             Ok(Recorded {
                 first,
                 ticks,
                 rescheduled,
+                unscheduled,
                 below,
             })
         })
@@ -624,18 +763,20 @@ impl TickLedger {
     }
 
     /// Records finished ticks (`outcome` with a reason each) in one fenced
-    /// transaction; ticks already recorded keep their row.
+    /// transaction; ticks already recorded keep their row. Answers how many of them
+    /// were not recorded because the database's clock has not reached them (less the
+    /// tolerance): none unless that clock went back.
     pub(crate) async fn record(
         &self,
         ids: &JobIds,
         token: FencingToken,
         outcome: &str,
         ticks: &[(u64, &str)],
-    ) -> Result<(), LedgerError> {
+    ) -> Result<usize, LedgerError> {
         self.bounded("recording ticks", async {
             let mut client = self.client().await?;
             let tx = self.bounded_transaction(&mut client).await?;
-            self.fence
+            self.fences()
                 .fence(&tx, &ids.fence, token)
                 .await
                 .map_err(|e| self.fence_error(e, "fencing"))?;
@@ -647,7 +788,7 @@ impl TickLedger {
                 .query_typed(
                     &format!(
                         "WITH d AS MATERIALIZED (SELECT clock_timestamp() + $8::float8 * interval '1 second' AS due),\n     u AS MATERIALIZED (SELECT * FROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)),\n     i AS (INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at, schedule)\n           SELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp(), $7 FROM u, d WHERE u.tick <= d.due\n           ON CONFLICT (job, tick) DO NOTHING)\nSELECT count(*) FROM u, d WHERE u.tick > d.due",
-                        self.table.quoted
+                        self.quoted()
                     ),
                     &[
                         (&&*ids.job, Type::TEXT),
@@ -673,7 +814,8 @@ impl TickLedger {
                     "ticks ahead of the database's clock were not recorded: they are not due yet"
                 );
             }
-            tx.commit().await.map_err(self.db("committing"))
+            tx.commit().await.map_err(self.db("committing"))?;
+            Ok(usize::try_from(not_due).unwrap_or(0))
         })
         .await
     }
@@ -689,7 +831,7 @@ impl TickLedger {
         self.bounded("claiming the tick", async {
             let mut client = self.client().await?;
             let tx = self.bounded_transaction(&mut client).await?;
-            self.fence
+            self.fences()
                 .fence(&tx, &ids.fence, token)
                 .await
                 .map_err(|e| self.fence_error(e, "fencing"))?;
@@ -715,7 +857,7 @@ impl TickLedger {
             .query_typed(
                 &format!(
                     "WITH d AS MATERIALIZED (SELECT $2::timestamptz - clock_timestamp() AS ahead, $7::float8 * interval '1 second' AS tolerance),\n     i AS (INSERT INTO {} (job, tick, token, outcome, node, started_at, schedule)\n           SELECT $1, $2, $3, $4, $5, clock_timestamp(), $6 FROM d WHERE d.ahead <= d.tolerance\n           ON CONFLICT (job, tick) DO NOTHING\n           RETURNING 1)\nSELECT d.ahead <= d.tolerance, extract(epoch FROM d.ahead)::float8, EXISTS (SELECT 1 FROM i) FROM d",
-                    self.table.quoted
+                    self.quoted()
                 ),
                 &[
                     (&&*ids.job, Type::TEXT),
@@ -759,7 +901,7 @@ impl TickLedger {
     pub(crate) fn finish_sql(&self) -> String {
         format!(
             "UPDATE {} SET outcome = coalesce($4, outcome), reason = coalesce($5, reason), finished_at = clock_timestamp()\nWHERE job = $1 AND tick = $2 AND token = $3",
-            self.table.quoted
+            self.quoted()
         )
     }
 

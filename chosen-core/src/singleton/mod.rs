@@ -177,8 +177,12 @@ impl Singleton {
             request = request.poll_interval(interval);
         }
         let name = request.validated_name()?;
-        let leadership =
-            Leadership::new(&name, manager.node_id(), manager.options().metrics.clone());
+        let leadership = Leadership::new(
+            &name,
+            request.namespace(&manager.options().namespace),
+            manager.node_id(),
+            manager.options().metrics.clone(),
+        );
         if let Some(m) = leadership.metrics() {
             // Before the supervisor exists: its child cannot run yet.
             m.singleton_known(manager.node_id(), &name);

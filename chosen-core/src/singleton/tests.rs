@@ -20,7 +20,7 @@ fn fixture_with(metrics: Option<Arc<dyn crate::MetricsSink>>) -> Fixture {
     let (validity, generation) = Validity::for_tests();
     Fixture {
         inner: SingletonInner {
-            leadership: Leadership::new("test", "node", metrics),
+            leadership: Leadership::new("test", Some("chosen"), "node", metrics),
             status: Mutex::new(SingletonStatus {
                 name: "test".to_owned(),
                 state: SingletonState::Following { leader: None },
