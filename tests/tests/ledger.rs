@@ -2804,3 +2804,135 @@ async fn a_held_tick_does_not_hold_the_jobs_readiness() {
     assert!(out.ran(), "{out:?}");
     assert!(held.await.unwrap().unwrap().ran());
 }
+
+#[tokio::test]
+async fn an_overlap_skip_is_recorded_while_the_running_job_holds_its_fence_row() {
+    // The run works inside its ledger transaction (holding the job's fence row) longer
+    // than the ledger's timeout. A tick due meanwhile is skipped by the overlap policy:
+    // it must be recorded skipped (once the run ends), not left unrecorded for CatchUp
+    // to run later.
+    let db = db().await;
+    let job = unique_name("ledger-overlap-fenced");
+    let ledger = db.ledger.clone().timeout(Duration::from_secs(1));
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let layer = LeaderOnlyJobLayer::new(leadership)
+        .ledger(ledger)
+        .schedule(every_second())
+        .claim(Claim::InJobTransaction)
+        .overlap(Overlap::Skip)
+        .misfire(Misfire::CatchUp {
+            max: 10,
+            within: Duration::from_secs(3600),
+        });
+    let runs = Runs::default();
+    let delays = Delays::default();
+    let mut a = Node {
+        svc: layer.clone().layer(Job {
+            runs: Arc::clone(&runs),
+            pool: Some(db.pool.clone()),
+            delays: Arc::clone(&delays),
+            ids: Ids::default(),
+        }),
+        control,
+        layer,
+        runs,
+        delays,
+        ids: Ids::default(),
+    };
+    a.delays
+        .lock()
+        .unwrap()
+        .push((t0(), Duration::from_secs(3)));
+    let first = tick_in_background(&a, t0());
+    started(&a, t0()).await;
+    let out = tokio::time::timeout(Duration::from_secs(1), tick(&mut a, t0() + 1))
+        .await
+        .expect("the overlap skip waited for the running job");
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::Overlap { .. })),
+        "{out:?}"
+    );
+    assert!(first.await.unwrap().ran());
+    assert!(tick(&mut a, t0() + 2).await.ran());
+    assert_eq!(
+        *a.runs.lock().unwrap(),
+        vec![(t0(), false), (t0() + 2, false)],
+        "the skipped tick ran"
+    );
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![
+            row(0, "ran", None, 5),
+            row(1, "skipped", Some("previous run still running"), 5),
+            row(2, "ran", None, 5)
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_commit_answer_is_lost_is_read_back_and_run() {
+    // The claim's COMMIT reaches the server, which commits, but its answer is lost (the
+    // connection cut while the server commits). The gate cannot tell from the error:
+    // it reads the row back, finds its own claim, and runs the tick. (Before: the tick
+    // was skipped, and its row stayed `running`, never run nor decided.)
+    use chosen_tests::{FaultProxy, ProxyMode};
+
+    let db = db().await;
+    let job = unique_name("ledger-lost-commit");
+    // The commit of this job's claim takes 1.5 s on the server (a deferred trigger).
+    db.admin
+        .batch_execute(&format!(
+            "CREATE OR REPLACE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;\nCREATE CONSTRAINT TRIGGER \"slow_{job}\" AFTER INSERT ON chosen_ticks DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.job = '{job}') EXECUTE FUNCTION slow_commit()"
+        ))
+        .await
+        .unwrap();
+    let port = db._pg.port().unwrap();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
+        .await
+        .unwrap();
+    let config: tokio_postgres::Config = proxy.url(&db.url, port).parse().unwrap();
+    let pool = Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(2)
+    .build()
+    .unwrap();
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(TickLedger::new(pool))
+        .schedule(every_second())
+        .layer(quiet_job(&runs));
+    let run = tokio::spawn(async move { call_at(&mut svc, t0()).await });
+    // The server is committing: cut the connection, then let new ones through.
+    let mut committing = false;
+    for _ in 0..100 {
+        committing = db
+            .admin
+            .query_one(
+                "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query = 'COMMIT'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if committing {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(committing, "the claim never committed");
+    proxy.set(ProxyMode::Cut);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.set(ProxyMode::Pass);
+    let out = tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("the tick hung")
+        .unwrap();
+    assert!(out.ran(), "{out:?}");
+    assert_eq!(*runs.lock().unwrap(), vec![(t0(), false)]);
+    assert_eq!(rows(&db.admin, &job).await, vec![row(0, "ran", None, 5)]);
+}

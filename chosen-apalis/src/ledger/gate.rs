@@ -18,7 +18,7 @@ use tower_service::Service;
 use tracing::{debug, error, info, warn};
 
 use super::context::{Slot, TickContext};
-use super::overlap::{Held, Overlap, Refused, Turn};
+use super::overlap::{Held, Overlap, Refused, SKIP_RUNNING, Turn};
 use super::plan::{Look, MAX_MISSED, next_after};
 use super::{Claim, JobIds, LedgerError, MAX_EARLY_HOLD, Misfire, TickLedger, at, chain, job_key};
 use crate::guard::LeaderGuard;
@@ -634,6 +634,8 @@ impl Shared {
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
+        // Before looking for missed ticks: those an overlap skipped are not missed.
+        self.record_skips(&held, &guard).await;
         if let Err(skipped) = self
             .fill_gap(&mut inner, &mut held, &task, &guard, current, current)
             .await
@@ -659,8 +661,12 @@ impl Shared {
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
-        self.run_one(&mut inner, &mut held, &task, &guard, current, false)
-            .await
+        let outcome = self
+            .run_one(&mut inner, &mut held, &task, &guard, current, false)
+            .await;
+        // Ticks skipped while this ran, now that its transaction has ended.
+        self.record_skips(&held, &guard).await;
+        outcome
     }
 
     /// Decides about the ticks missed before `upto` by the misfire policy, `reference`
@@ -817,6 +823,7 @@ impl Shared {
         if !guard.is_valid() {
             return;
         }
+        self.record_skips(&held, guard).await;
         let base = self
             .template
             .lock()
@@ -1047,7 +1054,9 @@ impl Shared {
     }
 
     /// Records (or leaves to the misfire policy) a tick an overlap policy did not run,
-    /// and answers its outcome.
+    /// and answers its outcome. A skip is recorded once the run it overlapped has ended
+    /// (by whoever holds the turn next, or now if it is free): that run's transaction
+    /// may hold the job's fence row, which the record would wait for.
     async fn overlap_skipped<R>(
         &self,
         guard: &LeaderGuard,
@@ -1056,17 +1065,9 @@ impl Shared {
     ) -> Outcome<R> {
         let reason = match refused {
             Refused::Record(reason) => {
-                if let Err(e) = self
-                    .ledger
-                    .record(
-                        &self.ids,
-                        guard.fencing_token(),
-                        "skipped",
-                        &[(tick, reason)],
-                    )
-                    .await
-                {
-                    return self.ledger_failed(tick, &e);
+                self.turn.defer_skip(tick);
+                if let Some(held) = self.turn.try_hold() {
+                    self.record_skips(&held, guard).await;
                 }
                 reason
             }
@@ -1079,6 +1080,24 @@ impl Shared {
             tick: at(tick),
             reason: reason.to_owned(),
         })
+    }
+
+    /// Records the ticks an overlap skipped while the turn was held (`held`: it is
+    /// ours now, so the run they overlapped has ended). A failure leaves them to the
+    /// misfire policy.
+    async fn record_skips(&self, held: &Held<'_>, guard: &LeaderGuard) {
+        let ticks = self.turn.take_skips(held);
+        if ticks.is_empty() {
+            return;
+        }
+        let rows: Vec<(u64, &str)> = ticks.iter().map(|t| (*t, SKIP_RUNNING)).collect();
+        if let Err(e) = self
+            .ledger
+            .record(&self.ids, guard.fencing_token(), "skipped", &rows)
+            .await
+        {
+            warn!(lock = %self.job, ticks = ?ticks, error = %chain(&e), "could not record ticks an overlap skipped: they are left to the misfire policy");
+        }
     }
 }
 

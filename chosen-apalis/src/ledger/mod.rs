@@ -822,24 +822,86 @@ impl TickLedger {
 
     /// Claims `tick` with outcome `running`, in a fenced transaction of its own:
     /// `false` if it is already recorded.
+    ///
+    /// When a COMMIT that would have claimed the tick fails without saying whether it
+    /// committed (the connection lost, the client-side bound), the claim is made again
+    /// until the ledger's timeout: its insert waits for the first transaction to end,
+    /// then inserts (that one did not commit) or finds the row, which is ours if this
+    /// node wrote it with this token and it is still `running` (the first one did
+    /// commit). A tick whose claim cannot be told so is reported: if it committed, its
+    /// row stays `running` and the tick does not run.
     pub(crate) async fn claim_before_run(
         &self,
         ids: &JobIds,
         tick: u64,
         token: FencingToken,
     ) -> Result<bool, LedgerError> {
-        self.bounded("claiming the tick", async {
-            let mut client = self.client().await?;
-            let tx = self.bounded_transaction(&mut client).await?;
-            self.fences()
-                .fence(&tx, &ids.fence, token)
-                .await
-                .map_err(|e| self.fence_error(e, "fencing"))?;
-            let claimed = self.claim_in(&tx, ids, tick, token, "running").await?;
-            tx.commit().await.map_err(self.db("committing the claim"))?;
-            Ok(claimed)
-        })
-        .await
+        let mut unsure: Option<tokio::time::Instant> = None;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let committing = std::sync::atomic::AtomicBool::new(false);
+            let claimed = self
+                .bounded("claiming the tick", async {
+                    let mut client = self.client().await?;
+                    let tx = self.bounded_transaction(&mut client).await?;
+                    self.fences()
+                        .fence(&tx, &ids.fence, token)
+                        .await
+                        .map_err(|e| self.fence_error(e, "fencing"))?;
+                    if self.claim_in(&tx, ids, tick, token, "running").await? {
+                        committing.store(true, std::sync::atomic::Ordering::Relaxed);
+                        tx.commit().await.map_err(self.db("committing the claim"))?;
+                        return Ok(true);
+                    }
+                    if unsure.is_none() {
+                        return Ok(false);
+                    }
+                    // The row is there: our first COMMIT went through, or another's.
+                    let rows = tx
+                        .query_typed(
+                            &format!(
+                                "SELECT token, node, outcome FROM {} WHERE job = $1 AND tick = $2",
+                                self.quoted()
+                            ),
+                            &[(&&*ids.job, Type::TEXT), (&at(tick), Type::TIMESTAMPTZ)],
+                        )
+                        .await
+                        .map_err(self.db("reading the claim back"))?;
+                    let ours = rows.first().is_some_and(|row| {
+                        row.try_get::<_, Option<i64>>(0).ok().flatten()
+                            == i64::try_from(token.get()).ok()
+                            && row
+                                .try_get::<_, Option<String>>(1)
+                                .ok()
+                                .flatten()
+                                .as_deref()
+                                == Some(&*ids.node)
+                            && row
+                                .try_get::<_, Option<String>>(2)
+                                .ok()
+                                .flatten()
+                                .as_deref()
+                                == Some("running")
+                    });
+                    Ok(ours)
+                })
+                .await;
+            let committed_unknown = committing.load(std::sync::atomic::Ordering::Relaxed);
+            match claimed {
+                Err(e) if committed_unknown || unsure.is_some() => {
+                    let deadline =
+                        *unsure.get_or_insert_with(|| tokio::time::Instant::now() + self.timeout);
+                    if tokio::time::Instant::now() + backoff >= deadline || e.is_stale() {
+                        tracing::warn!(job = %ids.job, tick, error = %chain(&e), "could not tell whether the claim committed: if it did, its row stays 'running' and the tick does not run");
+                        return Err(e);
+                    }
+                    tracing::info!(job = %ids.job, tick, error = %chain(&e), "the claim's commit failed without saying whether it committed: claiming again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                claimed => return claimed,
+            }
+        }
     }
 
     /// Inserts the claim row in `tx`: `false` if the tick is already recorded.

@@ -13,7 +13,9 @@ use tokio::sync::{MutexGuard, watch};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Overlap {
-    /// The tick is not run: recorded `skipped`, reason `previous run still running`.
+    /// The tick is not run: recorded `skipped`, reason `previous run still running`,
+    /// once the run it overlapped has ended (its transaction may hold the job's fence
+    /// row, which the record waits for).
     Skip,
     /// The tick waits for the previous run, then runs. One tick at most waits: a
     /// further one is not run now and not recorded, so the next run finds it missing
@@ -58,6 +60,10 @@ pub(crate) struct Turn {
     /// clock stepped forward and back does not keep real ticks out.
     inflight: std::sync::Mutex<BTreeMap<u64, usize>>,
     cancel: watch::Sender<u64>,
+    /// Ticks [`Overlap::Skip`] refused while a run held the turn, to be recorded
+    /// `skipped` once the turn is free: the run may hold the job's fence row (its
+    /// transaction open), which the record would wait for.
+    skipped: std::sync::Mutex<Vec<u64>>,
 }
 
 impl Default for Turn {
@@ -67,6 +73,7 @@ impl Default for Turn {
             waiting: AtomicBool::new(false),
             inflight: std::sync::Mutex::default(),
             cancel: watch::Sender::new(0),
+            skipped: std::sync::Mutex::default(),
         }
     }
 }
@@ -173,6 +180,27 @@ impl Turn {
         };
         let serial = self.serial.lock().await;
         self.held(serial, Some(inflight))
+    }
+
+    /// Takes the turn if it is free now, for no tick (to record the skips waiting).
+    pub(crate) fn try_hold(&self) -> Option<Held<'_>> {
+        let serial = self.serial.try_lock().ok()?;
+        Some(self.held(serial, None))
+    }
+
+    /// Keeps a tick an overlap skipped, to be recorded once the turn is free.
+    pub(crate) fn defer_skip(&self, tick: u64) {
+        self.skipped
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(tick);
+    }
+
+    /// The ticks kept by [`defer_skip`](Self::defer_skip), now to be recorded by the
+    /// holder of the turn (`held` proves it holds it).
+    pub(crate) fn take_skips(&self, held: &Held<'_>) -> Vec<u64> {
+        let _ = held;
+        std::mem::take(&mut *self.skipped.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     fn held<'a>(&'a self, serial: MutexGuard<'a, ()>, inflight: Option<Inflight<'a>>) -> Held<'a> {
