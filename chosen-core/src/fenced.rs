@@ -275,10 +275,57 @@ impl FenceTable {
         })
     }
 
+    /// A fence table `table` in the schema `schema`, each any identifier PostgreSQL
+    /// takes (capitals, spaces, quotes and all: they are quoted as written, with `"`
+    /// doubled), not only the lowercase ones [`new`](Self::new) accepts: for a table
+    /// found in the catalog (`pg_namespace.nspname`, `pg_class.relname`).
+    ///
+    /// ```
+    /// use chosen_core::fenced::FenceTable;
+    ///
+    /// let table = FenceTable::in_schema("Ops Data", "chosen_fence")?;
+    /// assert!(table.install_sql().starts_with("CREATE TABLE IF NOT EXISTS \"Ops Data\".\"chosen_fence\""));
+    /// assert!(FenceTable::in_schema("", "chosen_fence").is_err());
+    /// # Ok::<(), chosen_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidTableName`] for an empty part, one longer than 63 bytes, or
+    /// one with a NUL character.
+    pub fn in_schema(schema: &str, table: &str) -> Result<Self> {
+        let name = format!("{schema}.{table}");
+        for part in [schema, table] {
+            let bad = |why: &str| Err(Error::InvalidTableName(format!("{name:?}: {why}")));
+            if part.is_empty() {
+                return bad("an empty part");
+            }
+            if part.len() > 63 {
+                return bad(&format!(
+                    "{part:?} is {} bytes long; PostgreSQL identifiers are at most 63",
+                    part.len()
+                ));
+            }
+            if part.contains('\0') {
+                return bad(&format!("{part:?} contains a NUL character"));
+            }
+        }
+        Ok(Self {
+            quoted: format!("{}.{}", quote_identifier(schema), quote_identifier(table)),
+            name,
+        })
+    }
+
     /// The table name as given (unquoted).
     #[must_use]
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The table as SQL names it: each part double-quoted.
+    #[must_use]
+    pub fn quoted(&self) -> &str {
+        &self.quoted
     }
 
     /// The SQL that creates this table if it does not exist (what
@@ -424,6 +471,11 @@ fn is_duplicate(e: &tokio_postgres::Error) -> bool {
             || *c == SqlState::DUPLICATE_TABLE
             || *c == SqlState::DUPLICATE_OBJECT
     })
+}
+
+/// `part` as a quoted SQL identifier (`"` doubled).
+fn quote_identifier(part: &str) -> String {
+    format!("\"{}\"", part.replace('"', "\"\""))
 }
 
 fn check_identifier(name: &str, part: &str) -> Result<()> {

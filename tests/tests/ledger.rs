@@ -2696,46 +2696,6 @@ async fn the_ledger_keeps_the_tables_it_resolved_whatever_a_connections_search_p
     assert_eq!(count(format!("{schema}.chosen_ticks")).await, 0);
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn tables_of_one_name_in_several_schemas_are_warned_about() {
-    // Nodes whose search_path differs would each find their own ledger: whoever sees
-    // several tables of the default names says so, naming them.
-    use std::io::Write;
-
-    #[derive(Clone, Default)]
-    struct Lines(Arc<Mutex<Vec<u8>>>);
-    impl Write for Lines {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let lines = Lines::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer({
-            let lines = lines.clone();
-            move || lines.clone()
-        })
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let db = db().await;
-    let schema = shadow_tables(&db).await;
-    let ledger = TickLedger::new(one_connection_pool(&db));
-    ledger.install().await.unwrap();
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-    assert!(
-        text.contains("tables of this name exist in several schemas")
-            && text.contains(&format!("{schema}.chosen_ticks"))
-            && text.contains("public.chosen_ticks"),
-        "{text}"
-    );
-}
-
 #[tokio::test]
 async fn a_leader_hours_ahead_still_decides_the_ticks_that_are_due() {
     // Every tick this leader's scheduler delivers is two hours early, too early to hold:
@@ -2935,4 +2895,122 @@ async fn a_claim_whose_commit_answer_is_lost_is_read_back_and_run() {
     assert!(out.ran(), "{out:?}");
     assert_eq!(*runs.lock().unwrap(), vec![(t0(), false)]);
     assert_eq!(rows(&db.admin, &job).await, vec![row(0, "ran", None, 5)]);
+}
+
+#[tokio::test]
+async fn a_tick_waiting_for_the_jobs_readiness_is_not_claimed() {
+    // The job is not ready (its only permit is taken: a paused apalis worker, a limiter
+    // inside the gate). The gate stays ready and the tick waits, unclaimed: a hand-over
+    // meanwhile leaves it unrecorded, and the next leader's misfire policy runs it.
+    let db = db().await;
+    let job = unique_name("ledger-not-ready");
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 4, 'ran', 'node-0', now(), '* * * * * *')",
+            &[&job, &((t0() - 1) as f64)],
+        )
+        .await
+        .unwrap();
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let runs = Runs::default();
+    let limited = tower::limit::ConcurrencyLimit::new(quiet_job(&runs), 1);
+    let mut holder = limited.clone();
+    holder.ready().await.unwrap();
+    let catch_up = Misfire::CatchUp {
+        max: 10,
+        within: Duration::from_secs(3 * 86_400),
+    };
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .schedule(every_second())
+        .misfire(catch_up)
+        .layer(limited);
+    let fut = tokio::time::timeout(Duration::from_millis(200), svc.ready())
+        .await
+        .expect("the gate waited for the job's readiness")
+        .unwrap()
+        .call(Task::new(Tick::new(t0())));
+    let waiting = tokio::spawn(fut);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        rows(&db.admin, &job).await,
+        vec![row(-1, "ran", None, 4)],
+        "claimed before the job was ready"
+    );
+    control.follow(Some("node-b"));
+    let out = waiting.await.unwrap().unwrap();
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::NotLeader { .. })),
+        "{out:?}"
+    );
+    let mut b = node(&db, &job, "node-b", 6, catch_up, Claim::BeforeRun, false);
+    assert!(tick(&mut b, t0() + 2).await.ran());
+    assert_eq!(
+        *b.runs.lock().unwrap(),
+        vec![(t0(), true), (t0() + 1, true), (t0() + 2, false)]
+    );
+    drop(holder);
+}
+
+#[tokio::test]
+async fn tables_in_a_schema_of_any_name_are_kept_once_resolved() {
+    // The tables a node's connections find first are in a schema whose name has a
+    // capital. Once resolved they are kept, whatever a later search_path: a second
+    // node that finds the same ones sees the first node's rows.
+    let db = db().await;
+    db.admin
+        .batch_execute(
+            "CREATE SCHEMA \"Ops\";\nCREATE TABLE \"Ops\".chosen_ticks (LIKE public.chosen_ticks INCLUDING ALL);\nCREATE TABLE \"Ops\".chosen_fence (LIKE public.chosen_fence INCLUDING ALL)",
+        )
+        .await
+        .unwrap();
+    let on_ops = |pool: Pool| async move {
+        pool.get()
+            .await
+            .unwrap()
+            .batch_execute("SET search_path = \"Ops\", public")
+            .await
+            .unwrap();
+        pool
+    };
+    let pool = on_ops(one_connection_pool(&db)).await;
+    let job = unique_name("ledger-capital-schema");
+    let (leadership, control) = Leadership::manual(&job, "node-1");
+    control.lead(5);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(TickLedger::new(pool.clone()))
+        .schedule(every_second())
+        .layer(quiet_job(&runs));
+    assert!(call_at(&mut svc, t0()).await.ran());
+    pool.get()
+        .await
+        .unwrap()
+        .batch_execute("SET search_path = public")
+        .await
+        .unwrap();
+    assert!(call_at(&mut svc, t0() + 1).await.ran());
+    let pool2 = on_ops(one_connection_pool(&db)).await;
+    let (l2, c2) = Leadership::manual(&job, "node-2");
+    c2.lead(6);
+    let mut svc2 = LeaderOnlyJobLayer::new(l2)
+        .ledger(TickLedger::new(pool2))
+        .schedule(every_second())
+        .layer(quiet_job(&Runs::default()));
+    let out = call_at(&mut svc2, t0() + 1).await;
+    assert!(
+        matches!(out, Outcome::Skipped(SkipReason::AlreadyRecorded { .. })),
+        "ran on both nodes: {out:?}"
+    );
+    let in_ops: i64 = db
+        .admin
+        .query_one(
+            "SELECT count(*) FROM \"Ops\".chosen_ticks WHERE job = $1",
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(in_ops, 2);
 }

@@ -164,12 +164,12 @@ impl LedgeredCronLayer {
     /// Its ledger transactions are fenced under [`fence_name`](Self::fence_name).
     ///
     /// Upgrading: jobs whose key has the first form keep their rows. A job in another
-    /// namespace, or with a `/` in its lock's or its own name, was keyed `lock` or
-    /// `lock/name` before (shared with other jobs: the defect this fixes) and starts
-    /// under its new key with no rows: its first tick after the upgrade starts its
-    /// history (nothing before it is missed or caught up). Stop such a job on every
-    /// node for the upgrade, or a tick at a hand-over between a node of each version
-    /// may run on both.
+    /// namespace, or with a `/` (or a NUL) in its lock's or its own name, was keyed
+    /// `lock` or `lock/name` before (shared with other jobs: the defect this fixes)
+    /// and starts under its new key with no rows: its first tick after the upgrade
+    /// starts its history (nothing before it is missed or caught up). Stop such a job
+    /// on every node for the upgrade, or a tick at a hand-over between a node of each
+    /// version may run on both.
     #[must_use]
     pub fn job_name(&self) -> String {
         self.key().job
@@ -180,6 +180,13 @@ impl LedgeredCronLayer {
     /// `lock/name`, else the job's key (see [`job_name`](Self::job_name)). Names
     /// beginning with `chosen.` are the library's: no lock of an application fences
     /// under them.
+    ///
+    /// One limit stays: chosen-core's fence rows are keyed by name alone
+    /// ([`chosen_core::fenced`]), so an unnamed job in the default namespace shares its
+    /// fence row (the lock's name) with any fenced write of an application that locks
+    /// the same name in another namespace (`lease.fence(&tx)`, `fence(&tx, name, ..)`):
+    /// the side with the older tenure is refused as stale. Give such applications
+    /// distinct lock names, or distinct fence tables ([`TickLedger::fence_table`]).
     #[must_use]
     pub fn fence_name(&self) -> String {
         self.key().fence
@@ -289,6 +296,7 @@ where
             _election: self.gate._election.clone(),
             worker: std::sync::Mutex::new(None),
             low: AtomicU64::new(0),
+            deciding: std::sync::atomic::AtomicBool::new(false),
         });
         // Catch up on gaining leadership, not only at the next tick; needs a runtime
         // (apalis builds workers on one), and without one the next tick still does.
@@ -347,6 +355,18 @@ struct Shared {
     /// `upto` was fixed before a later tick ran) starts again from 0 and may move it
     /// back: that only looks at more ticks.
     low: AtomicU64,
+    /// A decision about the due ticks, at a tick delivered too early to be held, is
+    /// under way.
+    deciding: std::sync::atomic::AtomicBool,
+}
+
+/// Clears a flag when dropped.
+struct ClearOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// On gaining leadership, missed ticks are decided at once only if the schedule's next
@@ -520,8 +540,11 @@ impl Shared {
         if let Some((outcome, now)) = too_early {
             // Every tick this leader's scheduler delivers is this early: decide about the
             // ticks the database's clock has reached at each of them, or none would ever
-            // reach the misfire policy while it leads.
-            if let Some(schedule) = &self.schedule {
+            // reach the misfire policy while it leads. One such decision at a time: the
+            // ticks that come meanwhile leave it to the one under way.
+            let deciding = self.deciding.swap(true, Ordering::AcqRel);
+            let _done = (!deciding).then(|| ClearOnDrop(&self.deciding));
+            if let (false, Some(schedule)) = (deciding, &self.schedule) {
                 let upto = next_after(schedule, now.saturating_sub(GAIN_MARGIN.as_secs()));
                 if let Some(upto) = upto {
                     self.fill_upto(&mut inner, &guard, upto, now).await;
@@ -733,7 +756,7 @@ impl Shared {
             for _ in 0..recorded {
                 self.report("skipped_missed");
             }
-            info!(lock = %self.job, upto, skipped = rows.len(), newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
+            info!(lock = %self.job, upto, skipped = recorded, newest = rows[0].0, reason = rows[0].1, "missed ticks recorded as skipped");
         } else if plan.truncated {
             warn!(lock = %self.job, upto, "the oldest missed tick looked at runs: the older ones are not recorded");
         }
@@ -877,6 +900,12 @@ impl Shared {
         }
         task.inject_data(guard.clone());
         task.inject_data(ctx.clone());
+        // The job's readiness first (a paused worker, a concurrency limit inside the
+        // gate): nothing is claimed for a tick the job cannot take yet, and a stop while
+        // it waits leaves the tick unrecorded, for the misfire policy.
+        if let Some(outcome) = self.until_ready(inner, base, held, guard, tick).await? {
+            return Ok(outcome);
+        }
         if self.claim == Claim::BeforeRun {
             match self.ledger.claim_before_run(&self.ids, tick, token).await {
                 Ok(true) => {}
@@ -973,6 +1002,42 @@ impl Stop {
 }
 
 impl Shared {
+    /// Waits until the job is ready for a tick, before anything is claimed for it.
+    /// `Some` with the answer, the tick left unrecorded, when the wait is cut short: the
+    /// worker stops, the lease is lost, or a newer tick takes over under
+    /// [`Overlap::CancelPrevious`]. The job's readiness error is the answer too.
+    async fn until_ready<S>(
+        &self,
+        inner: &mut S,
+        base: &Task<Tick>,
+        held: &mut Held<'_>,
+        guard: &LeaderGuard,
+        tick: u64,
+    ) -> Result<Option<Outcome<S::Response>>, S::Error>
+    where
+        S: Service<Task<Tick>>,
+    {
+        loop {
+            if self.stopping(base) {
+                return Ok(Some(Outcome::Skipped(SkipReason::Cancelled {
+                    tick: at(tick),
+                    reason: Stop::ShuttingDown.reason(),
+                })));
+            }
+            tokio::select! {
+                ready = std::future::poll_fn(|cx| inner.poll_ready(cx)) => return ready.map(|()| None),
+                () = guard.lost() => return Ok(Some(self.not_leader())),
+                () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => {
+                    return Ok(Some(Outcome::Skipped(SkipReason::Cancelled {
+                        tick: at(tick),
+                        reason: Stop::NewerTick.reason(),
+                    })));
+                }
+                () = tokio::time::sleep(SHUTDOWN_POLL) => {}
+            }
+        }
+    }
+
     /// Runs the job until it ends, or is stopped: a newer tick under
     /// [`Overlap::CancelPrevious`], `max_runtime`, or the loss of the lease it was let
     /// through under (so that no other node's run of the job can start while this one

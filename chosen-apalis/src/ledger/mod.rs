@@ -9,7 +9,7 @@ mod overlap;
 mod plan;
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_core::fenced::FenceTable;
@@ -64,8 +64,10 @@ pub enum Claim {
 /// Each row is one (job, scheduled tick): the tick's identity is the time the cron
 /// schedule gave it, not any node's clock, and the primary key makes a second row for
 /// it impossible. Every row is inserted in a transaction that first calls
-/// [`chosen_core::fenced::fence`] with the lock's name and the leader's fencing token,
-/// so a stale leader's insert cannot commit after a newer leader's.
+/// [`chosen_core::fenced::fence`] with the job's fence name
+/// ([`LedgeredCronLayer::fence_name`]: the lock's name, for the lock's only job in the
+/// default namespace) and the leader's fencing token, so a stale leader's insert cannot
+/// commit after a newer leader's.
 ///
 /// ```no_run
 /// use chosen_apalis::TickLedger;
@@ -121,7 +123,7 @@ pub struct TickLedger {
     /// The two tables with their schema, as the first statement that found both
     /// resolved them: every later statement names them so, whatever the connection's
     /// `search_path` (see [`TickLedger::resolve`]).
-    resolved: Arc<OnceLock<(LedgerTable, FenceTable)>>,
+    resolved: Arc<RwLock<Option<(LedgerTable, FenceTable)>>>,
 }
 
 /// How much longer than the server the client waits for a ledger operation.
@@ -404,9 +406,9 @@ impl TickLedger {
         // `SET LOCAL` holds for the rest of it.
         let sql = format!(
             "SET LOCAL lock_timeout = {ms};\nSELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
-            self.fence.install_sql(),
-            self.table.install_sql(),
-            self.table.upgrade_sql(),
+            self.fences().install_sql(),
+            self.resolved_table().install_sql(),
+            self.resolved_table().upgrade_sql(),
             ms = wait.as_millis().max(1),
         );
         let started = std::time::Instant::now();
@@ -458,30 +460,48 @@ impl TickLedger {
         Ok(client)
     }
 
+    /// The ledger table: with its schema once resolved.
+    fn resolved_table(&self) -> LedgerTable {
+        let resolved = self.resolved.read().unwrap_or_else(PoisonError::into_inner);
+        resolved.as_ref().map_or(&self.table, |(t, _)| t).clone()
+    }
+
     /// The ledger table as statements name it: with its schema once resolved.
-    fn quoted(&self) -> &str {
-        &self.resolved.get().map_or(&self.table, |(t, _)| t).quoted
+    fn quoted(&self) -> String {
+        let resolved = self.resolved.read().unwrap_or_else(PoisonError::into_inner);
+        resolved
+            .as_ref()
+            .map_or(&self.table, |(t, _)| t)
+            .quoted
+            .clone()
     }
 
     /// The fence table as statements name it: with its schema once resolved.
-    fn fences(&self) -> &FenceTable {
-        self.resolved.get().map_or(&self.fence, |(_, f)| f)
+    fn fences(&self) -> FenceTable {
+        let resolved = self.resolved.read().unwrap_or_else(PoisonError::into_inner);
+        resolved.as_ref().map_or(&self.fence, |(_, f)| f).clone()
     }
 
     /// Resolves the two tables to the ones `search_path` finds on `client`, once (both
     /// must exist), so that every later statement of this ledger, on any connection,
-    /// names the same two. Warns when an unqualified name has tables in more than one
-    /// schema: a node whose `search_path` differs would use others, and a new leader
-    /// that does not see the old leader's rows runs their ticks again. A failure
-    /// leaves the names as given (the statements then say what is wrong).
+    /// names the same two (until a statement finds one missing: they are resolved
+    /// again). Warns when an unqualified name has tables in more than one schema: a
+    /// node whose `search_path` differs would use others, and a new leader that does
+    /// not see the old leader's rows runs their ticks again. A failure leaves the names
+    /// as given (the statements then say what is wrong).
     pub(crate) async fn resolve(&self, client: &impl tokio_postgres::GenericClient) {
-        if self.resolved.get().is_some() {
+        if self
+            .resolved
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+        {
             return;
         }
         let (ledger, fence) = (self.table.name(), self.fence.name());
-        let last = |name: &'static str| {
+        let last = |name: &'static str, column: &'static str| {
             format!(
-                "(SELECT format('%s.%s', n.nspname, c.relname) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass({name}))"
+                "(SELECT {column} FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass({name}))"
             )
         };
         let all = |name: &'static str| {
@@ -490,9 +510,11 @@ impl TickLedger {
             )
         };
         let sql = format!(
-            "SELECT {}, {}, {}, {}",
-            last("$1"),
-            last("$2"),
+            "SELECT {}, {}, {}, {}, {}, {}",
+            last("$1", "n.nspname::text"),
+            last("$1", "c.relname::text"),
+            last("$2", "n.nspname::text"),
+            last("$2", "c.relname::text"),
             all("$3"),
             all("$4")
         );
@@ -532,12 +554,21 @@ impl TickLedger {
                 .flatten()
                 .collect::<Vec<_>>()
         };
-        let (Some(found_ledger), Some(found_fence)) = (text(0), text(1)) else {
+        let (Some(ledger_schema), Some(ledger_name), Some(fence_schema), Some(fence_name)) =
+            (text(0), text(1), text(2), text(3))
+        else {
             return; // not installed (yet): looked for again next time
         };
+        // Quoted as written: a schema with capitals, spaces or quotes is one too.
+        let (Ok(ledger_table), Ok(fence_table)) = (
+            LedgerTable::in_schema(&ledger_schema, &ledger_name),
+            FenceTable::in_schema(&fence_schema, &fence_name),
+        ) else {
+            return;
+        };
         for (given, found, all) in [
-            (ledger, &found_ledger, list(2)),
-            (fence, &found_fence, list(3)),
+            (ledger, ledger_table.name(), list(4)),
+            (fence, fence_table.name(), list(5)),
         ] {
             if !given.contains('.') && all.len() > 1 {
                 tracing::warn!(
@@ -548,10 +579,10 @@ impl TickLedger {
                 );
             }
         }
-        // Names the checks refuse (a schema with capitals or spaces) stay as given.
-        let ledger_table = LedgerTable::new(&found_ledger).unwrap_or_else(|_| self.table.clone());
-        let fence_table = FenceTable::new(&found_fence).unwrap_or_else(|_| self.fence.clone());
-        let _ = self.resolved.set((ledger_table, fence_table));
+        *self
+            .resolved
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some((ledger_table, fence_table));
     }
 
     fn db(&self, action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> LedgerError + '_ {
@@ -562,6 +593,11 @@ impl TickLedger {
                     after: self.timeout,
                 }
             } else if source.code() == Some(&SqlState::UNDEFINED_TABLE) {
+                // Dropped or moved since it was resolved: resolved again next time.
+                *self
+                    .resolved
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner) = None;
                 LedgerError::NotInstalled {
                     table: self.table.name().to_owned(),
                     source,
@@ -1119,6 +1155,34 @@ impl LedgerTable {
         Ok(Self {
             name: name.to_owned(),
             quoted,
+        })
+    }
+
+    /// A ledger table `table` in the schema `schema`, each any identifier PostgreSQL
+    /// takes (capitals, spaces, quotes and all: quoted as written), not only the
+    /// lowercase ones [`new`](Self::new) accepts.
+    ///
+    /// ```
+    /// use chosen_apalis::LedgerTable;
+    ///
+    /// let table = LedgerTable::in_schema("Ops", "chosen_ticks")?;
+    /// assert!(table.install_sql().starts_with("CREATE TABLE IF NOT EXISTS \"Ops\".\"chosen_ticks\""));
+    /// # Ok::<(), chosen_apalis::LedgerError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`LedgerError::InvalidTableName`] for an empty part, one longer than 63 bytes,
+    /// or one with a NUL character.
+    pub fn in_schema(schema: &str, table: &str) -> Result<Self, LedgerError> {
+        // The same rules as the fence table's, and the same quoting.
+        let fence = FenceTable::in_schema(schema, table).map_err(|e| match e {
+            chosen_core::Error::InvalidTableName(why) => LedgerError::InvalidTableName(why),
+            other => LedgerError::InvalidTableName(other.to_string()),
+        })?;
+        Ok(Self {
+            name: fence.name().to_owned(),
+            quoted: fence.quoted().to_owned(),
         })
     }
 
