@@ -79,6 +79,30 @@ pub async fn connect_admin(url: &str) -> Result<tokio_postgres::Client, tokio_po
     Ok(client)
 }
 
+/// The environment that runs a child process with its wall clock `offset_secs` off
+/// (ahead when positive), through libfaketime (found, or installed as the other
+/// packages are). The monotonic clock is left as it is, as on a machine whose wall
+/// clock was set wrong.
+///
+/// # Errors
+///
+/// When libfaketime is missing and cannot be installed (the error names the command).
+pub fn shifted_clock_env(offset_secs: i64) -> std::io::Result<Vec<(String, String)>> {
+    let library = packages::find_or_install(packages::LIBFAKETIME, || {
+        let found = std::fs::read_dir("/usr/lib")?
+            .filter_map(Result::ok)
+            .map(|dir| dir.path().join("faketime/libfaketimeMT.so.1"))
+            .find(|path| path.exists());
+        found.ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "libfaketime"))
+    })?;
+    Ok(vec![
+        ("LD_PRELOAD".to_owned(), library.display().to_string()),
+        ("FAKETIME".to_owned(), format!("{offset_secs:+}")),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".to_owned(), "1".to_owned()),
+        ("FAKETIME_NO_CACHE".to_owned(), "1".to_owned()),
+    ])
+}
+
 /// The path of a workspace example binary. `cargo test --workspace` builds examples
 /// next to the test binaries; a missing one is built with `cargo build --example`, and
 /// one older than the sources is an error that says how to rebuild it (running only

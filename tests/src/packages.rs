@@ -1,5 +1,5 @@
 //! The system packages the harness runs (the PostgreSQL server, PgBouncer, openssl,
-//! setpriv): found where they are; when one is missing, installed if this process may
+//! setpriv, libfaketime): found where they are; when one is missing, installed if this process may
 //! install packages (root, with `apt-get`, not opted out), else an error naming the one
 //! command to run. So the README's two commands work on a fresh Debian/Ubuntu machine
 //! with only Rust, and elsewhere say exactly what is missing.
@@ -43,6 +43,13 @@ pub(crate) const PGBOUNCER: Package = Package {
 pub(crate) const OPENSSL: Package = Package {
     name: "openssl",
     provides: "the openssl command",
+    alternatives: "",
+};
+
+/// libfaketime, which runs a node process with its wall clock shifted.
+pub(crate) const LIBFAKETIME: Package = Package {
+    name: "libfaketime",
+    provides: "libfaketime (to run a node with its clock shifted)",
     alternatives: "",
 };
 

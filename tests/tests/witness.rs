@@ -18,8 +18,11 @@
 //! * `Skip`: 0 duplicates, every tick without a witness row has a `skipped` row
 //!   (`missed: not run when due`), and at least one has;
 //! * both: the witness rows' tokens never decrease in the order they were written (a woken leader's write
-//!   after a newer leader's would: the fence must refuse it). How many runs the fence
-//!   refused is printed (`rejected_by_fence`).
+//!   after a newer leader's would: the fence must refuse it), and no tick's claim
+//!   committed more than the tolerance (1 s) before the database's clock reached it,
+//!   although node-3's wall clock is 20 s off (ahead under `CatchUp`, behind under
+//!   `Skip`; libfaketime, `CHOSEN_WITNESS_CLOCK_OFFSET` to change it). How many runs
+//!   the fence refused is printed (`rejected_by_fence`), and how many node-3 ran.
 //!
 //! `CHOSEN_WITNESS_TICKS` (default 40) sets the length; a run prints its seed, and
 //! `CHOSEN_WITNESS_SEED` replays the fault schedule (the timing of the machine is not
@@ -37,7 +40,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_tests::{
-    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, signal, unique_name,
+    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, shifted_clock_env, signal,
+    unique_name,
 };
 use tokio_postgres::Client;
 
@@ -53,6 +57,10 @@ const THINK_MS: u64 = 400;
 
 /// The longest fault: a frozen or cut-off leader stays so for 8 to 11 s.
 const LONGEST_FAULT: u64 = 11;
+
+/// How far node-3's wall clock is off, in seconds, unless `CHOSEN_WITNESS_CLOCK_OFFSET`
+/// says otherwise: ahead under CatchUp, behind under Skip.
+const SHIFT: i64 = 20;
 
 /// The faults, in turn: the first one (a freeze) leaves a gap, so every run has one.
 const FAULTS: [&str; 4] = ["STOP", "KILL", "BLACKHOLE", "TERM"];
@@ -71,10 +79,17 @@ impl Drop for Node {
 }
 
 /// Starts a `cron_node` process; its event lines go to `lines`.
-fn spawn(url: &str, id: &str, job: &str, misfire: &str, lines: &Arc<Mutex<Vec<String>>>) -> Node {
+fn spawn(
+    url: &str,
+    (id, clock): (&str, &[(String, String)]),
+    job: &str,
+    misfire: &str,
+    lines: &Arc<Mutex<Vec<String>>>,
+) -> Node {
     let mut child = Command::new(example_binary("cron_node").unwrap())
         .args(["--node-id", id, "--job", job, "--misfire", misfire])
         .args(["--think-ms", &THINK_MS.to_string(), "--detached-writes"])
+        .envs(clock.iter().map(|(k, v)| (k, v)))
         .env("DATABASE_URL", url)
         .env("RUST_LOG", "off")
         .stdin(Stdio::null())
@@ -146,6 +161,11 @@ struct Figures {
     missing: u64,
     stale_witness_rows: u64,
     rejected_by_fence: u64,
+    /// Ticks run (their claim committed) more than the tolerance (1 s) before the
+    /// database's clock reached them.
+    early_runs: u64,
+    /// Ticks run by the node whose clock is off.
+    runs_by_the_shifted_node: u64,
     faults: BTreeMap<&'static str, u64>,
 }
 
@@ -186,10 +206,25 @@ async fn witness_run(misfire: &str) -> Figures {
         proxies.insert(format!("node-{i}"), proxy);
     }
     let url_of = |id: &str| proxies[id].url(&url, port);
+    // node-3's wall clock is off (its scheduler delivers every tick that early or
+    // late): ahead under CatchUp, behind under Skip.
+    let offset: i64 = std::env::var("CHOSEN_WITNESS_CLOCK_OFFSET")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if misfire == "skip" { -SHIFT } else { SHIFT });
+    println!("witness {misfire}: node-3's clock is {offset:+} s off");
+    let shifted = shifted_clock_env(offset).unwrap();
+    let clock_of = |id: &str| {
+        if id == "node-3" {
+            &shifted[..]
+        } else {
+            &[][..]
+        }
+    };
     let mut nodes: Vec<Node> = (1..=3)
         .map(|i| {
             let id = format!("node-{i}");
-            spawn(&url_of(&id), &id, &job, misfire, &lines)
+            spawn(&url_of(&id), (&id, clock_of(&id)), &job, misfire, &lines)
         })
         .collect();
 
@@ -269,7 +304,13 @@ async fn witness_run(misfire: &str) -> Figures {
                 }
                 drop(node);
                 tokio::time::sleep(Duration::from_millis(500 + rng.below(1000))).await;
-                nodes.push(spawn(&url_of(&id), &id, &job, misfire, &lines));
+                nodes.push(spawn(
+                    &url_of(&id),
+                    (&id, clock_of(&id)),
+                    &job,
+                    misfire,
+                    &lines,
+                ));
             }
         }
     }
@@ -309,6 +350,18 @@ async fn witness_run(misfire: &str) -> Figures {
         .iter()
         .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
         .collect();
+    let (early, shifted_runs): (i64, i64) = {
+        let row = admin
+            .query_one(
+                "SELECT count(*) FILTER (WHERE started_at < tick - interval '1 second'), count(*) FILTER (WHERE node = 'node-3') FROM chosen_ticks WHERE job = $1 AND outcome = 'ran'",
+                &[&job],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    figures.early_runs = early as u64;
+    figures.runs_by_the_shifted_node = shifted_runs as u64;
     let mut witness: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     // In the order the rows were written (each took the fence row first, so this is
     // the order their transactions committed in): tokens never go back.
@@ -376,8 +429,14 @@ async fn witness_run(misfire: &str) -> Figures {
 async fn catch_up_runs_every_tick_exactly_once_under_faults() {
     let f = witness_run("catchup").await;
     assert_eq!(
-        (f.duplicates, f.missing, f.skipped, f.stale_witness_rows),
-        (0, 0, 0, 0),
+        (
+            f.duplicates,
+            f.missing,
+            f.skipped,
+            f.stale_witness_rows,
+            f.early_runs
+        ),
+        (0, 0, 0, 0, 0),
         "{f:?}"
     );
     assert_eq!(f.ran, f.ticks, "{f:?}");
@@ -389,8 +448,8 @@ async fn catch_up_runs_every_tick_exactly_once_under_faults() {
 async fn skip_records_every_tick_it_does_not_run_under_faults() {
     let f = witness_run("skip").await;
     assert_eq!(
-        (f.duplicates, f.missing, f.stale_witness_rows),
-        (0, 0, 0),
+        (f.duplicates, f.missing, f.stale_witness_rows, f.early_runs),
+        (0, 0, 0, 0),
         "{f:?}"
     );
     assert_eq!(f.ran + f.skipped, f.ticks, "{f:?}");

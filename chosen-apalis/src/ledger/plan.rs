@@ -411,6 +411,21 @@ mod tests {
     }
 
     #[test]
+    fn a_schedule_is_read_in_utc_so_no_tick_is_skipped_or_repeated_at_a_daylight_saving_change() {
+        // 02:30 every day, across 2026-03-29 and 2026-10-25 (the spring and autumn
+        // changes in most of Europe, at 01:00 UTC): one tick a day, 86,400 s apart.
+        let daily = cron::Schedule::from_str("0 30 2 * * *").unwrap();
+        for day in [1_774_828_800_u64, 1_792_972_800] {
+            // Midnight UTC of the day after the change.
+            let ticks: Vec<u64> =
+                missed_ticks(&daily, day - 3 * 86_400, day + 2 * 86_400).collect();
+            assert_eq!(ticks.len(), 5, "{ticks:?}");
+            assert!(ticks.windows(2).all(|w| w[0] - w[1] == 86_400), "{ticks:?}");
+            assert!(ticks.iter().all(|t| t % 86_400 == 9_000), "{ticks:?}");
+        }
+    }
+
+    #[test]
     fn missed_ticks_are_the_schedule_strictly_between() {
         let every_10s = cron::Schedule::from_str("*/10 * * * * *").unwrap();
         let current = 1_800_000_060; // a multiple of 60
