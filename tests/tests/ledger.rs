@@ -3014,3 +3014,196 @@ async fn tables_in_a_schema_of_any_name_are_kept_once_resolved() {
         .get(0);
     assert_eq!(in_ops, 2);
 }
+
+#[tokio::test]
+async fn a_catch_up_that_cannot_claim_gives_the_jobs_readiness_back() {
+    // The job allows one run at a time. The catch-up on gaining leadership takes the
+    // job's readiness (its permit) before it claims; when the claim fails (the fence
+    // row locked past the ledger's timeout), the permit must not stay with it, or every
+    // later tick waits for it for the rest of the tenure.
+    let db = db().await;
+    let job = unique_name("ledger-permit-back");
+    let now = db_now(&db.admin).await;
+    let day = now - 60;
+    let text = {
+        let s = day % 86_400;
+        format!("{} {} {} * * *", s % 60, s / 60 % 60, s / 3600)
+    };
+    let daily: Schedule = text.parse().unwrap();
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now(), $3)",
+            &[&job, &((day - 86_400) as f64), &text],
+        )
+        .await
+        .unwrap();
+    db.admin
+        .execute(
+            "INSERT INTO chosen_fence (name, token) VALUES ($1, 5)",
+            &[&job],
+        )
+        .await
+        .unwrap();
+    let (mut locker, conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM chosen_fence WHERE name = $1 FOR UPDATE",
+        &[&job],
+    )
+    .await
+    .unwrap();
+    let (leadership, control) = Leadership::manual(&job, "node-b");
+    control.follow(Some("node-a"));
+    let layer = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone().timeout(Duration::from_secs(1)))
+        .misfire(Misfire::RunOnce)
+        .schedule(daily);
+    let stats = layer.stats();
+    let runs = Runs::default();
+    let mut svc = layer.layer(tower::limit::ConcurrencyLimit::new(quiet_job(&runs), 1));
+    control.lead(7);
+    for _ in 0..100 {
+        if stats.skipped_ledger_error() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        stats.skipped_ledger_error(),
+        1,
+        "the catch-up's claim failed"
+    );
+    tx.rollback().await.unwrap();
+    // The database is fine again; the leader is the same. A due tick must run.
+    let out = tokio::time::timeout(Duration::from_secs(10), async {
+        svc.ready()
+            .await
+            .unwrap()
+            .call(Task::new(Tick::new(now - 1)))
+            .await
+            .unwrap()
+    })
+    .await;
+    assert!(
+        out.is_ok(),
+        "the tick waited 10 s for the permit the failed catch-up kept; runs {:?}",
+        runs.lock().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn a_tick_skipped_during_a_catch_up_on_gain_is_not_run_by_the_next_leader() {
+    // A tick Overlap::Skip refuses while the catch-up on gaining leadership runs is
+    // recorded skipped whoever holds the turn next, so a hand-over before this node
+    // runs another tick does not leave it to the next leader's CatchUp.
+    let db = db().await;
+    let job = unique_name("ledger-skip-on-gain");
+    // Wait for seconds 10..20 of a minute.
+    let mut now = db_now(&db.admin).await;
+    while !(10..20).contains(&(now % 60)) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        now = db_now(&db.admin).await;
+    }
+    let base = now - now % 60;
+    let (s1, s2, s3) = (base + 2, base + 30, base + 50);
+    let text = format!("2,30,50 {} * * * *", base / 60 % 60);
+    let schedule: Schedule = text.parse().unwrap();
+    for t in [s1, s2, s3] {
+        db.admin
+            .execute(
+                "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at, schedule) VALUES ($1, to_timestamp($2), 4, 'ran', 'node-0', now(), $3)",
+                &[&job, &((t - 3600) as f64), &text],
+            )
+            .await
+            .unwrap();
+    }
+    let catch_up = Misfire::CatchUp {
+        max: 10,
+        within: Duration::from_secs(600),
+    };
+    let s = schedule.clone();
+    let mut a = node_with(&db, &job, "node-a", 5, false, move |l| {
+        l.schedule(s).misfire(catch_up).overlap(Overlap::Skip)
+    });
+    // The catch-up run of s1 lasts past s2.
+    a.delays.lock().unwrap().push((s1, Duration::from_secs(25)));
+    started(&a, s1).await;
+    let out = tick(&mut a, s2).await; // held until s2 is due, then refused at once
+    assert!(
+        matches!(&out, Outcome::Skipped(SkipReason::Overlap { reason, .. }) if reason == "previous run still running"),
+        "{out:?}"
+    );
+    // The catch-up run ends (s1 recorded ran); s2 stays unrecorded.
+    for _ in 0..400 {
+        if rows(&db.admin, &job)
+            .await
+            .iter()
+            .any(|r| r.0 == (s1 - t0()) as i64 && r.1 == "ran")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let recorded = rows_after(&db.admin, &job, s1).await;
+    assert!(
+        recorded.contains(&(s2 as i64)),
+        "s2 unrecorded: {recorded:?}"
+    );
+    // Hand-over.
+    a.control.follow(Some("node-b"));
+    let s = schedule.clone();
+    let mut b = node_with(&db, &job, "node-b", 8, false, move |l| {
+        l.schedule(s).misfire(catch_up).overlap(Overlap::Skip)
+    });
+    let out = tick(&mut b, s3).await;
+    assert!(out.ran(), "{out:?}");
+    assert!(
+        !b.runs.lock().unwrap().iter().any(|(t, _)| *t == s2),
+        "the tick node-a answered Skipped(Overlap) was run by node-b's CatchUp"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_claim_never_takes_another_gates_claim_for_its_own() {
+    // Two gates of one job on one node under one lease. The first one's COMMIT fails
+    // (a deferred trigger raises: the server's answer, so it did not commit); the other
+    // gate, which waited on the fence row, claims the tick and runs it. The first must
+    // not take that row for its own claim and run the tick again.
+    let db = db().await;
+    let job = unique_name("ledger-not-ours");
+    db.admin
+        .batch_execute(&format!(
+            "CREATE SEQUENCE fail_once;\nCREATE OR REPLACE FUNCTION fail_commit_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF nextval('fail_once') = 1 THEN PERFORM pg_sleep(1); RAISE EXCEPTION 'commit failed'; END IF; RETURN NULL; END $$;\nCREATE CONSTRAINT TRIGGER \"fail_{job}\" AFTER INSERT ON chosen_ticks DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.job = '{job}') EXECUTE FUNCTION fail_commit_once()"
+        ))
+        .await
+        .unwrap();
+    // Two gates of one job on one node, under one lease (token 5).
+    let (l1, c1) = Leadership::manual(&job, "node-a");
+    let (l2, c2) = Leadership::manual(&job, "node-a");
+    c1.lead(5);
+    c2.lead(5);
+    let (r1, r2) = (Runs::default(), Runs::default());
+    let mut g1 = LeaderOnlyJobLayer::new(l1)
+        .ledger(db.ledger.clone())
+        .schedule(every_second())
+        .layer(quiet_job(&r1));
+    let slow = quiet_job(&r2);
+    slow.delays
+        .lock()
+        .unwrap()
+        .push((t0(), Duration::from_secs(2)));
+    let mut g2 = LeaderOnlyJobLayer::new(l2)
+        .ledger(db.ledger.clone())
+        .schedule(every_second())
+        .layer(slow);
+    let first = tokio::spawn(async move { call_at(&mut g1, t0()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await; // g1's COMMIT is under way
+    let second = tokio::spawn(async move { call_at(&mut g2, t0()).await });
+    let (_first, _second) = (first.await.unwrap(), second.await.unwrap());
+    let n = r1.lock().unwrap().len() + r2.lock().unwrap().len();
+    assert_eq!(n, 1, "tick ran {n} times");
+}

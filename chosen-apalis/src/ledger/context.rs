@@ -212,7 +212,8 @@ impl TickContext {
         // A former leader frozen inside its transaction holds the fence row: wait for
         // it no longer than the ledger's timeout (the job's own statements keep the
         // transaction's lock_timeout).
-        self.ledger
+        let tables = self
+            .ledger
             .fence_bounded(&tx, &self.ids, self.token)
             .await?;
         let claimed = match self.claim {
@@ -220,8 +221,9 @@ impl TickContext {
             Claim::InJobTransaction => {
                 let claimed = self
                     .ledger
-                    .claim_in(&tx, &self.ids, self.tick, self.token, "ran")
-                    .await?;
+                    .claim_in(&tx, &tables, &self.ids, self.tick, self.token, "ran")
+                    .await?
+                    .inserted;
                 if !claimed {
                     self.settle(Slot::AlreadyRecorded);
                     // Dropping `tx` rolls it back.
@@ -233,6 +235,7 @@ impl TickContext {
         let attempt = self.begun.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
         Ok(Some(LedgerTx {
             tx: Some(tx),
+            tables,
             attempt,
             ctx: self.clone(),
             claimed,
@@ -258,6 +261,8 @@ impl TickContext {
 pub struct LedgerTx<'c> {
     /// `None` only once [`commit`](Self::commit) or [`rollback`](Self::rollback) took it.
     tx: Option<Transaction<'c>>,
+    /// The tables it fenced and claimed in (its end is recorded there too).
+    tables: super::Tables,
     /// Which of the context's transactions this is (1 for the first).
     attempt: u64,
     ctx: TickContext,
@@ -342,7 +347,7 @@ impl LedgerTx<'_> {
             // The row was inserted by this transaction, so it is there to update.
             let finished = tx
                 .execute_typed(
-                    &ledger.finish_sql(),
+                    &TickLedger::finish_sql(&self.tables),
                     &[
                         (&&*self.ctx.ids.job, Type::TEXT),
                         (&at(self.ctx.tick), Type::TIMESTAMPTZ),

@@ -392,7 +392,7 @@ impl Drop for AbortOnDrop {
 /// Runs [`Shared::catch_up_on_gain`] at the start of every tenure of this node.
 async fn on_every_gain<S>(shared: Arc<Shared>, mut inner: S)
 where
-    S: Service<Task<Tick>>,
+    S: Service<Task<Tick>> + Clone,
     S::Error: fmt::Display + 'static,
 {
     loop {
@@ -522,7 +522,7 @@ impl Shared {
         task: Task<Tick>,
     ) -> Result<Outcome<S::Response>, S::Error>
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
         S::Error: fmt::Display + 'static,
     {
         let tick = task.args.get_timestamp();
@@ -646,7 +646,7 @@ impl Shared {
         guard: LeaderGuard,
     ) -> Result<Outcome<S::Response>, S::Error>
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
         S::Error: fmt::Display + 'static,
     {
         let current = task.args.get_timestamp();
@@ -657,8 +657,6 @@ impl Shared {
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
-        // Before looking for missed ticks: those an overlap skipped are not missed.
-        self.record_skips(&held, &guard).await;
         if let Err(skipped) = self
             .fill_gap(&mut inner, &mut held, &task, &guard, current, current)
             .await
@@ -684,12 +682,8 @@ impl Shared {
         if !guard.is_valid() {
             return Ok(self.not_leader());
         }
-        let outcome = self
-            .run_one(&mut inner, &mut held, &task, &guard, current, false)
-            .await;
-        // Ticks skipped while this ran, now that its transaction has ended.
-        self.record_skips(&held, &guard).await;
-        outcome
+        self.run_one(&mut inner, &mut held, &task, &guard, current, false)
+            .await
     }
 
     /// Decides about the ticks missed before `upto` by the misfire policy, `reference`
@@ -713,7 +707,7 @@ impl Shared {
         reference: u64,
     ) -> Result<(), Outcome<S::Response>>
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
         S::Error: fmt::Display + 'static,
     {
         let Some(schedule) = &self.schedule else {
@@ -794,7 +788,7 @@ impl Shared {
     /// the margin has passed, each delivered meanwhile having run as any tick.
     async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard)
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
         S::Error: fmt::Display + 'static,
     {
         let Some(schedule) = &self.schedule else {
@@ -839,14 +833,13 @@ impl Shared {
     /// window ending at the database's clock (`now`).
     async fn fill_upto<S>(&self, inner: &mut S, guard: &LeaderGuard, upto: u64, now: u64)
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
         S::Error: fmt::Display + 'static,
     {
         let mut held = self.turn.wait(upto.saturating_sub(1)).await;
         if !guard.is_valid() {
             return;
         }
-        self.record_skips(&held, guard).await;
         let base = self
             .template
             .lock()
@@ -869,7 +862,7 @@ impl Shared {
         catch_up: bool,
     ) -> Result<Outcome<S::Response>, S::Error>
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
         S::Error: fmt::Display + 'static,
     {
         let token = guard.fencing_token();
@@ -902,8 +895,10 @@ impl Shared {
         task.inject_data(ctx.clone());
         // The job's readiness first (a paused worker, a concurrency limit inside the
         // gate): nothing is claimed for a tick the job cannot take yet, and a stop while
-        // it waits leaves the tick unrecorded, for the misfire policy.
-        if let Some(outcome) = self.until_ready(inner, base, held, guard, tick).await? {
+        // it waits leaves the tick unrecorded, for the misfire policy. On a clone of its
+        // own, dropped (and its readiness, a permit, with it) if the job is not called.
+        let mut job = inner.clone();
+        if let Some(outcome) = self.until_ready(&mut job, base, held, guard, tick).await? {
             return Ok(outcome);
         }
         if self.claim == Claim::BeforeRun {
@@ -921,7 +916,7 @@ impl Shared {
         if self.claim == Claim::BeforeRun {
             self.count_run(catch_up);
         }
-        let stopped = self.run_until_stopped(inner, task, held, guard).await;
+        let stopped = self.run_until_stopped(&mut job, task, held, guard).await;
         if self.claim == Claim::InJobTransaction && ctx.slot() != Slot::AlreadyRecorded {
             self.count_run(catch_up);
         }
@@ -1015,7 +1010,7 @@ impl Shared {
         tick: u64,
     ) -> Result<Option<Outcome<S::Response>>, S::Error>
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
     {
         loop {
             if self.stopping(base) {
@@ -1051,7 +1046,7 @@ impl Shared {
         guard: &LeaderGuard,
     ) -> Result<Result<S::Response, S::Error>, Stop>
     where
-        S: Service<Task<Tick>>,
+        S: Service<Task<Tick>> + Clone,
     {
         let limit = async {
             match self.max_runtime {
@@ -1119,9 +1114,9 @@ impl Shared {
     }
 
     /// Records (or leaves to the misfire policy) a tick an overlap policy did not run,
-    /// and answers its outcome. A skip is recorded once the run it overlapped has ended
-    /// (by whoever holds the turn next, or now if it is free): that run's transaction
-    /// may hold the job's fence row, which the record would wait for.
+    /// and answers its outcome at once. A skip is recorded now if the job's fence row is
+    /// free within a moment; else (the running run's transaction holds it) by a task
+    /// of its own once that run has ended and freed the turn.
     async fn overlap_skipped<R>(
         &self,
         guard: &LeaderGuard,
@@ -1130,9 +1125,16 @@ impl Shared {
     ) -> Outcome<R> {
         let reason = match refused {
             Refused::Record(reason) => {
-                self.turn.defer_skip(tick);
-                if let Some(held) = self.turn.try_hold() {
-                    self.record_skips(&held, guard).await;
+                let token = guard.fencing_token();
+                let rows = [(tick, reason)];
+                match self
+                    .ledger
+                    .record_now(&self.ids, token, "skipped", &rows)
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(LedgerError::Timeout { .. }) => self.record_after_the_run(tick, token),
+                    Err(e) => return self.ledger_failed(tick, &e),
                 }
                 reason
             }
@@ -1147,22 +1149,26 @@ impl Shared {
         })
     }
 
-    /// Records the ticks an overlap skipped while the turn was held (`held`: it is
-    /// ours now, so the run they overlapped has ended). A failure leaves them to the
-    /// misfire policy.
-    async fn record_skips(&self, held: &Held<'_>, guard: &LeaderGuard) {
-        let ticks = self.turn.take_skips(held);
-        if ticks.is_empty() {
-            return;
-        }
-        let rows: Vec<(u64, &str)> = ticks.iter().map(|t| (*t, SKIP_RUNNING)).collect();
-        if let Err(e) = self
-            .ledger
-            .record(&self.ids, guard.fencing_token(), "skipped", &rows)
-            .await
-        {
-            warn!(lock = %self.job, ticks = ?ticks, error = %chain(&e), "could not record ticks an overlap skipped: they are left to the misfire policy");
-        }
+    /// Records a tick an overlap skipped once the run it overlapped has ended (its
+    /// transaction holds the job's fence row until then), in a task of its own: the
+    /// tick's answer does not wait, and nothing that holds the turn later has to
+    /// remember it. A failure leaves it to the misfire policy.
+    fn record_after_the_run(&self, tick: u64, token: chosen_core::FencingToken) {
+        let (turn, ledger, ids, job) = (
+            Arc::clone(&self.turn),
+            self.ledger.clone(),
+            self.ids.clone(),
+            Arc::clone(&self.job),
+        );
+        tokio::spawn(async move {
+            let _free = turn.free().await;
+            if let Err(e) = ledger
+                .record(&ids, token, "skipped", &[(tick, SKIP_RUNNING)])
+                .await
+            {
+                warn!(lock = %job, tick, error = %chain(&e), "could not record a tick an overlap skipped: it is left to the misfire policy");
+            }
+        });
     }
 }
 

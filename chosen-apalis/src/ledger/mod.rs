@@ -145,6 +145,10 @@ pub const DEFAULT_CLOCK_TOLERANCE: Duration = Duration::from_secs(1);
 /// (this node's clock ahead of the database's) is held until it is due.
 pub const MAX_EARLY_HOLD: Duration = Duration::from_secs(3600);
 
+/// How long a record that must not wait behind a running job's transaction waits for
+/// the job's fence row ([`TickLedger::record_now`]).
+const QUICK_LOCK_WAIT: Duration = Duration::from_millis(250);
+
 /// How long one try of [`TickLedger::install`] waits for a lock at most (the fleet's
 /// ledger statements queue behind an `ALTER TABLE` that waits).
 const INSTALL_LOCK_WAIT: Duration = Duration::from_secs(1);
@@ -399,6 +403,7 @@ impl TickLedger {
         let LockKey::Pair(k1, k2) = LockKey::derive("chosen.apalis", "install") else {
             unreachable!("BUG: derived keys are pairs")
         };
+        let tables = self.tables();
         let wait = self.timeout.min(INSTALL_LOCK_WAIT);
         // One simple query, so one implicit transaction that commits on the server with
         // no round trip after the `ALTER TABLE` took its lock (a client frozen there
@@ -406,9 +411,9 @@ impl TickLedger {
         // `SET LOCAL` holds for the rest of it.
         let sql = format!(
             "SET LOCAL lock_timeout = {ms};\nSELECT pg_advisory_xact_lock({k1}, {k2});\n{};\n{};\n{}",
-            self.fences().install_sql(),
-            self.resolved_table().install_sql(),
-            self.resolved_table().upgrade_sql(),
+            tables.fence.install_sql(),
+            tables.ledger.install_sql(),
+            tables.ledger.upgrade_sql(),
             ms = wait.as_millis().max(1),
         );
         let started = std::time::Instant::now();
@@ -460,26 +465,26 @@ impl TickLedger {
         Ok(client)
     }
 
-    /// The ledger table: with its schema once resolved.
-    fn resolved_table(&self) -> LedgerTable {
+    /// The two tables as a transaction names them: with their schema once resolved.
+    /// Read once per transaction, so that a resolution changing meanwhile cannot split
+    /// one transaction over two schemas.
+    pub(crate) fn tables(&self) -> Tables {
         let resolved = self.resolved.read().unwrap_or_else(PoisonError::into_inner);
-        resolved.as_ref().map_or(&self.table, |(t, _)| t).clone()
-    }
-
-    /// The ledger table as statements name it: with its schema once resolved.
-    fn quoted(&self) -> String {
-        let resolved = self.resolved.read().unwrap_or_else(PoisonError::into_inner);
-        resolved
+        let (ledger, fence) = resolved
             .as_ref()
-            .map_or(&self.table, |(t, _)| t)
-            .quoted
-            .clone()
+            .map_or((&self.table, &self.fence), |(t, f)| (t, f));
+        Tables {
+            ledger: ledger.clone(),
+            fence: fence.clone(),
+        }
     }
 
-    /// The fence table as statements name it: with its schema once resolved.
-    fn fences(&self) -> FenceTable {
-        let resolved = self.resolved.read().unwrap_or_else(PoisonError::into_inner);
-        resolved.as_ref().map_or(&self.fence, |(_, f)| f).clone()
+    /// Forgets the resolution (a table was found missing): resolved again next time.
+    fn unresolve(&self) {
+        *self
+            .resolved
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// Resolves the two tables to the ones `search_path` finds on `client`, once (both
@@ -666,7 +671,7 @@ impl TickLedger {
         tx: &tokio_postgres::Transaction<'_>,
         ids: &JobIds,
         token: FencingToken,
-    ) -> Result<(), LedgerError> {
+    ) -> Result<Tables, LedgerError> {
         let previous: String = tx
             .query_one(
                 "WITH p AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v)\nSELECT p.v FROM p WHERE set_config('lock_timeout', $1, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $2, true) IS NOT NULL",
@@ -680,21 +685,24 @@ impl TickLedger {
             .try_get(0)
             .map_err(self.db("bounding the fence's lock wait"))?;
         self.resolve(tx).await;
-        let fenced = self
-            .fences()
+        let tables = self.tables();
+        tables
+            .fence
             .fence(tx, &ids.fence, token)
             .await
-            .map_err(|e| self.fence_error(e, "fencing"));
-        if fenced.is_ok() {
-            tx.execute("SELECT set_config('lock_timeout', $1, true)", &[&previous])
-                .await
-                .map_err(self.db("restoring lock_timeout"))?;
-        }
-        fenced
+            .map_err(|e| self.fence_error(e, "fencing"))?;
+        tx.execute("SELECT set_config('lock_timeout', $1, true)", &[&previous])
+            .await
+            .map_err(self.db("restoring lock_timeout"))?;
+        Ok(tables)
     }
 
     /// A fence error as a ledger error: a lock wait the server ended is a timeout.
     pub(crate) fn fence_error(&self, e: chosen_core::Error, action: &'static str) -> LedgerError {
+        if matches!(e, chosen_core::Error::FenceNotInstalled { .. }) {
+            // Dropped or moved since it was resolved: resolved again next time.
+            self.unresolve();
+        }
         let timed_out = std::error::Error::source(&e)
             .and_then(|s| s.downcast_ref::<tokio_postgres::Error>())
             .and_then(tokio_postgres::Error::code)
@@ -732,7 +740,7 @@ impl TickLedger {
                 .query_typed(
                     &format!(
                         "WITH w AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick >= $2 AND tick < $3),\n     o AS MATERIALIZED (SELECT schedule, max(tick) AS newest FROM w WHERE schedule <> $4 GROUP BY schedule),\n     u AS MATERIALIZED (SELECT max(tick) AS newest FROM w WHERE schedule IS NULL AND tick <> ALL ($5::timestamptz[])),\n     b AS MATERIALIZED (SELECT tick, schedule FROM {t} WHERE job = $1 AND tick < $2 ORDER BY tick DESC LIMIT 1)\nSELECT (SELECT min(tick) FROM {t} WHERE job = $1),\n       ARRAY(SELECT tick FROM w WHERE tick = ANY ($5::timestamptz[])),\n       ARRAY(SELECT schedule FROM o ORDER BY schedule),\n       ARRAY(SELECT newest FROM o ORDER BY schedule),\n       (SELECT tick FROM b),\n       (SELECT schedule FROM b),\n       (SELECT newest FROM u)",
-                        t = self.quoted()
+                        t = self.tables().ledger.quoted
                     ),
                     &[
                         (&&*ids.job, Type::TEXT),
@@ -798,6 +806,20 @@ impl TickLedger {
         .await
     }
 
+    /// [`record`](Self::record), waiting for the job's fence row a moment only
+    /// ([`QUICK_LOCK_WAIT`]): `LedgerError::Timeout` when a transaction of the job holds
+    /// it.
+    pub(crate) async fn record_now(
+        &self,
+        ids: &JobIds,
+        token: FencingToken,
+        outcome: &str,
+        ticks: &[(u64, &str)],
+    ) -> Result<usize, LedgerError> {
+        self.record_waiting(ids, token, outcome, ticks, QUICK_LOCK_WAIT)
+            .await
+    }
+
     /// Records finished ticks (`outcome` with a reason each) in one fenced
     /// transaction; ticks already recorded keep their row. Answers how many of them
     /// were not recorded because the database's clock has not reached them (less the
@@ -809,10 +831,32 @@ impl TickLedger {
         outcome: &str,
         ticks: &[(u64, &str)],
     ) -> Result<usize, LedgerError> {
+        self.record_waiting(ids, token, outcome, ticks, self.timeout)
+            .await
+    }
+
+    async fn record_waiting(
+        &self,
+        ids: &JobIds,
+        token: FencingToken,
+        outcome: &str,
+        ticks: &[(u64, &str)],
+        lock_wait: Duration,
+    ) -> Result<usize, LedgerError> {
         self.bounded("recording ticks", async {
             let mut client = self.client().await?;
             let tx = self.bounded_transaction(&mut client).await?;
-            self.fences()
+            if lock_wait < self.timeout {
+                tx.batch_execute(&format!(
+                    "SET LOCAL lock_timeout = {}",
+                    lock_wait.as_millis().max(1)
+                ))
+                .await
+                .map_err(self.db("bounding the fence's lock wait"))?;
+            }
+            let tables = self.tables();
+            tables
+                .fence
                 .fence(&tx, &ids.fence, token)
                 .await
                 .map_err(|e| self.fence_error(e, "fencing"))?;
@@ -824,7 +868,7 @@ impl TickLedger {
                 .query_typed(
                     &format!(
                         "WITH d AS MATERIALIZED (SELECT clock_timestamp() + $8::float8 * interval '1 second' AS due),\n     u AS MATERIALIZED (SELECT * FROM unnest($2::timestamptz[], $6::text[]) AS u(tick, reason)),\n     i AS (INSERT INTO {} (job, tick, token, outcome, reason, node, started_at, finished_at, schedule)\n           SELECT $1, u.tick, $3, $4, u.reason, $5, clock_timestamp(), clock_timestamp(), $7 FROM u, d WHERE u.tick <= d.due\n           ON CONFLICT (job, tick) DO NOTHING)\nSELECT count(*) FROM u, d WHERE u.tick > d.due",
-                        self.quoted()
+                        tables.ledger.quoted
                     ),
                     &[
                         (&&*ids.job, Type::TEXT),
@@ -859,103 +903,127 @@ impl TickLedger {
     /// Claims `tick` with outcome `running`, in a fenced transaction of its own:
     /// `false` if it is already recorded.
     ///
-    /// When a COMMIT that would have claimed the tick fails without saying whether it
-    /// committed (the connection lost, the client-side bound), the claim is made again
-    /// until the ledger's timeout: its insert waits for the first transaction to end,
-    /// then inserts (that one did not commit) or finds the row, which is ours if this
-    /// node wrote it with this token and it is still `running` (the first one did
-    /// commit). A tick whose claim cannot be told so is reported: if it committed, its
-    /// row stays `running` and the tick does not run.
+    /// When the COMMIT of a claim that inserted its row goes unanswered (the connection
+    /// lost while the server commits, the client-side bound firing), the claim's
+    /// transaction is looked up by its id (`pg_xact_status`) until the ledger's
+    /// timeout: committed, the tick is claimed; aborted, it is not (the error, and the
+    /// misfire policy decides); still running, looked up again. A claim that cannot be
+    /// told so is reported: if it committed, its row stays `running` and the tick does
+    /// not run.
     pub(crate) async fn claim_before_run(
         &self,
         ids: &JobIds,
         tick: u64,
         token: FencingToken,
     ) -> Result<bool, LedgerError> {
-        let mut unsure: Option<tokio::time::Instant> = None;
+        // The claim's transaction id, once its COMMIT is on its way; and whether the
+        // COMMIT's failure left its fate unknown (no answer, as opposed to the server's
+        // error, which says it did not commit).
+        let committing: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
+        let answered = std::sync::atomic::AtomicBool::new(false);
+        let claimed = self
+            .bounded("claiming the tick", async {
+                let mut client = self.client().await?;
+                let tx = self.bounded_transaction(&mut client).await?;
+                let tables = self.tables();
+                tables
+                    .fence
+                    .fence(&tx, &ids.fence, token)
+                    .await
+                    .map_err(|e| self.fence_error(e, "fencing"))?;
+                let claim = self
+                    .claim_in(&tx, &tables, ids, tick, token, "running")
+                    .await?;
+                if !claim.inserted {
+                    return Ok(false);
+                }
+                *committing.lock().unwrap_or_else(PoisonError::into_inner) = claim.xact;
+                match tx.commit().await {
+                    Ok(()) => Ok(true),
+                    Err(e) => {
+                        answered.store(e.code().is_some(), std::sync::atomic::Ordering::Relaxed);
+                        Err(self.db("committing the claim")(e))
+                    }
+                }
+            })
+            .await;
+        let xact = committing
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        match (claimed, xact) {
+            (Err(lost), Some(xact)) if !answered.load(std::sync::atomic::Ordering::Relaxed) => {
+                self.claim_committed(ids, tick, &xact, lost).await
+            }
+            (claimed, _) => claimed,
+        }
+    }
+
+    /// Whether the claim transaction `xact`, whose COMMIT went unanswered (`lost`), did
+    /// commit: looked up until the ledger's timeout.
+    async fn claim_committed(
+        &self,
+        ids: &JobIds,
+        tick: u64,
+        xact: &str,
+        lost: LedgerError,
+    ) -> Result<bool, LedgerError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let mut backoff = Duration::from_millis(50);
         loop {
-            let committing = std::sync::atomic::AtomicBool::new(false);
-            let claimed = self
-                .bounded("claiming the tick", async {
-                    let mut client = self.client().await?;
-                    let tx = self.bounded_transaction(&mut client).await?;
-                    self.fences()
-                        .fence(&tx, &ids.fence, token)
-                        .await
-                        .map_err(|e| self.fence_error(e, "fencing"))?;
-                    if self.claim_in(&tx, ids, tick, token, "running").await? {
-                        committing.store(true, std::sync::atomic::Ordering::Relaxed);
-                        tx.commit().await.map_err(self.db("committing the claim"))?;
-                        return Ok(true);
-                    }
-                    if unsure.is_none() {
-                        return Ok(false);
-                    }
-                    // The row is there: our first COMMIT went through, or another's.
-                    let rows = tx
-                        .query_typed(
-                            &format!(
-                                "SELECT token, node, outcome FROM {} WHERE job = $1 AND tick = $2",
-                                self.quoted()
-                            ),
-                            &[(&&*ids.job, Type::TEXT), (&at(tick), Type::TIMESTAMPTZ)],
-                        )
-                        .await
-                        .map_err(self.db("reading the claim back"))?;
-                    let ours = rows.first().is_some_and(|row| {
-                        row.try_get::<_, Option<i64>>(0).ok().flatten()
-                            == i64::try_from(token.get()).ok()
-                            && row
-                                .try_get::<_, Option<String>>(1)
-                                .ok()
-                                .flatten()
-                                .as_deref()
-                                == Some(&*ids.node)
-                            && row
-                                .try_get::<_, Option<String>>(2)
-                                .ok()
-                                .flatten()
-                                .as_deref()
-                                == Some("running")
-                    });
-                    Ok(ours)
-                })
-                .await;
-            let committed_unknown = committing.load(std::sync::atomic::Ordering::Relaxed);
-            match claimed {
-                Err(e) if committed_unknown || unsure.is_some() => {
-                    let deadline =
-                        *unsure.get_or_insert_with(|| tokio::time::Instant::now() + self.timeout);
-                    if tokio::time::Instant::now() + backoff >= deadline || e.is_stale() {
-                        tracing::warn!(job = %ids.job, tick, error = %chain(&e), "could not tell whether the claim committed: if it did, its row stays 'running' and the tick does not run");
-                        return Err(e);
-                    }
-                    tracing::info!(job = %ids.job, tick, error = %chain(&e), "the claim's commit failed without saying whether it committed: claiming again");
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let status = tokio::time::timeout(left, async {
+                let client = self.client().await?;
+                let rows = client
+                    .query_typed(
+                        "SELECT pg_xact_status($1::text::xid8)",
+                        &[(&xact, Type::TEXT)],
+                    )
+                    .await
+                    .map_err(self.db("looking up the claim's transaction"))?;
+                Ok::<_, LedgerError>(
+                    rows.first()
+                        .and_then(|r| r.try_get::<_, Option<String>>(0).ok().flatten()),
+                )
+            })
+            .await;
+            match status {
+                Ok(Ok(Some(status))) if status == "committed" => {
+                    tracing::info!(job = %ids.job, tick, error = %chain(&lost), "the claim's commit went unanswered, and it committed");
+                    return Ok(true);
+                }
+                Ok(Ok(Some(status))) if status == "aborted" => return Err(lost),
+                Ok(Ok(None)) => return Err(lost),
+                // In progress, or not answered: look again.
+                _ if tokio::time::Instant::now() + backoff < deadline => {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
-                claimed => return claimed,
+                _ => {
+                    tracing::warn!(job = %ids.job, tick, error = %chain(&lost), "could not tell whether the claim committed: if it did, its row stays 'running' and the tick does not run");
+                    return Err(lost);
+                }
             }
         }
     }
 
-    /// Inserts the claim row in `tx`: `false` if the tick is already recorded.
+    /// Inserts the claim row in `tx`, in `tables.ledger`: not inserted if the tick is
+    /// already recorded.
     pub(crate) async fn claim_in(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
+        tables: &Tables,
         ids: &JobIds,
         tick: u64,
         token: FencingToken,
         outcome: &str,
-    ) -> Result<bool, LedgerError> {
+    ) -> Result<Inserted, LedgerError> {
         // The tick is claimed only once the database's clock has reached it (less the
         // tolerance): `due` is false, and nothing inserted, for a future tick.
         let rows = tx
             .query_typed(
                 &format!(
-                    "WITH d AS MATERIALIZED (SELECT $2::timestamptz - clock_timestamp() AS ahead, $7::float8 * interval '1 second' AS tolerance),\n     i AS (INSERT INTO {} (job, tick, token, outcome, node, started_at, schedule)\n           SELECT $1, $2, $3, $4, $5, clock_timestamp(), $6 FROM d WHERE d.ahead <= d.tolerance\n           ON CONFLICT (job, tick) DO NOTHING\n           RETURNING 1)\nSELECT d.ahead <= d.tolerance, extract(epoch FROM d.ahead)::float8, EXISTS (SELECT 1 FROM i) FROM d",
-                    self.quoted()
+                    "WITH d AS MATERIALIZED (SELECT $2::timestamptz - clock_timestamp() AS ahead, $7::float8 * interval '1 second' AS tolerance),\n     i AS (INSERT INTO {} (job, tick, token, outcome, node, started_at, schedule)\n           SELECT $1, $2, $3, $4, $5, clock_timestamp(), $6 FROM d WHERE d.ahead <= d.tolerance\n           ON CONFLICT (job, tick) DO NOTHING\n           RETURNING 1)\nSELECT d.ahead <= d.tolerance, extract(epoch FROM d.ahead)::float8, EXISTS (SELECT 1 FROM i),\n       CASE WHEN EXISTS (SELECT 1 FROM i) THEN pg_current_xact_id()::text END\nFROM d",
+                    tables.ledger.quoted
                 ),
                 &[
                     (&&*ids.job, Type::TEXT),
@@ -991,15 +1059,18 @@ impl TickLedger {
                 tolerance: self.clock_tolerance,
             });
         }
-        Ok(inserted)
+        Ok(Inserted {
+            inserted,
+            xact: row.try_get::<_, Option<String>>(3).ok().flatten(),
+        })
     }
 
     /// The statement that sets the outcome of a tick this leader claimed: `$1` job,
     /// `$2` tick, `$3` token, `$4` outcome (NULL: keep), `$5` reason (NULL: keep).
-    pub(crate) fn finish_sql(&self) -> String {
+    pub(crate) fn finish_sql(tables: &Tables) -> String {
         format!(
             "UPDATE {} SET outcome = coalesce($4, outcome), reason = coalesce($5, reason), finished_at = clock_timestamp()\nWHERE job = $1 AND tick = $2 AND token = $3",
-            self.quoted()
+            tables.ledger.quoted
         )
     }
 
@@ -1033,7 +1104,7 @@ impl TickLedger {
         let tx = self.bounded_transaction(&mut client).await?;
         let n = tx
             .execute_typed(
-                &self.finish_sql(),
+                &Self::finish_sql(&self.tables()),
                 &[
                     (&job, Type::TEXT),
                     (&at(tick), Type::TIMESTAMPTZ),
@@ -1049,6 +1120,22 @@ impl TickLedger {
             .map_err(self.db("committing the outcome"))?;
         Ok(n == 1)
     }
+}
+
+/// The ledger and fence tables one transaction uses ([`TickLedger::tables`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Tables {
+    pub(crate) ledger: LedgerTable,
+    pub(crate) fence: FenceTable,
+}
+
+/// What a claim's insert did.
+#[derive(Debug)]
+pub(crate) struct Inserted {
+    /// The row was inserted (else the tick is already recorded).
+    pub(crate) inserted: bool,
+    /// The claiming transaction's id (`pg_current_xact_id()`), when inserted.
+    pub(crate) xact: Option<String>,
 }
 
 /// Who writes a job's rows: the job's name in the ledger, the fence name (the lock's:

@@ -13,9 +13,9 @@ use tokio::sync::{MutexGuard, watch};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Overlap {
-    /// The tick is not run: recorded `skipped`, reason `previous run still running`,
-    /// once the run it overlapped has ended (its transaction may hold the job's fence
-    /// row, which the record waits for).
+    /// The tick is not run: recorded `skipped`, reason `previous run still running`
+    /// (at once, or, when the running run's transaction holds the job's fence row,
+    /// once that run has ended).
     Skip,
     /// The tick waits for the previous run, then runs. One tick at most waits: a
     /// further one is not run now and not recorded, so the next run finds it missing
@@ -24,7 +24,9 @@ pub enum Overlap {
     #[default]
     Buffer,
     /// The previous run is cancelled (its future dropped; recorded `cancelled`, reason
-    /// `a newer tick is due`), then the tick runs.
+    /// `a newer tick is due`; a previous tick still waiting for the job's readiness was
+    /// never claimed, and is left unrecorded, to the misfire policy), then the tick
+    /// runs.
     CancelPrevious,
 }
 
@@ -60,10 +62,6 @@ pub(crate) struct Turn {
     /// clock stepped forward and back does not keep real ticks out.
     inflight: std::sync::Mutex<BTreeMap<u64, usize>>,
     cancel: watch::Sender<u64>,
-    /// Ticks [`Overlap::Skip`] refused while a run held the turn, to be recorded
-    /// `skipped` once the turn is free: the run may hold the job's fence row (its
-    /// transaction open), which the record would wait for.
-    skipped: std::sync::Mutex<Vec<u64>>,
 }
 
 impl Default for Turn {
@@ -73,7 +71,6 @@ impl Default for Turn {
             waiting: AtomicBool::new(false),
             inflight: std::sync::Mutex::default(),
             cancel: watch::Sender::new(0),
-            skipped: std::sync::Mutex::default(),
         }
     }
 }
@@ -146,7 +143,16 @@ impl Turn {
         if let Ok(serial) = self.serial.try_lock() {
             return held(serial);
         }
+        // Held for no tick (a skip being recorded after the run it overlapped): no run
+        // to skip for, wait for it as for a run that ends.
+        let only_recording = self
+            .inflight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .all(|(t, n)| *t == tick && *n == 1);
         match overlap {
+            Overlap::Skip if only_recording => held(self.serial.lock().await),
             Overlap::Skip => Err(Refused::Record(SKIP_RUNNING)),
             Overlap::Buffer => {
                 if self.waiting.swap(true, Ordering::AcqRel) {
@@ -182,25 +188,11 @@ impl Turn {
         self.held(serial, Some(inflight))
     }
 
-    /// Takes the turn if it is free now, for no tick (to record the skips waiting).
-    pub(crate) fn try_hold(&self) -> Option<Held<'_>> {
-        let serial = self.serial.try_lock().ok()?;
-        Some(self.held(serial, None))
-    }
-
-    /// Keeps a tick an overlap skipped, to be recorded once the turn is free.
-    pub(crate) fn defer_skip(&self, tick: u64) {
-        self.skipped
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(tick);
-    }
-
-    /// The ticks kept by [`defer_skip`](Self::defer_skip), now to be recorded by the
-    /// holder of the turn (`held` proves it holds it).
-    pub(crate) fn take_skips(&self, held: &Held<'_>) -> Vec<u64> {
-        let _ = held;
-        std::mem::take(&mut *self.skipped.lock().unwrap_or_else(PoisonError::into_inner))
+    /// Waits until the turn is free, and takes it for no tick (to record a skip the
+    /// run that held it may have kept waiting).
+    pub(crate) async fn free(&self) -> Held<'_> {
+        let serial = self.serial.lock().await;
+        self.held(serial, None)
     }
 
     fn held<'a>(&'a self, serial: MutexGuard<'a, ()>, inflight: Option<Inflight<'a>>) -> Held<'a> {
