@@ -39,7 +39,11 @@ struct Db {
 }
 
 async fn db() -> Db {
-    let pg = PgCluster::start().unwrap();
+    db_on(PgCluster::start().unwrap()).await
+}
+
+/// [`db`] on the cluster given (a local one, for a test that crashes the server).
+async fn db_on(pg: PgCluster) -> Db {
     let config: tokio_postgres::Config = pg.url().parse().unwrap();
     let pool = Pool::builder(deadpool_postgres::Manager::new(
         config,
@@ -3206,4 +3210,78 @@ async fn a_failed_claim_never_takes_another_gates_claim_for_its_own() {
     let (_first, _second) = (first.await.unwrap(), second.await.unwrap());
     let n = r1.lock().unwrap().len() + r2.lock().unwrap().len();
     assert_eq!(n, 1, "tick ran {n} times");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_lost_in_a_server_crash_is_not_taken_for_committed() {
+    // The server crashes while the claim commits (its backend killed: the whole server
+    // restarts and recovers). The claim never committed, and its transaction id, never
+    // flushed, is handed out again after recovery, to transactions that do commit. The
+    // gate must not take the id's "committed" for its claim's: it finds no row of its
+    // own, and leaves the tick unrun, to the misfire policy. (A server of its own: it
+    // crashes.)
+    let db = db_on(PgCluster::start_local().unwrap()).await;
+    let job = unique_name("ledger-crash-commit");
+    db.admin
+        .batch_execute(&format!(
+            "CREATE OR REPLACE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;\nCREATE CONSTRAINT TRIGGER \"slow_{job}\" AFTER INSERT ON chosen_ticks DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.job = '{job}') EXECUTE FUNCTION slow_commit()"
+        ))
+        .await
+        .unwrap();
+    let (leadership, control) = Leadership::manual(&job, "node-a");
+    control.lead(5);
+    let runs = Runs::default();
+    let mut svc = LeaderOnlyJobLayer::new(leadership)
+        .ledger(TickLedger::new(one_connection_pool(&db)))
+        .schedule(every_second())
+        .layer(quiet_job(&runs));
+    let run = tokio::spawn(async move { call_at(&mut svc, t0()).await });
+    let mut pid = None;
+    for _ in 0..100 {
+        pid = db
+            .admin
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query = 'COMMIT'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, i32>(0));
+        if pid.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = pid.expect("the claim never committed");
+    chosen_tests::signal(pid as u32, "KILL").unwrap();
+    // After recovery, other transactions take the ids the lost one had.
+    let mut burnt = 0;
+    for _ in 0..200 {
+        if let Ok(admin) = connect_admin(&db.url).await {
+            for _ in 0..20 {
+                if admin
+                    .batch_execute("BEGIN; SELECT pg_current_xact_id(); COMMIT")
+                    .await
+                    .is_ok()
+                {
+                    burnt += 1;
+                }
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(burnt > 0, "the server did not come back");
+    let out = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the tick hung")
+        .unwrap();
+    assert!(!out.ran(), "the tick ran on a claim that was lost: {out:?}");
+    assert!(runs.lock().unwrap().is_empty());
+    let admin = connect_admin(&db.url).await.unwrap();
+    let rows = admin
+        .query("SELECT outcome FROM chosen_ticks WHERE job = $1", &[&job])
+        .await
+        .unwrap();
+    assert!(rows.is_empty(), "a row for a claim that was lost");
 }

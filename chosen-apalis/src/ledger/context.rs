@@ -438,7 +438,7 @@ fn connection_closed(
 /// which tokio-postgres reports as the statement's error when they arrive with it.
 /// (The same codes at `ERROR` severity come from another server, through
 /// `postgres_fdw` or `dblink`, on a session that lives on.)
-fn session_ended(e: &tokio_postgres::Error) -> bool {
+pub(crate) fn session_ended(e: &tokio_postgres::Error) -> bool {
     use tokio_postgres::error::Severity;
     e.is_closed()
         || e.as_db_error().is_some_and(|db| {

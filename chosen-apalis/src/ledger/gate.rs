@@ -713,6 +713,8 @@ impl Shared {
         let Some(schedule) = &self.schedule else {
             return Ok(());
         };
+        // Ticks an overlap skipped are not missed: recorded first, if kept.
+        self.record_kept_skips(held).await;
         // A tick at hand below the watermark: the clock went back (after a step
         // forward made a future tick look at the gap before it): look again from the
         // start, or a tick left over down here would never be decided.
@@ -901,11 +903,21 @@ impl Shared {
         if let Some(outcome) = self.until_ready(&mut job, base, held, guard, tick).await? {
             return Ok(outcome);
         }
+        // The tables a claim before the run was made in: its end is recorded there.
+        let mut claimed_in = None;
         if self.claim == Claim::BeforeRun {
             match self.ledger.claim_before_run(&self.ids, tick, token).await {
-                Ok(true) => {}
-                Ok(false) => return Ok(self.already_recorded(tick)),
+                Ok(Some(tables)) => claimed_in = Some(tables),
+                Ok(None) => return Ok(self.already_recorded(tick)),
                 Err(e) => return Ok(self.ledger_failed(tick, &e)),
+            }
+            // The claim may have taken long (an unanswered commit looked up): the lease
+            // must still hold before the job starts, or a newer leader may run a later
+            // tick meanwhile. Claimed, the tick is decided: recorded `cancelled`.
+            if !guard.is_valid() {
+                return Ok(self
+                    .cancelled(&ctx, claimed_in.as_ref(), Stop::LeadershipLost)
+                    .await);
             }
         }
         // Counted once claimed: here for a claim before the run; after it for a claim
@@ -922,15 +934,18 @@ impl Shared {
         }
         let result = match stopped {
             Ok(result) => result,
-            Err(stop) => return Ok(self.cancelled(&ctx, stop).await),
+            Err(stop) => return Ok(self.cancelled(&ctx, claimed_in.as_ref(), stop).await),
         };
         let failure = result.as_ref().err().map(describe);
         match self.claim {
             Claim::BeforeRun => {
                 let outcome = if failure.is_some() { "failed" } else { "ran" };
+                let tables = claimed_in
+                    .as_ref()
+                    .expect("BUG: a tick claimed before the run has its claim's tables");
                 if let Err(e) = self
                     .ledger
-                    .finish(&self.job, tick, token, outcome, failure.as_deref())
+                    .finish(tables, &self.job, tick, token, outcome, failure.as_deref())
                     .await
                 {
                     warn!(lock = %self.job, tick, error = %chain(&e), "could not record the outcome of a run: its row stays 'running'");
@@ -1055,19 +1070,27 @@ impl Shared {
             }
         };
         let run = CatchUnwind(Box::pin(call(inner, task, &self.worker)));
+        // The lease first: a run whose lease has ended is not polled (started) once.
         tokio::select! {
+            biased;
+            () = guard.lost() => Err(Stop::LeadershipLost),
+            () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => Err(Stop::NewerTick),
+            () = limit => Err(Stop::MaxRuntime(self.max_runtime.unwrap_or_default())),
             result = run => match result {
                 Ok(result) => result.ok_or(Stop::ShuttingDown),
                 Err(message) => Err(Stop::Panicked(message)),
             },
-            () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => Err(Stop::NewerTick),
-            () = limit => Err(Stop::MaxRuntime(self.max_runtime.unwrap_or_default())),
-            () = guard.lost() => Err(Stop::LeadershipLost),
         }
     }
 
-    /// Records a stopped run and answers its outcome.
-    async fn cancelled<R>(&self, ctx: &TickContext, stop: Stop) -> Outcome<R> {
+    /// Records a stopped run (`claimed_in`: the tables a claim before the run was made
+    /// in) and answers its outcome.
+    async fn cancelled<R>(
+        &self,
+        ctx: &TickContext,
+        claimed_in: Option<&super::Tables>,
+        stop: Stop,
+    ) -> Outcome<R> {
         let (tick, token) = (ctx.timestamp(), ctx.fencing_token());
         let reason = stop.reason();
         let panicked = matches!(stop, Stop::Panicked(_));
@@ -1081,11 +1104,14 @@ impl Shared {
             warn!(lock = %self.job, tick, reason = %reason, "run cancelled");
         }
         let recorded = match (self.claim, ctx.slot(), &stop) {
-            (Claim::BeforeRun, ..) => self
-                .ledger
-                .finish(&self.job, tick, token, outcome, Some(&reason))
-                .await
-                .map(drop),
+            (Claim::BeforeRun, ..) => match claimed_in {
+                Some(tables) => self
+                    .ledger
+                    .finish(tables, &self.job, tick, token, outcome, Some(&reason))
+                    .await
+                    .map(drop),
+                None => Ok(()),
+            },
             // Its writes committed before the stop: it ran.
             (Claim::InJobTransaction, Slot::Committed, _) => Ok(()),
             // Its writes rolled back with the dropped transaction (or it never started);
@@ -1114,9 +1140,10 @@ impl Shared {
     }
 
     /// Records (or leaves to the misfire policy) a tick an overlap policy did not run,
-    /// and answers its outcome at once. A skip is recorded now if the job's fence row is
-    /// free within a moment; else (the running run's transaction holds it) by a task
-    /// of its own once that run has ended and freed the turn.
+    /// and answers its outcome, within a couple of seconds at most. A skip is recorded
+    /// now if the job's fence row is free within a moment; else (the running run's
+    /// transaction holds it) once that run has ended: by a task of its own, or by the
+    /// next holder of the turn that looks for missed ticks, whichever comes first.
     async fn overlap_skipped<R>(
         &self,
         guard: &LeaderGuard,
@@ -1133,7 +1160,11 @@ impl Shared {
                     .await
                 {
                     Ok(_) => {}
-                    Err(LedgerError::Timeout { .. }) => self.record_after_the_run(tick, token),
+                    Err(LedgerError::Timeout { .. }) => {
+                        if self.turn.defer_skip(tick, token.get()) {
+                            self.record_skips_after_the_run();
+                        }
+                    }
                     Err(e) => return self.ledger_failed(tick, &e),
                 }
                 reason
@@ -1149,11 +1180,10 @@ impl Shared {
         })
     }
 
-    /// Records a tick an overlap skipped once the run it overlapped has ended (its
-    /// transaction holds the job's fence row until then), in a task of its own: the
-    /// tick's answer does not wait, and nothing that holds the turn later has to
-    /// remember it. A failure leaves it to the misfire policy.
-    fn record_after_the_run(&self, tick: u64, token: chosen_core::FencingToken) {
+    /// Starts the task that records the kept skips once the turn is free (the runs they
+    /// overlapped have ended, and with them the transactions that held the job's fence
+    /// row).
+    fn record_skips_after_the_run(&self) {
         let (turn, ledger, ids, job) = (
             Arc::clone(&self.turn),
             self.ledger.clone(),
@@ -1161,14 +1191,38 @@ impl Shared {
             Arc::clone(&self.job),
         );
         tokio::spawn(async move {
-            let _free = turn.free().await;
-            if let Err(e) = ledger
-                .record(&ids, token, "skipped", &[(tick, SKIP_RUNNING)])
-                .await
-            {
-                warn!(lock = %job, tick, error = %chain(&e), "could not record a tick an overlap skipped: it is left to the misfire policy");
-            }
+            let held = turn.free().await;
+            let skips = turn.take_skips(&held, true);
+            record_skips(&ledger, &ids, &job, &skips).await;
         });
+    }
+
+    /// Records the kept skips now (this holder of the turn is about to look for missed
+    /// ticks: they are not missed).
+    async fn record_kept_skips(&self, held: &Held<'_>) {
+        let skips = self.turn.take_skips(held, false);
+        record_skips(&self.ledger, &self.ids, &self.job, &skips).await;
+    }
+}
+
+/// Records ticks an overlap skipped, each under the token it was refused under (one
+/// statement per token, in practice one). A failure leaves them to the misfire policy.
+async fn record_skips(ledger: &TickLedger, ids: &JobIds, job: &str, skips: &[(u64, u64)]) {
+    let mut tokens: Vec<u64> = skips.iter().map(|(_, t)| *t).collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    for token in tokens {
+        let rows: Vec<(u64, &str)> = skips
+            .iter()
+            .filter(|(_, t)| *t == token)
+            .map(|(tick, _)| (*tick, SKIP_RUNNING))
+            .collect();
+        if let Err(e) = ledger
+            .record(ids, chosen_core::FencingToken::new(token), "skipped", &rows)
+            .await
+        {
+            warn!(lock = %job, ticks = ?rows.iter().map(|(t, _)| t).collect::<Vec<_>>(), error = %chain(&e), "could not record ticks an overlap skipped: they are left to the misfire policy");
+        }
     }
 }
 

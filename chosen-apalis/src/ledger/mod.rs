@@ -149,6 +149,9 @@ pub const MAX_EARLY_HOLD: Duration = Duration::from_secs(3600);
 /// the job's fence row ([`TickLedger::record_now`]).
 const QUICK_LOCK_WAIT: Duration = Duration::from_millis(250);
 
+/// How long such a record may take in all ([`TickLedger::record_now`]).
+const QUICK_RECORD: Duration = Duration::from_secs(2);
+
 /// How long one try of [`TickLedger::install`] waits for a lock at most (the fleet's
 /// ledger statements queue behind an `ALTER TABLE` that waits).
 const INSTALL_LOCK_WAIT: Duration = Duration::from_secs(1);
@@ -584,10 +587,12 @@ impl TickLedger {
                 );
             }
         }
-        *self
-            .resolved
+        // The first resolution wins: two at once, on connections whose search_path
+        // differs, must not each set theirs.
+        self.resolved
             .write()
-            .unwrap_or_else(PoisonError::into_inner) = Some((ledger_table, fence_table));
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert((ledger_table, fence_table));
     }
 
     fn db(&self, action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> LedgerError + '_ {
@@ -599,10 +604,7 @@ impl TickLedger {
                 }
             } else if source.code() == Some(&SqlState::UNDEFINED_TABLE) {
                 // Dropped or moved since it was resolved: resolved again next time.
-                *self
-                    .resolved
-                    .write()
-                    .unwrap_or_else(PoisonError::into_inner) = None;
+                self.unresolve();
                 LedgerError::NotInstalled {
                     table: self.table.name().to_owned(),
                     source,
@@ -807,8 +809,9 @@ impl TickLedger {
     }
 
     /// [`record`](Self::record), waiting for the job's fence row a moment only
-    /// ([`QUICK_LOCK_WAIT`]): `LedgerError::Timeout` when a transaction of the job holds
-    /// it.
+    /// ([`QUICK_LOCK_WAIT`]), and for all of it [`QUICK_RECORD`] at most:
+    /// `LedgerError::Timeout` when a transaction of the job holds the row (or the pool
+    /// or the server is slow).
     pub(crate) async fn record_now(
         &self,
         ids: &JobIds,
@@ -816,8 +819,16 @@ impl TickLedger {
         outcome: &str,
         ticks: &[(u64, &str)],
     ) -> Result<usize, LedgerError> {
-        self.record_waiting(ids, token, outcome, ticks, QUICK_LOCK_WAIT)
-            .await
+        // The whole of it bounded so too: the answer of the tick it records waits.
+        tokio::time::timeout(
+            QUICK_RECORD,
+            self.record_waiting(ids, token, outcome, ticks, QUICK_LOCK_WAIT),
+        )
+        .await
+        .unwrap_or(Err(LedgerError::Timeout {
+            action: "recording ticks",
+            after: QUICK_RECORD,
+        }))
     }
 
     /// Records finished ticks (`outcome` with a reason each) in one fenced
@@ -915,11 +926,11 @@ impl TickLedger {
         ids: &JobIds,
         tick: u64,
         token: FencingToken,
-    ) -> Result<bool, LedgerError> {
-        // The claim's transaction id, once its COMMIT is on its way; and whether the
-        // COMMIT's failure left its fate unknown (no answer, as opposed to the server's
-        // error, which says it did not commit).
-        let committing: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
+    ) -> Result<Option<Tables>, LedgerError> {
+        // The claim's transaction id and tables, once its COMMIT is on its way; and
+        // whether the COMMIT's failure came with the server's answer that it did not
+        // commit (an error, not the session's end).
+        let committing: std::sync::Mutex<Option<(String, Tables)>> = std::sync::Mutex::default();
         let answered = std::sync::atomic::AtomicBool::new(false);
         let claimed = self
             .bounded("claiming the tick", async {
@@ -934,75 +945,130 @@ impl TickLedger {
                 let claim = self
                     .claim_in(&tx, &tables, ids, tick, token, "running")
                     .await?;
-                if !claim.inserted {
-                    return Ok(false);
-                }
-                *committing.lock().unwrap_or_else(PoisonError::into_inner) = claim.xact;
+                let Some(xact) = claim.xact.filter(|_| claim.inserted) else {
+                    return Ok(None);
+                };
+                *committing.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some((xact, tables.clone()));
                 match tx.commit().await {
-                    Ok(()) => Ok(true),
+                    Ok(()) => Ok(Some(tables)),
                     Err(e) => {
-                        answered.store(e.code().is_some(), std::sync::atomic::Ordering::Relaxed);
+                        answered.store(
+                            e.as_db_error().is_some() && !context::session_ended(&e),
+                            std::sync::atomic::Ordering::Relaxed,
+                        );
                         Err(self.db("committing the claim")(e))
                     }
                 }
             })
             .await;
-        let xact = committing
+        let committing = committing
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner);
-        match (claimed, xact) {
-            (Err(lost), Some(xact)) if !answered.load(std::sync::atomic::Ordering::Relaxed) => {
-                self.claim_committed(ids, tick, &xact, lost).await
+        match (claimed, committing) {
+            (Err(lost), Some((xact, tables)))
+                if !answered.load(std::sync::atomic::Ordering::Relaxed) =>
+            {
+                let ours = self
+                    .claim_committed(ids, (tick, token), &xact, &tables, lost)
+                    .await?;
+                Ok(ours.then_some(tables))
             }
             (claimed, _) => claimed,
         }
     }
 
-    /// Whether the claim transaction `xact`, whose COMMIT went unanswered (`lost`), did
-    /// commit: looked up until the ledger's timeout.
+    /// Whether the claim of `tick` by the transaction `xact`, whose COMMIT went
+    /// unanswered (`lost`), committed: `Ok(true)` when the row is there, written by that
+    /// transaction (its `xmin`) with this node and token; `Ok(false)` when another's row
+    /// is there (ours did not commit); `Err(lost)` when it did not commit. The row
+    /// decides, not the transaction id alone: after a crash, or on a promoted standby,
+    /// an id whose commit was never flushed is handed out again, and its status then
+    /// says "committed" for another transaction. While the row is not there the id's
+    /// status tells whether to wait (still in progress) or stop. Looked at until the
+    /// ledger's timeout.
     async fn claim_committed(
         &self,
         ids: &JobIds,
-        tick: u64,
+        (tick, token): (u64, FencingToken),
         xact: &str,
+        tables: &Tables,
         lost: LedgerError,
     ) -> Result<bool, LedgerError> {
+        let xmin = xact.parse::<u64>().ok().map(|x| x & 0xffff_ffff);
+        let token = token_value(token)?;
         let deadline = tokio::time::Instant::now() + self.timeout;
         let mut backoff = Duration::from_millis(50);
+        let mut saw_committed = false;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let status = tokio::time::timeout(left, async {
+            let looked = tokio::time::timeout(left, async {
                 let client = self.client().await?;
-                let rows = client
+                let row = client
+                    .query_typed(
+                        &format!(
+                            "SELECT xmin::text, token, node FROM {} WHERE job = $1 AND tick = $2",
+                            tables.ledger.quoted
+                        ),
+                        &[(&&*ids.job, Type::TEXT), (&at(tick), Type::TIMESTAMPTZ)],
+                    )
+                    .await
+                    .map_err(self.db("reading the claim back"))?;
+                if let Some(row) = row.first() {
+                    let ours = row
+                        .try_get::<_, Option<String>>(0)
+                        .ok()
+                        .flatten()
+                        .and_then(|x| x.parse::<u64>().ok())
+                        == xmin
+                        && row.try_get::<_, Option<i64>>(1).ok().flatten() == Some(token)
+                        && row
+                            .try_get::<_, Option<String>>(2)
+                            .ok()
+                            .flatten()
+                            .as_deref()
+                            == Some(&*ids.node);
+                    return Ok(Looked::Row(ours));
+                }
+                match client
                     .query_typed(
                         "SELECT pg_xact_status($1::text::xid8)",
                         &[(&xact, Type::TEXT)],
                     )
                     .await
-                    .map_err(self.db("looking up the claim's transaction"))?;
-                Ok::<_, LedgerError>(
-                    rows.first()
-                        .and_then(|r| r.try_get::<_, Option<String>>(0).ok().flatten()),
-                )
+                {
+                    Ok(rows) => {
+                        Ok(Looked::Status(rows.first().and_then(|r| {
+                            r.try_get::<_, Option<String>>(0).ok().flatten()
+                        })))
+                    }
+                    // "In the future": the id was never flushed (a crash since).
+                    Err(e) if e.as_db_error().is_some() => Ok(Looked::Status(None)),
+                    Err(e) => Err(self.db("looking up the claim's transaction")(e)),
+                }
             })
             .await;
-            match status {
-                Ok(Ok(Some(status))) if status == "committed" => {
-                    tracing::info!(job = %ids.job, tick, error = %chain(&lost), "the claim's commit went unanswered, and it committed");
-                    return Ok(true);
+            match looked {
+                Ok(Ok(Looked::Row(ours))) => {
+                    tracing::info!(job = %ids.job, tick, ours, error = %chain(&lost), "the claim's commit went unanswered; its row was read back");
+                    return Ok(ours);
                 }
-                Ok(Ok(Some(status))) if status == "aborted" => return Err(lost),
-                Ok(Ok(None)) => return Err(lost),
-                // In progress, or not answered: look again.
-                _ if tokio::time::Instant::now() + backoff < deadline => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                Ok(Ok(Looked::Status(Some(status)))) if status == "in progress" => {}
+                // Committed, yet no row a moment ago: read it again once, then the id
+                // is another transaction's.
+                Ok(Ok(Looked::Status(Some(status)))) if status == "committed" && !saw_committed => {
+                    saw_committed = true;
+                    continue;
                 }
-                _ => {
-                    tracing::warn!(job = %ids.job, tick, error = %chain(&lost), "could not tell whether the claim committed: if it did, its row stays 'running' and the tick does not run");
-                    return Err(lost);
-                }
+                Ok(Ok(Looked::Status(_))) => return Err(lost),
+                Ok(Err(_)) | Err(_) => {}
             }
+            if tokio::time::Instant::now() + backoff >= deadline {
+                tracing::warn!(job = %ids.job, tick, error = %chain(&lost), "could not tell whether the claim committed: if it did, its row stays 'running' and the tick does not run");
+                return Err(lost);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
 
@@ -1078,6 +1144,7 @@ impl TickLedger {
     /// such row (not our claim).
     pub(crate) async fn finish(
         &self,
+        tables: &Tables,
         job: &str,
         tick: u64,
         token: FencingToken,
@@ -1087,13 +1154,14 @@ impl TickLedger {
         let reason = reason.map(storable);
         self.bounded(
             "recording the outcome",
-            self.finish_unbounded(job, tick, token, outcome, reason.as_deref()),
+            self.finish_unbounded(tables, job, tick, token, outcome, reason.as_deref()),
         )
         .await
     }
 
     async fn finish_unbounded(
         &self,
+        tables: &Tables,
         job: &str,
         tick: u64,
         token: FencingToken,
@@ -1104,7 +1172,7 @@ impl TickLedger {
         let tx = self.bounded_transaction(&mut client).await?;
         let n = tx
             .execute_typed(
-                &Self::finish_sql(&self.tables()),
+                &Self::finish_sql(tables),
                 &[
                     (&job, Type::TEXT),
                     (&at(tick), Type::TIMESTAMPTZ),
@@ -1127,6 +1195,14 @@ impl TickLedger {
 pub(crate) struct Tables {
     pub(crate) ledger: LedgerTable,
     pub(crate) fence: FenceTable,
+}
+
+/// What a look at an unanswered claim found.
+enum Looked {
+    /// The tick's row, and whether it is the claim's.
+    Row(bool),
+    /// No row; the claim's transaction's status (`None`: unknown to the server).
+    Status(Option<String>),
 }
 
 /// What a claim's insert did.

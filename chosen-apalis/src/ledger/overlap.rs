@@ -62,6 +62,13 @@ pub(crate) struct Turn {
     /// clock stepped forward and back does not keep real ticks out.
     inflight: std::sync::Mutex<BTreeMap<u64, usize>>,
     cancel: watch::Sender<u64>,
+    /// Ticks [`Overlap::Skip`] refused that could not be recorded at once (the running
+    /// run's transaction holds the job's fence row), each with the token it was refused
+    /// under: recorded by one task once the turn is free, or by the next holder that
+    /// looks for missed ticks, whichever comes first.
+    skipped: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// A task to record [`skipped`](Self::skipped) is on its way.
+    recorder: AtomicBool,
 }
 
 impl Default for Turn {
@@ -71,6 +78,8 @@ impl Default for Turn {
             waiting: AtomicBool::new(false),
             inflight: std::sync::Mutex::default(),
             cancel: watch::Sender::new(0),
+            skipped: std::sync::Mutex::default(),
+            recorder: AtomicBool::new(false),
         }
     }
 }
@@ -188,8 +197,30 @@ impl Turn {
         self.held(serial, Some(inflight))
     }
 
-    /// Waits until the turn is free, and takes it for no tick (to record a skip the
-    /// run that held it may have kept waiting).
+    /// Keeps a skipped tick (and the token it was refused under) to record once the
+    /// turn is free; `true` when the caller is to start the task that records them
+    /// (none is on its way).
+    pub(crate) fn defer_skip(&self, tick: u64, token: u64) -> bool {
+        self.skipped
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((tick, token));
+        !self.recorder.swap(true, Ordering::AcqRel)
+    }
+
+    /// The kept skips, to record now: `held` proves the turn is ours, so the runs they
+    /// overlapped have ended. A recorder task that takes them is done: a skip kept
+    /// after this starts another.
+    pub(crate) fn take_skips(&self, held: &Held<'_>, recorder: bool) -> Vec<(u64, u64)> {
+        let _ = held;
+        if recorder {
+            self.recorder.store(false, Ordering::Release);
+        }
+        std::mem::take(&mut *self.skipped.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Waits until the turn is free, and takes it for no tick (to record the skips the
+    /// run that held it kept waiting).
     pub(crate) async fn free(&self) -> Held<'_> {
         let serial = self.serial.lock().await;
         self.held(serial, None)
