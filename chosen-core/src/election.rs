@@ -20,8 +20,10 @@ const LEADER_REFRESH: Duration = Duration::from_secs(2);
 /// outcome as a [`Leadership`]: for code that needs "am I the leader" without a
 /// supervised child (the tower and apalis adapters, a health endpoint).
 ///
-/// On lease loss it contends again after two poll intervals (a node that just lost its
-/// session is the suspect one, so healthy nodes get a head start). Dropping the election,
+/// On lease loss it drops the lost lease at once (so the manager's next session holds
+/// nothing of it, and the node that takes over does not wait), then contends again
+/// after two poll intervals (a node that just lost its session is the suspect one, so
+/// healthy nodes get a head start). Dropping the election,
 /// [`shutdown`](Self::shutdown), or the manager's
 /// [`shutdown`](crate::LockManager::shutdown) releases the lock.
 ///
@@ -128,30 +130,35 @@ impl Election {
                     hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
                     *step_down.lock().unwrap_or_else(PoisonError::into_inner) = Some(term.clone());
                     gained(&leadership, &lease);
-                    tokio::select! {
+                    let ended = tokio::select! {
                         biased;
-                        () = stop.cancelled() => {
-                            step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
-                            leadership.set_following(None);
+                        () = stop.cancelled() => TermEnd::Stop,
+                        reason = lease.lost() => TermEnd::Lost(reason),
+                        () = stepped_down(&term, fail_back_unless_preferred(&manager, &prefer, fail_back_after, &hand_to, presence.is_some())) => TermEnd::SteppedDown,
+                    };
+                    step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
+                    leadership.set_following(None);
+                    match ended {
+                        TermEnd::Stop => {
                             // `hand_over_to` then `shutdown` (a rolling deploy): still
                             // handed over.
                             let to = hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
                             let _ = lease.release_to(to).await;
                             break;
                         }
-                        reason = lease.lost() => {
-                            step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
-                            // Lost for good, even if the deadline is extended later.
+                        TermEnd::Lost(reason) => {
+                            // Lost for good, even if the deadline is extended later, and
+                            // dropped now, before the pause: a lease kept meanwhile would
+                            // keep the key's stop fence held on the manager's next session,
+                            // and the node that takes over would wait for it.
                             lease.end();
-                            leadership.set_following(None);
+                            drop(lease);
                             warn!(lock = %leadership.name(), %reason, "lost leadership");
                             if !rejoin_pause(&manager, &stop).await {
                                 break;
                             }
                         }
-                        () = stepped_down(&term, fail_back(&manager, &prefer, fail_back_after, &hand_to)) => {
-                            step_down.lock().unwrap_or_else(PoisonError::into_inner).take();
-                            leadership.set_following(None);
+                        TermEnd::SteppedDown => {
                             let to = hand_to.lock().unwrap_or_else(PoisonError::into_inner).take();
                             match &to {
                                 Some(node) => info!(lock = %leadership.name(), to = %node, "handing over"),
@@ -297,9 +304,11 @@ impl ElectionOptions {
     /// been there for the leader's [`fail_back_after`](Self::fail_back_after): after a
     /// failover to another node, the leadership comes back once the preferred node is
     /// up and stable, with one hand-over. With several preferred nodes, the first to
-    /// hold the presence lock is the one. Ignored on an ineligible node. A preferred
-    /// leader that steps down gets the leadership back the same way: to move it away for
-    /// good, stop its election.
+    /// hold the presence lock is the one, and a preferred node that leads keeps the
+    /// leadership (it never hands over to another preferred node: two of them would
+    /// hand it back and forth). Ignored on an ineligible node. A preferred leader that
+    /// steps down gets the leadership back the same way: to move it away for good, stop
+    /// its election.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -330,6 +339,33 @@ impl ElectionOptions {
         self.fail_back_after = after;
         self
     }
+}
+
+/// How a term of an election ended.
+enum TermEnd {
+    /// The election stops.
+    Stop,
+    /// The lease was lost.
+    Lost(crate::status::SessionDownReason),
+    /// A step-down, a hand-over or a fail-back.
+    SteppedDown,
+}
+
+/// [`fail_back`], unless this node is itself a preferred one (`preferred`: it holds
+/// the presence lock while it waits): a preferred leader keeps the leadership, or two
+/// preferred nodes would hand it back and forth for ever (each waits, so holds the
+/// presence lock, while the other leads). Never ends then.
+pub(crate) async fn fail_back_unless_preferred(
+    manager: &LockManager,
+    lock: &str,
+    after: Duration,
+    hand_to: &Mutex<Option<String>>,
+    preferred: bool,
+) {
+    if preferred {
+        std::future::pending::<()>().await;
+    }
+    fail_back(manager, lock, after, hand_to).await;
 }
 
 /// Ends when `term` is cancelled (a step-down or a hand-over) or `fail_back` ends (it

@@ -376,3 +376,52 @@ async fn a_node_leaving_by_manager_shutdown_alone_hands_its_members_over_at_once
         n.manager.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_child_finished_is_not_moved_to_rebalance() {
+    // One-shot members (`RestartPolicy::Never`): a member whose child has run and
+    // returned stays on its node (which keeps its lock), so that a node joining to take
+    // a fair share does not run it again.
+    use chosen_core::{RestartPolicy, SingletonOptions};
+
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let group = unique_name("one-shots");
+    let members: Vec<String> = (0..6).map(|i| format!("m{i}")).collect();
+    let runs: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let start = |manager: &LockManager, me: &'static str| {
+        let runs = Arc::clone(&runs);
+        SingletonGroup::start(
+            manager,
+            group.as_str(),
+            members.clone(),
+            GroupOptions::default()
+                .interval(Duration::from_millis(250))
+                .orphan_grace(Duration::from_secs(3))
+                .singleton(SingletonOptions::default().restart(RestartPolicy::Never)),
+            move |member, _ctx| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    runs.lock().unwrap().push((member, me.to_owned()));
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )
+        .unwrap()
+    };
+    let a = LockManager::connect(options(&url, "os-a")).await.unwrap();
+    let _ga = start(&a, "os-a");
+    wait_for("every member ran once", Duration::from_secs(20), || {
+        runs.lock().unwrap().len() == members.len()
+    })
+    .await;
+    let b = LockManager::connect(options(&url, "os-b")).await.unwrap();
+    let _gb = start(&b, "os-b");
+    // Several rounds of the group's look (every 250 ms), after the join settled.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let ran = runs.lock().unwrap().clone();
+    assert_eq!(ran.len(), members.len(), "members ran again: {ran:?}");
+    for m in [a, b] {
+        m.shutdown().await;
+    }
+}

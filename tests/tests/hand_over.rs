@@ -719,3 +719,97 @@ async fn a_stopped_preferred_election_is_not_failed_back_to() {
         "the leader stepped down {gaps} times for a preferred node that had stopped"
     );
 }
+
+// ---- fail-back between preferred nodes, and of a finished child -------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_preferred_nodes_do_not_hand_the_leadership_back_and_forth() {
+    // P1 leads; P2, preferred too, comes up and waits (holding the presence lock). A
+    // preferred leader keeps the leadership: no hand-over at all, with no fault.
+    use chosen_core::ElectionOptions;
+
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("two-preferred");
+    let preferred = ElectionOptions::default()
+        .preferred(true)
+        .fail_back_after(Duration::from_secs(1));
+    let p1 = LockManager::connect(options(&url, "tp-1")).await.unwrap();
+    let e1 = Election::start_with(&p1, name.as_str(), preferred.clone()).unwrap();
+    let t0 = Instant::now();
+    while !e1.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p2 = LockManager::connect(options(&url, "tp-2")).await.unwrap();
+    let e2 = Election::start_with(&p2, name.as_str(), preferred).unwrap();
+    let leaderships = Arc::new(Mutex::new(vec![
+        ("tp-1".to_owned(), e1.leadership()),
+        ("tp-2".to_owned(), e2.leadership()),
+    ]));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = watch_leaders(Arc::clone(&leaderships), Arc::clone(&done));
+    // Four fail-back windows and their 2 s look-ups.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        watcher.await.unwrap(),
+        ["tp-1"],
+        "leader changes with no fault"
+    );
+    for m in [p1, p2] {
+        m.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_one_shot_child_is_not_run_again_by_a_fail_back() {
+    // A `Never` child that returned keeps its lock on its node, so that no other node
+    // runs it again while that node lives: a preferred node coming up is not handed it.
+    use chosen_core::RestartPolicy;
+
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("one-shot");
+    let runs: Arc<Mutex<Vec<&'static str>>> = Arc::default();
+    let start = |m: &LockManager, node: &'static str, options: SingletonOptions| {
+        let runs = Arc::clone(&runs);
+        Singleton::start(
+            m,
+            name.as_str(),
+            options.restart(RestartPolicy::Never),
+            move |_ctx| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    runs.lock().unwrap().push(node);
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )
+        .unwrap()
+    };
+    let a = LockManager::connect(options(&url, "os-a")).await.unwrap();
+    let sa = start(
+        &a,
+        "os-a",
+        SingletonOptions::default().fail_back_after(Duration::from_secs(1)),
+    );
+    let t0 = Instant::now();
+    while sa.status().child != chosen_core::ChildState::Finished {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = LockManager::connect(options(&url, "os-p")).await.unwrap();
+    let _sp = start(&p, "os-p", SingletonOptions::default().preferred(true));
+    // Several fail-back windows and look-ups.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        *runs.lock().unwrap(),
+        ["os-a"],
+        "the finished child ran again"
+    );
+    assert!(sa.leadership().is_leader(), "the lock left its node");
+    for m in [a, p] {
+        m.shutdown().await;
+    }
+}

@@ -175,3 +175,57 @@ async fn a_follower_never_names_itself_while_its_lost_session_holds_the_lock() {
     election.shutdown().await;
     outcome.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_election_that_loses_its_session_lets_the_next_leader_in_without_its_pause() {
+    // The leader's session is terminated at the server. Its election pauses before it
+    // contends again (two poll intervals), but it must drop the lost lease first: kept
+    // through the pause, the lease keeps its key's stop fence held on the manager's
+    // next session, and the node that takes the lock waits for that pause.
+    use chosen_core::Election;
+
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let options = |node: &str| {
+        chosen_tests::manager_options(&pg.url(), node)
+            .poll_interval(Duration::from_secs(2))
+            .term_grant_delay(Duration::ZERO)
+    };
+    let name = unique_name("rejoin");
+    let a = LockManager::connect(options("rj-a")).await.unwrap();
+    let ea = Election::start(&a, name.as_str()).unwrap();
+    let t0 = Instant::now();
+    while !ea.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let b = LockManager::connect(options("rj-b")).await.unwrap();
+    let eb = Election::start(&b, name.as_str()).unwrap();
+    // b waits, registered for the lock's announcements.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ConnectionState::Connected { backend_pid, .. } = a.connection_status() else {
+        panic!("not connected");
+    };
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&backend_pid])
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    while !eb.leadership().is_leader() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "nobody took over in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = t0.elapsed();
+    eprintln!("the next leader took over {took:?} after the termination");
+    // The rejoin pause is 4 s; b polls every 2 s.
+    assert!(
+        took < Duration::from_millis(3500),
+        "the next leader waited {took:?}, about the old leader's rejoin pause"
+    );
+    for m in [a, b] {
+        m.shutdown().await;
+    }
+}

@@ -810,3 +810,62 @@ async fn a_task_dropped_with_its_runtime_ends_leadership() {
         drop(keep);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_child_cannot_start_gives_the_lock_to_another_node() {
+    // Node A's child fails as soon as it starts (its configuration is wrong, say); its
+    // backoff spreads the restarts wider than the intensity counts. A must still give
+    // the lock up after max_restarts + 1 failures in a row, so that node B, whose child
+    // starts, runs it; A cools down before it contends again.
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("cannot-start");
+    let started_on_b = Arc::new(AtomicU64::new(0));
+    let a = LockManager::connect(options(&url, "cs-a")).await.unwrap();
+    let sa = Singleton::start(
+        &a,
+        name.as_str(),
+        SingletonOptions::default()
+            .intensity(3, Duration::from_millis(500))
+            .backoff(Duration::from_secs(1), Duration::from_secs(30))
+            .give_up_cooldown(Duration::from_secs(60)),
+        |_ctx| async { Err::<(), std::io::Error>(std::io::Error::other("no such table")) },
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    while !sa.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let b = LockManager::connect(options(&url, "cs-b")).await.unwrap();
+    let _sb = Singleton::start(&b, name.as_str(), SingletonOptions::default(), {
+        let started_on_b = Arc::clone(&started_on_b);
+        move |ctx| {
+            started_on_b.fetch_add(1, Ordering::SeqCst);
+            async move {
+                ctx.cancelled().await;
+                Ok::<(), std::io::Error>(())
+            }
+        }
+    })
+    .unwrap();
+    // Restarts after 1, 2 and 4 s: the 4th failure, about 7 s in, gives up.
+    let t0 = Instant::now();
+    while started_on_b.load(Ordering::SeqCst) == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "node A sat on the lock with a child that cannot start: {:?}",
+            sa.status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = sa.status();
+    assert_eq!(status.give_ups, 1, "{status:?}");
+    assert!(
+        matches!(status.state, SingletonState::CoolingDown { .. }),
+        "{status:?}"
+    );
+    for m in [a, b] {
+        m.shutdown().await;
+    }
+}

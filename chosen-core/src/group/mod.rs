@@ -153,6 +153,10 @@ pub struct GroupStatus {
 ///   targets.
 /// * While the membership flaps, held members do not move (see
 ///   [`GroupOptions::flapping`]).
+/// * A member whose child has finished for good (`RestartPolicy::Never`, or
+///   `OnFailure` after a success) stays on the node where it finished, whatever the
+///   plan: moved, it would run again on the other node. Such members count in their
+///   node's load, so the balance may be off by them.
 /// * A member nobody holds for [`orphan_grace`](GroupOptions::orphan_grace) is
 ///   contended for by every node: placement is a preference; the locks keep it one
 ///   child per member in every case.
@@ -502,9 +506,15 @@ impl Runner {
         let live_pids: Vec<i32> = live.keys().copied().collect();
         let plan = placement::plan(me, &live_pids, &holders, frozen);
         let mut wanted: BTreeSet<usize> = BTreeSet::new();
-        // Members this node holds stay wanted unless the plan hands them over.
+        // Members this node holds stay wanted unless the plan hands them over; a member
+        // whose child has finished for good stays whatever the plan (handed over, it
+        // would run again on the other node while this one lives).
         for (i, h) in holders.iter().enumerate() {
-            if *h == Some(me) && (!stable || !plan.release.contains(&i)) {
+            let finished = self
+                .running
+                .get(&i)
+                .is_some_and(|s| s.status().child == crate::ChildState::Finished);
+            if *h == Some(me) && (!stable || !plan.release.contains(&i) || finished) {
                 wanted.insert(i);
             }
         }

@@ -104,6 +104,16 @@ impl SingletonInner {
         f(&mut self.status.lock().unwrap_or_else(PoisonError::into_inner));
     }
 
+    /// The child ended and is not to be restarted ([`ChildState::Finished`]): this node
+    /// keeps the lock so that it does not run again elsewhere while this node lives.
+    pub(crate) fn child_finished(&self) -> bool {
+        self.status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .child
+            == ChildState::Finished
+    }
+
     fn report_running(&self, running: bool) {
         if let Some(m) = self.leadership.metrics() {
             m.singleton_running(self.leadership.node_id(), self.leadership.name(), running);
@@ -369,15 +379,28 @@ async fn run<F, Fut>(
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
         // A preferred node back for long enough: hand over to it (the tenure stops as
         // for a hand-over asked for).
+        // Not by a preferred node (another preferred one would hand it back), and not
+        // once the child has finished for good: the preferred node would run it again
+        // while this node lives.
         let fail_back = async {
-            crate::election::fail_back(
+            crate::election::fail_back_unless_preferred(
                 &manager,
                 &presence_lock,
                 options.election.fail_back_after,
                 &inner.hand_to,
+                presence.is_some(),
             )
             .await;
-            tenure_stop.cancel();
+            if inner.child_finished() {
+                inner
+                    .hand_to
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                info!(singleton = %name, "a preferred node is back, but the child has finished: keeping the lock, so that it does not run again");
+            } else {
+                tenure_stop.cancel();
+            }
             std::future::pending::<()>().await;
         };
         let outcome = tokio::select! {

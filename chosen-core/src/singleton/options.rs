@@ -22,7 +22,11 @@ pub enum RestartPolicy {
 ///
 /// When the child ends and is not to be restarted (policy [`RestartPolicy::Never`], or
 /// [`RestartPolicy::OnFailure`] after a success), this node **keeps the lock** with no
-/// child running, so that no other node starts the child again while this node lives.
+/// child running, so that no other node starts the child again while this node lives:
+/// a preferred node coming up is not handed it (no fail-back), nor is a group's joining
+/// node ([`SingletonGroup`](crate::SingletonGroup) keeps such a member where it
+/// finished). An explicit [`Singleton::step_down`] or [`Singleton::hand_over_to`] still
+/// gives the lock away, and the next node starts the child again.
 #[derive(Clone, Debug)]
 pub struct SingletonOptions {
     pub(super) restart: RestartPolicy,
@@ -102,7 +106,10 @@ impl SingletonOptions {
     /// Restart intensity, as in OTP: more than `max_restarts` restarts within `period`
     /// (default 3 in 5 s) makes this node give up: it releases the lock so another
     /// node may do better, waits [`give_up_cooldown`](Self::give_up_cooldown), then
-    /// contends again.
+    /// contends again. So does a child that fails more than `max_restarts` times in a
+    /// row, each time within `period` of its start, however long the backoff between
+    /// (a child that cannot start: a backoff longer than the period would never reach
+    /// the intensity, and the node would sit on the lock running nothing).
     #[must_use]
     pub fn intensity(mut self, max_restarts: u32, period: Duration) -> Self {
         self.max_restarts = max_restarts;

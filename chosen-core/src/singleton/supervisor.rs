@@ -158,6 +158,10 @@ where
     let mut recent: VecDeque<tokio::time::Instant> = VecDeque::new();
     let mut backoff = options.backoff_min;
     let mut restarts = 0u64;
+    // Failures in a row of a child that ran less than the intensity period: a child
+    // that cannot start. Counted apart from the intensity, which a backoff longer than
+    // the period would never reach: the node would sit on the lock running nothing.
+    let mut failed_young = 0u32;
     loop {
         let cancel = CancellationToken::new();
         let ctx = make_context(restarts, cancel.clone());
@@ -223,7 +227,16 @@ where
             }
         }
         let now = tokio::time::Instant::now();
-        if now.duration_since(started) > options.restart_period {
+        let young = now.duration_since(started) <= options.restart_period;
+        failed_young = if failure.is_some() && young {
+            failed_young.saturating_add(1)
+        } else {
+            0
+        };
+        if failed_young > options.max_restarts {
+            return Outcome::GiveUp;
+        }
+        if !young {
             backoff = options.backoff_min;
         }
         recent.push_back(now);

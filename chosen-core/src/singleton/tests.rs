@@ -95,6 +95,82 @@ async fn restarts_back_off_and_give_up_past_the_intensity() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_child_that_cannot_start_gives_up_however_long_the_backoff() {
+    // Each failure comes right after the start, but the backoff (2 s, then 4 s, ...)
+    // spreads the restarts wider than the intensity (3 in 3 s) ever counts: the node
+    // must still give the lock up, after the 4th failure in a row.
+    let f = fixture();
+    let options = SingletonOptions::default()
+        .intensity(3, Duration::from_secs(3))
+        .backoff(Duration::from_secs(2), Duration::from_secs(60));
+    let starts = Arc::new(AtomicU64::new(0));
+    let factory = {
+        let starts = Arc::clone(&starts);
+        move |_ctx: LeaderContext| {
+            starts.fetch_add(1, Ordering::SeqCst);
+            async { Err::<(), ChildError>("cannot connect".into()) }
+        }
+    };
+    let t0 = tokio::time::Instant::now();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(3600),
+        supervise(
+            &options,
+            &f.inner,
+            &f.stop,
+            std::future::pending(),
+            f.context(),
+            &mut None,
+            &Arc::new(factory),
+        ),
+    )
+    .await
+    .expect("it held the lock running nothing for an hour");
+    assert!(matches!(outcome, Outcome::GiveUp));
+    assert_eq!(starts.load(Ordering::SeqCst), 4);
+    // Started, restarted after 2, 4 and 8 s.
+    assert_eq!(t0.elapsed(), Duration::from_secs(14));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_child_that_ran_a_while_before_failing_is_restarted_as_before() {
+    // Failures after a run longer than the period are not a child that cannot start:
+    // the intensity alone decides, and here it never gives up.
+    let f = fixture();
+    let options = SingletonOptions::default()
+        .intensity(1, Duration::from_secs(3))
+        .backoff(Duration::from_secs(2), Duration::from_secs(60));
+    let starts = Arc::new(AtomicU64::new(0));
+    let factory = {
+        let starts = Arc::clone(&starts);
+        move |_ctx: LeaderContext| {
+            starts.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                Err::<(), ChildError>("lost the connection".into())
+            }
+        }
+    };
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        stop.cancel();
+    });
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+    )
+    .await;
+    assert!(matches!(outcome, Outcome::Stop));
+    assert!(starts.load(Ordering::SeqCst) >= 10);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_healthy_run_resets_the_backoff_and_spreads_restarts() {
     let f = fixture();
     let options = SingletonOptions::default()
