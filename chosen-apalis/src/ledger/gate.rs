@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use apalis_core::task::Task;
 use apalis_core::task::task_id::TaskId;
@@ -532,8 +532,8 @@ impl Shared {
             Hold::TooEarly { outcome, now } => Some((outcome, now)),
         };
         let (tenure, state) = observe(&self.leadership);
-        let token = match state {
-            LeaderState::Leading { token, .. } if !tenure.ended() => token,
+        let (token, since) = match state {
+            LeaderState::Leading { token, since } if !tenure.ended() => (token, since),
             _ => return Ok(too_early.map_or_else(|| self.not_leader(), |(o, _)| o)),
         };
         let guard = LeaderGuard::new(token, self.leadership.clone(), tenure);
@@ -552,7 +552,17 @@ impl Shared {
             }
             return Ok(outcome);
         }
-        self.run(inner, task, guard).await
+        self.run(inner, task, guard, since).await
+    }
+
+    /// When (Unix seconds, the database's clock) this tenure began: its start on this
+    /// node's wall clock (`since`), moved by how far that clock is from the database's.
+    async fn tenure_start(&self, since: SystemTime) -> Option<u64> {
+        let reading = self.ledger.clock().await.ok()?;
+        let db = reading.estimate(tokio::time::Instant::now());
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).ok()?;
+        let since = since.duration_since(UNIX_EPOCH).ok()?;
+        Some((since + db).checked_sub(wall)?.as_secs())
     }
 
     /// Waits until the database's clock reaches `tick` (less the ledger's tolerance):
@@ -639,11 +649,14 @@ impl Shared {
         }
     }
 
+    /// Runs the tick at hand (`task`), under the tenure that began at `since` (this
+    /// node's wall clock), after deciding about the ticks missed before it.
     async fn run<S>(
         &self,
         mut inner: S,
         task: Task<Tick>,
         guard: LeaderGuard,
+        since: SystemTime,
     ) -> Result<Outcome<S::Response>, S::Error>
     where
         S: Service<Task<Tick>> + Clone,
@@ -656,6 +669,35 @@ impl Shared {
         };
         if !guard.is_valid() {
             return Ok(self.not_leader());
+        }
+        // A tick this node's scheduler delivers on time by this node's clock, but which
+        // the database's clock says fell due more than the margin before this tenure
+        // began (this node's clock is behind): it fell due while nobody here led, so it
+        // is a missed tick, which the misfire policy decides about (as on gaining
+        // leadership), not the tick at hand.
+        let on_time_here = SystemTime::now()
+            .duration_since(at(current))
+            .is_ok_and(|late| late <= GAIN_MARGIN);
+        if on_time_here
+            && let Some(start) = self.tenure_start(since).await
+            && current + GAIN_MARGIN.as_secs() < start
+        {
+            let decided = self
+                .fill_gap(&mut inner, &mut held, &task, &guard, current + 1, current)
+                .await;
+            return Ok(match decided {
+                Err(outcome) => outcome,
+                Ok(()) => {
+                    self.stats
+                        .skipped_stale_tick
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.report("skipped_stale_tick");
+                    Outcome::Skipped(SkipReason::StaleTick {
+                        scheduled: at(current),
+                        leading_since: since,
+                    })
+                }
+            });
         }
         if let Err(skipped) = self
             .fill_gap(&mut inner, &mut held, &task, &guard, current, current)
