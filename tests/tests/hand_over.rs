@@ -813,3 +813,111 @@ async fn a_finished_one_shot_child_is_not_run_again_by_a_fail_back() {
         m.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_node_whose_child_gave_up_is_not_failed_back_to_again_and_again() {
+    // The preferred node's child cannot start there: it gives up and cools down, the
+    // other node runs the child fine. The preferred node, back from its cooldown, must
+    // not be handed the lock again (stopping the healthy child) to give up once more,
+    // for ever.
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("preferred-gave-up");
+    let n_starts = Arc::new(AtomicU64::new(0));
+    let n = LockManager::connect(options(&url, "pg-n")).await.unwrap();
+    let sn = {
+        let n_starts = Arc::clone(&n_starts);
+        Singleton::start(
+            &n,
+            name.as_str(),
+            SingletonOptions::default().fail_back_after(Duration::from_secs(1)),
+            move |ctx| {
+                n_starts.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    ctx.cancelled().await;
+                    Ok::<(), std::io::Error>(())
+                }
+            },
+        )
+        .unwrap()
+    };
+    let t0 = Instant::now();
+    while !sn.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = LockManager::connect(options(&url, "pg-p")).await.unwrap();
+    let sp = Singleton::start(
+        &p,
+        name.as_str(),
+        SingletonOptions::default()
+            .preferred(true)
+            .backoff(Duration::from_millis(50), Duration::from_millis(200))
+            .give_up_cooldown(Duration::from_secs(2)),
+        |_ctx| async { Err::<(), std::io::Error>(std::io::Error::other("cannot start here")) },
+    )
+    .unwrap();
+    // The first fail-back (about 1 s after the preferred node comes, plus a look-up),
+    // its give-up, and several cooldowns and fail-back windows after it.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let (starts, give_ups) = (n_starts.load(Ordering::SeqCst), sp.status().give_ups);
+    for m in [n, p] {
+        m.shutdown().await;
+    }
+    assert!(give_ups <= 1, "the preferred node gave up {give_ups} times");
+    assert!(
+        starts <= 2,
+        "the healthy node's child was started {starts} times: handed back and forth"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_one_shot_child_is_not_run_again_on_its_node_after_a_session_loss() {
+    // The node's session is lost after its `Never` child finished; alone, it takes the
+    // lock again, and must not start the child again.
+    use chosen_core::{ConnectionState, RestartPolicy};
+
+    let pg = PgCluster::start_local().unwrap();
+    let url = pg.url();
+    let admin = chosen_tests::connect_admin(&url).await.unwrap();
+    let name = unique_name("one-shot-lost");
+    let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let a = LockManager::connect(options(&url, "ol-a")).await.unwrap();
+    let sa = {
+        let runs = Arc::clone(&runs);
+        Singleton::start(
+            &a,
+            name.as_str(),
+            SingletonOptions::default().restart(RestartPolicy::Never),
+            move |_ctx| {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok::<(), std::io::Error>(()) }
+            },
+        )
+        .unwrap()
+    };
+    let t0 = Instant::now();
+    while sa.status().child != chosen_core::ChildState::Finished {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let ConnectionState::Connected { backend_pid, .. } = a.connection_status() else {
+        panic!("not connected");
+    };
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&backend_pid])
+        .await
+        .unwrap();
+    // It leads again (after its rejoin pause), with the child finished.
+    let t0 = Instant::now();
+    while !(sa.leadership().is_leader() && t0.elapsed() > Duration::from_secs(1)) {
+        assert!(t0.elapsed() < Duration::from_secs(15), "it never led again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(sa.status().child, chosen_core::ChildState::Finished);
+    a.shutdown().await;
+}

@@ -297,6 +297,7 @@ where
             worker: std::sync::Mutex::new(None),
             low: AtomicU64::new(0),
             deciding: std::sync::atomic::AtomicBool::new(false),
+            tenure_start: std::sync::Mutex::new(None),
         });
         // Catch up on gaining leadership, not only at the next tick; needs a runtime
         // (apalis builds workers on one), and without one the next tick still does.
@@ -358,6 +359,9 @@ struct Shared {
     /// A decision about the due ticks, at a tick delivered too early to be held, is
     /// under way.
     deciding: std::sync::atomic::AtomicBool,
+    /// The tenure (its token) and when it began by the database's clock, once worked
+    /// out ([`Shared::tenure_start`]).
+    tenure_start: std::sync::Mutex<Option<(chosen_core::FencingToken, u64)>>,
 }
 
 /// Clears a flag when dropped.
@@ -555,14 +559,33 @@ impl Shared {
         self.run(inner, task, guard, since).await
     }
 
-    /// When (Unix seconds, the database's clock) this tenure began: its start on this
-    /// node's wall clock (`since`), moved by how far that clock is from the database's.
-    async fn tenure_start(&self, since: SystemTime) -> Option<u64> {
+    /// When (Unix seconds, the database's clock) the tenure of `token` began: its start
+    /// on this node's wall clock (`since`), moved by how far that clock is from the
+    /// database's. Worked out once per tenure, at its first tick (near its start), so
+    /// that a clock stepped later does not move it.
+    async fn tenure_start(
+        &self,
+        token: chosen_core::FencingToken,
+        since: SystemTime,
+    ) -> Option<u64> {
+        if let Some((t, start)) = *self
+            .tenure_start
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            && t == token
+        {
+            return Some(start);
+        }
         let reading = self.ledger.clock().await.ok()?;
         let db = reading.estimate(tokio::time::Instant::now());
         let wall = SystemTime::now().duration_since(UNIX_EPOCH).ok()?;
         let since = since.duration_since(UNIX_EPOCH).ok()?;
-        Some((since + db).checked_sub(wall)?.as_secs())
+        let start = (since + db).checked_sub(wall)?.as_secs();
+        *self
+            .tenure_start
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((token, start));
+        Some(start)
     }
 
     /// Waits until the database's clock reaches `tick` (less the ledger's tolerance):
@@ -679,7 +702,7 @@ impl Shared {
             .duration_since(at(current))
             .is_ok_and(|late| late <= GAIN_MARGIN);
         if on_time_here
-            && let Some(start) = self.tenure_start(since).await
+            && let Some(start) = self.tenure_start(guard.fencing_token(), since).await
             && current + GAIN_MARGIN.as_secs() < start
         {
             let decided = self

@@ -911,16 +911,14 @@ impl TickLedger {
         .await
     }
 
-    /// Claims `tick` with outcome `running`, in a fenced transaction of its own:
-    /// `false` if it is already recorded.
+    /// Claims `tick` with outcome `running`, in a fenced transaction of its own: the
+    /// tables it was claimed in, or `None` if it is already recorded.
     ///
     /// When the COMMIT of a claim that inserted its row goes unanswered (the connection
-    /// lost while the server commits, the client-side bound firing), the claim's
-    /// transaction is looked up by its id (`pg_xact_status`) until the ledger's
-    /// timeout: committed, the tick is claimed; aborted, it is not (the error, and the
-    /// misfire policy decides); still running, looked up again. A claim that cannot be
-    /// told so is reported: if it committed, its row stays `running` and the tick does
-    /// not run.
+    /// lost while the server commits, the client-side bound firing), the row is read
+    /// back until the ledger's timeout ([`claim_committed`](Self::claim_committed)):
+    /// the claim's own row means it committed. A claim that cannot be told so is
+    /// reported: if it committed, its row stays `running` and the tick does not run.
     pub(crate) async fn claim_before_run(
         &self,
         ids: &JobIds,
@@ -1043,7 +1041,9 @@ impl TickLedger {
                         })))
                     }
                     // "In the future": the id was never flushed (a crash since).
-                    Err(e) if e.as_db_error().is_some() => Ok(Looked::Status(None)),
+                    Err(e) if e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE) => {
+                        Ok(Looked::Status(None))
+                    }
                     Err(e) => Err(self.db("looking up the claim's transaction")(e)),
                 }
             })

@@ -156,7 +156,8 @@ pub struct GroupStatus {
 /// * A member whose child has finished for good (`RestartPolicy::Never`, or
 ///   `OnFailure` after a success) stays on the node where it finished, whatever the
 ///   plan: moved, it would run again on the other node. Such members count in their
-///   node's load, so the balance may be off by them.
+///   node's load, so the balance may be off by them. (The lock is its session's: if
+///   that node's session is lost, the member goes to another node and runs again.)
 /// * A member nobody holds for [`orphan_grace`](GroupOptions::orphan_grace) is
 ///   contended for by every node: placement is a preference; the locks keep it one
 ///   child per member in every case.

@@ -95,6 +95,9 @@ struct SingletonInner {
     /// The node the current tenure is to be handed over to when it is stopped
     /// ([`Singleton::hand_over_to`]).
     hand_to: Mutex<Option<String>>,
+    /// The child has finished for good on this node (it ended and is not to be
+    /// restarted): it is not started again here, in this tenure or a later one.
+    finished: std::sync::atomic::AtomicBool,
 }
 
 impl SingletonInner {
@@ -107,11 +110,7 @@ impl SingletonInner {
     /// The child ended and is not to be restarted ([`ChildState::Finished`]): this node
     /// keeps the lock so that it does not run again elsewhere while this node lives.
     pub(crate) fn child_finished(&self) -> bool {
-        self.status
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .child
-            == ChildState::Finished
+        self.finished.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn report_running(&self, running: bool) {
@@ -209,6 +208,7 @@ impl Singleton {
             }),
             tenure: Mutex::new(None),
             hand_to: Mutex::new(None),
+            finished: std::sync::atomic::AtomicBool::new(false),
         });
         // A child of the manager's: its shutdown stops this singleton too.
         let stop = manager.stop_token();
@@ -357,18 +357,27 @@ async fn run<F, Fut>(
     let node_id: Arc<str> = manager.node_id().into();
     let name: Arc<str> = leadership.name().into();
     let presence_lock = request.presence_lock();
-    let presence = options.election.preferred.then_some(presence_lock.as_str());
-    while let Some(lease) = campaign(
-        &manager,
-        &request,
-        &leadership,
-        &stop,
-        options.election.eligible,
-        presence,
-    )
-    .await
-    {
+    // Whether this node asks to be failed back to (holds the presence lock while it
+    // waits): a preferred node, unless its child gave up here and has not run a full
+    // intensity period here since (or it would be handed the lock again and again, to
+    // give up each time).
+    let mut asks_fail_back = options.election.preferred;
+    loop {
+        let presence = asks_fail_back.then_some(presence_lock.as_str());
+        let Some(lease) = campaign(
+            &manager,
+            &request,
+            &leadership,
+            &stop,
+            options.election.eligible,
+            presence,
+        )
+        .await
+        else {
+            break;
+        };
         let mut tenure = Tenure::new(lease);
+        let began = tokio::time::Instant::now();
         // Stops this tenure: a shutdown (a child of `stop`) or a step-down.
         let tenure_stop = stop.child_token();
         inner
@@ -378,32 +387,42 @@ async fn run<F, Fut>(
             .take();
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
         // A preferred node back for long enough: hand over to it (the tenure stops as
-        // for a hand-over asked for).
-        // Not by a preferred node (another preferred one would hand it back), and not
-        // once the child has finished for good: the preferred node would run it again
-        // while this node lives.
+        // for a hand-over asked for). Not by a preferred node (another preferred one
+        // would hand it back), and not once the child has finished for good: the
+        // preferred node would run it again while this node lives.
         let fail_back = async {
+            let fail_to = Mutex::new(None);
             crate::election::fail_back_unless_preferred(
                 &manager,
                 &presence_lock,
                 options.election.fail_back_after,
-                &inner.hand_to,
-                presence.is_some(),
+                &fail_to,
+                options.election.preferred,
             )
             .await;
             if inner.child_finished() {
-                inner
-                    .hand_to
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
                 info!(singleton = %name, "a preferred node is back, but the child has finished: keeping the lock, so that it does not run again");
             } else {
+                // A hand-over asked for meanwhile stands.
+                if let Some(to) = fail_to
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+                {
+                    inner
+                        .hand_to
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .get_or_insert(to);
+                }
                 tenure_stop.cancel();
             }
             std::future::pending::<()>().await;
         };
+        // The tenure first: a child that finished in the same wake-up as the fail-back
+        // fired is seen finished by it.
         let outcome = tokio::select! {
+            biased;
             outcome = lead(
                 &options,
                 &inner,
@@ -419,6 +438,14 @@ async fn run<F, Fut>(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        if matches!(outcome, Outcome::GiveUp) {
+            if asks_fail_back {
+                warn!(singleton = %name, "the child gave up on this preferred node: it no longer asks to be failed back to, until its child has run a full intensity period here");
+            }
+            asks_fail_back = false;
+        } else if began.elapsed() > options.restart_period {
+            asks_fail_back = options.election.preferred;
+        }
         match outcome {
             Outcome::Stop if !stop.is_cancelled() => {
                 // Stepped down: the child stopped; release (announced, for one node

@@ -22,11 +22,16 @@ pub enum RestartPolicy {
 ///
 /// When the child ends and is not to be restarted (policy [`RestartPolicy::Never`], or
 /// [`RestartPolicy::OnFailure`] after a success), this node **keeps the lock** with no
-/// child running, so that no other node starts the child again while this node lives:
-/// a preferred node coming up is not handed it (no fail-back), nor is a group's joining
-/// node ([`SingletonGroup`](crate::SingletonGroup) keeps such a member where it
-/// finished). An explicit [`Singleton::step_down`] or [`Singleton::hand_over_to`] still
-/// gives the lock away, and the next node starts the child again.
+/// child running, so that no other node starts the child again while this node's
+/// session lives: a preferred node coming up is not handed it (no fail-back), nor is a
+/// group's joining node ([`SingletonGroup`](crate::SingletonGroup) keeps such a member
+/// where it finished), and this node never starts it again, in later tenures too. The
+/// lock is a session's, not a record: once this node's session is lost (the server
+/// ended it, a network cut), it crashes or stops, or an explicit
+/// [`Singleton::step_down`] or [`Singleton::hand_over_to`] gives the lock away, the
+/// next node to take the lock starts the child again. A run that must happen once
+/// across the fleet, whatever fails, needs a durable record of it: the tick ledger of
+/// chosen-apalis, or a table of your own written in a fenced transaction.
 #[derive(Clone, Debug)]
 pub struct SingletonOptions {
     pub(super) restart: RestartPolicy,
@@ -107,9 +112,12 @@ impl SingletonOptions {
     /// (default 3 in 5 s) makes this node give up: it releases the lock so another
     /// node may do better, waits [`give_up_cooldown`](Self::give_up_cooldown), then
     /// contends again. So does a child that fails more than `max_restarts` times in a
-    /// row, each time within `period` of its start, however long the backoff between
-    /// (a child that cannot start: a backoff longer than the period would never reach
-    /// the intensity, and the node would sit on the lock running nothing).
+    /// row, each time within `period` (and within a minute) of its start, however long
+    /// the backoff between (a child that cannot start: a backoff longer than the period
+    /// would never reach the intensity, and the node would sit on the lock running
+    /// nothing). A preferred node whose child gave up no longer asks to be failed back
+    /// to (it does not hold the presence lock) until it has led for longer than
+    /// `period` again: the other nodes keep the singleton meanwhile.
     #[must_use]
     pub fn intensity(mut self, max_restarts: u32, period: Duration) -> Self {
         self.max_restarts = max_restarts;

@@ -3,6 +3,11 @@
 
 use super::*;
 
+/// A child that fails within this long of its start (or within the intensity period,
+/// if that is shorter) failed on start: more than `max_restarts` such failures in a
+/// row give up.
+const FAILS_ON_START: Duration = Duration::from_secs(60);
+
 pub(super) enum Outcome {
     Lost(SessionDownReason),
     Stop,
@@ -154,6 +159,14 @@ where
     L: Future<Output = SessionDownReason>,
 {
     tokio::pin!(lost);
+    // Finished for good on this node in an earlier tenure: not started again here.
+    if inner.child_finished() {
+        inner.update(|s| s.child = ChildState::Finished);
+        tokio::select! {
+            reason = &mut lost => return Outcome::Lost(reason),
+            () = stop.cancelled() => return Outcome::Stop,
+        }
+    }
     // tokio's clock, so the policy is testable with paused time.
     let mut recent: VecDeque<tokio::time::Instant> = VecDeque::new();
     let mut backoff = options.backoff_min;
@@ -219,7 +232,11 @@ where
             RestartPolicy::Never => false,
         };
         if !restart {
-            // Keep the lock so no other node runs the child again while we live.
+            // Keep the lock so no other node runs the child again while this session
+            // lives; and never start it here again.
+            inner
+                .finished
+                .store(true, std::sync::atomic::Ordering::Release);
             inner.update(|s| s.child = ChildState::Finished);
             tokio::select! {
                 reason = &mut lost => return Outcome::Lost(reason),
@@ -227,7 +244,9 @@ where
             }
         }
         let now = tokio::time::Instant::now();
-        let young = now.duration_since(started) <= options.restart_period;
+        // Failed on start: within the intensity period of its start, and within a
+        // minute (a child that ran for most of a long period did start).
+        let young = now.duration_since(started) <= options.restart_period.min(FAILS_ON_START);
         failed_young = if failure.is_some() && young {
             failed_young.saturating_add(1)
         } else {
@@ -236,7 +255,7 @@ where
         if failed_young > options.max_restarts {
             return Outcome::GiveUp;
         }
-        if !young {
+        if now.duration_since(started) > options.restart_period {
             backoff = options.backoff_min;
         }
         recent.push_back(now);

@@ -31,6 +31,7 @@ fn fixture_with(metrics: Option<Arc<dyn crate::MetricsSink>>) -> Fixture {
             }),
             tenure: Mutex::new(None),
             hand_to: Mutex::new(None),
+            finished: std::sync::atomic::AtomicBool::new(false),
         },
         stop: CancellationToken::new(),
         validity,
