@@ -122,7 +122,7 @@ impl Election {
                 let _stopped = MarkStopped(leadership.clone());
                 let presence = preferred.then_some(prefer.as_str());
                 while let Some(lease) =
-                    campaign(&manager, &request, &leadership, &stop, eligible, presence).await
+                    campaign(&manager, &request, &leadership, &stop, eligible, presence.map(|p| (p, tokio::time::Instant::now()))).await
                 {
                     // One token per term: a step-down asked for in another term (or twice)
                     // cannot end this one.
@@ -489,7 +489,7 @@ pub(crate) async fn campaign(
     leadership: &Leadership,
     stop: &CancellationToken,
     eligible: bool,
-    preferred: Option<&str>,
+    preferred: Option<(&str, tokio::time::Instant)>,
 ) -> Option<Lease> {
     // An ineligible node only follows: its acquire is never polled (so never sent).
     let eligible = eligible && manager.options().is_eligible();
@@ -498,9 +498,19 @@ pub(crate) async fn campaign(
     // A preferred node holds its presence lock while it contends, and only then: a
     // leader hands over only to a node that waits for the lock (not one stopped, in a
     // cooldown, or pausing after a loss). Dropped (released) when the campaign ends.
+    // From the instant given (a preferred node whose child gave up lately asks again
+    // only once its suspension is over).
     let mut want_presence = eligible && preferred.is_some();
-    let presence_lock = preferred.unwrap_or_default().to_owned();
-    let presence = manager.acquire(LockRequest::internal(presence_lock.clone()));
+    let (presence_lock, presence_from) = preferred.map_or_else(
+        || (String::new(), tokio::time::Instant::now()),
+        |(lock, from)| (lock.to_owned(), from),
+    );
+    let presence = async {
+        tokio::time::sleep_until(presence_from).await;
+        manager
+            .acquire(LockRequest::internal(presence_lock.clone()))
+            .await
+    };
     tokio::pin!(presence);
     let mut _present: Option<Lease> = None;
     // On the manager's shared grid: the look-ups of every election following on this

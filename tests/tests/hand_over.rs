@@ -921,3 +921,172 @@ async fn a_finished_one_shot_child_is_not_run_again_on_its_node_after_a_session_
     assert_eq!(sa.status().child, chosen_core::ChildState::Finished);
     a.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_node_whose_child_finished_does_not_take_a_running_child_from_another_node() {
+    // P (preferred) ran its one-shot child; its session is lost and N, taking the lock,
+    // runs the child again (the lock is a session's: documented). P, back, must not
+    // ask to be failed back to: it would take the lock from N's running child and run
+    // nothing itself.
+    use chosen_core::{ConnectionState, RestartPolicy};
+    let pg = PgCluster::start_local().unwrap();
+    let url = pg.url();
+    let admin = chosen_tests::connect_admin(&url).await.unwrap();
+    let name = unique_name("finished-preferred");
+    let log: Arc<Mutex<Vec<String>>> = Arc::default();
+    let start = |m: &LockManager, node: &'static str, options: SingletonOptions| {
+        let log = Arc::clone(&log);
+        Singleton::start(m, name.as_str(), options.restart(RestartPolicy::Never), move |ctx| {
+            let log = Arc::clone(&log);
+            async move {
+                log.lock().unwrap().push(format!("{node} start"));
+                if node == "r6-p" {
+                    // the preferred node's run is quick
+                    return Ok::<(), std::io::Error>(());
+                }
+                // a long one-shot job elsewhere
+                tokio::select! {
+                    () = ctx.cancelled() => log.lock().unwrap().push(format!("{node} cancelled")),
+                    () = tokio::time::sleep(Duration::from_secs(60)) => log.lock().unwrap().push(format!("{node} done")),
+                }
+                Ok(())
+            }
+        })
+        .unwrap()
+    };
+    let p = LockManager::connect(options(&url, "r6-p")).await.unwrap();
+    let sp = start(&p, "r6-p", SingletonOptions::default().preferred(true));
+    let t0 = Instant::now();
+    while sp.status().child != chosen_core::ChildState::Finished {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let n = LockManager::connect(options(&url, "r6-n")).await.unwrap();
+    let sn = start(
+        &n,
+        "r6-n",
+        SingletonOptions::default().fail_back_after(Duration::from_secs(1)),
+    );
+    let _ = &sn;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // P's session is lost: N takes the lock and runs the child again (documented).
+    let ConnectionState::Connected { backend_pid, .. } = p.connection_status() else {
+        panic!()
+    };
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&backend_pid])
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    while !log.lock().unwrap().iter().any(|l| l == "r6-n start") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "N never ran: {:?}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // P comes back, holds the presence lock although it will never start the child.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let l = log.lock().unwrap().clone();
+    for m in [n, p] {
+        m.shutdown().await;
+    }
+    assert!(
+        !l.iter().any(|x| x == "r6-n cancelled"),
+        "N's running one-shot was cut off by a fail-back to a node that runs nothing: {l:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_down_of_a_finished_child_starts_it_again_on_the_next_holder() {
+    // An explicit step-down gives the lock away and forgets that the child finished:
+    // whoever takes the lock next starts it again, this node too.
+    use chosen_core::RestartPolicy;
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("step-down-finished");
+    let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let a = LockManager::connect(options(&url, "r6-a")).await.unwrap();
+    let sa = {
+        let runs = Arc::clone(&runs);
+        Singleton::start(
+            &a,
+            name.as_str(),
+            SingletonOptions::default().restart(RestartPolicy::Never),
+            move |_ctx| {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok::<(), std::io::Error>(()) }
+            },
+        )
+        .unwrap()
+    };
+    let t0 = Instant::now();
+    while sa.status().child != chosen_core::ChildState::Finished {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sa.step_down();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let r = runs.load(std::sync::atomic::Ordering::SeqCst);
+    a.shutdown().await;
+    assert_eq!(
+        r, 2,
+        "the next node to take the lock (this one) did not start the child again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_node_gets_the_singleton_back_after_a_transient_give_up() {
+    // The preferred node's child fails at first (its dependency is down for 6 s) and
+    // gives up; it does not ask for fail-back for ten cooldowns (20 s), then does, and,
+    // healthy by then, gets the singleton back.
+    let pg = PgCluster::start().unwrap();
+    let url = pg.url();
+    let name = unique_name("transient-give-up");
+    let n = LockManager::connect(options(&url, "r6-tn")).await.unwrap();
+    let sn = Singleton::start(
+        &n,
+        name.as_str(),
+        SingletonOptions::default().fail_back_after(Duration::from_secs(1)),
+        |ctx| async move {
+            ctx.cancelled().await;
+            Ok::<(), std::io::Error>(())
+        },
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    while !sn.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = LockManager::connect(options(&url, "r6-tp")).await.unwrap();
+    let born = Instant::now();
+    let sp = Singleton::start(
+        &p,
+        name.as_str(),
+        SingletonOptions::default()
+            .preferred(true)
+            .backoff(Duration::from_millis(50), Duration::from_millis(200))
+            .give_up_cooldown(Duration::from_secs(2)),
+        move |ctx| async move {
+            // a transient failure: its dependency is down for the first 6 s
+            if born.elapsed() < Duration::from_secs(6) {
+                return Err(std::io::Error::other("dependency down"));
+            }
+            ctx.cancelled().await;
+            Ok(())
+        },
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let (pl, gu) = (sp.leadership().is_leader(), sp.status().give_ups);
+    assert!(gu >= 1, "the transient failure never gave up");
+    for m in [n, p] {
+        m.shutdown().await;
+    }
+    assert!(
+        pl,
+        "the preferred node, healthy for 34 s, never got the singleton back"
+    );
+}

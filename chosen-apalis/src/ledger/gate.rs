@@ -561,8 +561,9 @@ impl Shared {
 
     /// When (Unix seconds, the database's clock) the tenure of `token` began: its start
     /// on this node's wall clock (`since`), moved by how far that clock is from the
-    /// database's. Worked out once per tenure, at its first tick (near its start), so
-    /// that a clock stepped later does not move it.
+    /// database's. Worked out once per tenure, at its first tick delivered on time by
+    /// this node's clock (for a sparse schedule, maybe long after the gain), so that a
+    /// clock stepped later in the tenure does not move it.
     async fn tenure_start(
         &self,
         token: chosen_core::FencingToken,

@@ -120,6 +120,36 @@ impl SingletonInner {
     }
 }
 
+/// How long a preferred node whose child gave up does not ask to be failed back to:
+/// ten cooldowns after its first give-up, doubling with each further one (at most an
+/// hour), reset once it has led longer than the intensity period again.
+#[derive(Debug, Default)]
+struct Suspension {
+    until: Option<tokio::time::Instant>,
+    length: Option<Duration>,
+}
+
+impl Suspension {
+    /// When this node may ask to be failed back to again.
+    fn over_at(&self) -> tokio::time::Instant {
+        self.until.unwrap_or_else(tokio::time::Instant::now)
+    }
+
+    fn next_length(&self) -> Duration {
+        const MAX: Duration = Duration::from_secs(3600);
+        self.length.map_or(MAX, |l| l.saturating_mul(2).min(MAX))
+    }
+
+    fn begin(&mut self, now: tokio::time::Instant, cooldown: Duration) {
+        let length = match self.length {
+            None => cooldown.saturating_mul(10).min(Duration::from_secs(3600)),
+            Some(_) => self.next_length(),
+        };
+        self.length = Some(length);
+        self.until = Some(now + length);
+    }
+}
+
 /// Marks the singleton stopped when its task ends, however it ends (returns, panics,
 /// or is dropped with its runtime), so that no handle keeps reporting leadership.
 struct MarkStopped<'a>(&'a SingletonInner);
@@ -294,6 +324,11 @@ impl Singleton {
                 .hand_to
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner) = to;
+            // Asked to give the lock away: a finished child is started again by whoever
+            // takes it next, this node too.
+            self.inner
+                .finished
+                .store(false, std::sync::atomic::Ordering::Release);
             tenure.cancel();
         }
     }
@@ -358,12 +393,13 @@ async fn run<F, Fut>(
     let name: Arc<str> = leadership.name().into();
     let presence_lock = request.presence_lock();
     // Whether this node asks to be failed back to (holds the presence lock while it
-    // waits): a preferred node, unless its child gave up here and has not run a full
-    // intensity period here since (or it would be handed the lock again and again, to
-    // give up each time).
-    let mut asks_fail_back = options.election.preferred;
+    // waits): a preferred node, unless its child has finished for good here (it would
+    // take the lock from a node running the child, and run nothing), or gave up here
+    // lately (it would be handed the lock again and again, to give up each time).
+    let mut suspension = Suspension::default();
     loop {
-        let presence = asks_fail_back.then_some(presence_lock.as_str());
+        let asks_fail_back = options.election.preferred && !inner.child_finished();
+        let presence = asks_fail_back.then(|| (presence_lock.as_str(), suspension.over_at()));
         let Some(lease) = campaign(
             &manager,
             &request,
@@ -386,12 +422,13 @@ async fn run<F, Fut>(
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         *inner.tenure.lock().unwrap_or_else(PoisonError::into_inner) = Some(tenure_stop.clone());
-        // A preferred node back for long enough: hand over to it (the tenure stops as
-        // for a hand-over asked for). Not by a preferred node (another preferred one
-        // would hand it back), and not once the child has finished for good: the
-        // preferred node would run it again while this node lives.
+        // A preferred node back for long enough: the supervisor is asked to hand over
+        // to it, and decides, as it alone knows whether the child has finished for good
+        // (then the lock stays: the preferred node would run the child again). Not by a
+        // preferred node: another preferred one would hand it back.
+        let fail_to: Mutex<Option<String>> = Mutex::new(None);
+        let fail_back_asked = tokio::sync::Notify::new();
         let fail_back = async {
-            let fail_to = Mutex::new(None);
             crate::election::fail_back_unless_preferred(
                 &manager,
                 &presence_lock,
@@ -400,29 +437,10 @@ async fn run<F, Fut>(
                 options.election.preferred,
             )
             .await;
-            if inner.child_finished() {
-                info!(singleton = %name, "a preferred node is back, but the child has finished: keeping the lock, so that it does not run again");
-            } else {
-                // A hand-over asked for meanwhile stands.
-                if let Some(to) = fail_to
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take()
-                {
-                    inner
-                        .hand_to
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .get_or_insert(to);
-                }
-                tenure_stop.cancel();
-            }
+            fail_back_asked.notify_one();
             std::future::pending::<()>().await;
         };
-        // The tenure first: a child that finished in the same wake-up as the fail-back
-        // fired is seen finished by it.
         let outcome = tokio::select! {
-            biased;
             outcome = lead(
                 &options,
                 &inner,
@@ -430,6 +448,7 @@ async fn run<F, Fut>(
                 &mut tenure,
                 &node_id,
                 &factory,
+                &fail_back_asked,
             ) => outcome,
             () = fail_back => unreachable!("BUG: the fail-back watch never ends"),
         };
@@ -439,13 +458,32 @@ async fn run<F, Fut>(
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if matches!(outcome, Outcome::GiveUp) {
-            if asks_fail_back {
-                warn!(singleton = %name, "the child gave up on this preferred node: it no longer asks to be failed back to, until its child has run a full intensity period here");
+            if options.election.preferred {
+                warn!(singleton = %name, until = ?suspension.next_length(), "the child gave up on this preferred node: it does not ask to be failed back to for a while");
             }
-            asks_fail_back = false;
+            suspension.begin(tokio::time::Instant::now(), options.give_up_cooldown);
         } else if began.elapsed() > options.restart_period {
-            asks_fail_back = options.election.preferred;
+            suspension = Suspension::default();
         }
+        let outcome = match outcome {
+            Outcome::FailBack => {
+                let to = fail_to
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                if let Some(to) = to {
+                    info!(singleton = %name, to = %to, "the preferred node is back: handing over");
+                    tenure.release_to(Some(to)).await;
+                } else {
+                    tenure.release().await;
+                }
+                if !wait_for_successor(&manager, &request, &stop).await {
+                    break;
+                }
+                continue;
+            }
+            outcome => outcome,
+        };
         match outcome {
             Outcome::Stop if !stop.is_cancelled() => {
                 // Stepped down: the child stopped; release (announced, for one node
@@ -482,6 +520,7 @@ async fn run<F, Fut>(
                 tenure.release_to(to).await;
                 break;
             }
+            Outcome::FailBack => unreachable!("BUG: handled above"),
             Outcome::GiveUp => {
                 tenure.release().await;
                 let until = wall_clock_after(options.give_up_cooldown);

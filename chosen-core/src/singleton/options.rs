@@ -25,11 +25,13 @@ pub enum RestartPolicy {
 /// child running, so that no other node starts the child again while this node's
 /// session lives: a preferred node coming up is not handed it (no fail-back), nor is a
 /// group's joining node ([`SingletonGroup`](crate::SingletonGroup) keeps such a member
-/// where it finished), and this node never starts it again, in later tenures too. The
-/// lock is a session's, not a record: once this node's session is lost (the server
-/// ended it, a network cut), it crashes or stops, or an explicit
-/// [`Singleton::step_down`] or [`Singleton::hand_over_to`] gives the lock away, the
-/// next node to take the lock starts the child again. A run that must happen once
+/// where it finished), and this node does not start it again in a later tenure (after
+/// a session loss), nor, if preferred, ask to be failed back to. An explicit
+/// [`Singleton::step_down`] or [`Singleton::hand_over_to`] gives the lock away and
+/// forgets that the child finished: whoever takes the lock next, this node too, starts
+/// it again. The lock is a session's, not a record: once this node's session is lost
+/// (the server ended it, a network cut), or it crashes or stops, the next node to take
+/// the lock starts the child again. A run that must happen once
 /// across the fleet, whatever fails, needs a durable record of it: the tick ledger of
 /// chosen-apalis, or a table of your own written in a fenced transaction.
 #[derive(Clone, Debug)]
@@ -115,9 +117,10 @@ impl SingletonOptions {
     /// row, each time within `period` (and within a minute) of its start, however long
     /// the backoff between (a child that cannot start: a backoff longer than the period
     /// would never reach the intensity, and the node would sit on the lock running
-    /// nothing). A preferred node whose child gave up no longer asks to be failed back
-    /// to (it does not hold the presence lock) until it has led for longer than
-    /// `period` again: the other nodes keep the singleton meanwhile.
+    /// nothing). A preferred node whose child gave up does not ask to be failed back to
+    /// (it does not hold the presence lock) for ten [`give_up_cooldown`](Self::give_up_cooldown)s,
+    /// doubling with each further give-up (at most an hour), until it has led for longer
+    /// than `period` again: the other nodes keep the singleton meanwhile.
     #[must_use]
     pub fn intensity(mut self, max_restarts: u32, period: Duration) -> Self {
         self.max_restarts = max_restarts;

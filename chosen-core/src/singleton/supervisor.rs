@@ -12,6 +12,16 @@ pub(super) enum Outcome {
     Lost(SessionDownReason),
     Stop,
     GiveUp,
+    /// A preferred node is back: hand over to it (the child stopped, or not running).
+    FailBack,
+}
+
+/// What ended a wait on the running child.
+enum Event {
+    Lost(SessionDownReason),
+    Stop,
+    FailBack,
+    Ended(Result<Result<(), ChildError>, tokio::task::JoinError>),
 }
 
 /// A child running under the lease, and the token that tells it to stop.
@@ -96,6 +106,7 @@ pub(super) async fn lead<F, Fut>(
     tenure: &mut Tenure,
     node_id: &Arc<str>,
     factory: &Arc<F>,
+    fail_back: &tokio::sync::Notify,
 ) -> Outcome
 where
     F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
@@ -129,7 +140,7 @@ where
         lease.end();
         reason
     };
-    let outcome = supervise(options, inner, stop, lost, make, child, factory).await;
+    let outcome = supervise(options, inner, stop, lost, make, child, factory, fail_back).await;
     inner.leadership.set_following(None);
     inner.update(|s| {
         s.state = SingletonState::Following { leader: None };
@@ -144,6 +155,10 @@ where
 /// The running child lives in `slot`, owned by the caller's [`Tenure`], so that a
 /// supervisor that dies (panics, is aborted) still leaves it to be stopped before the
 /// lock is released.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "each is a separate input of the policy, and its tests pass each on its own"
+)]
 pub(super) async fn supervise<F, Fut, L>(
     options: &SingletonOptions,
     inner: &SingletonInner,
@@ -152,6 +167,7 @@ pub(super) async fn supervise<F, Fut, L>(
     make_context: impl Fn(u64, CancellationToken) -> LeaderContext,
     slot: &mut Option<RunningChild>,
     factory: &Arc<F>,
+    fail_back: &tokio::sync::Notify,
 ) -> Outcome
 where
     F: Fn(LeaderContext) -> Fut + Send + Sync + 'static,
@@ -196,19 +212,33 @@ where
             .as_mut()
             .expect("BUG: the child was just spawned")
             .handle;
-        let ended = tokio::select! {
+        let event = tokio::select! {
             biased;
-            reason = &mut lost => {
+            reason = &mut lost => Event::Lost(reason),
+            () = stop.cancelled() => Event::Stop,
+            () = fail_back.notified() => Event::FailBack,
+            ended = &mut *child => Event::Ended(ended),
+        };
+        let ended = match event {
+            Event::Ended(ended) => ended,
+            // A child that ended as the fail-back came: its end decides first (if it
+            // finished for good, this node keeps the lock).
+            Event::FailBack if child.is_finished() => (&mut *child).await,
+            Event::Lost(reason) => {
                 stop_child(options, inner, slot).await;
                 inner.report_running(false);
                 return Outcome::Lost(reason);
             }
-            () = stop.cancelled() => {
+            Event::Stop => {
                 stop_child(options, inner, slot).await;
                 inner.report_running(false);
                 return Outcome::Stop;
             }
-            ended = child => ended,
+            Event::FailBack => {
+                stop_child(options, inner, slot).await;
+                inner.report_running(false);
+                return Outcome::FailBack;
+            }
         };
         *slot = None;
         inner.report_running(false);
@@ -277,6 +307,7 @@ where
             biased;
             reason = &mut lost => return Outcome::Lost(reason),
             () = stop.cancelled() => return Outcome::Stop,
+            () = fail_back.notified() => return Outcome::FailBack,
             () = tokio::time::sleep(backoff) => {}
         }
         backoff = backoff.saturating_mul(2).min(options.backoff_max);

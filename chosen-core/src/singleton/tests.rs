@@ -79,6 +79,7 @@ async fn restarts_back_off_and_give_up_past_the_intensity() {
         f.context(),
         &mut None,
         &Arc::new(factory),
+        &tokio::sync::Notify::new(),
     )
     .await;
     assert!(matches!(outcome, Outcome::GiveUp));
@@ -123,6 +124,7 @@ async fn a_child_that_cannot_start_gives_up_however_long_the_backoff() {
             f.context(),
             &mut None,
             &Arc::new(factory),
+            &tokio::sync::Notify::new(),
         ),
     )
     .await
@@ -165,10 +167,55 @@ async fn a_child_that_ran_a_while_before_failing_is_restarted_as_before() {
         f.context(),
         &mut None,
         &Arc::new(factory),
+        &tokio::sync::Notify::new(),
     )
     .await;
     assert!(matches!(outcome, Outcome::Stop));
     assert!(starts.load(Ordering::SeqCst) >= 10);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_one_shot_child_that_ends_as_a_fail_back_comes_keeps_the_lock() {
+    // The child returns (for good: `Never`) and, in the same wake-up, a preferred node
+    // is back: the supervisor sees the end first, keeps the lock (the preferred node
+    // would run the child again), and no hand-over follows.
+    let f = fixture();
+    let options = SingletonOptions::default().restart(RestartPolicy::Never);
+    let fail_back = Arc::new(tokio::sync::Notify::new());
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        stop.cancel();
+    });
+    // The fail-back is asked for by the child itself, as it returns: both wake the
+    // supervisor at once.
+    let factory = {
+        let fail_back = Arc::clone(&fail_back);
+        move |_ctx: LeaderContext| {
+            let fail_back = Arc::clone(&fail_back);
+            async move {
+                fail_back.notify_one();
+                Ok::<(), ChildError>(())
+            }
+        }
+    };
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+        &fail_back,
+    )
+    .await;
+    assert!(
+        matches!(outcome, Outcome::Stop),
+        "handed over a finished child"
+    );
+    assert!(f.inner.child_finished());
+    assert_eq!(f.status().child, ChildState::Finished);
 }
 
 #[tokio::test(start_paused = true)]
@@ -205,11 +252,13 @@ async fn a_healthy_run_resets_the_backoff_and_spreads_restarts() {
         f.context(),
         &mut None,
         &Arc::new(factory),
+        &tokio::sync::Notify::new(),
     )
     .await;
     let what = match outcome {
         Outcome::Stop => "stop".to_owned(),
         Outcome::GiveUp => "give up".to_owned(),
+        Outcome::FailBack => "fail back".to_owned(),
         Outcome::Lost(r) => r.to_string(),
     };
     assert_eq!(what, "stop", "after {} runs", runs.load(Ordering::SeqCst));
@@ -244,6 +293,7 @@ async fn on_failure_keeps_the_lock_after_success_and_counts_panics() {
         f.context(),
         &mut None,
         &Arc::new(factory),
+        &tokio::sync::Notify::new(),
     )
     .await;
     assert!(matches!(outcome, Outcome::Stop));
@@ -300,6 +350,7 @@ async fn lease_loss_cancels_the_child_and_aborts_one_that_ignores_it() {
             f.context(),
             &mut None,
             &Arc::new(factory),
+            &tokio::sync::Notify::new(),
         )
         .await;
         let took = t0.elapsed();
@@ -395,6 +446,7 @@ where
             &mut tenure,
             &"node".into(),
             &factory,
+            &tokio::sync::Notify::new(),
         )
         .await;
         drop(tenure);
