@@ -1039,8 +1039,8 @@ async fn a_step_down_of_a_finished_child_starts_it_again_on_the_next_holder() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preferred_node_gets_the_singleton_back_after_a_transient_give_up() {
     // The preferred node's child fails at first (its dependency is down for 6 s) and
-    // gives up; it does not ask for fail-back for ten cooldowns (20 s), then does, and,
-    // healthy by then, gets the singleton back.
+    // gives up; it does not ask for fail-back for ten cooldowns (20 s: longer than ten
+    // intensity periods), then does, and, healthy by then, gets the singleton back.
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let name = unique_name("transient-give-up");
@@ -1067,6 +1067,7 @@ async fn a_preferred_node_gets_the_singleton_back_after_a_transient_give_up() {
         name.as_str(),
         SingletonOptions::default()
             .preferred(true)
+            .intensity(3, Duration::from_secs(1))
             .backoff(Duration::from_millis(50), Duration::from_millis(200))
             .give_up_cooldown(Duration::from_secs(2)),
         move |ctx| async move {

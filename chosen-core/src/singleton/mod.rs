@@ -121,8 +121,9 @@ impl SingletonInner {
 }
 
 /// How long a preferred node whose child gave up does not ask to be failed back to:
-/// ten cooldowns after its first give-up, doubling with each further one (at most an
-/// hour), reset once it has led longer than the intensity period again.
+/// ten cooldowns (or ten intensity periods, if longer) after its first give-up,
+/// doubling with each further one (at most an hour), reset once it has led longer than
+/// the intensity period again.
 #[derive(Debug, Default)]
 struct Suspension {
     until: Option<tokio::time::Instant>,
@@ -140,13 +141,16 @@ impl Suspension {
         self.length.map_or(MAX, |l| l.saturating_mul(2).min(MAX))
     }
 
-    fn begin(&mut self, now: tokio::time::Instant, cooldown: Duration) {
+    /// Begins (or lengthens) the suspension after a give-up, from ten times `base` (the
+    /// cooldown, or the intensity period if longer); answers its length.
+    fn begin(&mut self, now: tokio::time::Instant, base: Duration) -> Duration {
         let length = match self.length {
-            None => cooldown.saturating_mul(10).min(Duration::from_secs(3600)),
+            None => base.saturating_mul(10).min(Duration::from_secs(3600)),
             Some(_) => self.next_length(),
         };
         self.length = Some(length);
         self.until = Some(now + length);
+        length
     }
 }
 
@@ -458,19 +462,30 @@ async fn run<F, Fut>(
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if matches!(outcome, Outcome::GiveUp) {
+            let length = suspension.begin(
+                tokio::time::Instant::now(),
+                options.give_up_cooldown.max(options.restart_period),
+            );
             if options.election.preferred {
-                warn!(singleton = %name, until = ?suspension.next_length(), "the child gave up on this preferred node: it does not ask to be failed back to for a while");
+                warn!(singleton = %name, suspended_for = ?length, "the child gave up on this preferred node: it does not ask to be failed back to for a while");
             }
-            suspension.begin(tokio::time::Instant::now(), options.give_up_cooldown);
         } else if began.elapsed() > options.restart_period {
             suspension = Suspension::default();
         }
         let outcome = match outcome {
             Outcome::FailBack => {
-                let to = fail_to
+                // A hand-over asked for while the child stopped stands.
+                let asked = inner
+                    .hand_to
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .take();
+                let to = asked.or_else(|| {
+                    fail_to
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take()
+                });
                 if let Some(to) = to {
                     info!(singleton = %name, to = %to, "the preferred node is back: handing over");
                     tenure.release_to(Some(to)).await;

@@ -118,9 +118,10 @@ impl SingletonOptions {
     /// the backoff between (a child that cannot start: a backoff longer than the period
     /// would never reach the intensity, and the node would sit on the lock running
     /// nothing). A preferred node whose child gave up does not ask to be failed back to
-    /// (it does not hold the presence lock) for ten [`give_up_cooldown`](Self::give_up_cooldown)s,
-    /// doubling with each further give-up (at most an hour), until it has led for longer
-    /// than `period` again: the other nodes keep the singleton meanwhile.
+    /// (it does not hold the presence lock) for ten [`give_up_cooldown`](Self::give_up_cooldown)s
+    /// (or ten `period`s, if longer), doubling with each further give-up (at most an
+    /// hour), until it has led for longer than `period` again: the other nodes keep the
+    /// singleton meanwhile.
     #[must_use]
     pub fn intensity(mut self, max_restarts: u32, period: Duration) -> Self {
         self.max_restarts = max_restarts;

@@ -219,11 +219,15 @@ where
             () = fail_back.notified() => Event::FailBack,
             ended = &mut *child => Event::Ended(ended),
         };
+        // A fail-back that came as the child ended: its end decides first (finished for
+        // good, this node keeps the lock); to be restarted, it is handed over instead.
+        let mut fail_back_came = false;
         let ended = match event {
             Event::Ended(ended) => ended,
-            // A child that ended as the fail-back came: its end decides first (if it
-            // finished for good, this node keeps the lock).
-            Event::FailBack if child.is_finished() => (&mut *child).await,
+            Event::FailBack if child.is_finished() => {
+                fail_back_came = true;
+                (&mut *child).await
+            }
             Event::Lost(reason) => {
                 stop_child(options, inner, slot).await;
                 inner.report_running(false);
@@ -263,15 +267,25 @@ where
         };
         if !restart {
             // Keep the lock so no other node runs the child again while this session
-            // lives; and never start it here again.
-            inner
-                .finished
-                .store(true, std::sync::atomic::Ordering::Release);
+            // lives; and never start it here again. Not if a step-down or hand-over was
+            // asked for meanwhile (it forgets the finish): decided under the tenure's
+            // lock, which `Singleton::hand_over` holds while it asks.
+            {
+                let _asking = inner.tenure.lock().unwrap_or_else(PoisonError::into_inner);
+                if !stop.is_cancelled() {
+                    inner
+                        .finished
+                        .store(true, std::sync::atomic::Ordering::Release);
+                }
+            }
             inner.update(|s| s.child = ChildState::Finished);
             tokio::select! {
                 reason = &mut lost => return Outcome::Lost(reason),
                 () = stop.cancelled() => return Outcome::Stop,
             }
+        }
+        if fail_back_came {
+            return Outcome::FailBack;
         }
         let now = tokio::time::Instant::now();
         // Failed on start: within the intensity period of its start, and within a

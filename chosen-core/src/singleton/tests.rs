@@ -609,3 +609,117 @@ fn shutdown_timeout_must_fit_the_stop_budget() {
         assert!(err.to_string().contains("stop_budget"), "{err}");
     });
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_fail_back_that_comes_as_a_restarting_child_ends_still_hands_over() {
+    // Always: the child returns Ok (to be restarted) in the same wake-up as the
+    // fail-back watch's one and only notify. The watch never notifies again (it then
+    // pends for good), so the tenure must still end in FailBack.
+    let f = fixture();
+    let options = SingletonOptions::default().restart(RestartPolicy::Always);
+    let fail_back = Arc::new(tokio::sync::Notify::new());
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        stop.cancel();
+    });
+    let runs = Arc::new(AtomicU64::new(0));
+    let factory = {
+        let fail_back = Arc::clone(&fail_back);
+        let runs = Arc::clone(&runs);
+        move |ctx: LeaderContext| {
+            let fail_back = Arc::clone(&fail_back);
+            let n = runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    fail_back.notify_one(); // the watch fires once
+                    return Ok::<(), ChildError>(());
+                }
+                ctx.cancelled().await;
+                Ok(())
+            }
+        }
+    };
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+        &fail_back,
+    )
+    .await;
+    let what = match outcome {
+        Outcome::Stop => "stop",
+        Outcome::GiveUp => "give up",
+        Outcome::FailBack => "fail back",
+        Outcome::Lost(_) => "lost",
+    };
+    assert_eq!(what, "fail back", "runs: {}", runs.load(Ordering::SeqCst));
+}
+
+#[derive(Debug)]
+struct HandOverInWindow {
+    armed: std::sync::atomic::AtomicBool,
+    to_test: std::sync::mpsc::SyncSender<()>,
+    from_test: Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl crate::MetricsSink for HandOverInWindow {
+    fn singleton_running(&self, _: &str, _: &str, running: bool) {
+        // The child has ended (Never): the supervisor is between the end and storing
+        // `finished`. Let another thread call step_down now.
+        if !running && self.armed.swap(false, Ordering::SeqCst) {
+            self.to_test.send(()).unwrap();
+            self.from_test.lock().unwrap().recv().unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_down_racing_a_one_shot_child_s_end_forgets_that_it_finished() {
+    let (to_test, rx) = std::sync::mpsc::sync_channel(1);
+    let (tx, from_test) = std::sync::mpsc::sync_channel(1);
+    let sink = Arc::new(HandOverInWindow {
+        armed: true.into(),
+        to_test,
+        from_test: Mutex::new(from_test),
+    });
+    let f = Arc::new(fixture_with(Some(sink)));
+    let options = SingletonOptions::default().restart(RestartPolicy::Never);
+    // The other thread: what `Singleton::hand_over(None)` does with a tenure, under
+    // the tenure's lock.
+    let g = Arc::clone(&f);
+    let other = std::thread::spawn(move || {
+        rx.recv().unwrap();
+        {
+            let _tenure = g.inner.tenure.lock().unwrap();
+            *g.inner.hand_to.lock().unwrap() = None;
+            g.inner
+                .finished
+                .store(false, std::sync::atomic::Ordering::Release);
+            g.stop.cancel();
+        }
+        tx.send(()).unwrap();
+    });
+    let factory = |_ctx: LeaderContext| async { Ok::<(), ChildError>(()) };
+    let outcome = supervise(
+        &options,
+        &f.inner,
+        &f.stop,
+        std::future::pending(),
+        f.context(),
+        &mut None,
+        &Arc::new(factory),
+        &tokio::sync::Notify::new(),
+    )
+    .await;
+    other.join().unwrap();
+    assert!(matches!(outcome, Outcome::Stop));
+    assert!(
+        !f.inner.child_finished(),
+        "stepped down explicitly, yet the node still believes its child finished: it will never run it again and, if preferred, never ask for fail-back"
+    );
+}
