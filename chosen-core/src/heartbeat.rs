@@ -21,9 +21,9 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
+use crate::backend::HeartbeatLink;
 use crate::generation::Generation;
 use crate::key::SessionLock;
-use crate::pg;
 use crate::shared::{FloorRead, ServerFloor, Shared};
 use crate::status::SessionDownReason;
 
@@ -39,7 +39,7 @@ const SLOW_WARNING_EVERY: Duration = Duration::from_secs(30);
 /// the moment *its own* query was sent; a failure, or no success within the lease
 /// timeout, revokes the generation at once.
 pub(crate) async fn run(
-    session: pg::HeartbeatSession,
+    session: Box<dyn HeartbeatLink>,
     shared: Arc<Shared>,
     generation: Arc<Generation>,
     proven_at: Instant,

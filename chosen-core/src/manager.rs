@@ -10,6 +10,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::backend::Backend;
 use crate::command::Command;
 use crate::error::{Error, Result};
 use crate::info::{ClusterLock, HolderInfo, LockInfo};
@@ -209,8 +210,17 @@ impl LockManager {
     /// * [`Error::Protocol`]: the server answered a probe in a way chosen does not
     ///   expect (something between rewrites the conversation).
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
+        Self::connect_with(options, Arc::new(pg::PgBackend)).await
+    }
+
+    /// [`connect`](Self::connect) to the sessions of `backend` (PostgreSQL's, or a
+    /// simulated server's in tests).
+    pub(crate) async fn connect_with(
+        options: ManagerOptions,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Self> {
         options.validate()?;
-        let first = pg::connect(&options, 1).await?;
+        let first = backend.connect(&options, 1).await?;
         let status = ConnectionState::Connected {
             generation: 1,
             backend_pid: first.backend_pid,
@@ -219,7 +229,7 @@ impl LockManager {
         let shared = Arc::new(Shared::new(options, status));
         shared.extend_validity(first.proven_at + shared.options.lease_timeout);
         let (tx, rx) = mpsc::unbounded_channel();
-        let driver = Driver::new(Arc::clone(&shared), rx, tx.downgrade());
+        let driver = Driver::new(Arc::clone(&shared), rx, tx.downgrade(), backend);
         tokio::spawn(driver.run(first));
         Ok(Self { shared, tx })
     }

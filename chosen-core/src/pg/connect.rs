@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 
 use super::sql::*;
 use super::*;
+use crate::backend::Opened;
 use crate::engine::Term;
 use crate::error::{Error, Result};
 use crate::fault::error_text;
@@ -335,19 +336,26 @@ where
         read_term(&client, options.token_epoch),
         async { Statements::prepare(&client).await.map_err(Error::database) },
     )?;
-    Ok(Session {
+    let link = PgLink {
         client: Arc::new(client),
         stmts,
         backend_pid,
         marker,
         database_oid,
-        server,
-        generation: Generation::new(generation),
-        events,
-        proven_at,
-        term,
+        term: term.clone(),
         conn_task: guard.disarm(),
-    })
+    };
+    Ok(Session::new(
+        Box::new(link),
+        Opened {
+            backend_pid,
+            server,
+            generation: Generation::new(generation),
+            events,
+            proven_at,
+            term,
+        },
+    ))
 }
 
 pub(super) struct AbortOnDrop(Option<JoinHandle<()>>);

@@ -1,7 +1,8 @@
 //! The one dedicated connection to PostgreSQL: it performs and decides nothing. The
 //! statement texts ([`sql`]), opening and proving a session ([`connect`](mod@connect)), the
 //! statements ([`statements`]) and carrying out a plan ([`perform`]); how errors are
-//! classified is [`fault`](crate::fault). Only the manager's task uses a [`Session`].
+//! classified is [`fault`](crate::fault). A session on PostgreSQL is a [`Session`] whose
+//! link is a [`PgLink`]; only the manager's task uses one.
 
 mod connect;
 mod perform;
@@ -9,18 +10,19 @@ mod sql;
 mod statements;
 
 use std::sync::Arc;
-use std::time::Instant;
-
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Statement};
 
-use crate::engine::Term;
+use crate::backend::{Backend, BoxFuture, HeartbeatLink, Link};
+pub(crate) use crate::backend::{ConnEvent, HolderAnswer, Session};
+use crate::engine::{Done, Term};
 use crate::error::Result;
 use crate::fault::{Fault, classify, error_text};
-use crate::generation::Generation;
+use crate::info::HolderInfo;
 use crate::key::{LockKey, SessionLock};
+use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
+use crate::table::Plan;
 
 pub(crate) use connect::connect;
 #[cfg(test)]
@@ -29,21 +31,6 @@ pub(crate) use connect::tcp_user_timeout;
 pub(crate) use sql::{ANNOUNCEMENTS_PER_NOTIFY, UNLOCK_SQL_FOR_TESTS};
 #[cfg(feature = "test-util")]
 pub(crate) use sql::{TRY_ONE_SQL, UNLOCK_ONE_SQL};
-
-/// What the connection task reports.
-#[derive(Debug)]
-pub(crate) enum ConnEvent {
-    /// A release announcement: the sender's backend pid (stamped by the server), the
-    /// payload (key tags joined by commas), and when it arrived (the task reads it
-    /// between steps, possibly after a slow try answered: an announcement vouches only
-    /// for a win answered within the grace of its arrival).
-    Notification {
-        sender: i32,
-        payload: String,
-        at: Instant,
-    },
-    Closed(String),
-}
 
 pub(crate) struct Statements {
     pub(crate) heartbeat: Statement,
@@ -62,7 +49,9 @@ pub(crate) struct Statements {
     cluster: Statement,
 }
 
-pub(crate) struct Session {
+/// A session on PostgreSQL: one dedicated connection, its prepared statements, and the
+/// task that polls the connection.
+pub(crate) struct PgLink {
     /// Shared with the heartbeat task; tokio-postgres pipelines their queries.
     pub(crate) client: Arc<Client>,
     pub(crate) stmts: Statements,
@@ -71,20 +60,12 @@ pub(crate) struct Session {
     pub(crate) marker: String,
     /// `oid` of the current database.
     pub(crate) database_oid: i64,
-    /// The server's address and port as it sees this connection (`inet_server_addr()`,
-    /// `inet_server_port()`), empty over a Unix socket: which host of a multi-host URL
-    /// the session is on.
-    pub(crate) server: String,
-    pub(crate) generation: Arc<Generation>,
-    pub(crate) events: mpsc::UnboundedReceiver<ConnEvent>,
-    /// When the setup query that proved the session was sent.
-    pub(crate) proven_at: Instant,
     /// The server's current term as primary.
     pub(crate) term: Term,
     conn_task: JoinHandle<()>,
 }
 
-impl Drop for Session {
+impl Drop for PgLink {
     fn drop(&mut self) {
         // Dropping the connection closes the socket; the server then ends the backend
         // and releases its locks.
@@ -92,18 +73,75 @@ impl Drop for Session {
     }
 }
 
+impl Link for PgLink {
+    fn perform<'a>(
+        &'a self,
+        plan: &'a Plan,
+    ) -> BoxFuture<'a, Result<(Done, Option<tokio_postgres::Error>), Fault>> {
+        Box::pin(self.perform_plan(plan))
+    }
+
+    fn holders<'a>(
+        &'a self,
+        keys: &'a [LockKey],
+    ) -> BoxFuture<'a, Result<Vec<HolderAnswer>, Fault>> {
+        Box::pin(self.look_up_holders(keys))
+    }
+
+    fn cluster(&self) -> BoxFuture<'_, Result<Vec<(LockKey, HolderInfo)>, Fault>> {
+        Box::pin(self.look_up_cluster())
+    }
+
+    fn reset(&self) -> BoxFuture<'_, Result<(), Fault>> {
+        Box::pin(self.reset_session())
+    }
+
+    fn heartbeat_link(&self) -> Box<dyn HeartbeatLink> {
+        Box::new(HeartbeatSession {
+            client: Arc::clone(&self.client),
+            statement: self.stmts.heartbeat.clone(),
+            backend_pid: self.backend_pid,
+            marker: self.marker.clone(),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+}
+
+/// PostgreSQL, the backend that ships: [`connect`].
+#[derive(Debug)]
+pub(crate) struct PgBackend;
+
+impl Backend for PgBackend {
+    fn connect<'a>(
+        &'a self,
+        options: &'a ManagerOptions,
+        generation: u64,
+    ) -> BoxFuture<'a, Result<Session>> {
+        Box::pin(connect(options, generation))
+    }
+}
+
 /// What the heartbeat task needs of the session.
-pub(crate) struct HeartbeatSession {
+struct HeartbeatSession {
     client: Arc<Client>,
     statement: Statement,
     backend_pid: i32,
     marker: String,
 }
 
+impl HeartbeatLink for HeartbeatSession {
+    fn heartbeat(&self) -> BoxFuture<'_, Result<Vec<SessionLock>, SessionDownReason>> {
+        Box::pin(self.prove())
+    }
+}
+
 impl HeartbeatSession {
     /// Proves the session is still ours and writable; answers the advisory locks the
     /// server shows on it (those of a form this manager never takes left out).
-    pub(crate) async fn heartbeat(&self) -> Result<Vec<SessionLock>, SessionDownReason> {
+    async fn prove(&self) -> Result<Vec<SessionLock>, SessionDownReason> {
         let lost = |message: String| SessionDownReason::ConnectionLost { message };
         let row = match self.client.query_one(&self.statement, &[]).await {
             Ok(row) => row,

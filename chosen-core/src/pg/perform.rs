@@ -12,13 +12,13 @@ use crate::fault::{Fault, error_text};
 use crate::key::LockKey;
 use crate::table::{FenceCheck, Plan};
 
-impl Session {
+impl PgLink {
     /// Runs a plan's statements, issued together: tokio-postgres pipelines them on the
     /// one connection, so a step costs one round trip. A failure that ends the session
     /// is an `Err`; a statement that failed with the session intact is in [`Done`],
     /// and a failed try statement's error is returned beside it (the requests that
     /// asked once are answered with it).
-    pub(crate) async fn perform(
+    pub(super) async fn perform_plan(
         &self,
         plan: &Plan,
     ) -> Result<(Done, Option<tokio_postgres::Error>), Fault> {

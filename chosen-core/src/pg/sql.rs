@@ -45,7 +45,7 @@ FROM (SELECT coalesce(array_agg((l.classid::int8 << 32) | l.objid::int8), '{}') 
 /// Tries every due key in one statement, on our own marked backend only (behind a
 /// transaction pooler the guard makes it return no rows instead), and only while the
 /// session is writable (a primary fenced read-only takes no lock and writes no token
-/// record; the empty answer is then told apart, see [`Session::guard_failed`](super::Session::guard_failed)).
+/// record; the empty answer is then told apart, see [`PgLink::guard_failed`](super::PgLink::guard_failed)).
 ///
 /// * The locks are taken in the materialized CTE `k`, all of them before any fencing
 ///   token is assigned: the uncorrelated `done` sub-select (evaluated once, on first

@@ -15,17 +15,7 @@ use crate::status::SessionDownReason;
 use crate::table::{Backend, FenceCheck, TryOutcome};
 use crate::token::FencingToken;
 
-impl Session {
-    /// A handle for the heartbeat task.
-    pub(crate) fn heartbeat_handle(&self) -> HeartbeatSession {
-        HeartbeatSession {
-            client: Arc::clone(&self.client),
-            statement: self.stmts.heartbeat.clone(),
-            backend_pid: self.backend_pid,
-            marker: self.marker.clone(),
-        }
-    }
-
+impl PgLink {
     /// Tries every key in one statement; the keys of `register` that are not won
     /// register interest in their bucket (see [`TRY_KEYS_SQL`]). Answers the outcome
     /// per key and the keys whose bucket's interest key was taken. On a statement error
@@ -476,7 +466,7 @@ impl Session {
 
     /// Leaves the backend as a new one would be (best effort, at shutdown): behind a
     /// pooler that shares it, our settings would otherwise apply to other clients.
-    pub(crate) async fn reset(&self) -> Result<(), Fault> {
+    pub(super) async fn reset_session(&self) -> Result<(), Fault> {
         self.client
             .batch_execute("RESET ALL; UNLISTEN *;")
             .await
@@ -565,7 +555,10 @@ impl Session {
 
     /// Who holds each key, in one statement. A row the server answers oddly is an error
     /// for that key only.
-    pub(crate) async fn holders(&self, keys: &[LockKey]) -> Result<Vec<HolderAnswer>, Fault> {
+    pub(super) async fn look_up_holders(
+        &self,
+        keys: &[LockKey],
+    ) -> Result<Vec<HolderAnswer>, Fault> {
         let mut classids = Vec::with_capacity(keys.len());
         let mut objids = Vec::with_capacity(keys.len());
         let mut subids = Vec::with_capacity(keys.len());
@@ -604,7 +597,7 @@ impl Session {
     }
 
     /// Every advisory lock held in this database, with its holder.
-    pub(crate) async fn cluster(&self) -> Result<Vec<(LockKey, HolderInfo)>, Fault> {
+    pub(super) async fn look_up_cluster(&self) -> Result<Vec<(LockKey, HolderInfo)>, Fault> {
         let rows = self
             .client
             .query(&self.stmts.cluster, &[&self.database_oid])
@@ -624,9 +617,6 @@ impl Session {
         Ok(out)
     }
 }
-
-/// One key's answer from [`Session::holders`].
-pub(crate) type HolderAnswer = Result<Option<HolderInfo>, Arc<tokio_postgres::Error>>;
 
 /// Reads `application_name, pid, host(client_addr), backend_start` from `row` starting at
 /// column `at`; every column may be NULL.

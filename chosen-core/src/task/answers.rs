@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 use tracing::debug;
 
 use super::Driver;
+use crate::backend::Session;
 use crate::command::{Command, Grant};
 use crate::error::{Error, Result};
 use crate::fault::Fault;
 use crate::info::{LockInfo, LockState};
 use crate::key::LockKey;
-use crate::pg::Session;
 use crate::status::SessionDownReason;
 use crate::table::{Action, Entry, Refusal, RequestId};
 use crate::token::FencingToken;

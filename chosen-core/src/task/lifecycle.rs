@@ -8,9 +8,9 @@ use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
 use super::{Driver, error_chain, far_future};
+use crate::backend::Session;
 use crate::error::Error;
 use crate::generation::Generation;
-use crate::pg::{self, Session};
 use crate::status::{ConnectionState, SessionDownReason};
 
 impl Driver {
@@ -100,7 +100,8 @@ impl Driver {
             self.shared
                 .status
                 .send_replace(ConnectionState::Connecting { attempt });
-            let connect = pg::connect(&options, self.generations);
+            let backend = std::sync::Arc::clone(&self.backend);
+            let connect = backend.connect(&options, self.generations);
             tokio::pin!(connect);
             let result = loop {
                 tokio::select! {

@@ -21,13 +21,13 @@ use tokio::sync::oneshot;
 use tokio::time::sleep_until;
 use tracing::{debug, info};
 
+use crate::backend::{Backend, ConnEvent, Session};
 use crate::command::{ClusterReply, Command, Grant, HolderReply};
 use crate::engine::{CloseNext, Engine, Overdue};
 use crate::error::Result;
 use crate::fault::{Fault, error_text};
 use crate::generation::Generation;
 use crate::key::LockKey;
-use crate::pg::{ConnEvent, Session};
 use crate::shared::Shared;
 use crate::status::{ConnectionState, SessionDownReason};
 use crate::table::RequestId;
@@ -39,6 +39,8 @@ enum Exit {
 
 pub(crate) struct Driver {
     shared: Arc<Shared>,
+    /// Where sessions come from.
+    backend: Arc<dyn Backend>,
     rx: UnboundedReceiver<Command>,
     weak_tx: WeakUnboundedSender<Command>,
     engine: Engine,
@@ -77,6 +79,7 @@ impl Driver {
         shared: Arc<Shared>,
         rx: UnboundedReceiver<Command>,
         weak_tx: WeakUnboundedSender<Command>,
+        backend: Arc<dyn Backend>,
     ) -> Self {
         let seed = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
@@ -92,6 +95,7 @@ impl Driver {
             shared,
             rx,
             weak_tx,
+            backend,
             replies: HashMap::new(),
             release_replies: Vec::new(),
             holder_queries: Vec::new(),
@@ -218,8 +222,8 @@ impl Driver {
                 // Kept open until the next session fences what is still stopping (the
                 // engine's rule 6), unless its connection is closed already, or it is a
                 // pooler's (nothing of it is ours).
-                let may_keep = !s.client.is_closed()
-                    && !matches!(reason, SessionDownReason::PoolerDetected { .. });
+                let may_keep =
+                    !s.is_closed() && !matches!(reason, SessionDownReason::PoolerDetected { .. });
                 match self.end_generation(&generation, reason.clone(), may_keep) {
                     Some(until) => self.retire(s, until),
                     None => drop(s),
