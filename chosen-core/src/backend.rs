@@ -1,7 +1,10 @@
 //! The seam between the manager's task and a database server: where sessions come from
 //! ([`Backend`]) and what an open session does ([`Link`], [`HeartbeatLink`]). The task
 //! knows only these; PostgreSQL ([`crate::pg`]) is the one backend that ships, and a
-//! simulated server can stand in for it in tests, running the real task above it.
+//! simulated server is to stand in for it in tests, running the real task above it.
+//! (The answers still carry `tokio_postgres::Error`, which only tokio-postgres can
+//! make: such a server answers a failed statement as a lost session or no answer, not
+//! as a database error.)
 //!
 //! Every implementation keeps the same contract (the one the PostgreSQL code keeps):
 //!

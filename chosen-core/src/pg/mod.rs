@@ -110,7 +110,7 @@ impl Link for PgLink {
     }
 }
 
-/// PostgreSQL, the backend that ships: [`connect`].
+/// PostgreSQL, the backend that ships: [`connect()`].
 #[derive(Debug)]
 pub(crate) struct PgBackend;
 
