@@ -1399,7 +1399,13 @@ async fn a_schedule_change_after_a_quiet_spell_does_not_replay_history() {
     // is missed, none caught up, on gaining leadership or at the first tick.
     let db = db().await;
     let job = unique_name("ledger-reschedule");
-    let now = db_now(&db.admin).await;
+    // Seconds 10 to 50 of a minute: the minute's tick is at least 10 s old and the next
+    // at least 10 s away (a minute tick in between would rightly be caught up).
+    let mut now = db_now(&db.admin).await;
+    while !(10..50).contains(&(now % 60)) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        now = db_now(&db.admin).await;
+    }
     let hour = now / 3600 * 3600 - 2 * 86_400;
     for t in [hour - 3600, hour] {
         db.admin
@@ -1423,7 +1429,7 @@ async fn a_schedule_change_after_a_quiet_spell_does_not_replay_history() {
         (policy, Claim::BeforeRun, minutely),
         false,
     );
-    let minute = (now - 6) / 60 * 60;
+    let minute = now / 60 * 60;
     assert!(tick(&mut b, minute).await.ran());
     // The catch-up on gaining leadership has decided by now (it waits 5 s at most).
     tokio::time::sleep(Duration::from_secs(6)).await;
