@@ -69,7 +69,7 @@ pub(crate) async fn run(
             // No success within the lease timeout (even if replies are on their way).
             () = sleep_until(watchdog) => return revoke(overdue()),
             Some((beat, answer)) = in_flight.next(), if !in_flight.is_empty() => {
-                let now = Instant::now();
+                let now = crate::clock::now();
                 // Sorted before the floor's lock is taken (the task waits for it).
                 let mut answer: Result<Vec<SessionLock>, SessionDownReason> = answer;
                 if let Ok(locks) = answer.as_mut() {
@@ -106,7 +106,7 @@ pub(crate) async fn run(
                 // Read before the query is sent (it goes out when `in_flight` first polls
                 // it): validity counts from no later than the send, and the lock floor
                 // holds for the server's state when the query runs (see `Pulse::answered`).
-                let beat = pulse.send(Instant::now(), shared.server_floor());
+                let beat = pulse.send(crate::clock::now(), shared.server_floor());
                 in_flight.push(async move { (beat, session.heartbeat().await) });
             }
         }

@@ -328,8 +328,7 @@ impl Validity {
             options,
             crate::ConnectionState::Connecting { attempt: 1 },
         ));
-        shared
-            .extend_validity(std::time::Instant::now() + std::time::Duration::from_secs(1_000_000));
+        shared.extend_validity(crate::clock::now() + std::time::Duration::from_secs(1_000_000));
         let generation = Generation::new(1);
         (
             Self {
@@ -400,5 +399,35 @@ mod tests {
         assert!(!validity.is_valid());
         let _ = reply.expect("release waits for a reply").send(Ok(()));
         release.await.unwrap().unwrap();
+    }
+
+    /// The validity deadline and the timer that wakes `lost()` read one clock, so a
+    /// paused clock (a test, a simulated fleet) moves both: the lease turns invalid
+    /// exactly when its deadline passes, and not a moment before.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_deadline_passes_with_a_paused_clock() {
+        use std::time::Duration;
+        let (lease, _rx, _generation) = Lease::for_tests();
+        let shared = Arc::clone(lease.shared());
+        shared.invalidate();
+        let start = tokio::time::Instant::now();
+        shared.extend_validity(crate::clock::now() + Duration::from_secs(5));
+        assert!(lease.is_valid());
+        tokio::time::sleep(Duration::from_millis(4_900)).await;
+        assert!(lease.is_valid(), "valid until its deadline");
+        let reason = tokio::time::timeout(Duration::from_secs(60), lease.lost())
+            .await
+            .expect("lost() resolves once the deadline passes");
+        assert!(
+            matches!(reason, SessionDownReason::HeartbeatOverdue { .. }),
+            "{reason:?}"
+        );
+        assert!(!lease.is_valid());
+        assert!(start.elapsed() >= Duration::from_secs(5));
+        assert!(
+            start.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            start.elapsed()
+        );
     }
 }

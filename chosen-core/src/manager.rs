@@ -301,7 +301,7 @@ impl LockManager {
             poll_interval,
             mode,
             since: SystemTime::now(),
-            enqueued: std::time::Instant::now(),
+            enqueued: crate::clock::now(),
         };
         self.tx
             .send(Command::Acquire { request, reply })
@@ -413,8 +413,7 @@ impl LockManager {
 
     /// See `Shared::next_shared_tick`.
     pub(crate) fn next_shared_tick(&self, period: Duration) -> std::time::Instant {
-        self.shared
-            .next_shared_tick(period, std::time::Instant::now())
+        self.shared.next_shared_tick(period, crate::clock::now())
     }
 
     /// This manager's node id (its session's `application_name`).

@@ -235,7 +235,7 @@ impl Shared {
     pub(crate) fn new(options: ManagerOptions, status: ConnectionState) -> Self {
         Self {
             options,
-            epoch: Instant::now(),
+            epoch: crate::clock::now(),
             valid_until: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             status: watch::Sender::new(status),
@@ -308,7 +308,7 @@ impl Shared {
                 // The clock is read here, not only by the caller: a thread paused between
                 // its reading and this update must not revive validity that lapsed (and
                 // was reported lost) meanwhile.
-                let now = self.nanos(now.max(Instant::now()));
+                let now = self.nanos(now.max(crate::clock::now()));
                 (current > now).then_some(current.max(deadline))
             })
             .is_ok()
@@ -324,7 +324,7 @@ impl Shared {
     }
 
     pub(crate) fn is_valid_now(&self) -> bool {
-        Instant::now() < self.valid_until()
+        crate::clock::now() < self.valid_until()
     }
 }
 

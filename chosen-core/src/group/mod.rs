@@ -400,7 +400,7 @@ impl Runner {
             holders_all.push(a?);
         }
         let (slots, members) = holders_all.split_at(self.slot_keys.len());
-        let now = Instant::now();
+        let now = crate::clock::now();
         // An ineligible node never joins: the others place every member. (Members
         // that may not lead here, by the group's singleton options, make it so too:
         // a member placed here would stay unheld, be taken over, and come back.)

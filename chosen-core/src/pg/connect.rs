@@ -2,7 +2,6 @@
 //! session is alone on, set the session up, prepare the statements, and read the term.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -29,7 +28,7 @@ pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
         .simple_query(&format!("{TERM_SQL}; {EMIT_PRIVILEGE_SQL}"))
         .await
         .map_err(Error::database)?;
-    let read_at = Instant::now();
+    let read_at = crate::clock::now();
     let mut rows = messages.iter().filter_map(|m| match m {
         tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
         _ => None,
@@ -248,7 +247,7 @@ where
                     let _ = events_tx.send(ConnEvent::Notification {
                         sender: n.process_id(),
                         payload: n.payload().to_owned(),
-                        at: Instant::now(),
+                        at: crate::clock::now(),
                     });
                 }
                 Some(Ok(AsyncMessage::Notice(notice))) => {
@@ -329,7 +328,7 @@ where
     // statement_timeout must not cancel it). The session is proven from the moment they
     // were sent: the server answered them later, so its idle clock started later, the
     // same rule as a heartbeat's.
-    let proven_at = Instant::now();
+    let proven_at = crate::clock::now();
     let ((), term, stmts) = tokio::try_join!(
         biased;
         async { client.batch_execute(&setup).await.map_err(Error::database) },

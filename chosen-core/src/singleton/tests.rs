@@ -566,14 +566,14 @@ async fn a_factory_panic_is_a_child_failure() {
 
 /// The watchdog deadline passed (a late heartbeat), then a heartbeat extended it
 /// again while the child was still being stopped: the lease must stay lost.
-/// Real time, because the deadline is on the std clock.
-#[tokio::test]
+/// On a paused clock: the deadline and the watchdog read the same clock.
+#[tokio::test(start_paused = true)]
 async fn a_lease_once_lost_stays_lost_while_the_child_stops() {
     let f = Arc::new(fixture());
     let (lease, _rx, _generation) = crate::Lease::for_tests();
     let shared = Arc::clone(lease.shared());
     shared.invalidate();
-    shared.extend_validity(std::time::Instant::now() + Duration::from_millis(300));
+    shared.extend_validity(crate::clock::now() + Duration::from_millis(300));
     let probe = Probe::default();
     let options = SingletonOptions::default().shutdown_timeout(Duration::from_secs(2));
     let task = hold(Arc::clone(&f), lease, options, probe.factory(false));
@@ -587,7 +587,7 @@ async fn a_lease_once_lost_stays_lost_while_the_child_stops() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(f.status().child, ChildState::Stopping);
     // A heartbeat that lands now must not revive the lost lease.
-    shared.extend_validity(std::time::Instant::now() + Duration::from_secs(3600));
+    shared.extend_validity(crate::clock::now() + Duration::from_secs(3600));
     assert!(!f.inner.leadership.is_leader());
     task.abort();
 }

@@ -22,7 +22,7 @@ impl Driver {
     /// Carries out the table's actions: leases granted, requests answered, metrics.
     pub(super) fn carry_out(&mut self) {
         let closing = self.shared.closing.is_cancelled();
-        while let Some(action) = self.engine.poll_action(Instant::now(), closing) {
+        while let Some(action) = self.engine.poll_action(crate::clock::now(), closing) {
             match action {
                 Action::Grant {
                     id,
@@ -79,7 +79,9 @@ impl Driver {
             self.current.clone(),
             self.weak_tx.upgrade(),
         ) else {
-            self.engine.table_mut().undelivered(key, id, Instant::now());
+            self.engine
+                .table_mut()
+                .undelivered(key, id, crate::clock::now());
             return;
         };
         debug_assert_eq!(generation.id, generation_id);
@@ -109,7 +111,9 @@ impl Driver {
                 if let Ok(Some(mut grant)) = returned {
                     grant.disarm();
                 }
-                self.engine.table_mut().undelivered(key, id, Instant::now());
+                self.engine
+                    .table_mut()
+                    .undelivered(key, id, crate::clock::now());
             }
         }
     }
@@ -212,7 +216,7 @@ impl Driver {
     // ---- commands ----------------------------------------------------------------
 
     pub(super) fn handle(&mut self, cmd: Command) {
-        let now = Instant::now();
+        let now = crate::clock::now();
         match cmd {
             Command::Acquire { request, reply } => {
                 let key = request.key;

@@ -33,7 +33,7 @@ impl Driver {
             %reason,
             "lock session lost; every lease revoked"
         );
-        let kept = self.engine.session_lost(Instant::now(), may_keep);
+        let kept = self.engine.session_lost(crate::clock::now(), may_keep);
         self.carry_out();
         if let Some(m) = self.metrics() {
             m.connection_changed(self.node(), false, generation.id);
@@ -77,7 +77,7 @@ impl Driver {
     /// Closes the lost sessions that the engine says may close (rule 6); those past
     /// their deadline closed themselves already.
     pub(super) fn close_retired(&mut self) {
-        for _ in 0..self.engine.close_retired(Instant::now()) {
+        for _ in 0..self.engine.close_retired(crate::clock::now()) {
             if let Some(close) = self.retiring.pop_front() {
                 close.cancel();
             }

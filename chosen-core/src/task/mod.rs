@@ -155,9 +155,9 @@ impl Driver {
             backend_pid = s.backend_pid,
             "lock session connected"
         );
-        if let Some(grants_in) = self
-            .engine
-            .session_started(generation.id, &s.term, Instant::now())
+        if let Some(grants_in) =
+            self.engine
+                .session_started(generation.id, &s.term, crate::clock::now())
         {
             info!(
                 node_id = %self.shared.options.node_id,
@@ -197,7 +197,7 @@ impl Driver {
             self.close_retired();
             let wakeup = self
                 .engine
-                .next_wakeup(Instant::now())
+                .next_wakeup(crate::clock::now())
                 .map(tokio::time::Instant::from_std);
             tokio::select! {
                 biased;
@@ -306,7 +306,7 @@ impl Driver {
         let overdue = |Overdue| SessionDownReason::HeartbeatOverdue { lease_timeout };
         let plan = self
             .engine
-            .plan(Instant::now(), self.shared.is_valid_now(), closing)
+            .plan(crate::clock::now(), self.shared.is_valid_now(), closing)
             .map_err(overdue)?;
         // Lowered before the statements that release locks are sent; and until their
         // answer is applied, heartbeats prove the session no later than their send
@@ -333,7 +333,7 @@ impl Driver {
                     &done,
                     self.shared.is_valid_now(),
                     closing,
-                    Instant::now(),
+                    crate::clock::now(),
                 )
                 .map_err(overdue)?;
             self.shared
@@ -353,10 +353,10 @@ impl Driver {
             generation.revoke(SessionDownReason::Shutdown);
         }
         self.last_reason = SessionDownReason::Shutdown;
-        self.engine.begin_shutdown(Instant::now());
+        self.engine.begin_shutdown(crate::clock::now());
         self.carry_out();
         loop {
-            let next = self.engine.close_next(Instant::now());
+            let next = self.engine.close_next(crate::clock::now());
             match (next, s.as_deref_mut()) {
                 (CloseNext::Done, _) => break,
                 (CloseNext::Step { deadline }, Some(s)) => {
