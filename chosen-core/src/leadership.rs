@@ -334,10 +334,11 @@ impl ManualLeadership {
     /// [`Leadership::is_leader`] is `false`, [`Leadership::state`] reports
     /// `Following { leader: None }` and [`Leadership::wait_not_leading`] resolves.
     ///
-    /// `deadline` is on the real clock, as real leases' are; a deadline already passed
-    /// gives a lease that is expired from the start. Do not await a loss with tokio's
-    /// time paused before a deadline in the future: the paused clock would run ahead of
-    /// the real one.
+    /// `deadline` is on the clock tokio's timers use, as real leases' are: take it as
+    /// `tokio::time::Instant::now().into_std() + d` (the same as
+    /// `std::time::Instant::now() + d` unless tokio's time is paused, when it is the
+    /// paused clock, and the lease is checked against that clock inside that runtime).
+    /// A deadline already passed gives a lease that is expired from the start.
     pub fn lead_until(&self, token: u64, deadline: std::time::Instant) {
         let options = crate::ManagerOptions::from_url("postgres://manual@localhost/manual")
             .expect("BUG: static URL parses");

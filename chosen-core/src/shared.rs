@@ -324,7 +324,10 @@ impl Shared {
     }
 
     pub(crate) fn is_valid_now(&self) -> bool {
-        crate::clock::now() < self.valid_until()
+        // Compared as offsets from the epoch: a reading before the epoch (a clock
+        // behind the one the epoch was read on) counts as the epoch, so an invalidated
+        // validity (0) is never valid, whatever clock reads it.
+        self.nanos(crate::clock::now()) < self.valid_until.load(Ordering::Acquire)
     }
 }
 
@@ -336,6 +339,39 @@ mod tests {
         let options = ManagerOptions::from_url("postgres://test@localhost/test")
             .expect("BUG: static URL parses");
         Shared::new(options, ConnectionState::Connecting { attempt: 1 })
+    }
+
+    /// Validity read on a clock behind the one its epoch was read on (a paused
+    /// runtime's, with the shared state made outside it): an invalidated validity is
+    /// still invalid, and a deadline is still compared with its own clock.
+    #[test]
+    fn an_invalidated_validity_is_invalid_on_a_clock_behind_its_epoch() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let shared = shared();
+        shared.invalidate();
+        assert!(!rt.block_on(async { shared.is_valid_now() }));
+        assert!(!shared.is_valid_now());
+        let virtual_now = rt.block_on(async { crate::clock::now() });
+        shared.extend_validity(virtual_now + Duration::from_millis(10));
+        assert!(
+            !rt.block_on(async { shared.is_valid_now() }),
+            "a deadline before the epoch is passed"
+        );
+        shared.extend_validity(virtual_now + s(1));
+        assert!(
+            rt.block_on(async { shared.is_valid_now() }),
+            "valid until its deadline"
+        );
+        rt.block_on(async { tokio::time::sleep(s(1)).await });
+        assert!(
+            !rt.block_on(async { shared.is_valid_now() }),
+            "and no longer"
+        );
     }
 
     fn s(n: u64) -> Duration {

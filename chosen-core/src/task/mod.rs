@@ -313,7 +313,7 @@ impl Driver {
         // (what they take is in no floor yet).
         self.shared.set_server_floor(
             self.engine.server_floor(),
-            plan.takes_locks().then(Instant::now),
+            plan.takes_locks().then(crate::clock::now),
         );
         self.carry_out();
         if !plan.is_empty() {
