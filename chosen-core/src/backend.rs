@@ -53,6 +53,13 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
         options: &'a ManagerOptions,
         generation: u64,
     ) -> BoxFuture<'a, Result<Session>>;
+
+    /// The seed of the manager's jitter (poll spreading, backoffs), or `None` for one
+    /// drawn from the time and the process. A simulated server gives a fixed one, so
+    /// that a run replays exactly.
+    fn seed(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// One open session's statements.

@@ -19,6 +19,7 @@ mod key;
 mod leadership;
 mod lease;
 mod manager;
+mod maps;
 mod metrics;
 mod names;
 mod options;

@@ -374,7 +374,7 @@ impl LockManager {
             .send(Command::Cluster(reply))
             .map_err(|_| Error::Closed)?;
         let rows = rx.await.map_err(|_| Error::Closed)??;
-        let mut known: std::collections::HashMap<LockKey, String> = self
+        let mut known: crate::maps::HashMap<LockKey, String> = self
             .locks()
             .await?
             .into_iter()

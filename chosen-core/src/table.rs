@@ -40,7 +40,9 @@
 //! * **Withdrawn requests** (their caller stopped waiting) leave the queue at once; a key
 //!   nobody holds or wants is forgotten. Memory is bounded by live requests and keys held.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use crate::maps::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -523,9 +525,9 @@ impl LockTable {
             rules,
             generation: None,
             closing: false,
-            slots: HashMap::new(),
-            interest: HashSet::new(),
-            ticks: HashMap::new(),
+            slots: HashMap::default(),
+            interest: HashSet::default(),
+            ticks: HashMap::default(),
             rng: seed | 1,
             actions: VecDeque::new(),
             grants_not_before: None,
@@ -1146,7 +1148,7 @@ impl LockTable {
         // Interest: a key that waits for another session's release registers its bucket
         // (once per bucket per statement); a bucket no waiting key needs is released.
         plan.try_keys.sort_unstable();
-        let mut flagged: HashSet<u16> = HashSet::new();
+        let mut flagged: HashSet<u16> = HashSet::default();
         for key in &plan.try_keys {
             let bucket = self.slots[key].bucket;
             if !self.interest.contains(&bucket) && flagged.insert(bucket) {

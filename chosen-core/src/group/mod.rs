@@ -2,7 +2,9 @@
 
 mod placement;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::maps::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -266,11 +268,11 @@ impl SingletonGroup {
                 status: Arc::clone(&status),
                 stop: stop.clone(),
                 slot: None,
-                running: HashMap::new(),
+                running: HashMap::default(),
                 stopping: Vec::new(),
-                orphan_since: HashMap::new(),
+                orphan_since: HashMap::default(),
                 me: None,
-                first_seen: HashMap::new(),
+                first_seen: HashMap::default(),
                 last_live: BTreeMap::new(),
                 leaves: VecDeque::new(),
             }
@@ -464,7 +466,7 @@ impl Runner {
         {
             self.leaves.pop_front();
         }
-        let mut per_node: HashMap<&str, usize> = HashMap::new();
+        let mut per_node: HashMap<&str, usize> = HashMap::default();
         for (_, id) in &self.leaves {
             *per_node.entry(id.as_str()).or_default() += 1;
         }

@@ -34,7 +34,7 @@ impl PgLink {
                 .chain(&plan.unlock_quiet)
                 .copied()
                 .collect();
-            let targets: std::collections::HashMap<LockKey, u64> =
+            let targets: crate::maps::HashMap<LockKey, u64> =
                 plan.hand_to.iter().copied().collect();
             let tags = plan
                 .unlock

@@ -1,7 +1,7 @@
 //! What the task answers: the engine's actions carried out (leases delivered, requests
 //! answered, metrics), the handles' commands fed to the engine, and the look-ups.
 
-use std::collections::HashMap;
+use crate::maps::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -132,7 +132,7 @@ impl Driver {
             return;
         };
         let node = &self.shared.options.node_id;
-        let mut seen = HashMap::new();
+        let mut seen = HashMap::default();
         for (key, name, n) in self.engine.table_mut().waiting() {
             if self.reported_waiting.get(&key).map(|(_, c)| *c) != Some(n) {
                 m.lock_waiting(node, name, n);

@@ -11,7 +11,7 @@
 mod answers;
 mod lifecycle;
 
-use std::collections::HashMap;
+use crate::maps::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -81,11 +81,13 @@ impl Driver {
         weak_tx: WeakUnboundedSender<Command>,
         backend: Arc<dyn Backend>,
     ) -> Self {
-        let seed = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-            ^ u64::from(std::process::id()).rotate_left(32)
-            ^ (Arc::as_ptr(&shared) as u64);
+        let seed = backend.seed().unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+                ^ u64::from(std::process::id()).rotate_left(32)
+                ^ (Arc::as_ptr(&shared) as u64)
+        });
         Self {
             engine: Engine::new(
                 shared.options.table_rules(),
@@ -96,7 +98,7 @@ impl Driver {
             rx,
             weak_tx,
             backend,
-            replies: HashMap::new(),
+            replies: HashMap::default(),
             release_replies: Vec::new(),
             holder_queries: Vec::new(),
             cluster_queries: Vec::new(),
@@ -109,7 +111,7 @@ impl Driver {
                 message: "not connected yet".to_owned(),
             },
             last_error: None,
-            reported_waiting: HashMap::new(),
+            reported_waiting: HashMap::default(),
         }
     }
 
