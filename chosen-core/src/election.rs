@@ -372,6 +372,7 @@ pub(crate) async fn fail_back_unless_preferred(
 /// set the node to hand over to).
 pub(crate) async fn stepped_down(term: &CancellationToken, fail_back: impl Future<Output = ()>) {
     tokio::select! {
+        biased;
         () = term.cancelled() => {}
         () = fail_back => {}
     }
@@ -453,6 +454,7 @@ pub(crate) async fn wait_for_successor(
             return true;
         }
         tokio::select! {
+            biased;
             () = stop.cancelled() => return false,
             () = tokio::time::sleep_until(deadline) => return true,
             () = tokio::time::sleep(Duration::from_millis(25)) => {}
@@ -466,6 +468,7 @@ pub(crate) async fn wait_for_successor(
 pub(crate) async fn rejoin_pause(manager: &LockManager, stop: &CancellationToken) -> bool {
     let pause = manager.options().get_poll_interval() * 2;
     tokio::select! {
+        biased;
         () = stop.cancelled() => false,
         () = tokio::time::sleep(pause) => true,
     }
@@ -530,6 +533,7 @@ pub(crate) async fn campaign(
                 Err(e) => {
                     warn!(lock = %leadership.name(), error = %e, "acquire failed; retrying");
                     tokio::select! {
+                        biased;
                         () = stop.cancelled() => return None,
                         () = tokio::time::sleep(Duration::from_secs(1)) => {}
                     }

@@ -273,6 +273,7 @@ impl Leadership {
             match validity {
                 Some(v) => {
                     tokio::select! {
+                        biased;
                         _ = v.lost() => return,
                         r = rx.changed() => if r.is_err() { return },
                     }

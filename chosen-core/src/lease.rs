@@ -312,6 +312,7 @@ impl Validity {
             }
             let deadline = tokio::time::Instant::from_std(self.shared.valid_until());
             tokio::select! {
+                biased;
                 () = self.ended.cancelled() => {}
                 () = self.generation.revoked.cancelled() => {}
                 () = tokio::time::sleep_until(deadline) => {}

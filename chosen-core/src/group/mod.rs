@@ -355,6 +355,7 @@ impl Runner {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                biased;
                 () = self.stop.cancelled() => break,
                 _ = tick.tick() => {}
             }

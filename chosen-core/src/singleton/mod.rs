@@ -445,6 +445,7 @@ async fn run<F, Fut>(
             std::future::pending::<()>().await;
         };
         let outcome = tokio::select! {
+            biased;
             outcome = lead(
                 &options,
                 &inner,
@@ -551,6 +552,7 @@ async fn run<F, Fut>(
                     s.state = SingletonState::CoolingDown { until };
                 });
                 tokio::select! {
+                    biased;
                     () = stop.cancelled() => break,
                     () = tokio::time::sleep(options.give_up_cooldown) => {}
                 }

@@ -179,6 +179,7 @@ where
     if inner.child_finished() {
         inner.update(|s| s.child = ChildState::Finished);
         tokio::select! {
+            biased;
             reason = &mut lost => return Outcome::Lost(reason),
             () = stop.cancelled() => return Outcome::Stop,
         }
@@ -280,6 +281,7 @@ where
             }
             inner.update(|s| s.child = ChildState::Finished);
             tokio::select! {
+                biased;
                 reason = &mut lost => return Outcome::Lost(reason),
                 () = stop.cancelled() => return Outcome::Stop,
             }

@@ -65,6 +65,7 @@ impl Driver {
         let closed = close.clone();
         tokio::spawn(async move {
             tokio::select! {
+                biased;
                 () = sleep_until(tokio::time::Instant::from_std(until)) => {}
                 () = closed.cancelled() => {}
             }
@@ -105,6 +106,7 @@ impl Driver {
             tokio::pin!(connect);
             let result = loop {
                 tokio::select! {
+                    biased;
                     result = &mut connect => break result,
                     cmd = self.rx.recv() => match cmd {
                         Some(cmd) => self.handle(cmd),
@@ -151,6 +153,7 @@ impl Driver {
                 .unwrap_or_else(far_future);
             loop {
                 tokio::select! {
+                    biased;
                     () = sleep_until(until) => break,
                     cmd = self.rx.recv() => match cmd {
                         Some(cmd) => self.handle(cmd),

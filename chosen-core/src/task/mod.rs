@@ -379,12 +379,15 @@ impl Driver {
                 (CloseNext::Wait { until }, _) => {
                     let until = tokio::time::Instant::from_std(until);
                     tokio::select! {
+                        biased;
+                        // The deadline first; commands that came meanwhile are handled
+                        // just below.
+                        () = sleep_until(until) => {}
                         cmd = self.rx.recv() => match cmd {
                             Some(cmd) => self.handle(cmd),
                             // No handle left (nor a lease, whose grant holds one).
                             None => sleep_until(until).await,
                         },
-                        () = sleep_until(until) => {}
                     }
                     while let Ok(cmd) = self.rx.try_recv() {
                         self.handle(cmd);
