@@ -4439,12 +4439,33 @@ fn print_trace(seed: u64, trace: &[String], all: bool) {
     }
 }
 
+/// A digest of a trace (std's hasher with its fixed keys: the same in every run of one
+/// build). `Instant`s printed whole are left out: they count from the real moment the
+/// run began (the virtual time at the start of each line is kept).
+fn digest_of(trace: &[String]) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    for line in trace {
+        let mut rest = line.as_str();
+        while let Some(at) = rest.find("Instant {") {
+            rest[..at].hash(&mut h);
+            rest = rest[at..].find('}').map_or("", |end| &rest[at + end + 1..]);
+        }
+        rest.hash(&mut h);
+    }
+    h.finish()
+}
+
 #[test]
 fn simulation_holds_over_many_seeds() {
     // Reports (the summary, findings, a failing seed's trace) go through tracing, to the
     // test's output (`--nocapture` shows it for a passing run).
     report_through_tracing();
     let replay = env_u64("CHOSEN_SIM_SEED");
+    // `CHOSEN_SIM_DIGEST=1`: trace every seed and print one digest of all the traces,
+    // in seed order. Equal digests before and after a change to the simulation or the
+    // table mean that it changed no history (a refactor's proof).
+    let digest = env_u64("CHOSEN_SIM_DIGEST").is_some_and(|d| d != 0);
     let (first, count) = match replay {
         Some(seed) => (seed, 1),
         None => (
@@ -4472,13 +4493,16 @@ fn simulation_holds_over_many_seeds() {
                             break mine;
                         }
                         let mut out = Sim::new(Config {
-                            trace: replay.is_some(),
+                            trace: replay.is_some() || digest,
                             ..Config::random(seed)
                         })
                         .run();
                         // Only what the report needs is kept across seeds.
                         out.runs = Vec::new();
                         out.tries = Vec::new();
+                        if digest && replay.is_none() {
+                            out.trace = vec![format!("{:016x}", digest_of(&out.trace))];
+                        }
                         mine.push((seed, out));
                     }
                 })
@@ -4491,9 +4515,13 @@ fn simulation_holds_over_many_seeds() {
         all.sort_by_key(|(seed, _)| *seed);
         all
     });
+    let mut all_traces = 0u64;
     for (seed, out) in results {
         if replay.is_some() {
             print_trace(seed, &out.trace, true);
+        }
+        if digest {
+            all_traces = all_traces.rotate_left(5) ^ digest_of(&out.trace);
         }
         total.add(&out.stats);
         if let Some(f) = out.stale_grants.first() {
@@ -4526,6 +4554,9 @@ fn simulation_holds_over_many_seeds() {
         count as f64 / secs,
         summary(&total)
     );
+    if digest {
+        tracing::info!("simulation: digest of the traces {all_traces:016x}");
+    }
     for (seed, text) in past_fence.iter().take(5) {
         tracing::warn!("finding, seed {seed}: {text}");
     }
