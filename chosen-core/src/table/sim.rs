@@ -61,16 +61,20 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::engine::{CloseNext, Done, Engine, Term, Timing as EngineTiming, TryFailed};
+use crate::engine::{CloseNext, Done, Engine, Term, Timing as EngineTiming};
 use crate::heartbeat::{Beat, Pulse, Verdict};
 use crate::key::LockKey;
 use crate::key::SessionLock;
 use crate::shared::ServerFloor;
 use crate::table::{
-    Action, Backend as Seen, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId,
-    Rules, TryOutcome, Via, next_random, verified,
+    Action, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId, Rules, TryOutcome,
+    Via, next_random, verified,
 };
 use crate::token::FencingToken;
+
+#[path = "sim/server.rs"]
+mod server;
+use server::{Coming, Executed, Notice, Reply, Server};
 
 /// An announcement as the checks know it: its sender, the sender's start, when the
 /// server sent it and when it arrived (a waiter's try may win on it without the grace
@@ -293,26 +297,6 @@ enum Up {
     Close {
         pid: i32,
     },
-}
-
-#[derive(Clone, Debug)]
-struct Reply {
-    /// When the server ran the statements.
-    at: T,
-    token: Option<FencingToken>,
-    tried: Vec<(LockKey, TryOutcome)>,
-    /// Keys whose interest bucket the try statement registered.
-    registered: Vec<LockKey>,
-    /// Keys of `verify` won, with the start of the backend that has the pid now.
-    senders: Vec<(LockKey, Option<i64>)>,
-    fenced: Vec<(LockKey, bool)>,
-    checked: Vec<(LockKey, FenceCheck)>,
-    /// The try statement failed with the session intact (cancelled, timed out,
-    /// refused, the lock table full): no key of it was taken.
-    try_failed: Option<TryFailed>,
-    /// The token statement found keys of the hand-off no longer held by the session
-    /// (another client released them): the session ends, as a pooler's.
-    locks_gone: bool,
 }
 
 /// Server → node.
@@ -730,123 +714,6 @@ struct Freeze {
     server_ended: bool,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Backend {
-    n: usize,
-    inst: u32,
-    last: T,
-    /// `backend_start`.
-    start: T,
-    /// The high bits of its tokens, as its client read them at connect (the token
-    /// epoch is a database setting: a session keeps the value it started with).
-    high: u16,
-    /// Opened on a replaced cluster before the DBA set its token epoch.
-    unepoched: bool,
-    /// How far the server's clock had stepped since its term began when this
-    /// session read the term's age (`None`: the age was unknown).
-    age_step: Option<i64>,
-    /// The cluster (system identifier) it is on.
-    system: u32,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct FenceHold {
-    key: LockKey,
-    pid: i32,
-    from: T,
-    to: Option<T>,
-}
-
-#[derive(Debug)]
-struct Server {
-    up: bool,
-    /// When the server's current term as primary began (it came up), `None` when long
-    /// before the run (an hour).
-    started: Option<T>,
-    backends: BTreeMap<i32, Backend>,
-    /// Exclusive advisory locks (the keys).
-    excl: BTreeMap<LockKey, i32>,
-    /// Stop fences, as `FENCE_SQL` takes them: shared, by any number of backends; the
-    /// probes (in the try and the check) are exclusive, and fail against any of them.
-    fences_shared: BTreeMap<LockKey, BTreeSet<i32>>,
-    /// Interest buckets: the backends holding each bucket's interest key (shared).
-    interest: BTreeMap<u16, BTreeSet<i32>>,
-    /// Advisory locks another client took on a node's backend (a pooler's other
-    /// client), in a key space no node uses: how many, per backend.
-    foreign_locks: BTreeMap<i32, u8>,
-    next_pid: i32,
-    xid: u64,
-    /// Backends of no node (a forger on a reused pid): their starts.
-    foreign: BTreeMap<i32, T>,
-    /// The last announcement each backend sent (what a forger replays).
-    last_payload: BTreeMap<i32, Payload>,
-    /// The timeline it writes (a promoted standby's is one higher; a replaced cluster
-    /// starts at 1 again).
-    timeline: u16,
-    /// Its `chosen.token_epoch` (a DBA sets it on a replaced cluster).
-    epoch: u16,
-    /// Its system identifier (a replaced cluster has another).
-    system: u32,
-    /// Its wall clock minus virtual time, in microseconds (a clock step changes it).
-    clock: i64,
-    /// The wall-clock time it recorded for its term's start (what the term query's age
-    /// is measured from, with the wall clock of the moment).
-    started_wall: Option<i64>,
-    /// Until then the term's start is unknown (a promoted server whose end-of-recovery
-    /// checkpoint is not done: the term query answers no age).
-    age_unknown_until: T,
-    /// When the previous term stopped answering (a restart, a crash, a promotion):
-    /// every holder of it trusted its lease at most `lease` longer, and then had
-    /// `stop_budget` to stop.
-    ended: Option<T>,
-    /// What the next `ServerUp` brings.
-    coming: Coming,
-    /// Its clock offset when its term began.
-    clock_at_start: i64,
-    /// The highest high bits any of its sessions had (what a DBA takes the token
-    /// epoch of a replacement from).
-    high_water: u16,
-    /// The DBA forgot to set the token epoch on a replaced cluster, and sets it (to
-    /// `epoch_due`) later.
-    epoch_missing: bool,
-    epoch_due: u16,
-}
-
-impl Server {
-    /// The high bits of its tokens: the timeline plus the token epoch.
-    fn high(&self) -> u16 {
-        self.timeline + self.epoch
-    }
-
-    /// What tells its term from another when the age is unknown (the term query's
-    /// `identity`: the timeline and the postmaster's start).
-    fn identity(&self) -> String {
-        format!(
-            "{}/{}/{}",
-            self.system,
-            self.timeline,
-            self.started_wall.unwrap_or(0)
-        )
-    }
-}
-
-/// How the server comes back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Coming {
-    /// The same cluster, restarted (a stop and start, or a crash restart).
-    Restart,
-    /// A standby promoted: the next timeline; it had replayed up to `lag` transactions
-    /// fewer than the old primary had committed.
-    Promotion { lag: u64 },
-    /// Another cluster (pg_upgrade, a restore into a new `initdb`, a logical cutover):
-    /// timeline 1, another system identifier, transaction ids from `xid`; the DBA set
-    /// the token epoch before it took connections, or forgot and sets it later.
-    Replaced { xid: u64, epoch_set: bool },
-}
-
-/// An announcement: its keys, and the targets of those handed over.
-type Payload = (Vec<LockKey>, Vec<(LockKey, u64)>);
-
 /// `backend_start` as the SQL reports it (microseconds since the Unix epoch).
 fn epoch_us(start: T) -> i64 {
     1_700_000_000_000_000 + start as i64
@@ -988,12 +855,10 @@ struct Sim {
     queue: BinaryHeap<Queued>,
     seq: u64,
     keys: Vec<LockKey>,
-    fence_of: BTreeMap<LockKey, LockKey>,
     nodes: Vec<Node>,
     server: Server,
     runs: Vec<Run>,
     freezes: Vec<Freeze>,
-    fences: Vec<FenceHold>,
     pid_owners: BTreeMap<i32, (usize, u32)>,
     /// The start of the backend that last sent each node an announcement of a key, per
     /// sender pid (kept whatever the table made of it: an announcement that arrives
@@ -1022,10 +887,6 @@ struct Sim {
     last_system: BTreeMap<LockKey, u32>,
     /// Node instances that knew a cluster since replaced.
     saw_old_cluster: BTreeSet<(usize, u32)>,
-    /// Backends the server ended (not their clients), and when.
-    server_ended: BTreeMap<i32, T>,
-    /// Backends whose advisory locks another client released, and when.
-    discarded: Vec<(i32, T)>,
     /// When the effects of the faults drawn so far end at the latest (a partition
     /// heals, a freeze thaws, a server's term hold ends, a node restarts).
     disturbed_until: T,
@@ -1122,7 +983,6 @@ impl Sim {
             queue: BinaryHeap::new(),
             seq: 0,
             keys,
-            fence_of,
             nodes,
             server: Server {
                 up: true,
@@ -1148,16 +1008,17 @@ impl Sim {
                 high_water: 1,
                 epoch_missing: false,
                 epoch_due: 0,
+                fence_of,
+                fences: Vec::new(),
+                discarded: Vec::new(),
+                ended_by_server: BTreeMap::new(),
             },
             saw_old_cluster: BTreeSet::new(),
             last_system: BTreeMap::new(),
-            server_ended: BTreeMap::new(),
-            discarded: Vec::new(),
             undelivered_origin: BTreeMap::new(),
             disturbed_until: 0,
             runs: Vec::new(),
             freezes: Vec::new(),
-            fences: Vec::new(),
             pid_owners: BTreeMap::new(),
             announcers: BTreeMap::new(),
             last_token: BTreeMap::new(),
@@ -2226,7 +2087,10 @@ impl Sim {
                 // (Another client may have released it behind the session's back: the
                 // lock guard finds out with the next heartbeat.)
                 let held = self.server.excl.get(&key) == Some(&pid);
-                if !held && self.server.backends.contains_key(&pid) && !self.was_discarded(pid) {
+                if !held
+                    && self.server.backends.contains_key(&pid)
+                    && !self.server.was_discarded(pid)
+                {
                     self.violation(format!(
                         "n{n} granted {key}, which its live backend {pid} does not hold"
                     ));
@@ -2965,8 +2829,7 @@ impl Sim {
     // ---- the server -------------------------------------------------------------------
 
     fn touch(&mut self, pid: i32) {
-        if let Some(b) = self.server.backends.get_mut(&pid) {
-            b.last = self.now;
+        if self.server.touch(pid, self.now) {
             self.push(self.now + self.t.release, Ev::IdleCheck { pid });
         }
     }
@@ -2978,57 +2841,27 @@ impl Sim {
                 attempt,
                 handshake,
             } => {
-                if !self.server.up {
+                let Some(c) = self.server.connect(n, inst, self.now, handshake) else {
                     self.send_down(n, inst, Down::Refused { attempt }, self.now);
                     return;
-                }
-                let pid = self.server.next_pid;
-                self.server.next_pid += 1;
-                self.server.high_water = self.server.high_water.max(self.server.high());
-                let ready = self.now + handshake;
-                self.pid_owners.insert(pid, (n, inst));
-                self.server.backends.insert(
-                    pid,
-                    Backend {
-                        n,
-                        inst,
-                        last: ready,
-                        start: self.now,
-                        high: self.server.high(),
-                        unepoched: self.server.epoch_missing,
-                        age_step: (ready >= self.server.age_unknown_until)
-                            .then_some(self.server.clock - self.server.clock_at_start),
-                        system: self.server.system,
-                    },
-                );
-                self.push(ready + self.t.release, Ev::IdleCheck { pid });
-                // Measured with the server's wall clock, as the term query does.
-                let term_age = match self.server.started_wall {
-                    None => Some(ready + 3_600 * SEC),
-                    Some(_) if ready < self.server.age_unknown_until => None,
-                    Some(wall) => Some((ready as i64 + self.server.clock - wall).max(0) as T),
                 };
-                let first_xid = self.server.xid + 1;
-                let (high, identity, system) = (
-                    self.server.high(),
-                    self.server.identity(),
-                    self.server.system,
-                );
+                self.pid_owners.insert(c.pid, (n, inst));
+                self.push(c.ready + self.t.release, Ev::IdleCheck { pid: c.pid });
                 self.send_down(
                     n,
                     inst,
                     Down::Connected {
                         attempt,
-                        pid,
-                        proven_at: ready,
-                        term_age,
-                        high,
-                        identity,
-                        system,
-                        first_xid,
-                        unepoched: self.server.epoch_missing,
+                        pid: c.pid,
+                        proven_at: c.ready,
+                        term_age: c.term_age,
+                        high: c.high,
+                        identity: c.identity,
+                        system: c.system,
+                        first_xid: c.first_xid,
+                        unepoched: c.unepoched,
                     },
-                    ready,
+                    c.ready,
                 );
             }
             Up::Batch { gn, pid, stmts } => {
@@ -3061,8 +2894,8 @@ impl Sim {
                     self.nodes[n].batch_fault = None;
                     self.fault("discard_after_win");
                     self.log(|| format!("FAULT n{n} won a key; another client releases every advisory lock of backend {pid}; its connection is slow for {} ms", for_ / MS));
-                    self.release_locks_of(pid);
-                    self.discarded.push((pid, self.now));
+                    self.server.release_locks_of(pid, self.now);
+                    self.server.discarded.push((pid, self.now));
                     self.disturbed_until = self.disturbed_until.max(self.now + for_);
                     let node = &mut self.nodes[n];
                     node.slow_until = self.now + for_;
@@ -3073,7 +2906,7 @@ impl Sim {
             Up::Heartbeat { gn, pid, beat } => match self.server.backends.get(&pid).copied() {
                 Some(b) => {
                     self.touch(pid);
-                    let locks = self.locks_of(pid);
+                    let locks = self.server.locks_of(pid);
                     self.send_down(n, b.inst, Down::HbOk { gn, beat, locks }, self.now);
                 }
                 None => self.send_down(n, self.nodes[n].inst, Down::Closed { pid }, self.now),
@@ -3082,20 +2915,46 @@ impl Sim {
         }
     }
 
+    /// NOTIFY at commit: every listening backend, stamped with the sender's pid.
+    fn notify(&mut self, sender: i32, keys: &[LockKey]) {
+        self.notify_for(sender, keys, &[]);
+    }
+
+    fn notify_for(&mut self, sender: i32, keys: &[LockKey], hand: &[(LockKey, u64)]) {
+        let notices = self.server.announce(sender, keys, hand, self.now);
+        self.send_notices(notices);
+    }
+
+    fn send_notices(&mut self, notices: Vec<Notice>) {
+        for notice in notices {
+            let Notice {
+                n,
+                inst,
+                to,
+                sender,
+                sender_start,
+                sent_at,
+                keys,
+                hand,
+            } = notice;
+            self.send_down(
+                n,
+                inst,
+                Down::Notify {
+                    to,
+                    sender,
+                    sender_start,
+                    sent_at,
+                    keys,
+                    hand,
+                },
+                sent_at,
+            );
+        }
+    }
+
     /// The statements of one plan, in the order the driver pipelines them.
     fn execute(&mut self, n: usize, pid: i32, stmts: &Stmts) -> Reply {
-        let high = self.server.backends.get(&pid).map_or(1, |b| b.high);
-        let mut reply = Reply {
-            at: self.now,
-            token: None,
-            tried: Vec::new(),
-            registered: Vec::new(),
-            senders: Vec::new(),
-            fenced: Vec::new(),
-            checked: Vec::new(),
-            try_failed: None,
-            locks_gone: false,
-        };
         // A statement fails now and then with the session intact, in each way the
         // server fails one: the engine decides what each failure means.
         let failing = if self.cfg.random_faults && self.rng.chance(1) {
@@ -3108,239 +2967,27 @@ impl Sim {
         } else {
             ""
         };
-        // Interest keys no longer needed (released without a word).
-        for b in &stmts.unregister {
-            if let Some(pids) = self.server.interest.get_mut(b) {
-                pids.remove(&pid);
-            }
+        let Executed {
+            reply,
+            violations,
+            faults,
+            tried,
+            notices,
+        } = self.server.execute(n, pid, stmts, self.now, failing);
+        for kind in faults {
+            self.fault(kind);
         }
-        // UNLOCK_SQL: unlock all, announce the first list.
-        for k in stmts.unlock.iter().chain(&stmts.unlock_quiet) {
-            if self.server.excl.get(k) == Some(&pid) {
-                self.server.excl.remove(k);
-            } else if !self.was_discarded(pid) {
-                self.violation(format!(
-                    "n{n} unlocks {k}, which backend {pid} does not hold"
-                ));
-            }
+        for text in violations {
+            self.violation(text);
         }
-        // Announced only where another backend registered interest.
-        let interested: Vec<LockKey> = stmts
-            .unlock
-            .iter()
-            .copied()
-            .filter(|k| {
-                self.server
-                    .interest
-                    .get(&k.interest_bucket())
-                    .is_some_and(|pids| pids.iter().any(|p| *p != pid))
-            })
-            .collect();
-        if !interested.is_empty() {
-            let hand = stmts.hand_to.clone();
-            self.notify_for(pid, &interested, &hand);
-        }
-        // TOKEN_SQL (a failed one: the keys are released instead).
-        if !stmts.token_for.is_empty() && failing == "token_failed" {
-            self.fault("token_failed");
-        } else if !stmts.token_for.is_empty() {
-            // TOKEN_SQL issues one only while the session still holds every key.
-            let all_held = stmts
-                .token_for
-                .iter()
-                .all(|k| self.server.excl.get(k) == Some(&pid));
-            if all_held {
-                self.server.xid += 1;
-                reply.token = Some(FencingToken::from_parts(high, self.server.xid));
-            } else {
-                reply.locks_gone = true;
-            }
-        }
-        // TRY_KEYS_SQL: every lock first, then one token for the keys won. A failed one
-        // takes nothing here (the cleanup statement unlocks what a failed one took).
-        if !stmts.try_keys.is_empty() && matches!(failing, "try_failed" | "lock_table_full") {
-            self.fault(failing);
-            reply.try_failed = Some(if failing == "try_failed" {
-                TryFailed::Failed
-            } else {
-                TryFailed::LockTableFull
-            });
-        } else if !stmts.try_keys.is_empty() {
+        if tried {
             self.tries[n].push(self.now);
-            let mut won = Vec::new();
-            for k in &stmts.try_keys {
-                match self.server.excl.get(k) {
-                    Some(&holder) => {
-                        if holder == pid {
-                            self.violation(format!("n{n} tries {k}, which it holds"));
-                        }
-                        // Not won: register interest (the second try fails too: the
-                        // statement runs at one instant here).
-                        if stmts.register.contains(k) {
-                            let pids = self.server.interest.entry(k.interest_bucket()).or_default();
-                            if !pids.insert(pid) {
-                                self.violation(format!(
-                                    "n{n} registers interest in a bucket it holds"
-                                ));
-                            }
-                            reply.registered.push(*k);
-                        }
-                        let start = self.start_of(holder).map(epoch_us);
-                        reply.tried.push((
-                            *k,
-                            TryOutcome::Held {
-                                by: Some(Seen { pid: holder, start }),
-                            },
-                        ));
-                    }
-                    None => {
-                        self.server.excl.insert(*k, pid);
-                        won.push(*k);
-                    }
-                }
-            }
-            if !won.is_empty() {
-                self.server.xid += 1;
-                let token = FencingToken::from_parts(high, self.server.xid);
-                for k in won {
-                    // The statement also probes the won key's stop fence (exclusively:
-                    // it fails against any other holder of the shared fence).
-                    let fence = self.fence_key(k);
-                    let outcome = match self.fence_holder(fence, pid) {
-                        Some(holder) => TryOutcome::WonFenced {
-                            token,
-                            by: Some(holder),
-                        },
-                        None => TryOutcome::Won(token),
-                    };
-                    reply.tried.push((k, outcome));
-                    // The start of the backend that has the announcer's pid, now.
-                    if let Some((_, ap)) = stmts.verify.iter().find(|(v, _)| *v == k) {
-                        reply.senders.push((k, self.start_of(*ap).map(epoch_us)));
-                    }
-                }
-            }
         }
-        // Stop fences: taken with the try statement (a won fence burns an id).
-        let mut burned = false;
-        for k in &stmts.fence {
-            let f = self.fence_key(*k);
-            // `FENCE_SQL`: shared, so several stopping holders can each hold it.
-            let taken = self.server.fences_shared.entry(f).or_default().insert(pid);
-            if taken {
-                self.fences.push(FenceHold {
-                    key: *k,
-                    pid,
-                    from: self.now,
-                    to: None,
-                });
-                burned = true;
-            }
-            reply.fenced.push((*k, taken));
-        }
-        if burned {
-            self.server.xid += 1;
-        }
-        // Unfence: unlock the fences, announce the keys.
-        for k in &stmts.unfence {
-            let f = self.fence_key(*k);
-            if self
-                .server
-                .fences_shared
-                .get_mut(&f)
-                .is_some_and(|pids| pids.remove(&pid))
-            {
-                let now = self.now;
-                for h in &mut self.fences {
-                    if h.pid == pid && h.key == *k && h.to.is_none() {
-                        h.to = Some(now);
-                    }
-                }
-            } else if !self.was_discarded(pid) {
-                self.violation(format!(
-                    "n{n} unfences {k}, whose fence {pid} does not hold"
-                ));
-            }
-        }
-        if !stmts.unfence.is_empty() {
-            self.notify(pid, &stmts.unfence);
-        }
-        // CHECK_FENCES_SQL: a shared try and unlock; the exclusive holder when taken.
-        if !stmts.check.is_empty() && failing == "check_failed" {
-            self.fault("check_failed");
-        }
-        for k in &stmts.check {
-            let f = self.fence_key(*k);
-            let outcome = match self.fence_holder(f, pid) {
-                _ if failing == "check_failed" => FenceCheck::Failed,
-                Some(holder) => FenceCheck::Held { by: Some(holder) },
-                None => FenceCheck::Clear,
-            };
-            reply.checked.push((*k, outcome));
+        for notices in notices {
+            self.send_notices(notices);
         }
         reply
     }
-
-    /// A backend other than `me` holding stop fence `f` (what an exclusive probe of
-    /// it fails against), if any.
-    fn fence_holder(&self, f: LockKey, me: i32) -> Option<i32> {
-        self.server
-            .fences_shared
-            .get(&f)?
-            .iter()
-            .copied()
-            .find(|p| *p != me)
-    }
-
-    fn fence_key(&self, k: LockKey) -> LockKey {
-        self.fence_of
-            .get(&k)
-            .copied()
-            .unwrap_or_else(|| k.stop_fence())
-    }
-
-    /// NOTIFY at commit: every listening backend, stamped with the sender's pid.
-    fn notify(&mut self, sender: i32, keys: &[LockKey]) {
-        self.notify_for(sender, keys, &[]);
-    }
-
-    fn notify_for(&mut self, sender: i32, keys: &[LockKey], hand: &[(LockKey, u64)]) {
-        // A sender of no backend here is a foreign one: started just now, as far as the
-        // checks care (a flood's forger never held anything).
-        let sender_start = self.start_of(sender).unwrap_or(self.now);
-        if self.server.backends.contains_key(&sender) {
-            self.server
-                .last_payload
-                .insert(sender, (keys.to_vec(), hand.to_vec()));
-        }
-        let listeners: Vec<(i32, Backend)> =
-            self.server.backends.iter().map(|(p, b)| (*p, *b)).collect();
-        for (to, b) in listeners {
-            self.send_down(
-                b.n,
-                b.inst,
-                Down::Notify {
-                    to,
-                    sender,
-                    sender_start,
-                    sent_at: self.now,
-                    keys: keys.to_vec(),
-                    hand: hand.to_vec(),
-                },
-                self.now,
-            );
-        }
-    }
-
-    /// The start of the live backend with `pid`, if any.
-    fn start_of(&self, pid: i32) -> Option<T> {
-        self.server
-            .backends
-            .get(&pid)
-            .map(|b| b.start)
-            .or_else(|| self.server.foreign.get(&pid).copied())
-    }
-
     /// The backend of the holder of a key dies (terminated), and its pid goes at once
     /// to a foreign backend, which announces what the dead one held (its earlier
     /// payload, when it sent one, plus those keys) and then stays a while or leaves.
@@ -3390,13 +3037,9 @@ impl Sim {
     }
 
     fn terminate(&mut self, pid: i32, tell: bool, why: &'static str) {
-        let Some(b) = self.server.backends.remove(&pid) else {
+        let Some(b) = self.server.end_backend(pid, self.now, why != CLIENT_CLOSED) else {
             return;
         };
-        if why != CLIENT_CLOSED {
-            self.server_ended.insert(pid, self.now);
-        }
-        self.release_locks_of(pid);
         let node = &self.nodes[b.n];
         if let Some(idx) = node.frozen
             && node.inst == b.inst
@@ -3410,65 +3053,6 @@ impl Sim {
         }
     }
 
-    /// Every advisory lock of a backend is released (its keys, its stop fences, its
-    /// interest keys): the backend ended, or another client released them.
-    fn release_locks_of(&mut self, pid: i32) {
-        self.server.excl.retain(|_, p| *p != pid);
-        self.server.foreign_locks.remove(&pid);
-        for pids in self
-            .server
-            .interest
-            .values_mut()
-            .chain(self.server.fences_shared.values_mut())
-        {
-            pids.remove(&pid);
-        }
-        let now = self.now;
-        for h in &mut self.fences {
-            if h.pid == pid && h.to.is_none() {
-                h.to = Some(now);
-            }
-        }
-    }
-
-    /// The advisory locks a backend holds (what the heartbeat reads): its keys, its
-    /// stop fences, its interest keys.
-    fn locks_of(&self, pid: i32) -> Vec<SessionLock> {
-        let keys = self
-            .server
-            .excl
-            .iter()
-            .filter(|(_, p)| **p == pid)
-            .map(|(key, _)| SessionLock {
-                key: *key,
-                exclusive: true,
-            });
-        let fences = self
-            .server
-            .fences_shared
-            .iter()
-            .filter(|(_, pids)| pids.contains(&pid))
-            .map(|(key, _)| SessionLock {
-                key: *key,
-                exclusive: false,
-            });
-        let interest = self
-            .server
-            .interest
-            .iter()
-            .filter(|(_, pids)| pids.contains(&pid))
-            .map(|(bucket, _)| SessionLock {
-                key: LockKey::interest_of(*bucket),
-                exclusive: false,
-            });
-        let foreign =
-            (0..self.server.foreign_locks.get(&pid).copied().unwrap_or(0)).map(|i| SessionLock {
-                key: LockKey::Int(-1 - i64::from(i)),
-                exclusive: true,
-            });
-        keys.chain(fences).chain(interest).chain(foreign).collect()
-    }
-
     /// Another client on the node's backend releases its advisory locks behind its back
     /// (`DISCARD ALL` or `pg_advisory_unlock_all()` by a pooler's next client, or a DBA's
     /// script), the session itself staying up.
@@ -3480,7 +3064,7 @@ impl Sim {
         // backend, as many as it released or so: a guard that counted the session's
         // locks would not see the release.
         let take = if self.rng.below(2) == 0 {
-            let held = self.locks_of(pid).len() as u64;
+            let held = self.server.locks_of(pid).len() as u64;
             Some(
                 self.rng
                     .range(held.saturating_sub(1).max(1), held + 2)
@@ -3497,11 +3081,11 @@ impl Sim {
         self.log(|| {
             format!("FAULT another client releases every advisory lock of n{n}'s backend {pid}, then takes {} of its own", take.unwrap_or(0))
         });
-        self.release_locks_of(pid);
+        self.server.release_locks_of(pid, self.now);
         if let Some(take) = take {
             self.server.foreign_locks.insert(pid, take);
         }
-        self.discarded.push((pid, self.now));
+        self.server.discarded.push((pid, self.now));
     }
 
     fn holder_pid(&self, key: LockKey) -> Option<i32> {
@@ -3905,7 +3489,7 @@ impl Sim {
     }
 
     fn fence_held(&self, n: usize, inst: u32, key: LockKey, at: T) -> bool {
-        self.fences.iter().any(|h| {
+        self.server.fences.iter().any(|h| {
             h.key == key
                 && self
                     .pid_owner(h.pid)
@@ -3946,10 +3530,16 @@ impl Sim {
         // A backend whose locks another client released is as good as ended for
         // its holder: the lock guard ends the session with its next heartbeat.
         let ended = self
-            .server_ended
+            .server
+            .ended_by_server
             .iter()
             .map(|(pid, at)| (pid, at, false))
-            .chain(self.discarded.iter().map(|(pid, at)| (pid, at, true)))
+            .chain(
+                self.server
+                    .discarded
+                    .iter()
+                    .map(|(pid, at)| (pid, at, true)),
+            )
             .filter(|(pid, at, _)| {
                 if **at > decided_at {
                     return false;
@@ -3961,6 +3551,7 @@ impl Sim {
                     || (self.pid_owner(**pid) == Some((x.n, x.inst))
                         && **at >= x.grant_at
                         && self
+                            .server
                             .fences
                             .iter()
                             .any(|h| h.pid == **pid && h.key == x.key && h.from <= **at))
@@ -4007,11 +3598,6 @@ impl Sim {
         } else {
             End::Server
         })
-    }
-
-    /// Did another client ever release this backend's locks?
-    fn was_discarded(&self, pid: i32) -> bool {
-        self.discarded.iter().any(|(p, _)| *p == pid)
     }
 
     fn pid_owner(&self, pid: i32) -> Option<(usize, u32)> {
