@@ -56,7 +56,7 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// The seed of the manager's jitter (poll spreading, backoffs), or `None` for one
     /// drawn from the time and the process. A simulated server gives a fixed one, so
-    /// that a run replays exactly.
+    /// that a run replays exactly (each manager mixes its node id in).
     fn seed(&self) -> Option<u64> {
         None
     }

@@ -1,15 +1,20 @@
-//! Hash maps whose iteration order is fixed by their history.
+//! The manager's hash maps: seeded at random in the library, with fixed keys in its
+//! tests.
 //!
 //! The manager's rules iterate their maps (the lock table's slots, a group's members),
-//! and the order of what they do follows. std's `HashMap` seeds each map at random, so
-//! one history could play out in a different order from run to run; these maps hash
-//! with fixed keys, so a seed of a simulation replays exactly. The keys are lock keys
-//! and ids the application chooses, not input an attacker picks to collide.
+//! and the order of what they do follows. In the library the maps keep std's random
+//! keys: lock keys derive from names an application may take from its users, and a
+//! fixed, public hash would let someone pick names that collide. In chosen-core's own
+//! tests (the simulations) the keys are fixed, so that a seed replays exactly, in one
+//! build on one target (std's hasher may change between releases).
 
-use std::hash::{BuildHasherDefault, DefaultHasher};
+#[cfg(not(test))]
+type State = std::hash::RandomState;
+#[cfg(test)]
+type State = std::hash::BuildHasherDefault<std::hash::DefaultHasher>;
 
-/// A `HashMap` with a fixed hasher (build with `HashMap::default()`).
-pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<DefaultHasher>>;
+/// A `HashMap` of the manager's rules (build with `HashMap::default()`).
+pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, State>;
 
-/// A `HashSet` with a fixed hasher (build with `HashSet::default()`).
-pub(crate) type HashSet<T> = std::collections::HashSet<T, BuildHasherDefault<DefaultHasher>>;
+/// A `HashSet` of the manager's rules (build with `HashSet::default()`).
+pub(crate) type HashSet<T> = std::collections::HashSet<T, State>;

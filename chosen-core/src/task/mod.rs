@@ -81,7 +81,16 @@ impl Driver {
         weak_tx: WeakUnboundedSender<Command>,
         backend: Arc<dyn Backend>,
     ) -> Self {
-        let seed = backend.seed().unwrap_or_else(|| {
+        // A backend's seed is one for every node it serves: each node's own id is mixed
+        // in, so that their jitter differs as it does between processes.
+        let node_seed = shared
+            .options
+            .node_id
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+        let seed = backend.seed().map(|s| s ^ node_seed).unwrap_or_else(|| {
             SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64)
