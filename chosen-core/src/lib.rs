@@ -25,6 +25,8 @@ mod names;
 mod options;
 mod pg;
 mod shared;
+#[cfg(test)]
+mod sim;
 mod singleton;
 mod status;
 mod table;

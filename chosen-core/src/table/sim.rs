@@ -72,9 +72,7 @@ use crate::table::{
 };
 use crate::token::FencingToken;
 
-#[path = "sim/server.rs"]
-mod server;
-use server::{Coming, Executed, Notice, Reply, Server};
+use crate::sim::server::{Coming, Executed, Notice, Reply, Server};
 
 /// An announcement as the checks know it: its sender, the sender's start, when the
 /// server sent it and when it arrived (a waiter's try may win on it without the grace
@@ -126,10 +124,7 @@ const CLIENT_CLOSED: &str = "client closed the connection";
 /// Forged announcements come from these pids (no backend of the server has one).
 const FORGED_PIDS: i32 = 900_000;
 
-/// Virtual microseconds since the start of a run.
-type T = u64;
-const MS: T = 1_000;
-const SEC: T = 1_000_000;
+use crate::sim::{MS, SEC, T, epoch_us};
 
 // ---- configuration ------------------------------------------------------------------
 
@@ -714,11 +709,6 @@ struct Freeze {
     server_ended: bool,
 }
 
-/// `backend_start` as the SQL reports it (microseconds since the Unix epoch).
-fn epoch_us(start: T) -> i64 {
-    1_700_000_000_000_000 + start as i64
-}
-
 /// What a run counted.
 #[derive(Clone, Debug, Default)]
 struct Stats {
@@ -984,35 +974,7 @@ impl Sim {
             seq: 0,
             keys,
             nodes,
-            server: Server {
-                up: true,
-                started: None,
-                backends: BTreeMap::new(),
-                excl: BTreeMap::new(),
-                foreign_locks: BTreeMap::new(),
-                fences_shared: BTreeMap::new(),
-                interest: BTreeMap::new(),
-                next_pid: 1000,
-                xid: 700,
-                foreign: BTreeMap::new(),
-                last_payload: BTreeMap::new(),
-                timeline: 1,
-                epoch: 0,
-                system: 1,
-                clock: 0,
-                started_wall: None,
-                age_unknown_until: 0,
-                ended: None,
-                coming: Coming::Restart,
-                clock_at_start: 0,
-                high_water: 1,
-                epoch_missing: false,
-                epoch_due: 0,
-                fence_of,
-                fences: Vec::new(),
-                discarded: Vec::new(),
-                ended_by_server: BTreeMap::new(),
-            },
+            server: Server::new(fence_of),
             saw_old_cluster: BTreeSet::new(),
             last_system: BTreeMap::new(),
             undelivered_origin: BTreeMap::new(),

@@ -15,167 +15,201 @@ use crate::token::FencingToken;
 
 /// What the first queries of a new session find.
 #[derive(Clone, Debug)]
-pub(super) struct Connected {
-    pub(super) pid: i32,
+pub(crate) struct Connected {
+    pub(crate) pid: i32,
     /// When the session is ready (proven).
-    pub(super) ready: T,
+    pub(crate) ready: T,
     /// The term's age as the term query finds it (`None`: unknown).
-    pub(super) term_age: Option<T>,
-    pub(super) high: u16,
-    pub(super) identity: String,
-    pub(super) system: u32,
-    pub(super) first_xid: u64,
+    pub(crate) term_age: Option<T>,
+    pub(crate) high: u16,
+    pub(crate) identity: String,
+    pub(crate) system: u32,
+    pub(crate) first_xid: u64,
     /// Opened before the DBA set a replaced cluster's epoch.
-    pub(super) unepoched: bool,
+    pub(crate) unepoched: bool,
 }
 
 /// One announcement to one listening backend (of node `n`, instance `inst`).
 #[derive(Clone, Debug)]
-pub(super) struct Notice {
-    pub(super) n: usize,
-    pub(super) inst: u32,
-    pub(super) to: i32,
-    pub(super) sender: i32,
-    pub(super) sender_start: T,
-    pub(super) sent_at: T,
-    pub(super) keys: Vec<LockKey>,
-    pub(super) hand: Vec<(LockKey, u64)>,
+pub(crate) struct Notice {
+    pub(crate) n: usize,
+    pub(crate) inst: u32,
+    pub(crate) to: i32,
+    pub(crate) sender: i32,
+    pub(crate) sender_start: T,
+    pub(crate) sent_at: T,
+    pub(crate) keys: Vec<LockKey>,
+    pub(crate) hand: Vec<(LockKey, u64)>,
 }
 
 /// What a plan's statements did.
 #[derive(Debug, Default)]
-pub(super) struct Executed {
+pub(crate) struct Executed {
     /// The answer.
-    pub(super) reply: Reply,
+    pub(crate) reply: Reply,
     /// Rules of the protocol the plan broke, in the order found.
-    pub(super) violations: Vec<String>,
+    pub(crate) violations: Vec<String>,
     /// Statement failures that happened, by kind.
-    pub(super) faults: Vec<&'static str>,
+    pub(crate) faults: Vec<&'static str>,
     /// The plan ran a try statement.
-    pub(super) tried: bool,
+    pub(crate) tried: bool,
     /// The announcements its statements sent, in order, each to every listener.
-    pub(super) notices: Vec<Vec<Notice>>,
+    pub(crate) notices: Vec<Vec<Notice>>,
 }
 
 #[derive(Clone, Debug, Default)]
-pub(super) struct Reply {
+pub(crate) struct Reply {
     /// When the server ran the statements.
-    pub(super) at: T,
-    pub(super) token: Option<FencingToken>,
-    pub(super) tried: Vec<(LockKey, TryOutcome)>,
+    pub(crate) at: T,
+    pub(crate) token: Option<FencingToken>,
+    pub(crate) tried: Vec<(LockKey, TryOutcome)>,
     /// Keys whose interest bucket the try statement registered.
-    pub(super) registered: Vec<LockKey>,
+    pub(crate) registered: Vec<LockKey>,
     /// Keys of `verify` won, with the start of the backend that has the pid now.
-    pub(super) senders: Vec<(LockKey, Option<i64>)>,
-    pub(super) fenced: Vec<(LockKey, bool)>,
-    pub(super) checked: Vec<(LockKey, FenceCheck)>,
+    pub(crate) senders: Vec<(LockKey, Option<i64>)>,
+    pub(crate) fenced: Vec<(LockKey, bool)>,
+    pub(crate) checked: Vec<(LockKey, FenceCheck)>,
     /// The try statement failed with the session intact (cancelled, timed out,
     /// refused, the lock table full): no key of it was taken.
-    pub(super) try_failed: Option<TryFailed>,
+    pub(crate) try_failed: Option<TryFailed>,
     /// The token statement found keys of the hand-off no longer held by the session
     /// (another client released them): the session ends, as a pooler's.
-    pub(super) locks_gone: bool,
+    pub(crate) locks_gone: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Backend {
-    pub(super) n: usize,
-    pub(super) inst: u32,
-    pub(super) last: T,
+pub(crate) struct Backend {
+    pub(crate) n: usize,
+    pub(crate) inst: u32,
+    pub(crate) last: T,
     /// `backend_start`.
-    pub(super) start: T,
+    pub(crate) start: T,
     /// The high bits of its tokens, as its client read them at connect (the token
     /// epoch is a database setting: a session keeps the value it started with).
-    pub(super) high: u16,
+    pub(crate) high: u16,
     /// Opened on a replaced cluster before the DBA set its token epoch.
-    pub(super) unepoched: bool,
+    pub(crate) unepoched: bool,
     /// How far the server's clock had stepped since its term began when this
     /// session read the term's age (`None`: the age was unknown).
-    pub(super) age_step: Option<i64>,
+    pub(crate) age_step: Option<i64>,
     /// The cluster (system identifier) it is on.
-    pub(super) system: u32,
+    pub(crate) system: u32,
 }
 
 #[derive(Clone, Copy, Debug)]
-pub(super) struct FenceHold {
-    pub(super) key: LockKey,
-    pub(super) pid: i32,
-    pub(super) from: T,
-    pub(super) to: Option<T>,
+pub(crate) struct FenceHold {
+    pub(crate) key: LockKey,
+    pub(crate) pid: i32,
+    pub(crate) from: T,
+    pub(crate) to: Option<T>,
 }
 
 #[derive(Debug)]
-pub(super) struct Server {
-    pub(super) up: bool,
+pub(crate) struct Server {
+    pub(crate) up: bool,
     /// When the server's current term as primary began (it came up), `None` when long
     /// before the run (an hour).
-    pub(super) started: Option<T>,
-    pub(super) backends: BTreeMap<i32, Backend>,
+    pub(crate) started: Option<T>,
+    pub(crate) backends: BTreeMap<i32, Backend>,
     /// Exclusive advisory locks (the keys).
-    pub(super) excl: BTreeMap<LockKey, i32>,
+    pub(crate) excl: BTreeMap<LockKey, i32>,
     /// Stop fences, as `FENCE_SQL` takes them: shared, by any number of backends; the
     /// probes (in the try and the check) are exclusive, and fail against any of them.
-    pub(super) fences_shared: BTreeMap<LockKey, BTreeSet<i32>>,
+    pub(crate) fences_shared: BTreeMap<LockKey, BTreeSet<i32>>,
     /// Interest buckets: the backends holding each bucket's interest key (shared).
-    pub(super) interest: BTreeMap<u16, BTreeSet<i32>>,
+    pub(crate) interest: BTreeMap<u16, BTreeSet<i32>>,
     /// Advisory locks another client took on a node's backend (a pooler's other
     /// client), in a key space no node uses: how many, per backend.
-    pub(super) foreign_locks: BTreeMap<i32, u8>,
-    pub(super) next_pid: i32,
-    pub(super) xid: u64,
+    pub(crate) foreign_locks: BTreeMap<i32, u8>,
+    pub(crate) next_pid: i32,
+    pub(crate) xid: u64,
     /// Backends of no node (a forger on a reused pid): their starts.
-    pub(super) foreign: BTreeMap<i32, T>,
+    pub(crate) foreign: BTreeMap<i32, T>,
     /// The last announcement each backend sent (what a forger replays).
-    pub(super) last_payload: BTreeMap<i32, Payload>,
+    pub(crate) last_payload: BTreeMap<i32, Payload>,
     /// The timeline it writes (a promoted standby's is one higher; a replaced cluster
     /// starts at 1 again).
-    pub(super) timeline: u16,
+    pub(crate) timeline: u16,
     /// Its `chosen.token_epoch` (a DBA sets it on a replaced cluster).
-    pub(super) epoch: u16,
+    pub(crate) epoch: u16,
     /// Its system identifier (a replaced cluster has another).
-    pub(super) system: u32,
+    pub(crate) system: u32,
     /// Its wall clock minus virtual time, in microseconds (a clock step changes it).
-    pub(super) clock: i64,
+    pub(crate) clock: i64,
     /// The wall-clock time it recorded for its term's start (what the term query's age
     /// is measured from, with the wall clock of the moment).
-    pub(super) started_wall: Option<i64>,
+    pub(crate) started_wall: Option<i64>,
     /// Until then the term's start is unknown (a promoted server whose end-of-recovery
     /// checkpoint is not done: the term query answers no age).
-    pub(super) age_unknown_until: T,
+    pub(crate) age_unknown_until: T,
     /// When the previous term stopped answering (a restart, a crash, a promotion):
     /// every holder of it trusted its lease at most `lease` longer, and then had
     /// `stop_budget` to stop.
-    pub(super) ended: Option<T>,
+    pub(crate) ended: Option<T>,
     /// What the next `ServerUp` brings.
-    pub(super) coming: Coming,
+    pub(crate) coming: Coming,
     /// Its clock offset when its term began.
-    pub(super) clock_at_start: i64,
+    pub(crate) clock_at_start: i64,
     /// The highest high bits any of its sessions had (what a DBA takes the token
     /// epoch of a replacement from).
-    pub(super) high_water: u16,
+    pub(crate) high_water: u16,
     /// The DBA forgot to set the token epoch on a replaced cluster, and sets it (to
     /// `epoch_due`) later.
-    pub(super) epoch_missing: bool,
-    pub(super) epoch_due: u16,
+    pub(crate) epoch_missing: bool,
+    pub(crate) epoch_due: u16,
     /// The stop fence of each key.
-    pub(super) fence_of: BTreeMap<LockKey, LockKey>,
+    pub(crate) fence_of: BTreeMap<LockKey, LockKey>,
     /// Every stop fence held, by whom and when (for the checks).
-    pub(super) fences: Vec<FenceHold>,
+    pub(crate) fences: Vec<FenceHold>,
     /// Backends whose advisory locks another client released, and when.
-    pub(super) discarded: Vec<(i32, T)>,
+    pub(crate) discarded: Vec<(i32, T)>,
     /// Backends the server ended (not their clients), and when.
-    pub(super) ended_by_server: BTreeMap<i32, T>,
+    pub(crate) ended_by_server: BTreeMap<i32, T>,
 }
 
 impl Server {
+    /// A server up since long before the run (an hour), on timeline 1 of cluster 1;
+    /// the stop fence of each key as `fence_of` says, or its own otherwise.
+    pub(crate) fn new(fence_of: BTreeMap<LockKey, LockKey>) -> Self {
+        Self {
+            up: true,
+            started: None,
+            backends: BTreeMap::new(),
+            excl: BTreeMap::new(),
+            foreign_locks: BTreeMap::new(),
+            fences_shared: BTreeMap::new(),
+            interest: BTreeMap::new(),
+            next_pid: 1000,
+            xid: 700,
+            foreign: BTreeMap::new(),
+            last_payload: BTreeMap::new(),
+            timeline: 1,
+            epoch: 0,
+            system: 1,
+            clock: 0,
+            started_wall: None,
+            age_unknown_until: 0,
+            ended: None,
+            coming: Coming::Restart,
+            clock_at_start: 0,
+            high_water: 1,
+            epoch_missing: false,
+            epoch_due: 0,
+            fence_of,
+            fences: Vec::new(),
+            discarded: Vec::new(),
+            ended_by_server: BTreeMap::new(),
+        }
+    }
+
     /// The high bits of its tokens: the timeline plus the token epoch.
-    pub(super) fn high(&self) -> u16 {
+    pub(crate) fn high(&self) -> u16 {
         self.timeline + self.epoch
     }
 
     /// What tells its term from another when the age is unknown (the term query's
     /// `identity`: the timeline and the postmaster's start).
-    pub(super) fn identity(&self) -> String {
+    pub(crate) fn identity(&self) -> String {
         format!(
             "{}/{}/{}",
             self.system,
@@ -187,7 +221,7 @@ impl Server {
     /// A client connects (node `n`, instance `inst`) at `now`, its session ready after
     /// `handshake`: the new backend and what its first queries find, or `None` while
     /// the server is down.
-    pub(super) fn connect(
+    pub(crate) fn connect(
         &mut self,
         n: usize,
         inst: u32,
@@ -235,7 +269,7 @@ impl Server {
 
     /// A statement of backend `pid` ran at `now`: the server's idle timer of the
     /// backend starts again. `false`: no such backend.
-    pub(super) fn touch(&mut self, pid: i32, now: T) -> bool {
+    pub(crate) fn touch(&mut self, pid: i32, now: T) -> bool {
         match self.backends.get_mut(&pid) {
             Some(b) => {
                 b.last = now;
@@ -247,7 +281,7 @@ impl Server {
 
     /// The server ends backend `pid` at `now` (`by_server`: not at its client's
     /// request), releasing its locks: the backend it was, if it was live.
-    pub(super) fn end_backend(&mut self, pid: i32, now: T, by_server: bool) -> Option<Backend> {
+    pub(crate) fn end_backend(&mut self, pid: i32, now: T, by_server: bool) -> Option<Backend> {
         let b = self.backends.remove(&pid)?;
         if by_server {
             self.ended_by_server.insert(pid, now);
@@ -259,7 +293,7 @@ impl Server {
     /// NOTIFY at commit by backend `sender` (a sender of no backend here is a foreign
     /// one, started at `now` as far as the checks care): one notice per listening
     /// backend, stamped with the sender's pid.
-    pub(super) fn announce(
+    pub(crate) fn announce(
         &mut self,
         sender: i32,
         keys: &[LockKey],
@@ -289,7 +323,7 @@ impl Server {
     /// The statements of one plan, in the order the driver pipelines them, run by
     /// backend `pid` of node `n` at `now`; `failing` names the statement that fails
     /// with the session intact (`""`: none).
-    pub(super) fn execute(
+    pub(crate) fn execute(
         &mut self,
         n: usize,
         pid: i32,
@@ -485,7 +519,7 @@ impl Server {
 
     /// A backend other than `me` holding stop fence `f` (what an exclusive probe of
     /// it fails against), if any.
-    pub(super) fn fence_holder(&self, f: LockKey, me: i32) -> Option<i32> {
+    pub(crate) fn fence_holder(&self, f: LockKey, me: i32) -> Option<i32> {
         self.fences_shared
             .get(&f)?
             .iter()
@@ -493,7 +527,7 @@ impl Server {
             .find(|p| *p != me)
     }
 
-    pub(super) fn fence_key(&self, k: LockKey) -> LockKey {
+    pub(crate) fn fence_key(&self, k: LockKey) -> LockKey {
         self.fence_of
             .get(&k)
             .copied()
@@ -501,7 +535,7 @@ impl Server {
     }
 
     /// The start of the live backend with `pid`, if any.
-    pub(super) fn start_of(&self, pid: i32) -> Option<T> {
+    pub(crate) fn start_of(&self, pid: i32) -> Option<T> {
         self.backends
             .get(&pid)
             .map(|b| b.start)
@@ -510,7 +544,7 @@ impl Server {
 
     /// Every advisory lock of a backend is released (its keys, its stop fences, its
     /// interest keys): the backend ended, or another client released them.
-    pub(super) fn release_locks_of(&mut self, pid: i32, now: T) {
+    pub(crate) fn release_locks_of(&mut self, pid: i32, now: T) {
         self.excl.retain(|_, p| *p != pid);
         self.foreign_locks.remove(&pid);
         for pids in self
@@ -529,7 +563,7 @@ impl Server {
 
     /// The advisory locks a backend holds (what the heartbeat reads): its keys, its
     /// stop fences, its interest keys.
-    pub(super) fn locks_of(&self, pid: i32) -> Vec<SessionLock> {
+    pub(crate) fn locks_of(&self, pid: i32) -> Vec<SessionLock> {
         let keys = self
             .excl
             .iter()
@@ -563,14 +597,14 @@ impl Server {
     }
 
     /// Did another client ever release this backend's locks?
-    pub(super) fn was_discarded(&self, pid: i32) -> bool {
+    pub(crate) fn was_discarded(&self, pid: i32) -> bool {
         self.discarded.iter().any(|(p, _)| *p == pid)
     }
 }
 
 /// How the server comes back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Coming {
+pub(crate) enum Coming {
     /// The same cluster, restarted (a stop and start, or a crash restart).
     Restart,
     /// A standby promoted: the next timeline; it had replayed up to `lag` transactions
@@ -583,4 +617,4 @@ pub(super) enum Coming {
 }
 
 /// An announcement: its keys, and the targets of those handed over.
-pub(super) type Payload = (Vec<LockKey>, Vec<(LockKey, u64)>);
+pub(crate) type Payload = (Vec<LockKey>, Vec<(LockKey, u64)>);

@@ -1,0 +1,641 @@
+//! A [`Backend`] on the simulated [`Server`]: the real manager task, heartbeat and
+//! everything above them run against it, on tokio's clock (paused in tests, so a run is
+//! virtual time and replays from its seed).
+//!
+//! It keeps the seam's contract as the PostgreSQL backend does: a plan is sent on its
+//! first poll and arrives after everything sent before it on the session (each
+//! direction of a session is one ordered stream, as a TCP connection is), it runs at
+//! one instant at the server, and its answer comes back after one latency;
+//! notifications and the session's end arrive on the session's events, in order. A
+//! statement of a session the server ended fails as a lost connection; dropping the
+//! link closes the session at once.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::server::{Executed, Notice, Reply, Server};
+use super::{MS, T, epoch_us};
+use crate::backend::{
+    Backend, BoxFuture, ConnEvent, HeartbeatLink, HolderAnswer, Link, Opened, Session,
+};
+use crate::engine::{Done, Term};
+use crate::error::{Error, Result};
+use crate::fault::Fault;
+use crate::generation::Generation;
+use crate::info::HolderInfo;
+use crate::key::{LockKey, SessionLock};
+use crate::options::ManagerOptions;
+use crate::status::SessionDownReason;
+use crate::table::Plan;
+use crate::token::FencingToken;
+
+/// A simulated server shared by the nodes of one run.
+#[derive(Debug)]
+pub(crate) struct SimServer {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    model: Server,
+    /// Virtual time zero.
+    base: Instant,
+    rng: u64,
+    /// One-way latency, drawn in `[min, max]` microseconds.
+    latency: (T, T),
+    /// The live sessions' client ends.
+    conns: BTreeMap<i32, Conn>,
+    /// Node ids, by the index the model knows each node by.
+    nodes: Vec<String>,
+    /// What broke a rule of the protocol at the server, in order.
+    violations: Vec<String>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    node_id: String,
+    events: mpsc::UnboundedSender<ConnEvent>,
+    closed: Arc<AtomicBool>,
+    /// `UNLISTEN *` ran (a reset at shutdown): no more notifications.
+    deaf: bool,
+    /// When the last message towards the server and towards the client arrives:
+    /// each direction is one ordered stream.
+    last_up: Instant,
+    last_down: Instant,
+}
+
+impl SimServer {
+    /// A server up since long before the run, with one-way latencies of 0.2–2 ms
+    /// drawn from `seed`.
+    pub(crate) fn new(seed: u64) -> Arc<Self> {
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                model: Server::new(BTreeMap::new()),
+                base: Instant::now(),
+                rng: seed | 1,
+                latency: (200, 2 * MS),
+                conns: BTreeMap::new(),
+                nodes: Vec::new(),
+                violations: Vec::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding it is a test failure already; the state stays readable.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The backend holding `key` exclusively, if any.
+    pub(crate) fn holder_of(&self, key: LockKey) -> Option<i32> {
+        self.lock().model.excl.get(&key).copied()
+    }
+
+    /// The live backends of node `node_id`.
+    pub(crate) fn backends_of(&self, node_id: &str) -> Vec<i32> {
+        let inner = self.lock();
+        inner
+            .conns
+            .iter()
+            .filter(|(_, c)| c.node_id == node_id)
+            .map(|(pid, _)| *pid)
+            .collect()
+    }
+
+    /// `pg_terminate_backend(pid)`: the server ends the session and frees its locks;
+    /// its client hears of it after one latency.
+    pub(crate) fn terminate(&self, pid: i32) {
+        let mut inner = self.lock();
+        let now = inner.now();
+        if inner.model.end_backend(pid, now, true).is_none() {
+            return;
+        }
+        if let Some(conn) = inner.conns.remove(&pid) {
+            // After every earlier message to the client.
+            let at =
+                (Instant::now() + inner.latency()).max(conn.last_down + Duration::from_micros(1));
+            conn.closed.store(true, Ordering::Release);
+            deliver(
+                conn.events,
+                at,
+                ConnEvent::Closed("terminating connection due to administrator command".into()),
+            );
+        }
+    }
+
+    /// What broke a rule of the protocol at the server so far.
+    pub(crate) fn violations(&self) -> Vec<String> {
+        self.lock().violations.clone()
+    }
+}
+
+impl Inner {
+    fn now(&self) -> T {
+        T::try_from(Instant::now().duration_since(self.base).as_micros()).unwrap_or(T::MAX)
+    }
+
+    fn latency(&mut self) -> Duration {
+        let (lo, hi) = self.latency;
+        let r = crate::table::next_random(&mut self.rng);
+        Duration::from_micros(lo + r % (hi - lo + 1))
+    }
+
+    /// When a message sent now towards the server on `pid`'s session arrives.
+    fn arrival_up(&mut self, pid: i32) -> Instant {
+        let at = Instant::now() + self.latency();
+        match self.conns.get_mut(&pid) {
+            Some(conn) => {
+                let at = at.max(conn.last_up + Duration::from_micros(1));
+                conn.last_up = at;
+                at
+            }
+            None => at,
+        }
+    }
+
+    fn node_index(&mut self, node_id: &str) -> usize {
+        match self.nodes.iter().position(|n| n == node_id) {
+            Some(i) => i,
+            None => {
+                self.nodes.push(node_id.to_owned());
+                self.nodes.len() - 1
+            }
+        }
+    }
+
+    fn holder_info(&self, pid: i32) -> HolderInfo {
+        let start = self.model.start_of(pid).map_or(0, epoch_us);
+        HolderInfo {
+            node_id: self
+                .conns
+                .get(&pid)
+                .map(|c| c.node_id.clone())
+                .unwrap_or_default(),
+            backend_pid: pid,
+            client_addr: None,
+            session_start: Some(
+                SystemTime::UNIX_EPOCH + Duration::from_micros(u64::try_from(start).unwrap_or(0)),
+            ),
+        }
+    }
+
+    /// Sends each listener its announcement, after a latency, in its stream's order.
+    fn send_notices(&mut self, notices: Vec<Notice>) {
+        for notice in notices {
+            let Some(conn) = self.conns.get(&notice.to) else {
+                continue;
+            };
+            if conn.deaf {
+                continue;
+            }
+            let events = conn.events.clone();
+            let last_down = conn.last_down;
+            let at = (Instant::now() + self.latency()).max(last_down + Duration::from_micros(1));
+            if let Some(c) = self.conns.get_mut(&notice.to) {
+                c.last_down = at;
+            }
+            let targets: BTreeMap<LockKey, u64> = notice.hand.iter().copied().collect();
+            let payload = notice
+                .keys
+                .iter()
+                .map(|k| k.announcement(targets.get(k).copied()))
+                .collect::<Vec<_>>()
+                .join(",");
+            let sender = notice.sender;
+            // Stamped when the client's connection task reads it.
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at).await;
+                let _ = events.send(ConnEvent::Notification {
+                    sender,
+                    payload,
+                    at: crate::clock::now(),
+                });
+            });
+        }
+    }
+}
+
+/// Sends `event` at `at`.
+fn deliver(events: mpsc::UnboundedSender<ConnEvent>, at: Instant, event: ConnEvent) {
+    tokio::spawn(async move {
+        tokio::time::sleep_until(at).await;
+        let _ = events.send(event);
+    });
+}
+
+/// The sessions of one node on a [`SimServer`].
+#[derive(Debug)]
+pub(crate) struct SimBackend {
+    server: Arc<SimServer>,
+    seed: u64,
+}
+
+impl SimBackend {
+    pub(crate) fn new(server: Arc<SimServer>, seed: u64) -> Self {
+        Self { server, seed }
+    }
+}
+
+impl Backend for SimBackend {
+    fn connect<'a>(
+        &'a self,
+        options: &'a ManagerOptions,
+        generation: u64,
+    ) -> BoxFuture<'a, Result<Session>> {
+        Box::pin(async move {
+            let sent = crate::clock::now();
+            let up = self.server.lock().latency();
+            tokio::time::sleep(up).await;
+            let opened = {
+                let mut inner = self.server.lock();
+                let now = inner.now();
+                let n = inner.node_index(&options.node_id);
+                let inst = u32::try_from(generation).unwrap_or(u32::MAX);
+                let connected = inner.model.connect(n, inst, now, 0);
+                let down = inner.latency();
+                connected
+                    .map(|connected| {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        let closed = Arc::new(AtomicBool::new(false));
+                        inner.conns.insert(
+                            connected.pid,
+                            Conn {
+                                node_id: options.node_id.clone(),
+                                events: tx,
+                                closed: Arc::clone(&closed),
+                                deaf: false,
+                                last_up: Instant::now(),
+                                last_down: Instant::now() + down,
+                            },
+                        );
+                        (connected, rx, closed, down)
+                    })
+                    .ok_or(down)
+            };
+            let (connected, events, closed, down) = match opened {
+                Ok(opened) => opened,
+                Err(down) => {
+                    tokio::time::sleep(down).await;
+                    return Err(Error::NotConnected(SessionDownReason::ConnectFailed {
+                        message: "the database system is shutting down (simulated)".into(),
+                    }));
+                }
+            };
+            tokio::time::sleep(down).await;
+            let term = Term {
+                timeline: connected.high,
+                age: connected.term_age.map(Duration::from_micros),
+                identity: connected.identity.clone(),
+                first_token: FencingToken::from_parts(connected.high, connected.first_xid),
+                system_id: connected.system.to_string(),
+                read_at: crate::clock::now(),
+            };
+            let link = SimLink {
+                server: Arc::clone(&self.server),
+                pid: connected.pid,
+                closed,
+            };
+            Ok(Session::new(
+                Box::new(link),
+                Opened {
+                    backend_pid: connected.pid,
+                    server: "simulated".into(),
+                    generation: Generation::new(generation),
+                    events,
+                    proven_at: sent,
+                    term,
+                },
+            ))
+        })
+    }
+
+    fn seed(&self) -> Option<u64> {
+        Some(self.seed)
+    }
+}
+
+/// One session on a [`SimServer`].
+struct SimLink {
+    server: Arc<SimServer>,
+    pid: i32,
+    closed: Arc<AtomicBool>,
+}
+
+impl Drop for SimLink {
+    fn drop(&mut self) {
+        // The client closes the connection: the server ends the backend at once.
+        let mut inner = self.server.lock();
+        let now = inner.now();
+        inner.model.end_backend(self.pid, now, false);
+        inner.conns.remove(&self.pid);
+        self.closed.store(true, Ordering::Release);
+    }
+}
+
+fn lost() -> Fault {
+    Fault::Lost(SessionDownReason::ConnectionLost {
+        message: "server closed the connection unexpectedly (simulated)".into(),
+    })
+}
+
+/// One round trip on `pid`'s session: `run` at the server when the message arrives,
+/// its answer after one latency; `None` when the session is gone by then.
+async fn round_trip<R>(
+    server: &SimServer,
+    pid: i32,
+    run: impl FnOnce(&mut Inner, T) -> R,
+) -> Option<R> {
+    let arrival = server.lock().arrival_up(pid);
+    tokio::time::sleep_until(arrival).await;
+    let (answer, back) = {
+        let mut inner = server.lock();
+        if !inner.conns.contains_key(&pid) {
+            return None;
+        }
+        let now = inner.now();
+        inner.model.touch(pid, now);
+        let answer = run(&mut inner, now);
+        let at = Instant::now() + inner.latency();
+        let back = match inner.conns.get_mut(&pid) {
+            Some(conn) => {
+                let at = at.max(conn.last_down + Duration::from_micros(1));
+                conn.last_down = at;
+                at
+            }
+            None => at,
+        };
+        (answer, back)
+    };
+    tokio::time::sleep_until(back).await;
+    Some(answer)
+}
+
+impl SimLink {
+    async fn round_trip<R>(
+        &self,
+        run: impl FnOnce(&mut Inner, T) -> R,
+    ) -> std::result::Result<R, Fault> {
+        round_trip(&self.server, self.pid, run)
+            .await
+            .ok_or_else(lost)
+    }
+}
+
+impl Link for SimLink {
+    fn perform<'a>(
+        &'a self,
+        plan: &'a Plan,
+    ) -> BoxFuture<'a, std::result::Result<(Done, Option<tokio_postgres::Error>), Fault>> {
+        Box::pin(async move {
+            let pid = self.pid;
+            let reply = self
+                .round_trip(|inner, now| {
+                    let n = inner.model.backends.get(&pid).map_or(0, |b| b.n);
+                    let Executed {
+                        reply,
+                        violations,
+                        notices,
+                        ..
+                    } = inner.model.execute(n, pid, plan, now, "");
+                    inner.violations.extend(violations);
+                    for each in notices {
+                        inner.send_notices(each);
+                    }
+                    reply
+                })
+                .await?;
+            let Reply {
+                token,
+                tried,
+                registered,
+                senders,
+                fenced,
+                checked,
+                try_failed,
+                locks_gone,
+                ..
+            } = reply;
+            if locks_gone {
+                return Err(Fault::Lost(SessionDownReason::PoolerDetected {
+                    detail: "the keys of a hand-off are no longer held by this session".into(),
+                }));
+            }
+            Ok((
+                Done {
+                    token,
+                    tried: try_failed.map_or(Ok(tried), Err),
+                    registered,
+                    seen_held: Vec::new(),
+                    senders,
+                    fenced,
+                    checked,
+                },
+                None,
+            ))
+        })
+    }
+
+    fn holders<'a>(
+        &'a self,
+        keys: &'a [LockKey],
+    ) -> BoxFuture<'a, std::result::Result<Vec<HolderAnswer>, Fault>> {
+        Box::pin(self.round_trip(move |inner, _| {
+            keys.iter()
+                .map(|k| Ok(inner.model.excl.get(k).map(|pid| inner.holder_info(*pid))))
+                .collect()
+        }))
+    }
+
+    fn cluster(&self) -> BoxFuture<'_, std::result::Result<Vec<(LockKey, HolderInfo)>, Fault>> {
+        Box::pin(self.round_trip(|inner, _| {
+            inner
+                .model
+                .excl
+                .iter()
+                .map(|(k, pid)| (*k, inner.holder_info(*pid)))
+                .collect()
+        }))
+    }
+
+    fn reset(&self) -> BoxFuture<'_, std::result::Result<(), Fault>> {
+        let pid = self.pid;
+        // `RESET ALL; UNLISTEN *`.
+        Box::pin(self.round_trip(move |inner, _| {
+            if let Some(conn) = inner.conns.get_mut(&pid) {
+                conn.deaf = true;
+            }
+        }))
+    }
+
+    fn heartbeat_link(&self) -> Box<dyn HeartbeatLink> {
+        Box::new(SimHeartbeat {
+            link: SimLinkRef {
+                server: Arc::clone(&self.server),
+                pid: self.pid,
+            },
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// The heartbeat's handle on a session: no ownership of it (dropping it closes
+/// nothing).
+struct SimLinkRef {
+    server: Arc<SimServer>,
+    pid: i32,
+}
+
+struct SimHeartbeat {
+    link: SimLinkRef,
+}
+
+impl HeartbeatLink for SimHeartbeat {
+    fn heartbeat(&self) -> BoxFuture<'_, std::result::Result<Vec<SessionLock>, SessionDownReason>> {
+        Box::pin(async move {
+            let SimLinkRef { server, pid } = &self.link;
+            let pid = *pid;
+            round_trip(server, pid, move |inner, _| inner.model.locks_of(pid))
+                .await
+                .ok_or_else(|| SessionDownReason::ConnectionLost {
+                    message: "server closed the connection unexpectedly (simulated)".into(),
+                })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LockManager;
+
+    async fn manager(server: &Arc<SimServer>, node: &str, seed: u64) -> LockManager {
+        let options = ManagerOptions::from_url("postgres://sim@localhost/sim")
+            .expect("BUG: static URL parses")
+            .node_id(node);
+        LockManager::connect_with(options, Arc::new(SimBackend::new(Arc::clone(server), seed)))
+            .await
+            .expect("the simulated server is up")
+    }
+
+    /// A takeover after the holder's backend is terminated: when the holder learned it
+    /// lost the lease, when the waiting node got the lock (both from the termination),
+    /// and their tokens. `stop`: the holder stops its work once it learns of the loss.
+    async fn takeover(seed: u64, stop: bool) -> (Duration, Duration, FencingToken, FencingToken) {
+        let server = SimServer::new(seed);
+        let a = manager(&server, "a", seed + 1).await;
+        let b = manager(&server, "b", seed + 2).await;
+        let lease_a = a.acquire("job").await.unwrap();
+        let token_a = lease_a.fencing_token();
+        let waiting = tokio::spawn({
+            let b = b.clone();
+            async move { b.acquire("job").await }
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!waiting.is_finished(), "the lock is held");
+        let pid = server.holder_of(lease_a.key()).expect("a holds the key");
+        assert_eq!(server.backends_of("a"), vec![pid]);
+        server.terminate(pid);
+        let start = Instant::now();
+        tokio::time::timeout(Duration::from_secs(10), lease_a.lost())
+            .await
+            .expect("the holder learns it lost the lease");
+        let lost_after = start.elapsed();
+        let kept = if stop {
+            // Its work stops: the stop fence its next session took is released.
+            drop(lease_a);
+            None
+        } else {
+            Some(lease_a)
+        };
+        let lease_b = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .expect("the waiting node gets the lock")
+            .unwrap()
+            .unwrap();
+        let granted_after = start.elapsed();
+        assert!(server.violations().is_empty(), "{:?}", server.violations());
+        let token_b = lease_b.fencing_token();
+        drop((kept, lease_b));
+        a.shutdown().await;
+        b.shutdown().await;
+        (lost_after, granted_after, token_a, token_b)
+    }
+
+    /// The real manager task on the simulated server: a waiting node gets the lock only
+    /// once the holder's backend was terminated and the holder has lost its lease and
+    /// stopped, with a greater token, within a poll and the takeover grace.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_node_gets_the_lock_after_the_holders_backend_is_terminated() {
+        let (lost, granted, token_a, token_b) = takeover(7, true).await;
+        assert!(token_b > token_a);
+        assert!(
+            granted >= lost,
+            "granted {granted:?} before the holder knew it lost at {lost:?}"
+        );
+        assert!(
+            granted < Duration::from_secs(1),
+            "a poll and a grace: {granted:?}"
+        );
+    }
+
+    /// A holder whose work does not stop keeps the key fenced: the waiting node gets it
+    /// only once the holder's stop budget has run out.
+    #[tokio::test(start_paused = true)]
+    async fn a_holder_that_does_not_stop_keeps_the_lock_fenced_for_its_stop_budget() {
+        let (lost, granted, token_a, token_b) = takeover(7, false).await;
+        assert!(token_b > token_a);
+        assert!(
+            granted >= lost + Duration::from_secs(2),
+            "granted {granted:?}, the holder lost at {lost:?}, its stop budget is 2 s"
+        );
+    }
+
+    /// One seed, one history: the same run twice takes the same virtual times and
+    /// issues the same tokens.
+    #[tokio::test(start_paused = true)]
+    async fn a_simulated_run_replays_exactly() {
+        let first = takeover(42, true).await;
+        let second = takeover(42, true).await;
+        assert_eq!(first, second);
+    }
+
+    /// A graceful release is announced: the waiting node takes the lock at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_released_lock_is_announced_and_taken_at_once() {
+        let server = SimServer::new(11);
+        let a = manager(&server, "a", 1).await;
+        let b = manager(&server, "b", 2).await;
+        let lease_a = a.acquire("job").await.unwrap();
+        let waiting = tokio::spawn({
+            let b = b.clone();
+            async move { b.acquire("job").await }
+        });
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let start = Instant::now();
+        lease_a.release().await.unwrap();
+        let lease_b = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .expect("the waiting node gets the lock")
+            .unwrap()
+            .unwrap();
+        assert!(
+            start.elapsed() < Duration::from_millis(50),
+            "announced, not polled: {:?}",
+            start.elapsed()
+        );
+        assert!(lease_b.is_valid());
+        assert!(server.violations().is_empty(), "{:?}", server.violations());
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+}
