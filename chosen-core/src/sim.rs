@@ -4,6 +4,7 @@
 //! ([`backend`]) that runs the real manager task on tokio's paused clock.
 
 pub(crate) mod backend;
+mod fleet;
 pub(crate) mod server;
 
 /// Virtual microseconds since the start of a run.
