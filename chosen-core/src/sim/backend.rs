@@ -38,6 +38,8 @@ use crate::token::FencingToken;
 #[derive(Debug)]
 pub(crate) struct SimServer {
     inner: Mutex<Inner>,
+    /// Woken when a node's traffic is healed.
+    healed: tokio::sync::Notify,
 }
 
 #[derive(Debug)]
@@ -54,6 +56,11 @@ struct Inner {
     nodes: Vec<String>,
     /// What broke a rule of the protocol at the server, in order.
     violations: Vec<String>,
+    /// The server itself (for tasks that wait for a heal).
+    me: std::sync::Weak<SimServer>,
+    /// Nodes whose traffic is black-holed: what they send and what is sent to them
+    /// arrives once healed (TCP retransmits), unless the session ended meanwhile.
+    cut: std::collections::BTreeSet<String>,
 }
 
 #[derive(Debug)]
@@ -61,6 +68,9 @@ struct Conn {
     node_id: String,
     events: mpsc::UnboundedSender<ConnEvent>,
     closed: Arc<AtomicBool>,
+    /// Cancelled when the client learns the session ended: every request in flight on
+    /// it fails then, as tokio-postgres fails them when the connection closes.
+    ended: tokio_util::sync::CancellationToken,
     /// `UNLISTEN *` ran (a reset at shutdown): no more notifications.
     deaf: bool,
     /// When the last message towards the server and towards the client arrives:
@@ -73,8 +83,9 @@ impl SimServer {
     /// A server up since long before the run, with one-way latencies of 0.2–2 ms
     /// drawn from `seed`.
     pub(crate) fn new(seed: u64) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             inner: Mutex::new(Inner {
+                me: me.clone(),
                 model: Server::new(BTreeMap::new()),
                 base: Instant::now(),
                 rng: seed | 1,
@@ -82,7 +93,9 @@ impl SimServer {
                 conns: BTreeMap::new(),
                 nodes: Vec::new(),
                 violations: Vec::new(),
+                cut: std::collections::BTreeSet::new(),
             }),
+            healed: tokio::sync::Notify::new(),
         })
     }
 
@@ -110,24 +123,85 @@ impl SimServer {
     }
 
     /// `pg_terminate_backend(pid)`: the server ends the session and frees its locks;
-    /// its client hears of it after one latency.
-    pub(crate) fn terminate(&self, pid: i32) {
+    /// its client hears of it after one latency (once healed, if cut off), after every
+    /// earlier message, and every request in flight on it fails then.
+    pub(crate) fn terminate(self: &Arc<Self>, pid: i32) {
         let mut inner = self.lock();
         let now = inner.now();
         if inner.model.end_backend(pid, now, true).is_none() {
             return;
         }
         if let Some(conn) = inner.conns.remove(&pid) {
-            // After every earlier message to the client.
             let at =
                 (Instant::now() + inner.latency()).max(conn.last_down + Duration::from_micros(1));
-            conn.closed.store(true, Ordering::Release);
-            deliver(
-                conn.events,
-                at,
-                ConnEvent::Closed("terminating connection due to administrator command".into()),
-            );
+            drop(inner);
+            let server = Arc::clone(self);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at).await;
+                server.until_healed(&conn.node_id).await;
+                conn.closed.store(true, Ordering::Release);
+                let _ = conn.events.send(ConnEvent::Closed(
+                    "terminating connection due to administrator command".into(),
+                ));
+                conn.ended.cancel();
+            });
         }
+    }
+
+    /// Returns once node `node_id`'s traffic flows.
+    async fn until_healed(&self, node_id: &str) {
+        loop {
+            let healed = self.healed.notified();
+            tokio::pin!(healed);
+            healed.as_mut().enable();
+            if !self.lock().cut.contains(node_id) {
+                return;
+            }
+            healed.await;
+        }
+    }
+
+    /// Black-holes node `node_id`'s traffic (`true`) or heals it. What is sent either
+    /// way meanwhile arrives once healed, as TCP retransmits it.
+    pub(crate) fn cut(&self, node_id: &str, cut: bool) {
+        let mut inner = self.lock();
+        if cut {
+            inner.cut.insert(node_id.to_owned());
+        } else {
+            inner.cut.remove(node_id);
+            drop(inner);
+            self.healed.notify_waiters();
+        }
+    }
+
+    /// Ends every backend no statement has reached for `after`, checked every
+    /// `every`, as the server's idle and keepalive timeouts do (what frees the locks of
+    /// a process cut off from the server).
+    pub(crate) fn reap_idle(self: &Arc<Self>, after: Duration, every: Duration) {
+        let server = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(server) = server.upgrade() else {
+                    return;
+                };
+                let idle: Vec<i32> = {
+                    let inner = server.lock();
+                    let now = inner.now();
+                    let after = T::try_from(after.as_micros()).unwrap_or(T::MAX);
+                    inner
+                        .model
+                        .backends
+                        .iter()
+                        .filter(|(_, b)| now.saturating_sub(b.last) >= after)
+                        .map(|(pid, _)| *pid)
+                        .collect()
+                };
+                for pid in idle {
+                    server.terminate(pid);
+                }
+            }
+        });
     }
 
     /// What broke a rule of the protocol at the server so far.
@@ -196,6 +270,7 @@ impl Inner {
                 continue;
             }
             let events = conn.events.clone();
+            let node_id = conn.node_id.clone();
             let last_down = conn.last_down;
             let at = (Instant::now() + self.latency()).max(last_down + Duration::from_micros(1));
             if let Some(c) = self.conns.get_mut(&notice.to) {
@@ -209,9 +284,13 @@ impl Inner {
                 .collect::<Vec<_>>()
                 .join(",");
             let sender = notice.sender;
+            let server = self.me.clone();
             // Stamped when the client's connection task reads it.
             tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
+                if let Some(server) = server.upgrade() {
+                    server.until_healed(&node_id).await;
+                }
                 let _ = events.send(ConnEvent::Notification {
                     sender,
                     payload,
@@ -220,14 +299,6 @@ impl Inner {
             });
         }
     }
-}
-
-/// Sends `event` at `at`.
-fn deliver(events: mpsc::UnboundedSender<ConnEvent>, at: Instant, event: ConnEvent) {
-    tokio::spawn(async move {
-        tokio::time::sleep_until(at).await;
-        let _ = events.send(event);
-    });
 }
 
 /// The sessions of one node on a [`SimServer`].
@@ -251,7 +322,17 @@ impl Backend for SimBackend {
     ) -> BoxFuture<'a, Result<Session>> {
         Box::pin(async move {
             let sent = crate::clock::now();
-            let up = self.server.lock().latency();
+            let up = {
+                let mut inner = self.server.lock();
+                (!inner.cut.contains(&options.node_id)).then(|| inner.latency())
+            };
+            let Some(up) = up else {
+                // Black-holed: the connect attempt times out.
+                tokio::time::sleep(options.connect_timeout).await;
+                return Err(Error::NotConnected(SessionDownReason::ConnectFailed {
+                    message: "timeout expired (simulated)".into(),
+                }));
+            };
             tokio::time::sleep(up).await;
             let opened = {
                 let mut inner = self.server.lock();
@@ -270,6 +351,7 @@ impl Backend for SimBackend {
                                 node_id: options.node_id.clone(),
                                 events: tx,
                                 closed: Arc::clone(&closed),
+                                ended: tokio_util::sync::CancellationToken::new(),
                                 deaf: false,
                                 last_up: Instant::now(),
                                 last_down: Instant::now() + down,
@@ -334,7 +416,9 @@ impl Drop for SimLink {
         let mut inner = self.server.lock();
         let now = inner.now();
         inner.model.end_backend(self.pid, now, false);
-        inner.conns.remove(&self.pid);
+        if let Some(conn) = inner.conns.remove(&self.pid) {
+            conn.ended.cancel();
+        }
         self.closed.store(true, Ordering::Release);
     }
 }
@@ -346,35 +430,52 @@ fn lost() -> Fault {
 }
 
 /// One round trip on `pid`'s session: `run` at the server when the message arrives,
-/// its answer after one latency; `None` when the session is gone by then.
+/// its answer after one latency (each way held while the node is cut off); `None`
+/// when the session is gone by then, or its client learns it ended meanwhile.
 async fn round_trip<R>(
     server: &SimServer,
     pid: i32,
     run: impl FnOnce(&mut Inner, T) -> R,
 ) -> Option<R> {
-    let arrival = server.lock().arrival_up(pid);
-    tokio::time::sleep_until(arrival).await;
-    let (answer, back) = {
-        let mut inner = server.lock();
-        if !inner.conns.contains_key(&pid) {
-            return None;
-        }
-        let now = inner.now();
-        inner.model.touch(pid, now);
-        let answer = run(&mut inner, now);
-        let at = Instant::now() + inner.latency();
-        let back = match inner.conns.get_mut(&pid) {
-            Some(conn) => {
-                let at = at.max(conn.last_down + Duration::from_micros(1));
-                conn.last_down = at;
-                at
-            }
-            None => at,
-        };
-        (answer, back)
+    let (ended, node_id) = {
+        let inner = server.lock();
+        let conn = inner.conns.get(&pid)?;
+        (conn.ended.clone(), conn.node_id.clone())
     };
-    tokio::time::sleep_until(back).await;
-    Some(answer)
+    let trip = async {
+        server.until_healed(&node_id).await;
+        let arrival = server.lock().arrival_up(pid);
+        tokio::time::sleep_until(arrival).await;
+        // Cut off while on its way: it arrives once healed.
+        server.until_healed(&node_id).await;
+        let (answer, back) = {
+            let mut inner = server.lock();
+            if !inner.conns.contains_key(&pid) {
+                return None;
+            }
+            let now = inner.now();
+            inner.model.touch(pid, now);
+            let answer = run(&mut inner, now);
+            let at = Instant::now() + inner.latency();
+            let back = match inner.conns.get_mut(&pid) {
+                Some(conn) => {
+                    let at = at.max(conn.last_down + Duration::from_micros(1));
+                    conn.last_down = at;
+                    at
+                }
+                None => at,
+            };
+            (answer, back)
+        };
+        tokio::time::sleep_until(back).await;
+        server.until_healed(&node_id).await;
+        Some(answer)
+    };
+    tokio::select! {
+        biased;
+        () = ended.cancelled() => None,
+        answer = trip => answer,
+    }
 }
 
 impl SimLink {

@@ -12,6 +12,10 @@
 //! counted, not failed: a session the server ended may leave its holder's stop fence
 //! untaken when the next holder looks (the engine simulation's gap (c)).
 //!
+//! Faults: a node's backends terminated, its traffic black-holed for up to 12 s (the
+//! server ends a session idle for 7 s), a node shut down and started again, a
+//! singleton stepped down or handed over.
+//!
 //! `CHOSEN_FLEET_SEEDS` (default 200) and `CHOSEN_FLEET_FIRST` choose the seeds;
 //! `CHOSEN_FLEET_SEED=n` runs seed `n` alone and prints what happened.
 
@@ -233,6 +237,9 @@ struct Outcome {
 async fn run(seed: u64) -> Outcome {
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let server = SimServer::new(seed);
+    // As chosen sets its session up: the server ends a silent session after
+    // `server_release_after` (7 s by default).
+    server.reap_idle(Duration::from_secs(7), Duration::from_millis(250));
     let history = Arc::new(Mutex::new(History::default()));
     let count = 3 + rng.below(2) as usize;
     let mut nodes: Vec<Node> = (0..count)
@@ -290,7 +297,18 @@ async fn run(seed: u64) -> Outcome {
                     s.hand_over_to(&to);
                 }
             }
-            _ => {}
+            _ => {
+                let cut_for = rng.millis(500, 12_000);
+                history.lock().unwrap().note(format!(
+                    "FAULT black-hole {} for {} ms",
+                    node.id,
+                    cut_for.as_millis()
+                ));
+                server.cut(&node.id, true);
+                tokio::time::sleep(cut_for).await;
+                server.cut(&node.id, false);
+                history.lock().unwrap().note(format!("{} healed", node.id));
+            }
         }
     }
     tokio::time::sleep(SETTLE).await;
