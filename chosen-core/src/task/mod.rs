@@ -196,11 +196,20 @@ impl Driver {
             if let Some(exit) = self.drain_events(&mut s) {
                 break exit;
             }
-            if self.shutting_down {
-                break Exit::Shutdown;
-            }
+            // A session already known lost (or past its validity deadline, the
+            // heartbeat's watchdog not having run yet) is lost, even with a shutdown
+            // asked: the shutdown then waits for what is still stopping, at most the stop
+            // budget, instead of stepping on a dead session until its statement deadline.
             if generation.revoked.is_cancelled() {
                 break Exit::Lost(revoke_reason(&generation));
+            }
+            if !self.shared.is_valid_now() {
+                break Exit::Lost(SessionDownReason::HeartbeatOverdue {
+                    lease_timeout: self.shared.options.lease_timeout,
+                });
+            }
+            if self.shutting_down {
+                break Exit::Shutdown;
             }
             if let Err(reason) = self.step(&s, None).await {
                 break Exit::Lost(reason);
