@@ -6,7 +6,11 @@
 //!   child's start and at each of its ticks, on the one clock every node shares here);
 //! * a node's shutdown returning while one of its children still runs, or not
 //!   returning within its bound (a hang);
-//! * a name with no acting child once the faults are over and the fleet settled.
+//! * a name with no acting child, or an election without exactly one leader, once the
+//!   faults are over and the fleet settled;
+//! * two leaders of an election at once (sampled every 10 ms);
+//! * flapping: a leader change or a child start after the fleet settled, with no fault
+//!   or request since.
 //!
 //! Children of one name *running* at once (one stopping while the next starts) are
 //! counted, not failed: a session the server ended may leave its holder's stop fence
@@ -14,7 +18,7 @@
 //!
 //! Faults: a node's backends terminated, its traffic black-holed for up to 12 s (the
 //! server ends a session idle for 7 s), a node shut down and started again, a
-//! singleton stepped down or handed over.
+//! singleton stepped down or handed over, an election stepped down.
 //!
 //! `CHOSEN_FLEET_SEEDS` (default 200) and `CHOSEN_FLEET_FIRST` choose the seeds;
 //! `CHOSEN_FLEET_SEED=n` runs seed `n` alone and prints what happened.
@@ -27,10 +31,15 @@ use tokio::time::Instant;
 
 use super::backend::{SimBackend, SimServer};
 use crate::singleton::{LeaderContext, RestartPolicy, Singleton, SingletonOptions};
-use crate::{LockManager, ManagerOptions};
+use crate::{Election, Leadership, LockManager, ManagerOptions};
 
 /// Singleton names every node runs.
 const NAMES: [&str; 2] = ["s0", "s1"];
+/// The election every node runs.
+const ELECTION: &str = "e0";
+/// Once the faults are over, the fleet has this long to settle; after it, no leader
+/// changes and no child starts (nothing happens that would call for one).
+const QUIET_AFTER: Duration = Duration::from_secs(10);
 /// Fault steps of a run.
 const STEPS: u32 = 30;
 /// How long the fleet is left alone after the faults before liveness is checked.
@@ -62,6 +71,13 @@ struct History {
     /// acting).
     running_overlaps: u64,
     log: Vec<String>,
+    /// Each running node's view of the election.
+    leaderships: BTreeMap<String, Leadership>,
+    /// The election's leaders as last sampled, and how often they changed.
+    leaders: Vec<String>,
+    leader_changes: u64,
+    /// From then on nothing may change (the faults are over and the fleet settled).
+    quiet_from: Option<Instant>,
 }
 
 impl History {
@@ -98,6 +114,12 @@ impl History {
             "{name}: child {id} starts on {node}, token {}",
             ctx.fencing_token().get()
         ));
+        if self.quiet_from.is_some_and(|q| Instant::now() >= q) {
+            self.violations.push(format!(
+                "{name}: child {id} starts on {node} with no fault or request since the \
+                 fleet settled (flapping)"
+            ));
+        }
         self.running
             .entry(name)
             .or_default()
@@ -121,6 +143,33 @@ impl History {
             r.retain(|(i, _, _)| *i != id);
         }
         self.note(format!("{name}: child {id} returned"));
+    }
+
+    /// Samples the election: at most one leader, and none new once quiet.
+    fn sample_leaders(&mut self) {
+        let leaders: Vec<String> = self
+            .leaderships
+            .iter()
+            .filter(|(_, l)| l.is_leader())
+            .map(|(n, _)| n.clone())
+            .collect();
+        if leaders.len() > 1 {
+            self.violations
+                .push(format!("{ELECTION}: {leaders:?} lead at once"));
+        }
+        if leaders != self.leaders {
+            self.note(format!("{ELECTION}: leaders {leaders:?}"));
+            if !leaders.is_empty() {
+                self.leader_changes += 1;
+                if self.quiet_from.is_some_and(|q| Instant::now() >= q) {
+                    self.violations.push(format!(
+                        "{ELECTION}: leader changed to {leaders:?} with no fault or request \
+                         since the fleet settled (flapping)"
+                    ));
+                }
+            }
+            self.leaders = leaders;
+        }
     }
 
     fn running_on(&self, node: &str) -> Vec<u64> {
@@ -152,6 +201,7 @@ struct Node {
     id: String,
     manager: Option<LockManager>,
     singletons: Vec<Singleton>,
+    election: Option<Election>,
 }
 
 fn options(node: &str) -> ManagerOptions {
@@ -214,6 +264,13 @@ async fn start_node(
             .expect("valid singleton")
         })
         .collect();
+    let election = Election::start(&manager, ELECTION).expect("valid election");
+    history
+        .lock()
+        .unwrap()
+        .leaderships
+        .insert(node.id.clone(), election.leadership());
+    node.election = Some(election);
     node.manager = Some(manager);
 }
 
@@ -223,14 +280,19 @@ async fn stop_node(history: &Arc<Mutex<History>>, node: &mut Node) {
         return;
     };
     let singletons = std::mem::take(&mut node.singletons);
+    let election = node.election.take();
     let ended = tokio::time::timeout(SHUTDOWN_BOUND, async {
         for s in &singletons {
             s.shutdown().await;
+        }
+        if let Some(e) = &election {
+            e.shutdown().await;
         }
         manager.shutdown().await;
     })
     .await;
     let mut h = history.lock().unwrap();
+    h.leaderships.remove(&node.id);
     if ended.is_err() {
         h.violations.push(format!(
             "{}: shutdown not done within {SHUTDOWN_BOUND:?}",
@@ -272,11 +334,21 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
             id: format!("n{i}"),
             manager: None,
             singletons: Vec::new(),
+            election: None,
         })
         .collect();
     for (i, node) in nodes.iter_mut().enumerate() {
         start_node(&server, &history, node, seed ^ (i as u64 + 1)).await;
     }
+    let sampler = tokio::spawn({
+        let history = Arc::clone(&history);
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                history.lock().unwrap().sample_leaders();
+            }
+        }
+    });
     for step in 0..STEPS {
         tokio::time::sleep(rng.millis(0, 2_000)).await;
         let n = rng.below(count as u64) as usize;
@@ -300,6 +372,15 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                 tokio::time::sleep(rng.millis(0, 3_000)).await;
                 let node_seed = seed ^ (u64::from(step) << 8) ^ n as u64;
                 start_node(&server, &history, node, node_seed).await;
+            }
+            7 if rng.below(3) == 0 => {
+                if let Some(e) = &node.election {
+                    history
+                        .lock()
+                        .unwrap()
+                        .note(format!("step down {ELECTION} on {}", node.id));
+                    e.step_down();
+                }
             }
             7 => {
                 if let Some(s) = node.singletons.get(rng.below(NAMES.len() as u64) as usize) {
@@ -336,9 +417,18 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
             }
         }
     }
-    tokio::time::sleep(SETTLE).await;
+    tokio::time::sleep(QUIET_AFTER).await;
+    history.lock().unwrap().quiet_from = Some(Instant::now());
+    tokio::time::sleep(SETTLE - QUIET_AFTER).await;
     {
         let mut h = history.lock().unwrap();
+        h.quiet_from = None;
+        if h.leaders.len() != 1 {
+            let leaders = h.leaders.clone();
+            h.violations.push(format!(
+                "{ELECTION}: leaders {leaders:?} once settled (want one)"
+            ));
+        }
         for name in NAMES {
             let acting = h
                 .running
@@ -354,6 +444,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
     for node in &mut nodes {
         stop_node(&history, node).await;
     }
+    sampler.abort();
     let mut violations = server.violations();
     let mut h = history.lock().unwrap();
     violations.append(&mut h.violations);
