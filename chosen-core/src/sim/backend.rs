@@ -56,6 +56,9 @@ struct Inner {
     nodes: Vec<String>,
     /// What broke a rule of the protocol at the server, in order.
     violations: Vec<String>,
+    /// When a backend of each node was last terminated (`pg_terminate_backend`, not a
+    /// silent session given up), whether or not the node heard of it.
+    terminated: BTreeMap<String, Instant>,
     /// The server itself (for tasks that wait for a heal).
     me: std::sync::Weak<SimServer>,
     /// Nodes whose traffic is black-holed: what they send and what is sent to them
@@ -71,6 +74,9 @@ struct Conn {
     /// Cancelled when the client learns the session ended: every request in flight on
     /// it fails then, as tokio-postgres fails them when the connection closes.
     ended: tokio_util::sync::CancellationToken,
+    /// The server ended the backend; its client has not heard yet (the news is on its
+    /// way, or held by a black hole).
+    server_ended: bool,
     /// `UNLISTEN *` ran (a reset at shutdown): no more notifications.
     deaf: bool,
     /// When the last message towards the server and towards the client arrives:
@@ -88,12 +94,13 @@ impl SimServer {
                 me: me.clone(),
                 model: Server::new(BTreeMap::new()),
                 base: Instant::now(),
-                rng: seed | 1,
+                rng: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
                 latency: (200, 2 * MS),
                 conns: BTreeMap::new(),
                 nodes: Vec::new(),
                 violations: Vec::new(),
                 cut: std::collections::BTreeSet::new(),
+                terminated: BTreeMap::new(),
             }),
             healed: tokio::sync::Notify::new(),
         })
@@ -126,26 +133,45 @@ impl SimServer {
     /// its client hears of it after one latency (once healed, if cut off), after every
     /// earlier message, and every request in flight on it fails then.
     pub(crate) fn terminate(self: &Arc<Self>, pid: i32) {
+        self.end_session(pid, false);
+    }
+
+    /// The server ends backend `pid`: terminated, or (`idle`) given up as silent.
+    fn end_session(self: &Arc<Self>, pid: i32, idle: bool) {
         let mut inner = self.lock();
         let now = inner.now();
         if inner.model.end_backend(pid, now, true).is_none() {
             return;
         }
-        if let Some(conn) = inner.conns.remove(&pid) {
-            let at =
-                (Instant::now() + inner.latency()).max(conn.last_down + Duration::from_micros(1));
-            drop(inner);
-            let server = Arc::clone(self);
-            tokio::spawn(async move {
-                tokio::time::sleep_until(at).await;
-                server.until_healed(&conn.node_id).await;
+        let latency = inner.latency();
+        let Some(conn) = inner.conns.get_mut(&pid) else {
+            return;
+        };
+        conn.server_ended = true;
+        if !idle {
+            let node_id = conn.node_id.clone();
+            inner.terminated.insert(node_id, Instant::now());
+        }
+        let Some(conn) = inner.conns.get_mut(&pid) else {
+            return;
+        };
+        let at = (Instant::now() + latency).max(conn.last_down + Duration::from_micros(1));
+        conn.last_down = at;
+        let node_id = conn.node_id.clone();
+        drop(inner);
+        let server = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            server.until_healed(&node_id).await;
+            let conn = server.lock().conns.remove(&pid);
+            if let Some(conn) = conn {
                 conn.closed.store(true, Ordering::Release);
                 let _ = conn.events.send(ConnEvent::Closed(
                     "terminating connection due to administrator command".into(),
                 ));
                 conn.ended.cancel();
-            });
-        }
+            }
+        });
     }
 
     /// Returns once node `node_id`'s traffic flows.
@@ -159,6 +185,16 @@ impl SimServer {
             }
             healed.await;
         }
+    }
+
+    /// When a backend of node `node_id` was last terminated (not given up as silent).
+    pub(crate) fn terminated(&self, node_id: &str) -> Option<Instant> {
+        self.lock().terminated.get(node_id).copied()
+    }
+
+    /// Node `node_id`'s traffic is black-holed now.
+    pub(crate) fn is_cut(&self, node_id: &str) -> bool {
+        self.lock().cut.contains(node_id)
     }
 
     /// Black-holes node `node_id`'s traffic (`true`) or heals it. What is sent either
@@ -198,7 +234,7 @@ impl SimServer {
                         .collect()
                 };
                 for pid in idle {
-                    server.terminate(pid);
+                    server.end_session(pid, true);
                 }
             }
         });
@@ -234,6 +270,20 @@ impl Inner {
         }
     }
 
+    /// Now and then a statement fails with the session intact, in each way the server
+    /// fails one (as the engine simulation draws them).
+    fn failing(&mut self) -> &'static str {
+        if !crate::table::next_random(&mut self.rng).is_multiple_of(100) {
+            return "";
+        }
+        match crate::table::next_random(&mut self.rng) % 4 {
+            0 => "try_failed",
+            1 => "lock_table_full",
+            2 => "check_failed",
+            _ => "token_failed",
+        }
+    }
+
     fn node_index(&mut self, node_id: &str) -> usize {
         match self.nodes.iter().position(|n| n == node_id) {
             Some(i) => i,
@@ -266,7 +316,7 @@ impl Inner {
             let Some(conn) = self.conns.get(&notice.to) else {
                 continue;
             };
-            if conn.deaf {
+            if conn.deaf || conn.server_ended {
                 continue;
             }
             let events = conn.events.clone();
@@ -352,6 +402,7 @@ impl Backend for SimBackend {
                                 events: tx,
                                 closed: Arc::clone(&closed),
                                 ended: tokio_util::sync::CancellationToken::new(),
+                                server_ended: false,
                                 deaf: false,
                                 last_up: Instant::now(),
                                 last_down: Instant::now() + down,
@@ -412,14 +463,32 @@ struct SimLink {
 
 impl Drop for SimLink {
     fn drop(&mut self) {
-        // The client closes the connection: the server ends the backend at once.
-        let mut inner = self.server.lock();
-        let now = inner.now();
-        inner.model.end_backend(self.pid, now, false);
-        if let Some(conn) = inner.conns.remove(&self.pid) {
-            conn.ended.cancel();
-        }
+        // The client closes the connection: the server ends the backend once the close
+        // reaches it (at once, unless the node is cut off: then when healed, or when
+        // the server gives the silent session up).
         self.closed.store(true, Ordering::Release);
+        let mut inner = self.server.lock();
+        let Some(conn) = inner.conns.remove(&self.pid) else {
+            return;
+        };
+        conn.ended.cancel();
+        if inner.cut.contains(&conn.node_id) {
+            let server = inner.me.clone();
+            let (pid, node_id) = (self.pid, conn.node_id);
+            drop(inner);
+            tokio::spawn(async move {
+                let Some(server) = server.upgrade() else {
+                    return;
+                };
+                server.until_healed(&node_id).await;
+                let mut inner = server.lock();
+                let now = inner.now();
+                inner.model.end_backend(pid, now, false);
+            });
+        } else {
+            let now = inner.now();
+            inner.model.end_backend(self.pid, now, false);
+        }
     }
 }
 
@@ -443,14 +512,15 @@ async fn round_trip<R>(
         (conn.ended.clone(), conn.node_id.clone())
     };
     let trip = async {
-        server.until_healed(&node_id).await;
+        // Its place in the session's stream is taken when it is sent.
         let arrival = server.lock().arrival_up(pid);
         tokio::time::sleep_until(arrival).await;
         // Cut off while on its way: it arrives once healed.
         server.until_healed(&node_id).await;
         let (answer, back) = {
             let mut inner = server.lock();
-            if !inner.conns.contains_key(&pid) {
+            // The backend is gone: the server answers with a reset.
+            if inner.conns.get(&pid).is_none_or(|c| c.server_ended) {
                 return None;
             }
             let now = inner.now();
@@ -504,7 +574,10 @@ impl Link for SimLink {
                         violations,
                         notices,
                         ..
-                    } = inner.model.execute(n, pid, plan, now, "");
+                    } = {
+                        let failing = inner.failing();
+                        inner.model.execute(n, pid, plan, now, failing)
+                    };
                     inner.violations.extend(violations);
                     for each in notices {
                         inner.send_notices(each);
