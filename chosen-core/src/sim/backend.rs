@@ -56,9 +56,9 @@ struct Inner {
     nodes: Vec<String>,
     /// What broke a rule of the protocol at the server, in order.
     violations: Vec<String>,
-    /// When a backend of each node was last terminated (`pg_terminate_backend`, not a
-    /// silent session given up), whether or not the node heard of it.
-    terminated: BTreeMap<String, Instant>,
+    /// Backends terminated (`pg_terminate_backend`, not a silent session given up):
+    /// their node, when, and when their client heard of it.
+    terminated: BTreeMap<i32, (String, Instant, Option<Instant>)>,
     /// The server itself (for tasks that wait for a heal).
     me: std::sync::Weak<SimServer>,
     /// Nodes whose traffic is black-holed: what they send and what is sent to them
@@ -150,7 +150,9 @@ impl SimServer {
         conn.server_ended = true;
         if !idle {
             let node_id = conn.node_id.clone();
-            inner.terminated.insert(node_id, Instant::now());
+            inner
+                .terminated
+                .insert(pid, (node_id, Instant::now(), None));
         }
         let Some(conn) = inner.conns.get_mut(&pid) else {
             return;
@@ -163,7 +165,13 @@ impl SimServer {
         tokio::spawn(async move {
             tokio::time::sleep_until(at).await;
             server.until_healed(&node_id).await;
-            let conn = server.lock().conns.remove(&pid);
+            let conn = {
+                let mut inner = server.lock();
+                if let Some(t) = inner.terminated.get_mut(&pid) {
+                    t.2.get_or_insert_with(Instant::now);
+                }
+                inner.conns.remove(&pid)
+            };
             if let Some(conn) = conn {
                 conn.closed.store(true, Ordering::Release);
                 let _ = conn.events.send(ConnEvent::Closed(
@@ -187,9 +195,20 @@ impl SimServer {
         }
     }
 
-    /// When a backend of node `node_id` was last terminated (not given up as silent).
-    pub(crate) fn terminated(&self, node_id: &str) -> Option<Instant> {
-        self.lock().terminated.get(node_id).copied()
+    /// A session of node `node_id` was terminated (not given up as silent) within
+    /// `within`, and its client has not heard of it, or heard of it within `heard`.
+    pub(crate) fn terminated_unheard(
+        &self,
+        node_id: &str,
+        within: Duration,
+        heard: Duration,
+    ) -> bool {
+        let now = Instant::now();
+        self.lock().terminated.values().any(|(node, at, heard_at)| {
+            node == node_id
+                && now.duration_since(*at) <= within
+                && heard_at.is_none_or(|h| now.duration_since(h) <= heard)
+        })
     }
 
     /// Node `node_id`'s traffic is black-holed now.
@@ -472,6 +491,9 @@ impl Drop for SimLink {
             return;
         };
         conn.ended.cancel();
+        if let Some(t) = inner.terminated.get_mut(&self.pid) {
+            t.2.get_or_insert_with(Instant::now);
+        }
         if inner.cut.contains(&conn.node_id) {
             let server = inner.me.clone();
             let (pid, node_id) = (self.pid, conn.node_id);
@@ -517,25 +539,32 @@ async fn round_trip<R>(
         tokio::time::sleep_until(arrival).await;
         // Cut off while on its way: it arrives once healed.
         server.until_healed(&node_id).await;
-        let (answer, back) = {
+        let outcome = {
             let mut inner = server.lock();
-            // The backend is gone: the server answers with a reset.
-            if inner.conns.get(&pid).is_none_or(|c| c.server_ended) {
-                return None;
-            }
-            let now = inner.now();
-            inner.model.touch(pid, now);
-            let answer = run(&mut inner, now);
-            let at = Instant::now() + inner.latency();
-            let back = match inner.conns.get_mut(&pid) {
-                Some(conn) => {
-                    let at = at.max(conn.last_down + Duration::from_micros(1));
-                    conn.last_down = at;
-                    at
+            match inner.conns.get(&pid) {
+                None => return None,
+                // The backend is gone: the client learns it with the session's end
+                // (the `ended` branch below), not before.
+                Some(c) if c.server_ended => None,
+                Some(_) => {
+                    let now = inner.now();
+                    inner.model.touch(pid, now);
+                    let answer = run(&mut inner, now);
+                    let at = Instant::now() + inner.latency();
+                    let back = match inner.conns.get_mut(&pid) {
+                        Some(conn) => {
+                            let at = at.max(conn.last_down + Duration::from_micros(1));
+                            conn.last_down = at;
+                            at
+                        }
+                        None => at,
+                    };
+                    Some((answer, back))
                 }
-                None => at,
-            };
-            (answer, back)
+            }
+        };
+        let Some((answer, back)) = outcome else {
+            return std::future::pending().await;
         };
         tokio::time::sleep_until(back).await;
         server.until_healed(&node_id).await;

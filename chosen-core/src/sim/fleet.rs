@@ -12,17 +12,19 @@
 //! * flapping: a leader change or a child start after the fleet settled, with no fault
 //!   or request since.
 //!
-//! Two acting at once is a known gap, counted and not failed, when the earlier one's
-//! session was terminated (`pg_terminate_backend`) within its lease timeout and the
-//! later one has the greater token: the server frees a terminated session's locks at
+//! Two acting at once is a known gap, counted and not failed, when the earlier one's own
+//! session was terminated (`pg_terminate_backend`) within its lease timeout, its client
+//! has not heard yet (or heard within the last sample), and the later one has the
+//! greater token: the server frees a terminated session's locks at
 //! once, and its client hears of it only a latency later (longer if the news meets a
 //! black hole); a node granted meanwhile is fenced by its greater token (the engine
 //! simulation's gaps (b) and (c)). A silent session the server gives up on is no
 //! excuse: the timing invariant keeps its holder from acting by then. Children of one name *running* at once (one
 //! stopping while the next starts) are counted, not failed (gap (c)).
 //!
-//! Faults: a node's backends terminated (not while it is cut off: a termination its
-//! holder cannot hear is a double fault only the fencing token covers), its traffic
+//! Faults: a node's backends terminated (not drawn while it is cut off: a termination
+//! its holder cannot hear is a double fault only the fencing token covers; one drawn
+//! just before a cut is excused the same way), its traffic
 //! black-holed for up to 12 s (the server ends a session idle for 7 s), a node shut
 //! down and started again, a singleton or the election stepped down or handed over by
 //! the node that leads it; several at once (a black hole heals in the background).
@@ -115,9 +117,12 @@ impl History {
     /// not overlap: that is the timing invariant).
     fn overlap(&mut self, name: &str, a: (&str, u64, String), b: (&str, u64, String)) {
         let (older, newer) = if a.1 <= b.1 { (a, b) } else { (b, a) };
-        let ended = self.server.as_ref().and_then(|s| s.terminated(older.0));
+        // Its own session terminated within the lease timeout, and the news not yet
+        // heard (or heard just now: samples are 10 ms apart).
         let in_gap = newer.1 > older.1
-            && ended.is_some_and(|e| Instant::now().duration_since(e) <= LEASE_TIMEOUT);
+            && self.server.as_ref().is_some_and(|s| {
+                s.terminated_unheard(older.0, LEASE_TIMEOUT, Duration::from_millis(10))
+            });
         if in_gap {
             self.known_gap.insert((name.to_owned(), older.2, newer.2));
         } else {
@@ -200,16 +205,32 @@ impl History {
         let leading: Vec<(String, u64)> = self
             .leaderships
             .iter()
-            .filter(|(_, l)| l.is_leader())
-            .map(|(n, l)| (n.clone(), l.fencing_token().map_or(0, |t| t.get())))
+            .filter_map(|(n, l)| match l.state() {
+                crate::LeaderState::Leading { token, .. } => Some((n.clone(), token.get())),
+                _ => None,
+            })
             .collect();
-        for pair in leading.windows(2) {
-            let (a, b) = (&pair[0], &pair[1]);
-            self.overlap(
-                ELECTION,
-                (&a.0, a.1, format!("leader {}", a.0)),
-                (&b.0, b.1, format!("leader {}", b.0)),
-            );
+        for (i, a) in leading.iter().enumerate() {
+            for b in &leading[i + 1..] {
+                self.overlap(
+                    ELECTION,
+                    (&a.0, a.1, format!("leader {}", a.0)),
+                    (&b.0, b.1, format!("leader {}", b.0)),
+                );
+            }
+        }
+        // A new leader's token is greater than every earlier leader's.
+        for (n, token) in &leading {
+            if !self.leaders.contains(n) {
+                if let Some((last, on)) = self.last_token.get(ELECTION)
+                    && (*token < *last || (*token == *last && on != n))
+                {
+                    self.violations.push(format!(
+                        "{ELECTION}: {n} leads with token {token}, after token {last} on {on}"
+                    ));
+                }
+                self.last_token.insert(ELECTION, (*token, n.clone()));
+            }
         }
         let leaders: Vec<String> = leading.into_iter().map(|(n, _)| n).collect();
         if leaders != self.leaders {
@@ -271,8 +292,19 @@ async fn start_node(
     node: &mut Node,
     seed: u64,
 ) {
-    // A node cut off cannot connect: it tries again, as a restarting process would.
+    // A node cut off cannot connect: it tries again, as a restarting process would
+    // (a bounded number of times: a black hole always heals within a few attempts).
+    let mut attempts = 0;
     let manager = loop {
+        attempts += 1;
+        if attempts > 20 {
+            history
+                .lock()
+                .unwrap()
+                .violations
+                .push(format!("{} could not connect in 20 attempts", node.id));
+            return;
+        }
         match LockManager::connect_with(
             options(&node.id),
             Arc::new(SimBackend::new(Arc::clone(server), seed)),
