@@ -139,6 +139,28 @@ async fn near_next_boundary(offset_ms: i64) {
     tokio::time::sleep(Duration::from_micros(target.saturating_sub(now))).await;
 }
 
+/// The node holding the job's lock now: the one session holding an advisory lock
+/// exclusively (followers hold only shared ones: interest keys, stop fences), else the
+/// node that ran the latest tick. (A node whose clock is behind runs its ticks late, so
+/// the latest tick's runner is not always the leader.)
+async fn current_leader(admin: &Client, job: &str) -> Option<String> {
+    let holders = admin
+        .query(
+            "SELECT DISTINCT a.application_name FROM pg_locks l \
+             JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.mode = 'ExclusiveLock' AND l.granted \
+             AND a.application_name LIKE 'node-%'",
+            &[],
+        )
+        .await
+        .ok()
+        .unwrap_or_default();
+    match holders.as_slice() {
+        [one] => Some(one.get(0)),
+        _ => latest_runner(admin, job).await,
+    }
+}
+
 async fn latest_runner(admin: &Client, job: &str) -> Option<String> {
     admin
         .query_opt(
@@ -254,7 +276,7 @@ async fn witness_run(misfire: &str) -> Figures {
     let mut turn = 0;
     while now_us() / 1_000_000 + 7 + LONGEST_FAULT + CALM < end {
         tokio::time::sleep(Duration::from_millis(2000 + rng.below(3000))).await;
-        let leader = latest_runner(&admin, &job).await;
+        let leader = current_leader(&admin, &job).await;
         let Some(i) = nodes.iter().position(|n| Some(&n.id) == leader.as_ref()) else {
             continue;
         };
