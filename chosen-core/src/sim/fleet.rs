@@ -618,15 +618,19 @@ fn the_fleet_check_fails_when_the_server_releases_a_session_before_its_lease_exp
 #[test]
 fn the_fleet_holds_over_many_seeds() {
     let replay = env_u64("CHOSEN_FLEET_SEED");
-    if replay.is_some() {
-        // The managers' own logs, with the virtual time of each line.
-        let _ = tracing_subscriber::fmt()
-            .with_test_writer()
-            .with_timer(VirtualTime)
-            .with_target(false)
-            .with_env_filter(tracing_subscriber::EnvFilter::new("chosen_core=debug"))
-            .try_init();
-    }
+    // Reports go through tracing, to the test's output. A replay shows the managers'
+    // own logs too, with the virtual time of each line.
+    let filter = if replay.is_some() {
+        "chosen_core=debug"
+    } else {
+        "chosen_core::sim=info"
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_timer(VirtualTime)
+        .with_target(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .try_init();
     let (first, count) = match replay {
         Some(seed) => (seed, 1),
         None => (
@@ -641,7 +645,7 @@ fn the_fleet_holds_over_many_seeds() {
         let out = run_seed(seed, RELEASE_AFTER);
         if replay.is_some() {
             for line in &out.log {
-                eprintln!("{line}");
+                tracing::info!("{line}");
             }
         }
         starts += out.starts;
@@ -651,7 +655,7 @@ fn the_fleet_holds_over_many_seeds() {
             failures.push((seed, out.violations));
         }
     }
-    eprintln!(
+    tracing::info!(
         "fleet: seeds {first}..{}, {:.1} s: {starts} child starts, {overlaps} starts while \
          another node's child was still stopping, {gap} acting at once in the known gap \
          (the earlier one's session terminated; greater token), {} failing seeds",
