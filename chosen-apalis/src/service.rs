@@ -46,9 +46,10 @@ pub enum SkipReason {
     /// A cron tick scheduled before this node gained leadership, or less than the
     /// clock-skew tolerance after: it may have been the previous leader's. With the
     /// tick ledger: a tick this node's scheduler delivered on time by its own clock but
-    /// which fell due (by the database's clock) more than 5 s before this node led (its
-    /// clock is behind): a missed tick, which the misfire policy decided about as this
-    /// answer was given (it may have run it, late: counted in `GateStats::caught_up`).
+    /// which fell due (by the database's clock, beyond the ledger's clock tolerance)
+    /// before this node led (its clock is behind): a missed tick, which the misfire
+    /// policy decided about as this answer was given (it may have run it, late:
+    /// counted in `GateStats::caught_up`).
     /// `leading_since` is on this node's clock.
     StaleTick {
         /// When the tick was scheduled.

@@ -557,6 +557,55 @@ async fn a_new_leader_catches_up_at_once_when_the_next_tick_is_far() {
     assert_eq!(b.layer.stats().caught_up(), 1);
 }
 
+// A node whose clock is behind delivers the ticks due just before it gained
+// leadership after the gain, "on time" by its own clock; a node whose clock is right
+// had them delivered while it followed. Both must decide them as missed ticks, or
+// whether a failover leaves a gap would depend on which node wins.
+#[tokio::test]
+async fn a_tick_due_before_the_gain_is_missed_even_when_delivered_after_it() {
+    let db = db().await;
+    let job = unique_name("ledger-late-delivery");
+    let before = unix_now();
+    db.admin
+        .execute(
+            "INSERT INTO chosen_ticks (job, tick, token, outcome, node, started_at) VALUES ($1, to_timestamp($2), 5, 'ran', 'node-a', now())",
+            &[&job, &((before - 10) as f64)],
+        )
+        .await
+        .unwrap();
+    // Gains now, at `gain` (between two whole seconds).
+    let mut b = node(
+        &db,
+        &job,
+        "node-b",
+        7,
+        Misfire::Skip,
+        Claim::BeforeRun,
+        false,
+    );
+    let gain = unix_now();
+    // Due 3 s before the gain, delivered now (3 s late: on time for a scheduler 3 s
+    // behind): a missed tick, not the tick at hand.
+    let late = tick(&mut b, gain - 3).await;
+    assert!(
+        matches!(late, Outcome::Skipped(SkipReason::StaleTick { .. })),
+        "{late:?}"
+    );
+    assert!(b.runs.lock().unwrap().is_empty());
+    // Due within the clock tolerance (1 s) of the gain: run.
+    assert!(tick(&mut b, gain).await.ran());
+    assert_eq!(*b.runs.lock().unwrap(), vec![(gain, false)]);
+    let missed = Some("missed: not run when due");
+    let got = rows(&db.admin, &job).await;
+    let base = (before - 10) as i64 - t0() as i64;
+    let mut want = vec![row(base, "ran", None, 5)];
+    for t in before - 9..gain {
+        want.push(row(t as i64 - t0() as i64, "skipped", missed, 7));
+    }
+    want.push(row(gain as i64 - t0() as i64, "ran", None, 7));
+    assert_eq!(got, want);
+}
+
 fn every_second() -> Schedule {
     "* * * * * *".parse().unwrap()
 }
@@ -2491,8 +2540,9 @@ async fn a_tick_more_than_an_hour_ahead_is_not_run_nor_recorded() {
         Claim::BeforeRun,
         false,
     );
+    // (Due after the gain: one due before it, delivered after it, is a missed tick.)
     let now = db_now(&db.admin).await;
-    assert!(tick(&mut a, now - 1).await.ran());
+    assert!(tick(&mut a, now).await.ran());
     let out = tokio::time::timeout(Duration::from_secs(10), tick(&mut a, now + 7200))
         .await
         .expect("a tick two hours ahead was held");
@@ -2500,10 +2550,7 @@ async fn a_tick_more_than_an_hour_ahead_is_not_run_nor_recorded() {
         matches!(out, Outcome::Skipped(SkipReason::NotDue { early, .. }) if early > Duration::from_secs(7000)),
         "{out:?}"
     );
-    assert_eq!(
-        rows_after(&db.admin, &job, now - 1).await,
-        Vec::<i64>::new()
-    );
+    assert_eq!(rows_after(&db.admin, &job, now).await, Vec::<i64>::new());
     assert_eq!(a.layer.stats().skipped_not_due(), 1);
 }
 
@@ -2768,7 +2815,7 @@ async fn a_held_tick_does_not_hold_the_jobs_readiness() {
     let out = ready
         .unwrap()
         .unwrap()
-        .call(Task::new(Tick::new(now - 1)))
+        .call(Task::new(Tick::new(now)))
         .await
         .unwrap();
     assert!(out.ran(), "{out:?}");

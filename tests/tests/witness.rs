@@ -266,9 +266,12 @@ async fn witness_run(misfire: &str) -> Figures {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let start = start.expect("no tick ran within a minute");
-    let end = start + ticks; // exclusive
+    // `ticks` ticks from now (exclusive), so that the faults have their time: the first
+    // row is written up to 20 s after its tick when node-3, whose clock is behind,
+    // leads from the start.
+    let end = start.max(now_us() / 1_000_000) + ticks;
     let mut figures = Figures {
-        ticks,
+        ticks: end - start,
         ..Figures::default()
     };
 
@@ -293,8 +296,9 @@ async fn witness_run(misfire: &str) -> Figures {
         let pid = nodes[i].child.id();
         *figures.faults.entry(fault).or_default() += 1;
         println!(
-            "   {fault} {} at {offset:+} ms from a tick boundary",
-            nodes[i].id
+            "   {fault} {} at {offset:+} ms from a tick boundary (tick {:+})",
+            nodes[i].id,
+            (now_us() / 1_000_000) as i64 - start as i64
         );
         match fault {
             "BLACKHOLE" => {
@@ -384,6 +388,25 @@ async fn witness_run(misfire: &str) -> Figures {
     };
     figures.early_runs = early as u64;
     figures.runs_by_the_shifted_node = shifted_runs as u64;
+    // The run's ticks as the ledger has them: who decided each, how, and how late.
+    for r in admin
+        .query(
+            "SELECT extract(epoch FROM tick)::bigint, outcome, coalesce(reason, ''), node, token, \
+             (extract(epoch FROM started_at - tick) * 1000)::bigint FROM chosen_ticks \
+             WHERE job = $1 ORDER BY tick",
+            &[&job],
+        )
+        .await
+        .unwrap()
+    {
+        let (tick, late): (i64, i64) = (r.get(0), r.get(5));
+        let (outcome, reason, node, token): (String, String, String, i64) =
+            (r.get(1), r.get(2), r.get(3), r.get(4));
+        println!(
+            "   tick {:+}: {outcome} {reason:?} by {node} (token {token}) at {late:+} ms",
+            tick - start as i64
+        );
+    }
     let mut witness: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     // In the order the rows were written (each took the fence row first, so this is
     // the order their transactions committed in): tokens never go back.

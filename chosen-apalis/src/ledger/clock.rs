@@ -47,6 +47,17 @@ impl Reading {
         self.db + now.saturating_duration_since(self.at)
     }
 
+    /// The earliest the database's clock can have read at `then`, before or after the
+    /// reading (carried back or forward on the monotonic clock).
+    pub(crate) fn earliest_at(&self, then: Instant) -> Duration {
+        let db = if then >= self.at {
+            self.db + (then - self.at)
+        } else {
+            self.db.saturating_sub(self.at - then)
+        };
+        db.saturating_sub(self.error)
+    }
+
     /// The earliest the database's clock can read at `now`.
     fn earliest(&self, now: Instant) -> Duration {
         self.estimate(now).saturating_sub(self.error)

@@ -298,6 +298,7 @@ where
             low: AtomicU64::new(0),
             deciding: std::sync::atomic::AtomicBool::new(false),
             tenure_start: std::sync::Mutex::new(None),
+            gained: std::sync::Mutex::new(None),
         });
         // Catch up on gaining leadership, not only at the next tick; needs a runtime
         // (apalis builds workers on one), and without one the next tick still does.
@@ -361,7 +362,11 @@ struct Shared {
     deciding: std::sync::atomic::AtomicBool,
     /// The tenure (its token) and when it began by the database's clock, once worked
     /// out ([`Shared::tenure_start`]).
-    tenure_start: std::sync::Mutex<Option<(chosen_core::FencingToken, u64)>>,
+    tenure_start: std::sync::Mutex<Option<(chosen_core::FencingToken, Duration)>>,
+    /// The tenure (its token) and when it began on this node's monotonic clock, as
+    /// noted by the task that catches up on gaining leadership (immune to a wall clock
+    /// stepped between the gain and the tenure's first tick).
+    gained: std::sync::Mutex<Option<(chosen_core::FencingToken, tokio::time::Instant)>>,
 }
 
 /// Clears a flag when dropped.
@@ -402,7 +407,7 @@ where
     loop {
         shared.leadership.wait_leading().await;
         let (tenure, state) = observe(&shared.leadership);
-        let LeaderState::Leading { token, .. } = state else {
+        let LeaderState::Leading { token, since } = state else {
             continue;
         };
         if tenure.ended() {
@@ -410,6 +415,22 @@ where
             tokio::task::yield_now().await;
             continue;
         }
+        // When the tenure began on the monotonic clock: `since` is on the wall clock,
+        // read an instant ago. Noted only when that is clear: a lag of more than a
+        // second (this task was late: a stalled runtime, the previous tenure's
+        // catch-up still under way) or a wall clock that went back leaves the start to
+        // be worked out from `since`, as when no schedule is known.
+        let now = tokio::time::Instant::now();
+        let noted = SystemTime::now()
+            .duration_since(since)
+            .ok()
+            .filter(|lag| *lag <= Duration::from_secs(1))
+            .and_then(|lag| now.checked_sub(lag))
+            .map(|at| (token, at));
+        *shared
+            .gained
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = noted;
         let guard = LeaderGuard::new(token, shared.leadership.clone(), tenure);
         shared.catch_up_on_gain(&mut inner, &guard).await;
         guard.lost().await;
@@ -559,16 +580,20 @@ impl Shared {
         self.run(inner, task, guard, since).await
     }
 
-    /// When (Unix seconds, the database's clock) the tenure of `token` began: its start
-    /// on this node's wall clock (`since`), moved by how far that clock is from the
-    /// database's. Worked out once per tenure, at its first tick delivered on time by
-    /// this node's clock (for a sparse schedule, maybe long after the gain), so that a
-    /// clock stepped later in the tenure does not move it.
+    /// When (since the Unix epoch, on the database's clock) the tenure of `token`
+    /// began. From the gain's instant on this node's monotonic clock when the task
+    /// watching for gains noted it; otherwise from its start on this node's wall
+    /// clock (`since`), moved by how far that clock is from the database's. Worked out
+    /// once per tenure, at its first tick delivered on time by this node's clock (for
+    /// a sparse schedule, maybe long after the gain), so that a clock stepped later in
+    /// the tenure does not move it. The earliest the database's clock can have read
+    /// then (less the reading's error): a late start would take a tick due just after
+    /// the gain for a missed one.
     async fn tenure_start(
         &self,
         token: chosen_core::FencingToken,
         since: SystemTime,
-    ) -> Option<u64> {
+    ) -> Option<Duration> {
         if let Some((t, start)) = *self
             .tenure_start
             .lock()
@@ -577,11 +602,20 @@ impl Shared {
         {
             return Some(start);
         }
+        let gained = *self
+            .gained
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let reading = self.ledger.clock().await.ok()?;
-        let db = reading.estimate(tokio::time::Instant::now());
-        let wall = SystemTime::now().duration_since(UNIX_EPOCH).ok()?;
-        let since = since.duration_since(UNIX_EPOCH).ok()?;
-        let start = (since + db).checked_sub(wall)?.as_secs();
+        let start = match gained {
+            Some((t, at)) if t == token => reading.earliest_at(at),
+            _ => {
+                let db = reading.earliest_at(tokio::time::Instant::now());
+                let wall = SystemTime::now().duration_since(UNIX_EPOCH).ok()?;
+                let since = since.duration_since(UNIX_EPOCH).ok()?;
+                (since + db).checked_sub(wall)?
+            }
+        };
         *self
             .tenure_start
             .lock()
@@ -695,16 +729,18 @@ impl Shared {
             return Ok(self.not_leader());
         }
         // A tick this node's scheduler delivers on time by this node's clock, but which
-        // the database's clock says fell due more than the margin before this tenure
-        // began (this node's clock is behind): it fell due while nobody here led, so it
-        // is a missed tick, which the misfire policy decides about (as on gaining
-        // leadership), not the tick at hand.
+        // the database's clock says fell due before this tenure began (by more than the
+        // clock tolerance: this node's clock is behind, or its scheduler slow): it fell
+        // due while nobody here led, so it is a missed tick, which the misfire policy
+        // decides about (as on gaining leadership, where every tick before the
+        // database's clock is a missed one), not the tick at hand. So what a tick's
+        // policy decides does not depend on how far the new leader's clock is off.
         let on_time_here = SystemTime::now()
             .duration_since(at(current))
             .is_ok_and(|late| late <= GAIN_MARGIN);
         if on_time_here
             && let Some(start) = self.tenure_start(guard.fencing_token(), since).await
-            && current + GAIN_MARGIN.as_secs() < start
+            && Duration::from_secs(current) + self.ledger.tolerance() < start
         {
             let decided = self
                 .fill_gap(&mut inner, &mut held, &task, &guard, current + 1, current)
@@ -853,7 +889,9 @@ impl Shared {
     /// is warned about): decided at once. The ticks of the last margin before the gain
     /// may still come (this node's clock a little behind), or may have come already,
     /// before this node led, and been answered "not the leader": they are decided once
-    /// the margin has passed, each delivered meanwhile having run as any tick.
+    /// the margin has passed; each delivered meanwhile is decided as a missed tick too
+    /// (answered `StaleTick`), unless it fell due within the clock tolerance of the
+    /// gain.
     async fn catch_up_on_gain<S>(&self, inner: &mut S, guard: &LeaderGuard)
     where
         S: Service<Task<Tick>> + Clone,

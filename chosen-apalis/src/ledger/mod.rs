@@ -213,9 +213,10 @@ impl TickLedger {
     ///
     /// A node whose clock runs *behind* the database's gets each tick due while it leads
     /// late, by its offset (its scheduler fires late); the warning says so too. A tick
-    /// due more than 5 s before it gained leadership is a missed tick, decided by the
-    /// misfire policy, even when its scheduler delivers it later (that delivery is
-    /// answered `Outcome::Skipped(SkipReason::StaleTick)`).
+    /// due before it gained leadership (by the database's clock, beyond the tolerance)
+    /// is a missed tick, decided by the misfire policy, even when its scheduler
+    /// delivers it later (that delivery is answered
+    /// `Outcome::Skipped(SkipReason::StaleTick)`), as on a node whose clock is right.
     ///
     /// A reading of the database's clock (one `SELECT clock_timestamp()` on the pool,
     /// one at a time) is carried forward on this node's monotonic clock for 30 s; a
