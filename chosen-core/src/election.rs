@@ -362,6 +362,8 @@ pub(crate) async fn fail_back_unless_preferred(
     hand_to: &Mutex<Option<String>>,
     preferred: bool,
 ) {
+    #[cfg(test)]
+    let preferred = preferred && !crate::sim::is_off(crate::sim::Guard::PreferredLeaderKeeps);
     if preferred {
         std::future::pending::<()>().await;
     }
@@ -508,14 +510,19 @@ pub(crate) async fn campaign(
         || (String::new(), tokio::time::Instant::now()),
         |(lock, from)| (lock.to_owned(), from),
     );
-    let presence = async {
-        tokio::time::sleep_until(presence_from).await;
-        manager
-            .acquire(LockRequest::internal(presence_lock.clone()))
-            .await
+    // Taken again when the session it was held on is lost while the campaign goes on
+    // (the acquire carries over to the next session; so must the presence, or the
+    // leader would not fail back to this node until it next led).
+    let take_presence = |from: tokio::time::Instant| {
+        let lock = presence_lock.clone();
+        async move {
+            tokio::time::sleep_until(from).await;
+            manager.acquire(LockRequest::internal(lock)).await
+        }
     };
+    let presence = take_presence(presence_from);
     tokio::pin!(presence);
-    let mut _present: Option<Lease> = None;
+    let mut present: Option<Lease> = None;
     // On the manager's shared grid: the look-ups of every election following on this
     // manager arrive together and share one statement.
     let mut refresh = tokio::time::interval_at(
@@ -524,6 +531,16 @@ pub(crate) async fn campaign(
     );
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        #[cfg(test)]
+        let watch = !crate::sim::is_off(crate::sim::Guard::PresenceRetaken);
+        #[cfg(not(test))]
+        let watch = true;
+        let presence_lost = async {
+            match &present {
+                Some(lease) if watch => lease.lost().await,
+                _ => std::future::pending().await,
+            }
+        };
         tokio::select! {
             biased;
             () = stop.cancelled() => return None,
@@ -543,9 +560,15 @@ pub(crate) async fn campaign(
             result = &mut presence, if want_presence => {
                 want_presence = false;
                 match result {
-                    Ok(lease) => _present = Some(lease),
+                    Ok(lease) => present = Some(lease),
                     Err(e) => debug!(lock = %presence_lock, error = %e, "could not take the preferred lock: no fail-back to this node in this campaign"),
                 }
+            }
+            reason = presence_lost => {
+                debug!(lock = %presence_lock, reason = %reason, "the preferred lock was lost with the session: taking it again");
+                present = None;
+                want_presence = true;
+                presence.set(take_presence(presence_from.max(tokio::time::Instant::now())));
             }
             _ = refresh.tick() => {
                 if let Ok(holder) = manager.holder(request.clone()).await {

@@ -230,7 +230,10 @@ impl LockManager {
         shared.extend_validity(first.proven_at + shared.options.lease_timeout);
         let (tx, rx) = mpsc::unbounded_channel();
         let driver = Driver::new(Arc::clone(&shared), rx, tx.downgrade(), backend);
-        tokio::spawn(driver.run(first));
+        // Every line the manager's tasks log carries its node id (several managers may
+        // share a process: tests, a sharded fleet).
+        let span = tracing::info_span!("chosen", node_id = %shared.options.node_id);
+        tokio::spawn(tracing::Instrument::instrument(driver.run(first), span));
         Ok(Self { shared, tx })
     }
 
@@ -523,7 +526,10 @@ impl LockManager {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        self.shared.tasks.spawn(task)
+        let span = tracing::info_span!("chosen", node_id = %self.shared.options.node_id);
+        self.shared
+            .tasks
+            .spawn(tracing::Instrument::instrument(task, span))
     }
 }
 

@@ -7,6 +7,43 @@ pub(crate) mod backend;
 mod fleet;
 pub(crate) mod server;
 
+/// Rules of the supervision layer (elections, singletons) a test may switch off, to
+/// show that the fleet simulation fails without each: each is load-bearing. Off for
+/// the current thread only (the fleet runs on a current-thread runtime).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Guard {
+    /// A preferred node that leads does not watch for another preferred node to fail
+    /// back to (two preferred nodes would hand the lead back and forth for ever).
+    PreferredLeaderKeeps,
+    /// A singleton whose child finished for good keeps the lock through a fail-back
+    /// (the preferred node would run the child again).
+    FinishedKeepsLock,
+    /// A preferred node that waits takes its presence lock again when the session it
+    /// held it on is lost (else no leader fails back to it until it next leads).
+    PresenceRetaken,
+}
+
+thread_local! {
+    static OFF: std::cell::RefCell<Vec<Guard>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether `guard` is switched off on this thread.
+pub(crate) fn is_off(guard: Guard) -> bool {
+    OFF.with(|off| off.borrow().contains(&guard))
+}
+
+/// Switches `guards` off on this thread until the returned value is dropped.
+pub(crate) fn switch_off(guards: &[Guard]) -> impl Drop {
+    struct On(Vec<Guard>);
+    impl Drop for On {
+        fn drop(&mut self) {
+            OFF.with(|off| off.borrow_mut().retain(|g| !self.0.contains(g)));
+        }
+    }
+    OFF.with(|off| off.borrow_mut().extend_from_slice(guards));
+    On(guards.to_vec())
+}
+
 /// Virtual microseconds since the start of a run.
 pub(crate) type T = u64;
 pub(crate) const MS: T = 1_000;

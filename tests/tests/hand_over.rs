@@ -453,6 +453,57 @@ async fn a_preferred_node_takes_the_lead_back_once_it_is_stable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_node_whose_session_is_lost_while_it_waits_is_still_failed_back_to() {
+    // The preferred node waits (holding its presence lock) behind a leader that does
+    // not prefer it... yet: its session is terminated before the fail-back window has
+    // passed. On its next session it must ask again, or the leader keeps the lead.
+    use chosen_core::{ConnectionState, ElectionOptions};
+
+    let pg = PgCluster::start_local().unwrap();
+    let url = pg.url();
+    let admin = chosen_tests::connect_admin(&url).await.unwrap();
+    let name = unique_name("fail-back-lost");
+    let a = LockManager::connect(options(&url, "fl-a")).await.unwrap();
+    let ea = Election::start_with(
+        &a,
+        name.as_str(),
+        ElectionOptions::default().fail_back_after(Duration::from_secs(3)),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    while !ea.leadership().is_leader() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = LockManager::connect(options(&url, "fl-p")).await.unwrap();
+    let ep = Election::start_with(
+        &p,
+        name.as_str(),
+        ElectionOptions::default().preferred(true),
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ConnectionState::Connected { backend_pid, .. } = p.connection_status() else {
+        panic!("not connected");
+    };
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&backend_pid])
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    while !ep.leadership().is_leader() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the preferred node was not failed back to after its session was lost"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!ea.leadership().is_leader());
+    p.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preferred_singleton_node_gets_the_child_back() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();

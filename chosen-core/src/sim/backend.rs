@@ -118,6 +118,12 @@ impl SimServer {
         self.lock().model.excl.get(&key).copied()
     }
 
+    /// Whether the server still has backend `pid` (it has not ended it, whether or not
+    /// its client heard).
+    pub(crate) fn is_alive(&self, pid: i32) -> bool {
+        self.lock().model.backends.contains_key(&pid)
+    }
+
     /// The live backends of node `node_id`.
     pub(crate) fn backends_of(&self, node_id: &str) -> Vec<i32> {
         let inner = self.lock();

@@ -48,8 +48,11 @@ const NAMES: [&str; 2] = ["s0", "s1"];
 /// The election every node runs.
 const ELECTION: &str = "e0";
 /// Once the faults are over, the fleet has this long to settle; after it, no leader
-/// changes and no child starts (nothing happens that would call for one).
-const QUIET_AFTER: Duration = Duration::from_secs(10);
+/// changes and no child starts (nothing happens that would call for one). A fail-back
+/// to a preferred node healed last takes up to ~10 s: its session found ended and a
+/// new one, seen for `FAIL_BACK_AFTER` (3 s), on the next 2 s look, then the child's
+/// stop (up to its 1 s shutdown timeout).
+const QUIET_AFTER: Duration = Duration::from_secs(15);
 /// The managers' lease timeout (the default).
 const LEASE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Fault steps of a run.
@@ -96,6 +99,16 @@ struct History {
     leader_changes: u64,
     /// From then on nothing may change (the faults are over and the fleet settled).
     quiet_from: Option<Instant>,
+    /// The lock key of each singleton name.
+    keys: BTreeMap<&'static str, crate::LockKey>,
+    /// One-shot children that finished by themselves, per name and node: the backend
+    /// that held the lock then, and when the child started. Until a step-down,
+    /// hand-over or shutdown is asked of that node (it forgets the finish), no other
+    /// node starts a child of the name while that backend lives, and that node does
+    /// not start one again at all.
+    finished: BTreeMap<&'static str, BTreeMap<String, (Option<i32>, Instant)>>,
+    /// Step-downs, hand-overs and shutdowns asked: name, node, when.
+    requests: Vec<(&'static str, String, Instant)>,
 }
 
 impl History {
@@ -137,6 +150,21 @@ impl History {
         self.next_id += 1;
         let id = self.next_id;
         self.starts += 1;
+        for (on, (pid, _)) in self.finished_standing(name) {
+            let lives =
+                pid.is_some_and(|pid| self.server.as_ref().is_some_and(|s| s.is_alive(pid)));
+            if on == node {
+                self.violations.push(format!(
+                    "{name}: child {id} starts again on {node}, where the one-shot child \
+                     finished"
+                ));
+            } else if lives {
+                self.violations.push(format!(
+                    "{name}: child {id} starts on {node} while the session of {on}, where \
+                     the one-shot child finished, lives (backend {pid:?})"
+                ));
+            }
+        }
         if let Some((other, on, token)) = self.acting_elsewhere(name, node) {
             self.overlap(
                 name,
@@ -191,6 +219,53 @@ impl History {
                 (node, ctx.fencing_token().get(), format!("child {id}")),
             );
         }
+    }
+
+    /// A one-shot child returned by itself (not cancelled): the node keeps the lock.
+    fn finish(&mut self, name: &'static str, node: &str, id: u64, began: Instant) {
+        // The backend of this node that holds the lock (none if the server gave it to
+        // another node meanwhile: then no session of this node keeps the finish).
+        let pid = self.keys.get(name).and_then(|k| {
+            let server = self.server.as_ref()?;
+            server
+                .holder_of(*k)
+                .filter(|pid| server.backends_of(node).contains(pid))
+        });
+        self.note(format!(
+            "{name}: one-shot child {id} finished on {node} (lock held by backend {pid:?})"
+        ));
+        self.finished
+            .entry(name)
+            .or_default()
+            .insert(node.to_owned(), (pid, began));
+    }
+
+    /// The finishes of `name` no request has made the node forget since.
+    fn finished_standing(&self, name: &str) -> Vec<(String, (Option<i32>, Instant))> {
+        self.finished
+            .get(name)
+            .into_iter()
+            .flatten()
+            .filter(|(on, (_, began))| {
+                !self
+                    .requests
+                    .iter()
+                    .any(|(n, at, when)| *n == name && at == *on && when >= began)
+            })
+            .map(|(on, v)| (on.clone(), *v))
+            .collect()
+    }
+
+    /// Whether a finished one-shot child of `name` is still kept by its node (on the
+    /// session that held its lock then, or a later one: a node does not start it again
+    /// in a later tenure): then no child of the name runs, rightly.
+    fn kept_finished(&self, name: &str) -> Option<String> {
+        let server = self.server.as_ref()?;
+        let holder = server.holder_of(*self.keys.get(name)?)?;
+        self.finished_standing(name)
+            .into_iter()
+            .map(|(on, _)| on)
+            .find(|on| server.backends_of(on).contains(&holder))
     }
 
     fn end(&mut self, name: &'static str, id: u64) {
@@ -273,6 +348,21 @@ impl Drop for Ended {
     }
 }
 
+/// What a run's fleet is made of, drawn from its seed.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    /// `s1`'s children finish by themselves ([`RestartPolicy::Never`]).
+    one_shot: bool,
+    /// How many nodes prefer the election (`n0`, then `n1`): two preferred nodes must
+    /// not hand the lead back and forth.
+    e0_preferred: usize,
+}
+
+/// The node preferred for `s1`, which fails back to it.
+const S1_PREFERRED: &str = "n0";
+/// How long a preferred node is seen before the leader fails back to it.
+const FAIL_BACK_AFTER: Duration = Duration::from_secs(3);
+
 struct Node {
     id: String,
     manager: Option<LockManager>,
@@ -290,7 +380,7 @@ async fn start_node(
     server: &Arc<SimServer>,
     history: &Arc<Mutex<History>>,
     node: &mut Node,
-    seed: u64,
+    (seed, shape): (u64, Shape),
 ) {
     // A node cut off cannot connect: it tries again, as a restarting process would
     // (a bounded number of times: a black hole always heals within a few attempts).
@@ -320,48 +410,79 @@ async fn start_node(
     };
     // Some children stop within their shutdown timeout (1 s), some are aborted.
     let stop_for = Duration::from_millis(seed % 1_500);
+    {
+        let mut h = history.lock().unwrap();
+        for name in NAMES {
+            h.keys.insert(name, manager.key_for(name));
+        }
+    }
     node.singletons = NAMES
         .iter()
         .map(|name| {
             let history = Arc::clone(history);
             let node_id = node.id.clone();
             let name: &'static str = name;
-            Singleton::start(
-                &manager,
-                name,
-                SingletonOptions::default()
-                    .restart(RestartPolicy::Always)
-                    .shutdown_timeout(Duration::from_secs(1)),
-                move |ctx: LeaderContext| {
-                    let history = Arc::clone(&history);
-                    let node_id = node_id.clone();
-                    async move {
-                        let id = history.lock().unwrap().begin(name, &node_id, &ctx);
-                        // Ended when it returns, or when the singleton aborts it.
-                        let _ended = Ended {
-                            history: Arc::clone(&history),
-                            name,
-                            id,
-                        };
-                        loop {
-                            tokio::select! {
-                                biased;
-                                () = ctx.cancelled() => break,
-                                () = tokio::time::sleep(Duration::from_millis(10)) => {
-                                    history.lock().unwrap().tick(name, &node_id, id, &ctx);
-                                }
+            let one_shot = shape.one_shot && name == "s1";
+            let options = SingletonOptions::default()
+                .restart(if one_shot {
+                    RestartPolicy::Never
+                } else {
+                    RestartPolicy::Always
+                })
+                .shutdown_timeout(Duration::from_secs(1))
+                .preferred(name == "s1" && node.id == S1_PREFERRED)
+                .fail_back_after(FAIL_BACK_AFTER);
+            Singleton::start(&manager, name, options, move |ctx: LeaderContext| {
+                let history = Arc::clone(&history);
+                let node_id = node_id.clone();
+                async move {
+                    let began = Instant::now();
+                    let id = history.lock().unwrap().begin(name, &node_id, &ctx);
+                    // Ended when it returns, or when the singleton aborts it.
+                    let _ended = Ended {
+                        history: Arc::clone(&history),
+                        name,
+                        id,
+                    };
+                    // A one-shot child's work takes 0.5 to 4 s.
+                    let work =
+                        Duration::from_millis(500 + (seed ^ id).wrapping_mul(0x9e37) % 3_500);
+                    let done = tokio::time::sleep(if one_shot {
+                        work
+                    } else {
+                        Duration::from_secs(365 * 86_400)
+                    });
+                    tokio::pin!(done);
+                    loop {
+                        tokio::select! {
+                            biased;
+                            () = ctx.cancelled() => break,
+                            () = &mut done => {
+                                history.lock().unwrap().finish(name, &node_id, id, began);
+                                return Ok(());
+                            }
+                            () = tokio::time::sleep(Duration::from_millis(10)) => {
+                                history.lock().unwrap().tick(name, &node_id, id, &ctx);
                             }
                         }
-                        // Stopping takes a while.
-                        tokio::time::sleep(stop_for).await;
-                        Ok::<(), std::io::Error>(())
                     }
-                },
-            )
+                    // Stopping takes a while.
+                    tokio::time::sleep(stop_for).await;
+                    Ok::<(), std::io::Error>(())
+                }
+            })
             .expect("valid singleton")
         })
         .collect();
-    let election = Election::start(&manager, ELECTION).expect("valid election");
+    let index: usize = node.id[1..].parse().expect("BUG: nodes are named n<i>");
+    let election = Election::start_with(
+        &manager,
+        ELECTION,
+        crate::ElectionOptions::default()
+            .preferred(index < shape.e0_preferred)
+            .fail_back_after(FAIL_BACK_AFTER),
+    )
+    .expect("valid election");
     history
         .lock()
         .unwrap()
@@ -378,6 +499,14 @@ async fn stop_node(history: &Arc<Mutex<History>>, node: &mut Node) {
     };
     let singletons = std::mem::take(&mut node.singletons);
     let election = node.election.take();
+    {
+        // A singleton shut down gives its lock away: the next node starts the child,
+        // even one that finished here.
+        let mut h = history.lock().unwrap();
+        for name in NAMES {
+            h.requests.push((name, node.id.clone(), Instant::now()));
+        }
+    }
     let ended = tokio::time::timeout(SHUTDOWN_BOUND, async {
         for s in &singletons {
             s.shutdown().await;
@@ -430,6 +559,14 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
         ..History::default()
     }));
     let count = 3 + rng.below(2) as usize;
+    let shape = Shape {
+        one_shot: rng.below(2) == 0,
+        e0_preferred: rng.below(3) as usize,
+    };
+    history
+        .lock()
+        .unwrap()
+        .note(format!("{count} nodes, {shape:?}"));
     let mut nodes: Vec<Node> = (0..count)
         .map(|i| Node {
             id: format!("n{i}"),
@@ -439,7 +576,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
         })
         .collect();
     for (i, node) in nodes.iter_mut().enumerate() {
-        start_node(&server, &history, node, seed ^ (i as u64 + 1)).await;
+        start_node(&server, &history, node, (seed ^ (i as u64 + 1), shape)).await;
     }
     let sampler = tokio::spawn({
         let history = Arc::clone(&history);
@@ -476,7 +613,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                 stop_node(&history, node).await;
                 tokio::time::sleep(rng.millis(0, 3_000)).await;
                 let node_seed = seed ^ (u64::from(step) << 8) ^ n as u64;
-                start_node(&server, &history, node, node_seed).await;
+                start_node(&server, &history, node, (node_seed, shape)).await;
             }
             7 | 8 => {
                 // Asked of the node that leads (if one does), as an operator would.
@@ -499,11 +636,18 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                 let hand_over = rng.below(2) == 0;
                 let node = &nodes[n];
                 let name = NAMES.get(what).copied().unwrap_or(ELECTION);
-                history.lock().unwrap().note(if hand_over {
+                let mut h = history.lock().unwrap();
+                // Only a node that holds it gives it away (and forgets a finish):
+                // asked of another, it does nothing.
+                if leads(node) {
+                    h.requests.push((name, node.id.clone(), Instant::now()));
+                }
+                h.note(if hand_over {
                     format!("hand over {name} from {} to {to}", node.id)
                 } else {
                     format!("step down {name} on {}", node.id)
                 });
+                drop(h);
                 match (node.singletons.get(what), &node.election, hand_over) {
                     (Some(s), _, true) => s.hand_over_to(&to),
                     (Some(s), _, false) => s.step_down(),
@@ -547,15 +691,35 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
             ));
         }
         for name in NAMES {
-            let acting = h
-                .running
-                .get(name)
-                .map_or(0, |r| r.iter().filter(|(_, _, ctx)| ctx.is_valid()).count());
-            if acting != 1 {
+            let acting: Vec<String> = h.running.get(name).map_or(Vec::new(), |r| {
+                r.iter()
+                    .filter(|(_, _, ctx)| ctx.is_valid())
+                    .map(|(_, n, _)| n.clone())
+                    .collect()
+            });
+            // A one-shot child that finished is kept, running nothing, by its node.
+            let kept = h.kept_finished(name);
+            match (acting.as_slice(), &kept) {
+                ([_], None) | ([], Some(_)) => {}
+                _ => h.violations.push(format!(
+                    "{name}: acting children on {acting:?} once settled, finished one kept \
+                     by {kept:?} (want one of the two)"
+                )),
+            }
+            // The preferred node, up since the faults ended, runs it (unless a finished
+            // one is kept elsewhere).
+            if name == "s1" && kept.is_none() && acting.iter().any(|n| n != S1_PREFERRED) {
                 h.violations.push(format!(
-                    "{name}: {acting} acting children once settled (want 1)"
+                    "{name}: runs on {acting:?} once settled, not on the preferred {S1_PREFERRED}"
                 ));
             }
+        }
+        let preferred: Vec<String> = (0..shape.e0_preferred).map(|i| format!("n{i}")).collect();
+        if !preferred.is_empty() && h.leaders.iter().any(|l| !preferred.contains(l)) {
+            let leaders = h.leaders.clone();
+            h.violations.push(format!(
+                "{ELECTION}: led by {leaders:?} once settled, not by a preferred node of {preferred:?}"
+            ));
         }
     }
     for node in &mut nodes {
@@ -615,6 +779,46 @@ fn the_fleet_check_fails_when_the_server_releases_a_session_before_its_lease_exp
     );
 }
 
+/// The seeds of `seeds` whose run, with `guards` switched off, reports a violation
+/// that contains `what`.
+fn failing_without(guards: &[super::Guard], seeds: std::ops::Range<u64>, what: &str) -> Vec<u64> {
+    let _off = super::switch_off(guards);
+    seeds
+        .filter(|seed| {
+            run_seed(*seed, RELEASE_AFTER)
+                .violations
+                .iter()
+                .any(|v| v.contains(what))
+        })
+        .collect()
+}
+
+/// Each rule of the supervision layer the fleet checks is load-bearing: with it
+/// switched off, the check it serves fails on some of the first 40 seeds.
+#[test]
+fn the_fleet_check_fails_when_a_finished_one_shot_child_is_failed_back() {
+    let failing = failing_without(&[super::Guard::FinishedKeepsLock], 0..40, "one-shot");
+    assert!(
+        !failing.is_empty(),
+        "no seed of 40 ran a finished child twice"
+    );
+}
+
+#[test]
+fn the_fleet_check_fails_when_preferred_leaders_fail_back_to_each_other() {
+    let failing = failing_without(&[super::Guard::PreferredLeaderKeeps], 0..40, "flapping");
+    assert!(!failing.is_empty(), "no seed of 40 flapped");
+}
+
+#[test]
+fn the_fleet_check_fails_when_a_preferred_node_does_not_retake_its_presence() {
+    let failing = failing_without(&[super::Guard::PresenceRetaken], 0..40, "preferred");
+    assert!(
+        !failing.is_empty(),
+        "no seed of 40 left the preferred node out"
+    );
+}
+
 #[test]
 fn the_fleet_holds_over_many_seeds() {
     let replay = env_u64("CHOSEN_FLEET_SEED");
@@ -663,6 +867,9 @@ fn the_fleet_holds_over_many_seeds() {
         started.elapsed().as_secs_f64(),
         failures.len()
     );
+    for (seed, violations) in failures.iter().take(20) {
+        tracing::info!("seed {seed}: {}", violations[0]);
+    }
     if let Some((seed, violations)) = failures.first() {
         let seeds: Vec<u64> = failures.iter().map(|(s, _)| *s).collect();
         panic!(

@@ -178,11 +178,7 @@ where
     // Finished for good on this node in an earlier tenure: not started again here.
     if inner.child_finished() {
         inner.update(|s| s.child = ChildState::Finished);
-        tokio::select! {
-            biased;
-            reason = &mut lost => return Outcome::Lost(reason),
-            () = stop.cancelled() => return Outcome::Stop,
-        }
+        return keep_finished(stop, &mut lost, fail_back).await;
     }
     // tokio's clock, so the policy is testable with paused time.
     let mut recent: VecDeque<tokio::time::Instant> = VecDeque::new();
@@ -280,11 +276,7 @@ where
                 }
             }
             inner.update(|s| s.child = ChildState::Finished);
-            tokio::select! {
-                biased;
-                reason = &mut lost => return Outcome::Lost(reason),
-                () = stop.cancelled() => return Outcome::Stop,
-            }
+            return keep_finished(stop, &mut lost, fail_back).await;
         }
         if fail_back_came {
             return Outcome::FailBack;
@@ -332,6 +324,34 @@ where
         if let Some(m) = inner.leadership.metrics() {
             m.singleton_restart(inner.leadership.node_id(), inner.leadership.name());
         }
+    }
+}
+
+/// The child finished for good: this node keeps the lock, running nothing, until the
+/// session is lost or the tenure stopped (a step-down, a hand-over, a shutdown). A
+/// fail-back asked meanwhile is ignored: the preferred node would run the child again.
+async fn keep_finished<L>(
+    stop: &CancellationToken,
+    lost: &mut std::pin::Pin<&mut L>,
+    fail_back: &tokio::sync::Notify,
+) -> Outcome
+where
+    L: Future<Output = SessionDownReason>,
+{
+    #[cfg(test)]
+    if crate::sim::is_off(crate::sim::Guard::FinishedKeepsLock) {
+        return tokio::select! {
+            biased;
+            reason = lost => Outcome::Lost(reason),
+            () = stop.cancelled() => Outcome::Stop,
+            () = fail_back.notified() => Outcome::FailBack,
+        };
+    }
+    let _ = fail_back;
+    tokio::select! {
+        biased;
+        reason = lost => Outcome::Lost(reason),
+        () = stop.cancelled() => Outcome::Stop,
     }
 }
 

@@ -179,12 +179,12 @@ impl Driver {
             );
         }
         self.shared.set_server_floor(Vec::new(), None);
-        let heartbeat = tokio::spawn(crate::heartbeat::run(
+        let heartbeat = tokio::spawn(tracing::Instrument::in_current_span(crate::heartbeat::run(
             s.heartbeat_handle(),
             Arc::clone(&self.shared),
             Arc::clone(&generation),
             s.proven_at,
-        ));
+        )));
         let _heartbeat = AbortOnDrop(heartbeat);
 
         let exit = loop {
