@@ -21,6 +21,8 @@ pub(crate) enum Guard {
     /// A preferred node that waits takes its presence lock again when the session it
     /// held it on is lost (else no leader fails back to it until it next leads).
     PresenceRetaken,
+    /// A protection of the lock table, switched off in every manager of the thread.
+    Engine(crate::table::Protection),
 }
 
 thread_local! {
@@ -33,7 +35,7 @@ pub(crate) fn is_off(guard: Guard) -> bool {
 }
 
 /// Switches `guards` off on this thread until the returned value is dropped.
-pub(crate) fn switch_off(guards: &[Guard]) -> impl Drop {
+pub(crate) fn switch_off(guards: &[Guard]) -> impl Drop + use<> {
     struct On(Vec<Guard>);
     impl Drop for On {
         fn drop(&mut self) {

@@ -155,6 +155,14 @@ pub(crate) enum Protection {
     /// Kept by the heartbeat's `Pulse`, switched there.
     #[cfg(test)]
     TakesInFlight,
+    /// A win not yet granted is given back when the holder the try before saw announces
+    /// it handed the key to another node (the try raced the hand-over). Where a
+    /// hand-over goes is not a safety property, so the engine simulation does not see
+    /// it: the table's tests and the fleet simulation's calm hand-overs do.
+    HandOverYield,
+    /// This node's own next request after it handed a key to another node holds off
+    /// too (its slot forgotten meanwhile, or not). Seen as `HandOverYield` is.
+    HandOverHold,
 }
 
 /// How a grant came about.
@@ -303,8 +311,14 @@ enum Server {
     Free,
     /// In the current plan's try statement.
     Trying,
-    /// Won; granted locally once the takeover grace ends at `at`.
-    Granting { token: FencingToken, at: Instant },
+    /// Won; granted locally once the takeover grace ends at `at`. `from`: the backend
+    /// the try before saw holding the key, if any (a hand-over it announces to another
+    /// node meanwhile gives the key back: this try raced it).
+    Granting {
+        token: FencingToken,
+        at: Instant,
+        from: Option<i32>,
+    },
     /// Won; its stop fence is being checked (in the current plan).
     Checking {
         token: FencingToken,
@@ -431,6 +445,13 @@ struct Slot {
 }
 
 impl Slot {
+    /// The earliest this node may try the key from `now`: at once, unless it holds off
+    /// for a hand-over to another node (every path that asks for a try honours it: a
+    /// new or withdrawn waiter, a new session, an unlock, a fence let go).
+    fn earliest_try(&self, now: Instant) -> Instant {
+        self.hold_until.filter(|h| *h > now).unwrap_or(now)
+    }
+
     fn new(key: LockKey, name: Arc<str>, now: Instant) -> Self {
         Self {
             bucket: key.interest_bucket(),
@@ -514,6 +535,12 @@ pub(crate) struct LockTable {
     /// An unverified hand-over naming this node brings no try forward before this (one
     /// for the whole table, so that a flood over many keys costs one statement).
     quick_cue: Option<Instant>,
+    /// Holds for a hand-over to another node of keys whose slot was forgotten (nobody
+    /// here waited any more, or the session ended): a request that comes within the
+    /// hold honours it. Pruned of holds that are over at every request, so it is bounded
+    /// by the keys handed over in the last [`HAND_OVER_HOLD`] (and the slots forgotten
+    /// since the last request).
+    holds: HashMap<LockKey, Instant>,
     /// Protections switched off (tests only).
     #[cfg(test)]
     switched_off: Vec<Protection>,
@@ -532,6 +559,7 @@ impl LockTable {
             actions: VecDeque::new(),
             grants_not_before: None,
             quick_cue: None,
+            holds: HashMap::default(),
             #[cfg(test)]
             switched_off: Vec::new(),
         }
@@ -547,6 +575,7 @@ impl LockTable {
     #[cfg(test)]
     pub(crate) fn off(&self, protection: Protection) -> bool {
         self.switched_off.contains(&protection)
+            || crate::sim::is_off(crate::sim::Guard::Engine(protection))
     }
 
     #[cfg(not(test))]
@@ -566,7 +595,7 @@ impl LockTable {
     pub(crate) fn session_started(&mut self, generation: u64, now: Instant) {
         self.generation = Some(generation);
         for slot in self.slots.values_mut() {
-            slot.next_try = now;
+            slot.next_try = slot.earliest_try(now);
         }
     }
 
@@ -627,7 +656,7 @@ impl LockTable {
                 keep
             });
         }
-        self.slots.retain(|_, slot| !slot.unused());
+        self.forget_unused();
     }
 
     /// A session is up.
@@ -679,7 +708,7 @@ impl LockTable {
                 _ => {}
             }
         }
-        self.slots.retain(|_, slot| !slot.unused());
+        self.forget_unused();
     }
 
     /// The shutdown deadline passed: every lease still out is dropped from the table and
@@ -721,7 +750,7 @@ impl LockTable {
                 _ => None,
             };
         }
-        self.slots.retain(|_, slot| !slot.unused());
+        self.forget_unused();
     }
 
     /// Leases still out: held, or of an ended session and not dropped yet.
@@ -762,9 +791,11 @@ impl LockTable {
             return;
         }
         if request.mode == Mode::Try {
-            let why = if known.is_some_and(|s| {
-                s.busy() || s.stopping.is_some() || s.hold_until.is_some_and(|h| h > now)
-            }) {
+            let held = self.holds.get(&request.key).is_some_and(|h| *h > now);
+            let why = if held
+                || known.is_some_and(|s| {
+                    s.busy() || s.stopping.is_some() || s.hold_until.is_some_and(|h| h > now)
+                }) {
                 // (Held off for a hand-over to another node: that node's to take.)
                 Some(Refusal::Busy)
             } else if self.generation.is_none() {
@@ -784,13 +815,25 @@ impl LockTable {
                 return;
             }
         }
+        if !self.holds.is_empty() {
+            self.holds.retain(|_, hold| *hold > now);
+        }
+        let honour = !self.off(Protection::HandOverHold);
+        let held = self.holds.remove(&request.key).filter(|_| honour);
         let slot = self
             .slots
             .entry(request.key)
             .or_insert_with(|| Slot::new(request.key, Arc::clone(&request.name), now));
+        if held.is_some() {
+            // Handed to another node within the hold: it may take the key and lose it
+            // silently, so a win after the hold is a contended one (the grace and the
+            // fence check), as for a waiter that stayed.
+            slot.hold_until = held;
+            slot.evidence = Evidence::unknown();
+        }
         if !slot.busy() {
             // A head waiter is tried at once, whatever was planned for an earlier one.
-            slot.next_try = now;
+            slot.next_try = slot.earliest_try(now);
         }
         slot.waiters.push_back(request);
     }
@@ -806,7 +849,7 @@ impl LockTable {
         slot.waiters.remove(position);
         if position == 0 && slot.holder.is_none() {
             // The new head may poll on another interval: try it at once.
-            slot.next_try = now;
+            slot.next_try = slot.earliest_try(now);
         }
         self.forget_if_unused(key);
     }
@@ -851,7 +894,7 @@ impl LockTable {
                 Fence::Releasing { .. } => Some(stopping),
             };
             if slot.stopping.is_none() {
-                slot.next_try = now;
+                slot.next_try = slot.earliest_try(now);
             }
             self.forget_if_unused(key);
             return;
@@ -941,9 +984,33 @@ impl LockTable {
     ) {
         let me = self.rules.node;
         let trust_any = self.off(Protection::AnnouncementCheck);
+        let yield_won = !self.off(Protection::HandOverYield);
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        // Won, not yet granted (the grace, or the term hold), by a try that came just
+        // after the holder the try before saw released the key for another node, and
+        // before its announcement: nothing ran under it here, so it is given back
+        // (quietly) and this node holds off as if the announcement had come first, so
+        // that the named node takes it.
+        if let Server::Granting {
+            from: Some(from), ..
+        } = slot.server
+            && from == sender
+            && yield_won
+            && to.is_some_and(|node| node != me)
+        {
+            slot.server = Server::Unlocking {
+                sent: false,
+                announce: false,
+            };
+            // Whoever takes it next (the named node) may lose it silently: a win after
+            // the hold keeps the grace and the fence check.
+            slot.evidence = Evidence::unknown();
+            slot.hold_until = Some(now + HAND_OVER_HOLD);
+            slot.next_try = now + HAND_OVER_HOLD;
+            return;
+        }
         if let Server::Fenced {
             by,
             next,
@@ -1066,12 +1133,12 @@ impl LockTable {
                     });
                 }
                 if slot.stopping.is_none() {
-                    slot.next_try = now;
+                    slot.next_try = slot.earliest_try(now);
                 }
             }
             match slot.server {
                 // The grace is over: before granting, is the old holder still stopping?
-                Server::Granting { token, at } if at <= now => {
+                Server::Granting { token, at, .. } if at <= now => {
                     slot.server = Server::Checking { token, until: None };
                     plan.check.push(*key);
                 }
@@ -1270,7 +1337,7 @@ impl LockTable {
                 }
                 (false, true) => {
                     slot.stopping = None;
-                    slot.next_try = now;
+                    slot.next_try = slot.earliest_try(now);
                     self.forget_if_unused(key);
                     continue;
                 }
@@ -1291,7 +1358,7 @@ impl LockTable {
             }) = slot.stopping
             {
                 slot.stopping = None;
-                slot.next_try = now;
+                slot.next_try = slot.earliest_try(now);
             }
             self.forget_if_unused(key);
         }
@@ -1346,8 +1413,9 @@ impl LockTable {
             };
             if matches!(slot.server, Server::Unlocking { sent: true, .. }) {
                 slot.server = Server::Free;
-                // A request that arrived meanwhile is tried at once.
-                slot.next_try = now;
+                // A request that arrived meanwhile is tried at once (after a hold for
+                // another node, when a win was given back to it).
+                slot.next_try = slot.earliest_try(now);
             }
             self.forget_if_unused(key);
         }
@@ -1425,13 +1493,15 @@ impl LockTable {
                     let unannounced = evidence.contended
                         && !verified(&evidence, check_sessions, now, self.rules.takeover_grace);
                     let held_until = self.grants_not_before.filter(|at| *at > now);
+                    let from = evidence.holder.map(|h| h.pid);
                     if unannounced && !self.rules.takeover_grace.is_zero() && !no_grace {
                         slot.server = Server::Granting {
                             token,
                             at: (now + self.rules.takeover_grace).max(held_until.unwrap_or(now)),
+                            from,
                         };
                     } else if let Some(at) = held_until {
-                        slot.server = Server::Granting { token, at };
+                        slot.server = Server::Granting { token, at, from };
                     } else {
                         self.grant(key, token, generation, now, Via::Won);
                     }
@@ -1718,9 +1788,24 @@ impl LockTable {
         self.forget_if_unused(key);
     }
 
+    /// [`forget_if_unused`](Self::forget_if_unused) for every key.
+    fn forget_unused(&mut self) {
+        let holds = &mut self.holds;
+        self.slots.retain(|key, slot| {
+            let unused = slot.unused();
+            if unused && let Some(hold) = slot.hold_until {
+                holds.insert(*key, hold);
+            }
+            !unused
+        });
+    }
+
     fn forget_if_unused(&mut self, key: LockKey) {
-        if self.slots.get(&key).is_some_and(Slot::unused) {
-            self.slots.remove(&key);
+        if self.slots.get(&key).is_some_and(Slot::unused)
+            && let Some(slot) = self.slots.remove(&key)
+            && let Some(hold) = slot.hold_until
+        {
+            self.holds.insert(key, hold);
         }
     }
 }

@@ -64,6 +64,8 @@ struct Inner {
     /// Nodes whose traffic is black-holed: what they send and what is sent to them
     /// arrives once healed (TCP retransmits), unless the session ended meanwhile.
     cut: std::collections::BTreeSet<String>,
+    /// When a statement last failed with its session intact.
+    last_failure: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -100,6 +102,7 @@ impl SimServer {
                 nodes: Vec::new(),
                 violations: Vec::new(),
                 cut: std::collections::BTreeSet::new(),
+                last_failure: None,
                 terminated: BTreeMap::new(),
             }),
             healed: tokio::sync::Notify::new(),
@@ -116,6 +119,11 @@ impl SimServer {
     /// The backend holding `key` exclusively, if any.
     pub(crate) fn holder_of(&self, key: LockKey) -> Option<i32> {
         self.lock().model.excl.get(&key).copied()
+    }
+
+    /// When a statement last failed with its session intact (a fault no node chose).
+    pub(crate) fn last_failure(&self) -> Option<Instant> {
+        self.lock().last_failure
     }
 
     /// Whether the server still has backend `pid` (it has not ended it, whether or not
@@ -301,6 +309,7 @@ impl Inner {
         if !crate::table::next_random(&mut self.rng).is_multiple_of(100) {
             return "";
         }
+        self.last_failure = Some(Instant::now());
         match crate::table::next_random(&mut self.rng) % 4 {
             0 => "try_failed",
             1 => "lock_table_full",

@@ -1690,6 +1690,83 @@ fn a_verified_hand_over_to_another_node_holds_this_one_off() {
 }
 
 #[test]
+fn a_try_that_wins_a_key_just_handed_to_another_node_gives_it_back() {
+    // Our poll try reaches the server just after the holder (backend 4242) released the
+    // key for node 9, before its announcement reaches us: the try wins, unannounced,
+    // and waits the grace. The announcement comes meanwhile: nothing was granted here,
+    // so the key is given back (quietly: nothing ran under it here) and this node holds
+    // off, so that node 9 takes it.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, POLL);
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
+    f.advance(2 * POLL);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "granted without the grace");
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 4242, Some(9), f.now);
+    let plan = f.plan();
+    assert_eq!(plan.unlock_quiet, vec![key(1)], "{plan:?}");
+    assert!(plan.check.is_empty(), "{plan:?}");
+    f.table.unlocked(&[key(1)], f.now);
+    assert!(f.granted().is_empty());
+    f.advance(HAND_OVER_HOLD - ms(1));
+    assert!(f.plan().try_keys.is_empty(), "tried within the hold");
+    // Node 9 did not take it: this node does, after the hold, the grace and the check.
+    f.advance(ms(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(11)));
+    assert!(f.granted().is_empty());
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(11))]);
+}
+
+#[test]
+fn a_win_is_not_given_back_for_a_hand_over_from_a_backend_the_try_did_not_see() {
+    // The same race, but the hand-over comes from backend 5151, which the last try did
+    // not see holding the key (forged, or a holder since): the win stands.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, POLL);
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
+    f.advance(2 * POLL);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 5151, Some(9), f.now);
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_node_that_handed_a_key_to_another_does_not_take_it_back_at_once() {
+    // This node holds the key and hands it to node 9; its next request (a singleton
+    // contending again, a new lease) holds off like every other node's, so that node 9
+    // takes it, whether it comes before the unlock is answered or after.
+    for before_unlock in [true, false] {
+        let mut f = Fixture::new();
+        let a = f.request(key(1), Mode::Wait, POLL);
+        f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+        assert_eq!(f.granted(), vec![(a, token(10))]);
+        f.table.release_to(key(1), a, Some(9), f.now);
+        let plan = f.plan();
+        assert_eq!(plan.hand_to, vec![(key(1), 9)], "{plan:?}");
+        if before_unlock {
+            f.request(key(1), Mode::Wait, POLL);
+        }
+        f.table.unlocked(&[key(1)], f.now);
+        if !before_unlock {
+            f.request(key(1), Mode::Wait, POLL);
+        }
+        f.advance(HAND_OVER_HOLD - ms(1));
+        assert!(
+            f.plan().try_keys.is_empty(),
+            "tried within the hold ({before_unlock})"
+        );
+        f.advance(ms(1));
+        assert_eq!(f.plan().try_keys, vec![key(1)]);
+    }
+}
+
+#[test]
 fn a_verified_hand_over_to_this_node_tries_at_once() {
     let mut f = Fixture::new();
     let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
