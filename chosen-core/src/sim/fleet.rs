@@ -460,6 +460,39 @@ struct Node {
     election: Option<Election>,
 }
 
+impl Node {
+    /// Whether this node leads name `what` (an index of [`NAMES`], or past them: the
+    /// election).
+    fn leads(&self, what: usize) -> bool {
+        if what < NAMES.len() {
+            self.singletons
+                .get(what)
+                .is_some_and(|s| s.leadership().is_leader())
+        } else {
+            self.election
+                .as_ref()
+                .is_some_and(|e| e.leadership().is_leader())
+        }
+    }
+
+    /// Hands name `what` over to node `to`, or steps down (`None`).
+    fn give_away(&self, what: usize, to: Option<&str>) {
+        if what < NAMES.len() {
+            match (self.singletons.get(what), to) {
+                (Some(s), Some(to)) => s.hand_over_to(to),
+                (Some(s), None) => s.step_down(),
+                (None, _) => {}
+            }
+        } else {
+            match (&self.election, to) {
+                (Some(e), Some(to)) => e.hand_over_to(to),
+                (Some(e), None) => e.step_down(),
+                (None, _) => {}
+            }
+        }
+    }
+}
+
 fn options(node: &str) -> ManagerOptions {
     ManagerOptions::from_url("postgres://sim@localhost/sim")
         .expect("BUG: static URL parses")
@@ -646,16 +679,7 @@ async fn calm_hand_overs(history: &Arc<Mutex<History>>, nodes: &[Node], rng: &mu
     for _ in 0..2 {
         for what in 0..=NAMES.len() {
             let name = NAMES.get(what).copied().unwrap_or(ELECTION);
-            let leads = |node: &Node| match NAMES.get(what) {
-                Some(_) => node
-                    .singletons
-                    .get(what)
-                    .is_some_and(|s| s.leadership().is_leader()),
-                None => node
-                    .election
-                    .as_ref()
-                    .is_some_and(|e| e.leadership().is_leader()),
-            };
+            let leads = |node: &Node| node.leads(what);
             let Some(from) = nodes.iter().position(leads) else {
                 continue;
             };
@@ -673,14 +697,7 @@ async fn calm_hand_overs(history: &Arc<Mutex<History>>, nodes: &[Node], rng: &mu
                 h.disturb();
                 h.note(format!("calm: hand over {name} from {from_id} to {to_id}"));
             }
-            match NAMES.get(what) {
-                Some(_) => nodes[from].singletons[what].hand_over_to(&to_id),
-                None => {
-                    if let Some(e) = &nodes[from].election {
-                        e.hand_over_to(&to_id);
-                    }
-                }
-            }
+            nodes[from].give_away(what, Some(&to_id));
             tokio::time::sleep(HAND_OVER_BOUND).await;
             let holders: Vec<String> = nodes
                 .iter()
@@ -785,16 +802,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
             7 | 8 => {
                 // Asked of the node that leads (if one does), as an operator would.
                 let what = rng.below(NAMES.len() as u64 + 1) as usize;
-                let leads = |node: &Node| match NAMES.get(what) {
-                    Some(_) => node
-                        .singletons
-                        .get(what)
-                        .is_some_and(|s| s.leadership().is_leader()),
-                    None => node
-                        .election
-                        .as_ref()
-                        .is_some_and(|e| e.leadership().is_leader()),
-                };
+                let leads = |node: &Node| node.leads(what);
                 let n = nodes.iter().position(leads).unwrap_or(n);
                 let to = format!(
                     "n{}",
@@ -826,13 +834,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                     format!("step down {name} on {}", node.id)
                 });
                 drop(h);
-                match (node.singletons.get(what), &node.election, hand_over) {
-                    (Some(s), _, true) => s.hand_over_to(&to),
-                    (Some(s), _, false) => s.step_down(),
-                    (None, Some(e), true) => e.hand_over_to(&to),
-                    (None, Some(e), false) => e.step_down(),
-                    (None, None, _) => {}
-                }
+                node.give_away(what, hand_over.then_some(to.as_str()));
             }
             _ => {
                 let cut_for = rng.millis(500, 12_000);
