@@ -163,6 +163,11 @@ pub(crate) enum Protection {
     /// This node's own next request after it handed a key to another node holds off
     /// too (its slot forgotten meanwhile, or not). Seen as `HandOverYield` is.
     HandOverHold,
+    /// A key whose holder no try has seen (a new request, or evidence lost) trusts one
+    /// announced hand-over to another node, whoever sent it: it holds off, or gives
+    /// back a win not yet granted (its first try raced the hand-over). Seen as
+    /// `HandOverYield` is.
+    HandOverUnseen,
 }
 
 /// How a grant came about.
@@ -442,6 +447,10 @@ struct Slot {
     /// the key, so they are applied right after its answer, in the order they came (see
     /// [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
     announced_in_flight: Vec<(i32, Option<u64>, Instant)>,
+    /// An announced hand-over to another node from a sender no try saw holding the key
+    /// was trusted already: at most one per slot, so that forged announcements delay a
+    /// request by one [`HAND_OVER_HOLD`] at most.
+    trusted_unseen: bool,
 }
 
 impl Slot {
@@ -466,6 +475,7 @@ impl Slot {
             hold_until: None,
             hand_to: None,
             announced_in_flight: Vec::new(),
+            trusted_unseen: false,
         }
     }
 
@@ -985,21 +995,27 @@ impl LockTable {
         let me = self.rules.node;
         let trust_any = self.off(Protection::AnnouncementCheck);
         let yield_won = !self.off(Protection::HandOverYield);
+        let unseen_ok = !self.off(Protection::HandOverUnseen);
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        let for_another = to.is_some_and(|node| node != me);
+        // A hand-over to another node, announced by a sender this slot cannot check (no
+        // try saw who held the key): trusted once per slot. Holding off or giving back a
+        // win not yet granted is safe whoever sent it; what a forged one costs is one
+        // hold.
+        let trust_unseen = for_another && unseen_ok && !slot.trusted_unseen;
         // Won, not yet granted (the grace, or the term hold), by a try that came just
         // after the holder the try before saw released the key for another node, and
         // before its announcement: nothing ran under it here, so it is given back
         // (quietly) and this node holds off as if the announcement had come first, so
         // that the named node takes it.
-        if let Server::Granting {
-            from: Some(from), ..
-        } = slot.server
-            && from == sender
+        if let Server::Granting { from, .. } = slot.server
+            && (from == Some(sender) || (from.is_none() && trust_unseen))
             && yield_won
-            && to.is_some_and(|node| node != me)
+            && for_another
         {
+            slot.trusted_unseen |= from.is_none();
             slot.server = Server::Unlocking {
                 sent: false,
                 announce: false,
@@ -1049,7 +1065,9 @@ impl LockTable {
         // known only at the next try (see `Plan::verify`). A hold for another node on a
         // reused pid delays this node's tries by `HAND_OVER_HOLD`, once per try, and
         // skips nothing.
-        if slot.evidence.holder.map(|h| h.pid) == Some(sender) || trust_any {
+        let unseen = slot.evidence.holder.is_none() && trust_unseen;
+        if slot.evidence.holder.map(|h| h.pid) == Some(sender) || trust_any || unseen {
+            slot.trusted_unseen |= unseen;
             match to {
                 // Handed to another node: give it the time to take it, then try. Not an
                 // announced release for this node: the named node may take the key and
@@ -1539,6 +1557,12 @@ impl LockTable {
                 }
                 TryOutcome::Held { by } => {
                     slot.server = Server::Free;
+                    // A holder seen: from now on its announcements are checked; if it
+                    // is lost again, one unseen hand-over may be trusted again (a win
+                    // does not renew it, so forged ones cannot starve this node).
+                    if by.is_some() {
+                        slot.trusted_unseen = false;
+                    }
                     slot.evidence = Evidence {
                         contended: true,
                         holder: by,

@@ -1737,6 +1737,60 @@ fn a_win_is_not_given_back_for_a_hand_over_from_a_backend_the_try_did_not_see() 
 }
 
 #[test]
+fn a_win_by_a_try_that_saw_no_holder_is_given_back_once_for_a_hand_over_to_another_node() {
+    // The session was lost while waiting: who holds the key is unknown. The first try
+    // on the new session reaches the server just after the holder released the key for
+    // node 9: it wins, unannounced, and waits the grace. The hand-over's announcement
+    // cannot be checked against a holder this session saw, but giving back a win not
+    // yet granted is safe whoever sent it: it is trusted, once.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, POLL);
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
+    f.table.session_ended(f.now);
+    f.table.session_started(2, f.now);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "granted without the grace");
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 4343, Some(9), f.now);
+    let plan = f.plan();
+    assert_eq!(plan.unlock_quiet, vec![key(1)], "{plan:?}");
+    f.table.unlocked(&[key(1)], f.now);
+    f.advance(HAND_OVER_HOLD - ms(1));
+    assert!(f.plan().try_keys.is_empty(), "tried within the hold");
+    // Node 9 did not take it: this node wins again, and another such announcement (a
+    // forged one, say) no longer takes the key from it.
+    f.advance(ms(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(11)));
+    f.advance(ms(5));
+    f.table.announced_for(key(1), 4444, Some(9), f.now);
+    assert!(f.plan().unlock_quiet.is_empty());
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(11))]);
+}
+
+#[test]
+fn a_waiter_that_saw_no_holder_holds_off_once_for_a_hand_over_to_another_node() {
+    // The same, announced before this session's first try: it holds off once for
+    // node 9; a second such announcement is only a cue.
+    let mut f = Fixture::new();
+    let a = f.request(key(1), Mode::Wait, Duration::from_secs(3600));
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
+    f.table.session_ended(f.now);
+    f.table.session_started(2, f.now);
+    f.table.announced_for(key(1), 4343, Some(9), f.now);
+    f.advance(HAND_OVER_HOLD - ms(1));
+    assert!(f.plan().try_keys.is_empty(), "tried within the hold");
+    f.advance(ms(1));
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.table.announced_for(key(1), 4444, Some(9), f.now);
+    assert!(f.plan().unlock_quiet.is_empty());
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
 fn a_node_that_handed_a_key_to_another_does_not_take_it_back_at_once() {
     // This node holds the key and hands it to node 9; its next request (a singleton
     // contending again, a new lease) holds off like every other node's, so that node 9
