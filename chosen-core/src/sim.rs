@@ -21,6 +21,13 @@ pub(crate) enum Guard {
     /// A preferred node that waits takes its presence lock again when the session it
     /// held it on is lost (else no leader fails back to it until it next leads).
     PresenceRetaken,
+    /// A group node above its target releases its surplus (else a node that joins gets
+    /// nothing and the others stay above their new targets).
+    GroupReleasesSurplus,
+    /// A group member stays where it is held unless its node is above its target
+    /// (else, placed by its number modulo the live nodes, a member moves between nodes
+    /// that stayed when another leaves or joins).
+    GroupKeepsPlaced,
     /// A protection of the lock table, switched off in every manager of the thread.
     Engine(crate::table::Protection),
 }

@@ -69,11 +69,27 @@ pub(crate) fn plan(me: Node, live: &[Node], holders: &[Option<Node>], frozen: bo
         .map(|(rank, n)| (*n, base + usize::from(rank < extra)))
         .collect();
 
+    #[cfg(test)]
+    if crate::sim::is_off(crate::sim::Guard::GroupKeepsPlaced) {
+        // Each member to a node by its number modulo the live nodes, wherever it is held.
+        let top = |m: usize| Some(nodes[m % nodes.len()]);
+        return Plan {
+            release: (0..members)
+                .filter(|m| holders[*m] == Some(me) && top(*m) != Some(me))
+                .collect(),
+            contend: (0..members)
+                .filter(|m| holders[*m] != Some(me) && top(*m) == Some(me))
+                .collect(),
+            target: target.get(&me).copied(),
+        };
+    }
     // The pool to place: orphans first (lowest member first), then members in transit,
     // then each surplus.
     let mut pool = orphans;
     pool.extend(in_transit);
     let mut release_of: BTreeMap<Node, Vec<usize>> = BTreeMap::new();
+    #[cfg(test)]
+    let frozen = frozen || crate::sim::is_off(crate::sim::Guard::GroupReleasesSurplus);
     if !frozen {
         for n in &nodes {
             let list = &held[n];

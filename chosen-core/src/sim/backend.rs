@@ -390,11 +390,35 @@ impl Inner {
 pub(crate) struct SimBackend {
     server: Arc<SimServer>,
     seed: u64,
+    /// The node's process died: it connects no more.
+    dead: AtomicBool,
 }
 
 impl SimBackend {
     pub(crate) fn new(server: Arc<SimServer>, seed: u64) -> Self {
-        Self { server, seed }
+        Self {
+            server,
+            seed,
+            dead: AtomicBool::new(false),
+        }
+    }
+
+    /// The node's process dies (`kill -9`): its kernel closes its connections, so the
+    /// server ends each of its backends (at once, or once healed if the node is cut
+    /// off), freeing their locks with nothing announced; its tasks (still in this
+    /// runtime) never reach the server again, as a dead process sends nothing.
+    pub(crate) fn die(&self, node_id: &str) {
+        self.dead.store(true, Ordering::Release);
+        for pid in self.server.backends_of(node_id) {
+            self.server.close(pid);
+        }
+    }
+
+    /// A dead process does nothing: what it would have sent is never sent.
+    async fn unless_dead(&self) {
+        if self.dead.load(Ordering::Acquire) {
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -405,6 +429,7 @@ impl Backend for SimBackend {
         generation: u64,
     ) -> BoxFuture<'a, Result<Session>> {
         Box::pin(async move {
+            self.unless_dead().await;
             let sent = crate::clock::now();
             let up = {
                 let mut inner = self.server.lock();
@@ -418,6 +443,7 @@ impl Backend for SimBackend {
                 }));
             };
             tokio::time::sleep(up).await;
+            self.unless_dead().await;
             let opened = {
                 let mut inner = self.server.lock();
                 let now = inner.now();
@@ -497,21 +523,29 @@ struct SimLink {
 
 impl Drop for SimLink {
     fn drop(&mut self) {
-        // The client closes the connection: the server ends the backend once the close
-        // reaches it (at once, unless the node is cut off: then when healed, or when
-        // the server gives the silent session up).
         self.closed.store(true, Ordering::Release);
-        let mut inner = self.server.lock();
-        let Some(conn) = inner.conns.remove(&self.pid) else {
+        self.server.close(self.pid);
+    }
+}
+
+impl SimServer {
+    /// The client closes backend `pid`'s connection: the server ends the backend once
+    /// the close reaches it (at once, unless the node is cut off: then when healed, or
+    /// when the server gives the silent session up). What the client had in flight on
+    /// it fails.
+    fn close(&self, pid: i32) {
+        let mut inner = self.lock();
+        let Some(conn) = inner.conns.remove(&pid) else {
             return;
         };
+        conn.closed.store(true, Ordering::Release);
         conn.ended.cancel();
-        if let Some(t) = inner.terminated.get_mut(&self.pid) {
+        if let Some(t) = inner.terminated.get_mut(&pid) {
             t.2.get_or_insert_with(Instant::now);
         }
         if inner.cut.contains(&conn.node_id) {
             let server = inner.me.clone();
-            let (pid, node_id) = (self.pid, conn.node_id);
+            let node_id = conn.node_id;
             drop(inner);
             tokio::spawn(async move {
                 let Some(server) = server.upgrade() else {
@@ -524,7 +558,7 @@ impl Drop for SimLink {
             });
         } else {
             let now = inner.now();
-            inner.model.end_backend(self.pid, now, false);
+            inner.model.end_backend(pid, now, false);
         }
     }
 }

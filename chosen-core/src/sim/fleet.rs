@@ -1,5 +1,5 @@
 //! A simulated fleet: several nodes, each a real [`LockManager`] with real
-//! [`Singleton`]s, on one [`SimServer`], on tokio's paused clock, with faults drawn from
+//! [`Singleton`]s, an [`Election`] and a [`SingletonGroup`], on one [`SimServer`], on tokio's paused clock, with faults drawn from
 //! a seed. A checker watches the children and fails the seed on:
 //!
 //! * two children of one name *acting* at once (each child's lease is read at every
@@ -14,6 +14,11 @@
 //! * a finished one-shot (`Never`) child started again while the session that finished
 //!   it lives, or ever on its node until a step-down, hand-over or restart there;
 //! * a preferred node up and not holding its name once settled;
+//! * a group member without exactly one acting child, or a node running more than
+//!   `ceil(M / N)` of its `M` members with `N` nodes up, once settled and after a node
+//!   leaves and joins again in a calm fleet; a member moved by that leave (join) that
+//!   was not on the node that left (does not go to the node that joined), or more than
+//!   `ceil(M / N)` moved by the join;
 //! * a hand-over in a calm fleet (once settled, each name handed over twice) that has
 //!   not reached its target within 1.5 s, or one asked during the faults, of a name
 //!   its target waited for in a fleet calm for 5 s, that another node took first.
@@ -32,7 +37,8 @@
 //! its holder cannot hear is a double fault only the fencing token covers; one drawn
 //! just before a cut is excused the same way), its traffic
 //! black-holed for up to 12 s (the server ends a session idle for 7 s), a node shut
-//! down and started again, a singleton or the election stepped down or handed over by
+//! down and started again, a node's process killed (its connections close, its
+//! children are gone, nothing is released or announced) and started again, a singleton or the election stepped down or handed over by
 //! the node that leads it; several at once (a black hole heals in the background); now
 //! and then a statement that fails with its session intact. Tokens of one name never go
 //! back, nor repeat on another node. The fleet's shape is drawn too: 3 or 4 nodes, `s1`
@@ -50,12 +56,24 @@ use tokio::time::Instant;
 
 use super::backend::{SimBackend, SimServer};
 use crate::singleton::{LeaderContext, RestartPolicy, Singleton, SingletonOptions};
-use crate::{Election, Leadership, LockManager, ManagerOptions};
+use crate::{Election, GroupOptions, Leadership, LockManager, ManagerOptions, SingletonGroup};
 
 /// Singleton names every node runs.
 const NAMES: [&str; 2] = ["s0", "s1"];
 /// The election every node runs.
 const ELECTION: &str = "e0";
+/// The singleton group every node runs, and its members.
+const GROUP: &str = "g";
+const MEMBERS: [&str; 7] = ["m0", "m1", "m2", "m3", "m4", "m5", "m6"];
+/// The group's flapping window: nodes that leave twice within it freeze the placement
+/// until none did for that long (shorter than the default 60 s, so that the placement
+/// thaws well before the fleet must be quiet).
+const GROUP_FLAP_WINDOW: Duration = Duration::from_secs(8);
+/// How long a group has to place its members after a node leaves or joins in a calm
+/// fleet: the others see it within an interval (1 s), a joining node's view is acted
+/// on when seen twice, a member moved stops its child (up to its 1 s shutdown timeout)
+/// and is taken within a round trip.
+const GROUP_SETTLE: Duration = Duration::from_secs(10);
 /// Once the faults are over, the fleet has this long to settle; after it, no leader
 /// changes and no child starts (nothing happens that would call for one). A fail-back
 /// to a preferred node healed last takes up to ~10 s: its session found ended and a
@@ -127,6 +145,8 @@ struct History {
     /// Hand-overs asked in a calm fleet, to a node that waits for the name: from, to,
     /// when. The name's next leader must be that node, unless something happens first.
     hand_overs: BTreeMap<&'static str, (String, String, Instant)>,
+    /// Children that died with their node's process (their tasks linger, inert).
+    dead: std::collections::BTreeSet<u64>,
 }
 
 /// A hand-over is checked only in a fleet left alone this long before it (no node in
@@ -154,6 +174,10 @@ impl History {
     /// Notes a hand-over of `name` from `from` to `to`, checked if the fleet was calm
     /// and `to` waits for it.
     fn hand_over_asked(&mut self, name: &'static str, from: &str, to: &str, waits: bool) {
+        // Who leads what as the request is made (the sampler looks every 10 ms): a
+        // leader seen for the first time after the request did not take it back.
+        self.sample_leaders();
+        self.sample_singletons();
         let now = Instant::now();
         let calm = self
             .last_disturbance()
@@ -291,7 +315,7 @@ impl History {
     }
 
     fn tick(&mut self, name: &'static str, node: &str, id: u64, ctx: &LeaderContext) {
-        if !ctx.is_valid() {
+        if !ctx.is_valid() || self.dead.contains(&id) {
             return;
         }
         if let Some((other, on, token)) = self.acting_elsewhere(name, node) {
@@ -413,6 +437,100 @@ impl History {
         }
     }
 
+    /// Where each member of the group has an acting child, and whether every member
+    /// has exactly one and no node more than `ceil(M / N)` of them with `nodes` live
+    /// nodes (the group's promise once placed). Returns the member → node placement.
+    fn check_balance(&mut self, when: &str, nodes: usize) -> BTreeMap<&'static str, String> {
+        let mut placed = BTreeMap::new();
+        let mut load: BTreeMap<String, usize> = BTreeMap::new();
+        for member in MEMBERS {
+            let acting: Vec<String> = self.running.get(member).map_or(Vec::new(), |r| {
+                r.iter()
+                    .filter(|(_, _, ctx)| ctx.is_valid())
+                    .map(|(_, n, _)| n.clone())
+                    .collect()
+            });
+            if let [on] = acting.as_slice() {
+                *load.entry(on.clone()).or_default() += 1;
+                placed.insert(member, on.clone());
+            } else {
+                self.violations.push(format!(
+                    "{GROUP}/{member}: acting children on {acting:?} {when} (want one)"
+                ));
+            }
+        }
+        let most = MEMBERS.len().div_ceil(nodes.max(1));
+        for (node, members) in load {
+            if members > most {
+                self.violations.push(format!(
+                    "{GROUP}: {node} runs {members} members {when}, above ceil({} / {nodes}) = \
+                     {most} (unbalanced)",
+                    MEMBERS.len()
+                ));
+            }
+        }
+        placed
+    }
+
+    /// The members that moved between two placements when `node` left or joined the
+    /// group: only its own members when it left; only to it, and at most
+    /// `ceil(M / N)` of them, when it joined.
+    fn check_moves(
+        &mut self,
+        node: &str,
+        joined: bool,
+        nodes: usize,
+        before: &BTreeMap<&'static str, String>,
+        after: &BTreeMap<&'static str, String>,
+    ) {
+        let change = if joined { "joined" } else { "left" };
+        let mut moves = 0;
+        for (member, from) in before {
+            let Some(to) = after.get(member) else {
+                continue;
+            };
+            if to == from {
+                continue;
+            }
+            moves += 1;
+            let allowed = if joined { to == node } else { from == node };
+            if !allowed {
+                self.violations.push(format!(
+                    "{GROUP}/{member}: moved from {from} to {to} when {node} {change} (only \
+                     members of the node that left, or to the node that joined, move)"
+                ));
+            }
+        }
+        let most = MEMBERS.len().div_ceil(nodes.max(1));
+        if joined && moves > most {
+            self.violations.push(format!(
+                "{GROUP}: {moves} members moved when {node} joined, above ceil({} / {nodes}) = \
+                 {most}",
+                MEMBERS.len()
+            ));
+        }
+        self.note(format!(
+            "{GROUP}: {moves} members moved when {node} {change}"
+        ));
+    }
+
+    /// `node`'s process died: its children are gone with it, and it leads nothing.
+    fn died(&mut self, node: &str) {
+        let gone = self.running_on(node);
+        for r in self.running.values_mut() {
+            r.retain(|(id, _, _)| !gone.contains(id));
+        }
+        self.dead.extend(gone.iter().copied());
+        // A process that starts again does not know what the dead one finished.
+        for name in NAMES {
+            self.requests.push((name, node.to_owned(), Instant::now()));
+        }
+        self.leaderships.remove(node);
+        self.singleton_leaderships.retain(|(_, n), _| n != node);
+        self.disturb();
+        self.note(format!("{node} died with children {gone:?}"));
+    }
+
     fn running_on(&self, node: &str) -> Vec<u64> {
         self.running
             .values()
@@ -458,6 +576,9 @@ struct Node {
     manager: Option<LockManager>,
     singletons: Vec<Singleton>,
     election: Option<Election>,
+    group: Option<SingletonGroup>,
+    /// Its sessions (to kill its process).
+    backend: Option<Arc<SimBackend>>,
 }
 
 impl Node {
@@ -499,6 +620,66 @@ fn options(node: &str) -> ManagerOptions {
         .node_id(node)
 }
 
+/// A child of the fleet: it reports its start, its ticks (at each of which the checker
+/// reads every running child's lease) and its end to the [`History`].
+struct Child {
+    history: Arc<Mutex<History>>,
+    name: &'static str,
+    node: String,
+    /// Its work ends by itself (after 0.5 to 4 s), as a [`RestartPolicy::Never`]
+    /// child's does.
+    one_shot: bool,
+    seed: u64,
+    /// How long it takes to stop once cancelled (beyond the 1 s shutdown timeout, it is
+    /// aborted).
+    stop_for: Duration,
+}
+
+impl Child {
+    async fn run(self, ctx: LeaderContext) -> Result<(), std::io::Error> {
+        let Self {
+            history,
+            name,
+            node,
+            one_shot,
+            seed,
+            stop_for,
+        } = self;
+        let began = Instant::now();
+        let id = history.lock().unwrap().begin(name, &node, &ctx);
+        // Ended when it returns, or when the singleton aborts it.
+        let _ended = Ended {
+            history: Arc::clone(&history),
+            name,
+            id,
+        };
+        // A one-shot child's work takes 0.5 to 4 s.
+        let work = Duration::from_millis(500 + (seed ^ id).wrapping_mul(0x9e37) % 3_500);
+        let done = tokio::time::sleep(if one_shot {
+            work
+        } else {
+            Duration::from_secs(365 * 86_400)
+        });
+        tokio::pin!(done);
+        loop {
+            tokio::select! {
+                biased;
+                () = ctx.cancelled() => break,
+                () = &mut done => {
+                    history.lock().unwrap().finish(name, &node, id, began);
+                    return Ok(());
+                }
+                () = tokio::time::sleep(Duration::from_millis(10)) => {
+                    history.lock().unwrap().tick(name, &node, id, &ctx);
+                }
+            }
+        }
+        // Stopping takes a while.
+        tokio::time::sleep(stop_for).await;
+        Ok(())
+    }
+}
+
 async fn start_node(
     server: &Arc<SimServer>,
     history: &Arc<Mutex<History>>,
@@ -518,13 +699,12 @@ async fn start_node(
                 .push(format!("{} could not connect in 20 attempts", node.id));
             return;
         }
-        match LockManager::connect_with(
-            options(&node.id),
-            Arc::new(SimBackend::new(Arc::clone(server), seed)),
-        )
-        .await
-        {
-            Ok(manager) => break manager,
+        let backend = Arc::new(SimBackend::new(Arc::clone(server), seed));
+        match LockManager::connect_with(options(&node.id), Arc::clone(&backend) as _).await {
+            Ok(manager) => {
+                node.backend = Some(backend);
+                break manager;
+            }
             Err(e) => history
                 .lock()
                 .unwrap()
@@ -556,43 +736,15 @@ async fn start_node(
                 .preferred(name == "s1" && node.id == S1_PREFERRED)
                 .fail_back_after(FAIL_BACK_AFTER);
             Singleton::start(&manager, name, options, move |ctx: LeaderContext| {
-                let history = Arc::clone(&history);
-                let node_id = node_id.clone();
-                async move {
-                    let began = Instant::now();
-                    let id = history.lock().unwrap().begin(name, &node_id, &ctx);
-                    // Ended when it returns, or when the singleton aborts it.
-                    let _ended = Ended {
-                        history: Arc::clone(&history),
-                        name,
-                        id,
-                    };
-                    // A one-shot child's work takes 0.5 to 4 s.
-                    let work =
-                        Duration::from_millis(500 + (seed ^ id).wrapping_mul(0x9e37) % 3_500);
-                    let done = tokio::time::sleep(if one_shot {
-                        work
-                    } else {
-                        Duration::from_secs(365 * 86_400)
-                    });
-                    tokio::pin!(done);
-                    loop {
-                        tokio::select! {
-                            biased;
-                            () = ctx.cancelled() => break,
-                            () = &mut done => {
-                                history.lock().unwrap().finish(name, &node_id, id, began);
-                                return Ok(());
-                            }
-                            () = tokio::time::sleep(Duration::from_millis(10)) => {
-                                history.lock().unwrap().tick(name, &node_id, id, &ctx);
-                            }
-                        }
-                    }
-                    // Stopping takes a while.
-                    tokio::time::sleep(stop_for).await;
-                    Ok::<(), std::io::Error>(())
-                }
+                let child = Child {
+                    history: Arc::clone(&history),
+                    name,
+                    node: node_id.clone(),
+                    one_shot,
+                    seed,
+                    stop_for,
+                };
+                child.run(ctx)
             })
             .expect("valid singleton")
         })
@@ -619,6 +771,35 @@ async fn start_node(
         .leaderships
         .insert(node.id.clone(), election.leadership());
     node.election = Some(election);
+    let group = SingletonGroup::start(
+        &manager,
+        GROUP,
+        MEMBERS,
+        GroupOptions::default()
+            .singleton(SingletonOptions::default().shutdown_timeout(Duration::from_secs(1)))
+            .max_nodes(8)
+            .flapping(2, GROUP_FLAP_WINDOW),
+        {
+            let (history, node) = (Arc::clone(history), node.id.clone());
+            move |member: String, ctx: LeaderContext| {
+                let name = MEMBERS
+                    .into_iter()
+                    .find(|m| *m == member)
+                    .expect("BUG: the group has only these members");
+                let child = Child {
+                    history: Arc::clone(&history),
+                    name,
+                    node: node.clone(),
+                    one_shot: false,
+                    seed,
+                    stop_for,
+                };
+                child.run(ctx)
+            }
+        },
+    )
+    .expect("valid group");
+    node.group = Some(group);
     node.manager = Some(manager);
 }
 
@@ -629,17 +810,21 @@ async fn stop_node(history: &Arc<Mutex<History>>, node: &mut Node) {
     };
     let singletons = std::mem::take(&mut node.singletons);
     let election = node.election.take();
-    {
-        // A singleton shut down gives its lock away: the next node starts the child,
-        // even one that finished here.
-        let mut h = history.lock().unwrap();
-        h.disturb();
-        for name in NAMES {
-            h.requests.push((name, node.id.clone(), Instant::now()));
-        }
-    }
+    let group = node.group.take();
+    history.lock().unwrap().disturb();
     let ended = tokio::time::timeout(SHUTDOWN_BOUND, async {
-        for s in &singletons {
+        if let Some(g) = &group {
+            g.shutdown().await;
+        }
+        for (name, s) in NAMES.into_iter().zip(&singletons) {
+            // A singleton shut down gives its lock away: the next node starts the
+            // child, even one that finished here. Noted as it is asked, not when the
+            // node's shutdown began: until then, a child may start here and finish.
+            history
+                .lock()
+                .unwrap()
+                .requests
+                .push((name, node.id.clone(), Instant::now()));
             s.shutdown().await;
         }
         if let Some(e) = &election {
@@ -665,6 +850,24 @@ async fn stop_node(history: &Arc<Mutex<History>>, node: &mut Node) {
         ));
     }
     h.note(format!("{} shut down", node.id));
+}
+
+/// Kills a node's process: its sessions close, its children are gone, and its tasks
+/// linger in `graveyard`, never to reach the server again.
+fn kill_node(history: &Arc<Mutex<History>>, node: &mut Node, graveyard: &mut Vec<Node>) {
+    let Some(backend) = node.backend.take() else {
+        return;
+    };
+    backend.die(&node.id);
+    history.lock().unwrap().died(&node.id);
+    graveyard.push(Node {
+        id: node.id.clone(),
+        manager: node.manager.take(),
+        singletons: std::mem::take(&mut node.singletons),
+        election: node.election.take(),
+        group: node.group.take(),
+        backend: Some(backend),
+    });
 }
 
 /// How long a hand-over in a calm fleet takes at most: the holder's child stops (up to
@@ -716,6 +919,47 @@ async fn calm_hand_overs(history: &Arc<Mutex<History>>, nodes: &[Node], rng: &mu
     }
 }
 
+/// Once the fleet settled and is calm: a node leaves (shuts down), then joins again.
+/// Once the group placed its members after each change, every member runs on one
+/// node, none runs more than `ceil(M / N)`, and only what must move moved (see
+/// [`History::check_moves`]).
+async fn calm_membership_changes(
+    server: &Arc<SimServer>,
+    history: &Arc<Mutex<History>>,
+    nodes: &mut [Node],
+    rng: &mut Rng,
+    (seed, shape): (u64, Shape),
+) {
+    let up: Vec<usize> = (0..nodes.len())
+        .filter(|i| nodes[*i].manager.is_some())
+        .collect();
+    if up.len() < 2 {
+        return;
+    }
+    let x = up[rng.below(up.len() as u64) as usize];
+    let id = nodes[x].id.clone();
+    let before = {
+        let mut h = history.lock().unwrap();
+        h.note(format!("calm: {id} leaves"));
+        h.check_balance(&format!("before {id} leaves"), up.len())
+    };
+    stop_node(history, &mut nodes[x]).await;
+    tokio::time::sleep(GROUP_SETTLE).await;
+    let left = {
+        let mut h = history.lock().unwrap();
+        let left = h.check_balance(&format!("{GROUP_SETTLE:?} after {id} left"), up.len() - 1);
+        h.check_moves(&id, false, up.len() - 1, &before, &left);
+        h.note(format!("calm: {id} joins"));
+        left
+    };
+    start_node(server, history, &mut nodes[x], (seed ^ 0xca1d, shape)).await;
+    history.lock().unwrap().disturb();
+    tokio::time::sleep(GROUP_SETTLE).await;
+    let mut h = history.lock().unwrap();
+    let joined = h.check_balance(&format!("{GROUP_SETTLE:?} after {id} joined"), up.len());
+    h.check_moves(&id, true, up.len(), &left, &joined);
+}
+
 struct Outcome {
     violations: Vec<String>,
     known_gap: u64,
@@ -754,6 +998,8 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
             manager: None,
             singletons: Vec::new(),
             election: None,
+            group: None,
+            backend: None,
         })
         .collect();
     for (i, node) in nodes.iter_mut().enumerate() {
@@ -771,6 +1017,8 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
         }
     });
     let mut faults_until = Instant::now();
+    // Nodes whose process was killed: their tasks, inert.
+    let mut graveyard = Vec::new();
     for step in 0..STEPS {
         tokio::time::sleep(rng.millis(0, 2_000)).await;
         let n = rng.below(count as u64) as usize;
@@ -789,11 +1037,17 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                 }
             }
             5 | 6 => {
-                history
-                    .lock()
-                    .unwrap()
-                    .note(format!("FAULT restart {}", node.id));
-                stop_node(&history, node).await;
+                let crash = rng.below(2) == 0;
+                history.lock().unwrap().note(format!(
+                    "FAULT {} {}",
+                    if crash { "kill" } else { "restart" },
+                    node.id
+                ));
+                if crash {
+                    kill_node(&history, node, &mut graveyard);
+                } else {
+                    stop_node(&history, node).await;
+                }
                 tokio::time::sleep(rng.millis(0, 3_000)).await;
                 let node_seed = seed ^ (u64::from(step) << 8) ^ n as u64;
                 start_node(&server, &history, node, (node_seed, shape)).await;
@@ -897,6 +1151,8 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                 ));
             }
         }
+        let up = nodes.iter().filter(|n| n.manager.is_some()).count();
+        h.check_balance("once settled", up);
         let preferred: Vec<String> = (0..shape.e0_preferred).map(|i| format!("n{i}")).collect();
         if !preferred.is_empty() && h.leaders.iter().any(|l| !preferred.contains(l)) {
             let leaders = h.leaders.clone();
@@ -906,6 +1162,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
         }
     }
     calm_hand_overs(&history, &nodes, &mut rng).await;
+    calm_membership_changes(&server, &history, &mut nodes, &mut rng, (seed, shape)).await;
     for node in &mut nodes {
         stop_node(&history, node).await;
     }
@@ -967,12 +1224,14 @@ fn the_fleet_check_fails_when_the_server_releases_a_session_before_its_lease_exp
 /// violation that contains `what`.
 fn first_failing_without(guard: super::Guard, what: &str) -> Option<u64> {
     let _off = super::switch_off(&[guard]);
-    (0..40).find(|seed| {
+    let seed = (0..40).find(|seed| {
         run_seed(*seed, RELEASE_AFTER)
             .violations
             .iter()
             .any(|v| v.contains(what))
-    })
+    });
+    eprintln!("with {guard:?} off, the first failing seed is {seed:?}");
+    seed
 }
 
 /// Each rule of the supervision layer (and of the lock table, for what only a fleet
@@ -1011,15 +1270,31 @@ fn the_fleet_check_fails_when_a_node_takes_back_what_it_just_handed_over() {
 }
 
 #[test]
+fn the_fleet_check_fails_when_a_group_node_keeps_its_surplus() {
+    let seed = first_failing_without(super::Guard::GroupReleasesSurplus, "unbalanced");
+    assert!(seed.is_some(), "no seed of 40 left a group unbalanced");
+}
+
+#[test]
+fn the_fleet_check_fails_when_group_members_move_between_nodes_that_stayed() {
+    let seed = first_failing_without(super::Guard::GroupKeepsPlaced, "moved from");
+    assert!(seed.is_some(), "no seed of 40 moved a member it need not");
+}
+
+#[test]
 fn the_fleet_holds_over_many_seeds() {
     let replay = env_u64("CHOSEN_FLEET_SEED");
     // Reports go through tracing, to the test's output. A replay shows the managers'
     // own logs too, with the virtual time of each line.
-    let filter = if replay.is_some() {
-        "chosen_core=debug"
-    } else {
-        "chosen_core::sim=info"
-    };
+    // `CHOSEN_FLEET_LOG` (e.g. `chosen_core=trace`) overrides it.
+    let filter = std::env::var("CHOSEN_FLEET_LOG").unwrap_or_else(|_| {
+        if replay.is_some() {
+            "chosen_core=debug"
+        } else {
+            "chosen_core::sim=info"
+        }
+        .to_owned()
+    });
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
         .with_timer(VirtualTime)
