@@ -21,6 +21,10 @@ pub(crate) enum Guard {
     /// A preferred node that waits takes its presence lock again when the session it
     /// held it on is lost (else no leader fails back to it until it next leads).
     PresenceRetaken,
+    /// A singleton whose child keeps failing on start gives up (releases the lock for
+    /// a cooldown) after its restart intensity (else the node sits on the lock running
+    /// nothing).
+    ChildGivesUp,
     /// A group node above its target releases its surplus (else a node that joins gets
     /// nothing and the others stay above their new targets).
     GroupReleasesSurplus,
