@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::server::{Executed, Notice, Reply, Server};
-use super::{MS, T, epoch_us};
+use super::{MS, SEC, T, epoch_us};
 use crate::backend::{
     Backend, BoxFuture, ConnEvent, HeartbeatLink, HolderAnswer, Link, Opened, Session,
 };
@@ -150,7 +150,8 @@ impl SimServer {
         self.end_session(pid, false);
     }
 
-    /// The server ends backend `pid`: terminated, or (`idle`) given up as silent.
+    /// The server ends backend `pid`: terminated, or (`idle`) given up as silent or
+    /// ended with the whole server (neither is a known gap of the checks).
     fn end_session(self: &Arc<Self>, pid: i32, idle: bool) {
         let mut inner = self.lock();
         let now = inner.now();
@@ -192,6 +193,51 @@ impl SimServer {
                     "terminating connection due to administrator command".into(),
                 ));
                 conn.ended.cancel();
+            }
+        });
+    }
+
+    /// The server goes down for `down` (every backend ends; its client hears of it as
+    /// of a termination) and comes back: restarted, or (`promotion`) a standby
+    /// promoted, on the next timeline, with transaction ids up to `lag` behind. Until
+    /// it is back, connecting fails. Its new term's age is unknown for a while after a
+    /// promotion (the end-of-recovery checkpoint), up to 8 s.
+    pub(crate) fn restart(self: &Arc<Self>, down: Duration, promotion: Option<u64>) {
+        let pids: Vec<i32> = {
+            let mut inner = self.lock();
+            let now = inner.now();
+            // Down already: once at a time (its own coming back is due).
+            if !inner.model.up {
+                return;
+            }
+            inner.model.up = false;
+            inner.model.ended = Some(now);
+            inner.model.backends.keys().copied().collect()
+        };
+        // Not the known gap of a termination: the new term's hold keeps every node
+        // from being granted before each old holder's lease ran out.
+        for pid in pids {
+            self.end_session(pid, true);
+        }
+        let server = Arc::downgrade(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(down).await;
+            let Some(server) = server.upgrade() else {
+                return;
+            };
+            let mut inner = server.lock();
+            let now = inner.now();
+            let unknown = crate::table::next_random(&mut inner.rng) % (8 * SEC);
+            let model = &mut inner.model;
+            model.up = true;
+            model.started = Some(now);
+            model.started_wall = Some(now as i64 + model.clock);
+            model.age_unknown_until = 0;
+            model.clock_at_start = model.clock;
+            if let Some(lag) = promotion {
+                model.timeline += 1;
+                model.xid = model.xid.saturating_sub(lag);
+                model.age_unknown_until = now + unknown;
             }
         });
     }
