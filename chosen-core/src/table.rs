@@ -652,8 +652,10 @@ impl LockTable {
             }
             slot.server = Server::Free;
             slot.announced_in_flight.clear();
-            // Whatever happens to the key while we are away is unknown.
+            // Whatever happens to the key while we are away is unknown (and the next
+            // session may trust one hand-over it cannot check, as a new slot does).
             slot.evidence = Evidence::unknown();
+            slot.trusted_unseen = false;
             let actions = &mut self.actions;
             slot.waiters.retain(|w| {
                 let keep = w.mode == Mode::Wait;
@@ -1067,15 +1069,17 @@ impl LockTable {
         // skips nothing.
         let unseen = slot.evidence.holder.is_none() && trust_unseen;
         if slot.evidence.holder.map(|h| h.pid) == Some(sender) || trust_any || unseen {
-            slot.trusted_unseen |= unseen;
             match to {
                 // Handed to another node: give it the time to take it, then try. Not an
                 // announced release for this node: the named node may take the key and
                 // lose it silently within the hold, so a win after it keeps the grace
-                // and the fence check. One hold per try: announcements repeated during
-                // a hold do not push it further.
+                // and the fence check (contended, whatever was known before). One hold
+                // per try: announcements repeated during a hold do not push it further
+                // (nor spend the one unseen hand-over trusted).
                 Some(node) if node != me => {
                     if slot.hold_until.is_none() {
+                        slot.trusted_unseen |= unseen;
+                        slot.evidence.contended = true;
                         slot.hold_until = Some(now + HAND_OVER_HOLD);
                         slot.next_try = now + HAND_OVER_HOLD;
                     }

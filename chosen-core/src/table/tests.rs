@@ -1770,6 +1770,24 @@ fn a_win_by_a_try_that_saw_no_holder_is_given_back_once_for_a_hand_over_to_anoth
 }
 
 #[test]
+fn a_new_request_held_off_by_an_unchecked_hand_over_keeps_the_grace_after_it() {
+    // A new request, and before its first try a hand-over to node 9 from a backend no
+    // try saw: trusted once, this node holds off. Node 9 may take the key within the
+    // hold and lose it silently, so the win after the hold is a contended one: the
+    // grace and the fence check, as after every other hold.
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    f.table.announced_for(key(1), 4343, Some(9), f.now);
+    assert!(f.plan().try_keys.is_empty(), "not held off for node 9");
+    f.advance(HAND_OVER_HOLD);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(f.granted().is_empty(), "granted without the grace");
+    f.advance(GRACE);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
 fn a_waiter_that_saw_no_holder_holds_off_once_for_a_hand_over_to_another_node() {
     // The same, announced before this session's first try: it holds off once for
     // node 9; a second such announcement is only a cue.
