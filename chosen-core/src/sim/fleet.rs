@@ -149,7 +149,16 @@ struct History {
     hand_overs: BTreeMap<&'static str, (String, String, Instant)>,
     /// Children that died with their node's process (their tasks linger, inert).
     dead: std::collections::BTreeSet<u64>,
+    /// When the run began (log lines are stamped from it).
+    t0: Option<Instant>,
+    /// Children started while another node's child of the name still ran (stopping):
+    /// the one still running → when the next started.
+    overlapped: BTreeMap<u64, Instant>,
 }
+
+/// How long a child may still run (stopping) once another node's child of its name
+/// started: its shutdown timeout (1 s), and slack for the news of its loss.
+const RUNNING_OVERLAP_BOUND: Duration = Duration::from_millis(1_250);
 
 /// A hand-over is checked only in a fleet left alone this long before it (no node in
 /// a rejoin pause, a reconnect or a cooldown).
@@ -157,7 +166,8 @@ const CALM_BEFORE_HAND_OVER: Duration = Duration::from_secs(5);
 
 impl History {
     fn note(&mut self, line: impl std::fmt::Display) {
-        let at = Instant::now();
+        // As an offset from the run's start, so that a replay's log compares equal.
+        let at = Instant::now().duration_since(*self.t0.get_or_insert_with(Instant::now));
         self.log.push(format!("{at:?} {line}"));
     }
 
@@ -284,12 +294,21 @@ impl History {
                     format!("child {id} (starting)"),
                 ),
             );
-        } else if self
-            .running
-            .get(name)
-            .is_some_and(|r| r.iter().any(|(_, n, _)| n != node))
-        {
-            self.running_overlaps += 1;
+        } else {
+            let stopping: Vec<u64> = self
+                .running
+                .get(name)
+                .into_iter()
+                .flatten()
+                .filter(|(_, n, _)| n != node)
+                .map(|(id, _, _)| *id)
+                .collect();
+            if !stopping.is_empty() {
+                self.running_overlaps += 1;
+            }
+            for other in stopping {
+                self.overlapped.entry(other).or_insert_with(Instant::now);
+            }
         }
         self.note(format!(
             "{name}: child {id} starts on {node}, token {}",
@@ -332,6 +351,10 @@ impl History {
 
     /// A one-shot child returned by itself (not cancelled): the node keeps the lock.
     fn finish(&mut self, name: &'static str, node: &str, id: u64, began: Instant) {
+        // A child of a dead process finishes nothing (the node id is the next one's).
+        if self.dead.contains(&id) {
+            return;
+        }
         // The backend of this node that holds the lock (none if the server gave it to
         // another node meanwhile: then no session of this node keeps the finish).
         let pid = self.keys.get(name).and_then(|k| {
@@ -380,6 +403,20 @@ impl History {
     fn end(&mut self, name: &'static str, id: u64) {
         if let Some(r) = self.running.get_mut(name) {
             r.retain(|(i, _, _)| *i != id);
+        }
+        // A child still stopping when the next started ends within its shutdown
+        // timeout of it: the next one started only once this one's lease had run out,
+        // by when its node had cancelled it (gap (c) is bounded).
+        if let Some(since) = self.overlapped.remove(&id)
+            && !self.dead.contains(&id)
+        {
+            let ran_on = Instant::now().duration_since(since);
+            if ran_on > RUNNING_OVERLAP_BOUND {
+                self.violations.push(format!(
+                    "{name}: child {id} ran on for {ran_on:?} after another node's child \
+                     started (bound {RUNNING_OVERLAP_BOUND:?})"
+                ));
+            }
         }
         self.note(format!("{name}: child {id} returned"));
     }
@@ -443,7 +480,8 @@ impl History {
     /// Where each member of the group has an acting child, and whether every member
     /// has exactly one and no node more than `ceil(M / N)` of them with `nodes` live
     /// nodes (the group's promise once placed). Returns the member → node placement.
-    fn check_balance(&mut self, when: &str, nodes: usize) -> BTreeMap<&'static str, String> {
+    fn check_balance(&mut self, when: &str, up: &[String]) -> BTreeMap<&'static str, String> {
+        let nodes = up.len();
         let mut placed = BTreeMap::new();
         let mut load: BTreeMap<String, usize> = BTreeMap::new();
         for member in MEMBERS {
@@ -463,6 +501,17 @@ impl History {
             }
         }
         let most = MEMBERS.len().div_ceil(nodes.max(1));
+        let least = MEMBERS.len() / nodes.max(1);
+        for node in up {
+            let members = load.get(node).copied().unwrap_or(0);
+            if members < least {
+                self.violations.push(format!(
+                    "{GROUP}: {node} runs {members} members {when}, below floor({} / {nodes}) \
+                     = {least} (unbalanced)",
+                    MEMBERS.len()
+                ));
+            }
+        }
         for (node, members) in load {
             if members > most {
                 self.violations.push(format!(
@@ -839,6 +888,7 @@ async fn stop_node(history: &Arc<Mutex<History>>, node: &mut Node) {
     let singletons = std::mem::take(&mut node.singletons);
     let election = node.election.take();
     let group = node.group.take();
+    node.backend = None;
     history.lock().unwrap().disturb();
     let ended = tokio::time::timeout(SHUTDOWN_BOUND, async {
         if let Some(g) = &group {
@@ -993,7 +1043,62 @@ async fn calm_hand_overs(
             tokio::time::sleep(Duration::from_secs(8)).await;
         }
     }
+    // Then each name is stepped down once: another node leads it within the bound.
+    for what in 0..=NAMES.len() {
+        let name = NAMES.get(what).copied().unwrap_or(ELECTION);
+        let leads = |node: &Node| node.leads(what);
+        let Some(from) = nodes.iter().position(leads) else {
+            continue;
+        };
+        let can_take = nodes
+            .iter()
+            .enumerate()
+            .any(|(i, n)| i != from && n.manager.is_some() && !shape.cannot_run(what, &n.id));
+        // (A node that cannot run it may take it first, give up, and the key go back
+        // to the node that stepped down: right, but not what this checks.)
+        let broken_waits = nodes
+            .iter()
+            .any(|n| n.manager.is_some() && shape.cannot_run(what, &n.id));
+        if !can_take || broken_waits {
+            continue;
+        }
+        let from_id = nodes[from].id.clone();
+        {
+            let mut h = history.lock().unwrap();
+            h.requests.push((name, from_id.clone(), Instant::now()));
+            h.disturb();
+            h.note(format!("calm: step down {name} on {from_id}"));
+        }
+        let asked = Instant::now();
+        nodes[from].give_away(what, None);
+        tokio::time::sleep(STEP_DOWN_BOUND).await;
+        let holders: Vec<String> = nodes
+            .iter()
+            .filter(|n| leads(n))
+            .map(|n| n.id.clone())
+            .collect();
+        {
+            let mut h = history.lock().unwrap();
+            let failed = h
+                .server
+                .as_ref()
+                .and_then(|s| s.last_failure())
+                .is_some_and(|at| at >= asked);
+            if (holders.len() != 1 || holders.contains(&from_id)) && !failed {
+                h.violations.push(format!(
+                    "{name}: stepped down on {from_id} in a calm fleet, but held by \
+                     {holders:?} {STEP_DOWN_BOUND:?} later (want another node)"
+                ));
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(8)).await;
+    }
 }
+
+/// How long a step-down in a calm fleet takes at most: the child stops (up to its 1 s
+/// shutdown timeout), the release is announced, and a waiting node takes the key
+/// (with no hand-over named, after the takeover grace's worth of checks at most).
+const STEP_DOWN_BOUND: Duration = Duration::from_millis(2_500);
 
 /// Once the fleet settled and is calm: a node leaves (shuts down), then joins again.
 /// Once the group placed its members after each change, every member runs on one
@@ -1006,24 +1111,30 @@ async fn calm_membership_changes(
     rng: &mut Rng,
     (seed, shape): (u64, Shape),
 ) {
-    let up: Vec<usize> = (0..nodes.len())
-        .filter(|i| nodes[*i].manager.is_some())
+    let up: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.manager.is_some())
+        .map(|n| n.id.clone())
         .collect();
     if up.len() < 2 {
         return;
     }
-    let x = up[rng.below(up.len() as u64) as usize];
-    let id = nodes[x].id.clone();
+    let id = up[rng.below(up.len() as u64) as usize].clone();
+    let x = nodes
+        .iter()
+        .position(|n| n.id == id)
+        .expect("BUG: an up node");
+    let rest: Vec<String> = up.iter().filter(|n| **n != id).cloned().collect();
     let before = {
         let mut h = history.lock().unwrap();
         h.note(format!("calm: {id} leaves"));
-        h.check_balance(&format!("before {id} leaves"), up.len())
+        h.check_balance(&format!("before {id} leaves"), &up)
     };
     stop_node(history, &mut nodes[x]).await;
     tokio::time::sleep(GROUP_SETTLE).await;
     let left = {
         let mut h = history.lock().unwrap();
-        let left = h.check_balance(&format!("{GROUP_SETTLE:?} after {id} left"), up.len() - 1);
+        let left = h.check_balance(&format!("{GROUP_SETTLE:?} after {id} left"), &rest);
         h.check_moves(&id, false, up.len() - 1, &before, &left);
         h.note(format!("calm: {id} joins"));
         left
@@ -1032,7 +1143,7 @@ async fn calm_membership_changes(
     history.lock().unwrap().disturb();
     tokio::time::sleep(GROUP_SETTLE).await;
     let mut h = history.lock().unwrap();
-    let joined = h.check_balance(&format!("{GROUP_SETTLE:?} after {id} joined"), up.len());
+    let joined = h.check_balance(&format!("{GROUP_SETTLE:?} after {id} joined"), &up);
     h.check_moves(&id, true, up.len(), &left, &joined);
 }
 
@@ -1246,8 +1357,12 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
                 ));
             }
         }
-        let up = nodes.iter().filter(|n| n.manager.is_some()).count();
-        h.check_balance("once settled", up);
+        let up: Vec<String> = nodes
+            .iter()
+            .filter(|n| n.manager.is_some())
+            .map(|n| n.id.clone())
+            .collect();
+        h.check_balance("once settled", &up);
         let preferred: Vec<String> = (0..shape.e0_preferred).map(|i| format!("n{i}")).collect();
         if !preferred.is_empty() && h.leaders.iter().any(|l| !preferred.contains(l)) {
             let leaders = h.leaders.clone();
@@ -1391,6 +1506,29 @@ fn the_fleet_check_fails_when_a_group_node_keeps_its_surplus() {
 fn the_fleet_check_fails_when_group_members_move_between_nodes_that_stayed() {
     let seed = first_failing_without(super::Guard::GroupKeepsPlaced, "moved from");
     assert!(seed.is_some(), "no seed of 40 moved a member it need not");
+}
+
+/// A seed's run is a function of the seed: run twice, its log is the same.
+#[test]
+fn a_fleet_run_replays_exactly() {
+    for seed in [3, 11] {
+        let a = run_seed(seed, RELEASE_AFTER);
+        let b = run_seed(seed, RELEASE_AFTER);
+        assert!(
+            a.log.len() > 50,
+            "seed {seed}: a short run ({} lines)",
+            a.log.len()
+        );
+        if let Some(i) = (0..a.log.len().max(b.log.len())).find(|i| a.log.get(*i) != b.log.get(*i))
+        {
+            panic!(
+                "seed {seed} ran differently the second time, from line {i}: {:?} / {:?}",
+                a.log.get(i),
+                b.log.get(i)
+            );
+        }
+        assert_eq!(a.violations, b.violations);
+    }
 }
 
 #[test]
