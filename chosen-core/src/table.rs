@@ -296,6 +296,11 @@ const MAX_IN_FLIGHT_ANNOUNCEMENTS: usize = 4;
 /// this, every node contends as usual (the named node was gone, or not waiting).
 pub(crate) const HAND_OVER_HOLD: Duration = Duration::from_secs(1);
 
+/// How long a key whose slot was forgotten remembers that it trusted an unchecked
+/// hand-over (see `Slot::trusted_unseen`): a request that comes and goes cannot be held
+/// off by forged ones more than once in this long.
+pub(crate) const UNSEEN_MEMORY: Duration = Duration::from_secs(10);
+
 /// The table's configuration.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Rules {
@@ -447,10 +452,11 @@ struct Slot {
     /// the key, so they are applied right after its answer, in the order they came (see
     /// [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
     announced_in_flight: Vec<(i32, Option<u64>, Instant)>,
-    /// An announced hand-over to another node from a sender no try saw holding the key
-    /// was trusted already: at most one per slot, so that forged announcements delay a
-    /// request by one [`HAND_OVER_HOLD`] at most.
-    trusted_unseen: bool,
+    /// When an announced hand-over to another node from a sender no try saw holding the
+    /// key was trusted: at most one until a try sees a holder or the session ends (kept
+    /// for [`UNSEEN_MEMORY`] when the slot is forgotten), so that forged announcements
+    /// delay a request by one [`HAND_OVER_HOLD`] at most.
+    trusted_unseen: Option<Instant>,
 }
 
 impl Slot {
@@ -475,7 +481,7 @@ impl Slot {
             hold_until: None,
             hand_to: None,
             announced_in_flight: Vec::new(),
-            trusted_unseen: false,
+            trusted_unseen: None,
         }
     }
 
@@ -551,6 +557,10 @@ pub(crate) struct LockTable {
     /// by the keys handed over in the last [`HAND_OVER_HOLD`] (and the slots forgotten
     /// since the last request).
     holds: HashMap<LockKey, Instant>,
+    /// Keys whose forgotten slot trusted an unchecked hand-over, and when (see
+    /// `Slot::trusted_unseen`). Pruned at every request of what is older than
+    /// [`UNSEEN_MEMORY`], and emptied when the session ends.
+    unseen_trusted: HashMap<LockKey, Instant>,
     /// Protections switched off (tests only).
     #[cfg(test)]
     switched_off: Vec<Protection>,
@@ -570,6 +580,7 @@ impl LockTable {
             grants_not_before: None,
             quick_cue: None,
             holds: HashMap::default(),
+            unseen_trusted: HashMap::default(),
             #[cfg(test)]
             switched_off: Vec::new(),
         }
@@ -622,6 +633,7 @@ impl LockTable {
         self.generation = None;
         self.interest.clear();
         self.grants_not_before = None;
+        self.unseen_trusted.clear();
         for (key, slot) in &mut self.slots {
             // A fence held by the old session is gone with it; a lease still out is
             // fenced again on the next one.
@@ -655,7 +667,7 @@ impl LockTable {
             // Whatever happens to the key while we are away is unknown (and the next
             // session may trust one hand-over it cannot check, as a new slot does).
             slot.evidence = Evidence::unknown();
-            slot.trusted_unseen = false;
+            slot.trusted_unseen = None;
             let actions = &mut self.actions;
             slot.waiters.retain(|w| {
                 let keep = w.mode == Mode::Wait;
@@ -830,12 +842,18 @@ impl LockTable {
         if !self.holds.is_empty() {
             self.holds.retain(|_, hold| *hold > now);
         }
+        if !self.unseen_trusted.is_empty() {
+            self.unseen_trusted
+                .retain(|_, at| now.saturating_duration_since(*at) < UNSEEN_MEMORY);
+        }
         let honour = !self.off(Protection::HandOverHold);
         let held = self.holds.remove(&request.key).filter(|_| honour);
-        let slot = self
-            .slots
-            .entry(request.key)
-            .or_insert_with(|| Slot::new(request.key, Arc::clone(&request.name), now));
+        let unseen_trusted = self.unseen_trusted.remove(&request.key);
+        let slot = self.slots.entry(request.key).or_insert_with(|| {
+            let mut slot = Slot::new(request.key, Arc::clone(&request.name), now);
+            slot.trusted_unseen = unseen_trusted;
+            slot
+        });
         if held.is_some() {
             // Handed to another node within the hold: it may take the key and lose it
             // silently, so a win after the hold is a contended one (the grace and the
@@ -1006,7 +1024,7 @@ impl LockTable {
         // try saw who held the key): trusted once per slot. Holding off or giving back a
         // win not yet granted is safe whoever sent it; what a forged one costs is one
         // hold.
-        let trust_unseen = for_another && unseen_ok && !slot.trusted_unseen;
+        let trust_unseen = for_another && unseen_ok && slot.trusted_unseen.is_none();
         // Won, not yet granted (the grace, or the term hold), by a try that came just
         // after the holder the try before saw released the key for another node, and
         // before its announcement: nothing ran under it here, so it is given back
@@ -1017,7 +1035,9 @@ impl LockTable {
             && yield_won
             && for_another
         {
-            slot.trusted_unseen |= from.is_none();
+            if from.is_none() {
+                slot.trusted_unseen = Some(now);
+            }
             slot.server = Server::Unlocking {
                 sent: false,
                 announce: false,
@@ -1078,8 +1098,16 @@ impl LockTable {
                 // (nor spend the one unseen hand-over trusted).
                 Some(node) if node != me => {
                     if slot.hold_until.is_none() {
-                        slot.trusted_unseen |= unseen;
-                        slot.evidence.contended = true;
+                        if unseen {
+                            slot.trusted_unseen = Some(now);
+                        }
+                        // Whatever an earlier announcement proved is over: the key may
+                        // be taken and lost within the hold.
+                        slot.evidence = Evidence {
+                            contended: true,
+                            holder: slot.evidence.holder,
+                            ..Evidence::default()
+                        };
                         slot.hold_until = Some(now + HAND_OVER_HOLD);
                         slot.next_try = now + HAND_OVER_HOLD;
                     }
@@ -1565,7 +1593,7 @@ impl LockTable {
                     // is lost again, one unseen hand-over may be trusted again (a win
                     // does not renew it, so forged ones cannot starve this node).
                     if by.is_some() {
-                        slot.trusted_unseen = false;
+                        slot.trusted_unseen = None;
                     }
                     slot.evidence = Evidence {
                         contended: true,
@@ -1818,11 +1846,16 @@ impl LockTable {
 
     /// [`forget_if_unused`](Self::forget_if_unused) for every key.
     fn forget_unused(&mut self) {
-        let holds = &mut self.holds;
+        let (holds, unseen) = (&mut self.holds, &mut self.unseen_trusted);
         self.slots.retain(|key, slot| {
             let unused = slot.unused();
-            if unused && let Some(hold) = slot.hold_until {
-                holds.insert(*key, hold);
+            if unused {
+                if let Some(hold) = slot.hold_until {
+                    holds.insert(*key, hold);
+                }
+                if let Some(at) = slot.trusted_unseen {
+                    unseen.insert(*key, at);
+                }
             }
             !unused
         });
@@ -1831,9 +1864,13 @@ impl LockTable {
     fn forget_if_unused(&mut self, key: LockKey) {
         if self.slots.get(&key).is_some_and(Slot::unused)
             && let Some(slot) = self.slots.remove(&key)
-            && let Some(hold) = slot.hold_until
         {
-            self.holds.insert(key, hold);
+            if let Some(hold) = slot.hold_until {
+                self.holds.insert(key, hold);
+            }
+            if let Some(at) = slot.trusted_unseen {
+                self.unseen_trusted.insert(key, at);
+            }
         }
     }
 }

@@ -1578,7 +1578,7 @@ impl Sim {
                         .table()
                         .slots
                         .get(k)
-                        .is_some_and(|slot| slot.trusted_unseen)
+                        .is_some_and(|slot| slot.trusted_unseen.is_some())
                 };
                 let unseen_before = unseen(self);
                 let in_flight = self.nodes[n]

@@ -1788,6 +1788,69 @@ fn a_new_request_held_off_by_an_unchecked_hand_over_keeps_the_grace_after_it() {
 }
 
 #[test]
+fn a_hold_after_an_announced_release_keeps_the_grace_after_it() {
+    // The holder this node saw (backend 4242) announced a release, then, before this
+    // node's try, took the key again and handed it to node 9: this node holds off.
+    // What the first announcement proved is over: node 9 may take the key within the
+    // hold and lose it silently, so the win after the hold waits the grace (here
+    // longer than the hold) and the fence check.
+    let grace = Duration::from_secs(5);
+    let mut f = Fixture::with_rules(Rules {
+        node: 0,
+        max_locks: 16,
+        takeover_grace: grace,
+        max_fence_wait: MAX_FENCE,
+    });
+    let a = f.wait(key(1));
+    f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
+    f.advance(ms(5));
+    f.table.announced(key(1), 4242, f.now);
+    f.table.announced_for(key(1), 4242, Some(9), f.now);
+    assert!(f.plan().try_keys.is_empty(), "not held off for node 9");
+    f.advance(HAND_OVER_HOLD);
+    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    assert!(
+        f.granted().is_empty(),
+        "granted without the grace after a hold"
+    );
+    f.advance(grace);
+    f.clear_fences(&[key(1)]);
+    assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn forged_hand_overs_hold_a_request_that_comes_and_goes_off_once_in_a_while() {
+    // A waiter that withdraws (a timed-out acquire) and comes back gets a new slot: the
+    // key remembers that it trusted an unchecked hand-over, so forged ones do not hold
+    // it off each time it comes back.
+    let mut f = Fixture::new();
+    let mut holds = 0;
+    for _ in 0..5 {
+        let a = f.wait(key(1));
+        f.table.announced_for(key(1), 900_123, Some(9), f.now);
+        if f.table
+            .slots
+            .get(&key(1))
+            .is_some_and(|s| s.hold_until.is_some())
+        {
+            holds += 1;
+        }
+        // A try, if one goes out, finds the key held by nobody it is told of.
+        if f.plan().try_keys == [key(1)] {
+            f.table
+                .tried(&[(key(1), TryOutcome::Held { by: None })], f.now);
+        }
+        f.advance(ms(900));
+        f.table.withdraw(key(1), a, f.now);
+        f.advance(HAND_OVER_HOLD);
+    }
+    assert_eq!(
+        holds, 1,
+        "held off {holds} times by forged hand-overs, no holder seen"
+    );
+}
+
+#[test]
 fn a_waiter_that_saw_no_holder_holds_off_once_for_a_hand_over_to_another_node() {
     // The same, announced before this session's first try: it holds off once for
     // node 9; a second such announcement is only a cue.
