@@ -47,7 +47,7 @@
 //! which `s0`'s child fails as it starts (it must give up and leave `s0` to another),
 //! and none, one or two preferred nodes for the election.
 //!
-//! `CHOSEN_FLEET_SEEDS` (default 200) and `CHOSEN_FLEET_FIRST` choose the seeds;
+//! `CHOSEN_FLEET_SEEDS` (default 100) and `CHOSEN_FLEET_FIRST` choose the seeds;
 //! `CHOSEN_FLEET_SEED=n` runs seed `n` alone and prints what happened.
 
 use std::collections::BTreeMap;
@@ -1555,7 +1555,7 @@ fn the_fleet_holds_over_many_seeds() {
         Some(seed) => (seed, 1),
         None => (
             env_u64("CHOSEN_FLEET_FIRST").unwrap_or(0),
-            env_u64("CHOSEN_FLEET_SEEDS").unwrap_or(200),
+            env_u64("CHOSEN_FLEET_SEEDS").unwrap_or(100),
         ),
     };
     let started = std::time::Instant::now();
