@@ -38,7 +38,9 @@
 //! * **Try requests** are answered at once when the key is busy locally or the session is
 //!   down, and after the first statement that tried them otherwise.
 //! * **Withdrawn requests** (their caller stopped waiting) leave the queue at once; a key
-//!   nobody holds or wants is forgotten. Memory is bounded by live requests and keys held.
+//!   nobody holds or wants is forgotten. Memory is bounded by live requests and keys held,
+//!   and by the keys requested within the last few seconds (hand-over holds and the
+//!   unchecked hand-overs a key trusted, each remembered for a while).
 
 use std::collections::VecDeque;
 
@@ -453,9 +455,11 @@ struct Slot {
     /// [`LockTable::tried`]). At most [`MAX_IN_FLIGHT_ANNOUNCEMENTS`].
     announced_in_flight: Vec<(i32, Option<u64>, Instant)>,
     /// When an announced hand-over to another node from a sender no try saw holding the
-    /// key was trusted: at most one until a try sees a holder or the session ends (kept
-    /// for [`UNSEEN_MEMORY`] when the slot is forgotten), so that forged announcements
-    /// delay a request by one [`HAND_OVER_HOLD`] at most.
+    /// key was trusted: at most one until a try sees a holder or the session ends
+    /// (remembered by the key for [`UNSEEN_MEMORY`] from then when the slot is
+    /// forgotten), so that a forged announcement costs a request one hold (and a
+    /// contended win after it: the takeover grace and the fence check) that often at
+    /// most.
     trusted_unseen: Option<Instant>,
 }
 
@@ -558,8 +562,8 @@ pub(crate) struct LockTable {
     /// since the last request).
     holds: HashMap<LockKey, Instant>,
     /// Keys whose forgotten slot trusted an unchecked hand-over, and when (see
-    /// `Slot::trusted_unseen`). Pruned at every request of what is older than
-    /// [`UNSEEN_MEMORY`], and emptied when the session ends.
+    /// `Slot::trusted_unseen`). Pruned of what is older than [`UNSEEN_MEMORY`] at every
+    /// request that reaches the queue, and emptied when the session ends.
     unseen_trusted: HashMap<LockKey, Instant>,
     /// Protections switched off (tests only).
     #[cfg(test)]
@@ -665,7 +669,7 @@ impl LockTable {
             slot.server = Server::Free;
             slot.announced_in_flight.clear();
             // Whatever happens to the key while we are away is unknown (and the next
-            // session may trust one hand-over it cannot check, as a new slot does).
+            // session may trust one hand-over it cannot check).
             slot.evidence = Evidence::unknown();
             slot.trusted_unseen = None;
             let actions = &mut self.actions;
@@ -1021,9 +1025,9 @@ impl LockTable {
         };
         let for_another = to.is_some_and(|node| node != me);
         // A hand-over to another node, announced by a sender this slot cannot check (no
-        // try saw who held the key): trusted once per slot. Holding off or giving back a
-        // win not yet granted is safe whoever sent it; what a forged one costs is one
-        // hold.
+        // try saw who held the key): trusted once (per key, until a try sees a holder,
+        // the session ends, or `UNSEEN_MEMORY` passes). Holding off or giving back a win
+        // not yet granted is safe whoever sent it; what a forged one costs is one hold.
         let trust_unseen = for_another && unseen_ok && slot.trusted_unseen.is_none();
         // Won, not yet granted (the grace, or the term hold), by a try that came just
         // after the holder the try before saw released the key for another node, and
