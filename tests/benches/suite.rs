@@ -4,6 +4,8 @@
 //! cargo bench -p chosen-tests --bench suite            # full profile (a few minutes)
 //! cargo bench -p chosen-tests --bench suite -- --smoke # tiny profile
 //! cargo bench -p chosen-tests --bench suite -- --fenced # scenario 9 (fenced writes) alone
+//! cargo bench -p chosen-tests --bench suite -- --throughput # scenario 10 (64 tasks) alone
+//! cargo bench -p chosen-tests --bench suite -- --throughput --durable # with fsync on
 //! ```
 //!
 //! Prints Markdown; `BENCHMARKS.md` holds the table of a full run.
@@ -23,6 +25,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     };
     let report = if std::env::args().any(|a| a == "--fenced") {
         suite_impl::run_fenced(&profile).await?
+    } else if std::env::args().any(|a| a == "--throughput") {
+        suite_impl::run_throughput(&profile, std::env::args().any(|a| a == "--durable")).await?
     } else {
         suite_impl::run(&profile, env!("CARGO_BIN_EXE_chosen-holder")).await?
     };

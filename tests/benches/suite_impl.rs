@@ -23,6 +23,9 @@ pub(crate) struct Profile {
     pub(crate) crash_rounds: usize,
     pub(crate) partition_rounds: usize,
     pub(crate) fenced_rounds: usize,
+    /// Scenario 10: how long each client runs, and how many runs.
+    pub(crate) throughput_window: Duration,
+    pub(crate) throughput_runs: usize,
 }
 
 impl Profile {
@@ -38,6 +41,8 @@ impl Profile {
             crash_rounds: 20,
             partition_rounds: 3,
             fenced_rounds: 2000,
+            throughput_window: Duration::from_secs(10),
+            throughput_runs: 3,
         }
     }
 
@@ -53,6 +58,8 @@ impl Profile {
             crash_rounds: 2,
             partition_rounds: 1,
             fenced_rounds: 50,
+            throughput_window: Duration::from_millis(500),
+            throughput_runs: 1,
         }
     }
 }
@@ -375,7 +382,188 @@ pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
 
     // 9. Fenced writes.
     out.push_str(&fenced_writes(&url, &admin, profile.fenced_rounds).await?);
+
+    // 10. Throughput of many tasks on one manager.
+    out.push_str(&throughput(&url, profile).await?);
     Ok(out)
+}
+
+/// Scenario 10 alone, on a cluster of its own (`--throughput`), with `fsync` and
+/// `synchronous_commit` on when `durable` (`--durable`).
+pub(crate) async fn run_throughput(profile: &Profile, durable: bool) -> Res<String> {
+    let mut builder = PgCluster::builder();
+    if durable {
+        builder = builder
+            .setting("fsync", "on")
+            .setting("synchronous_commit", "on");
+    }
+    let cluster = builder.start()?;
+    let out = throughput(&cluster.url(), profile).await?;
+    Ok(format!(
+        "{out}(`fsync` and `synchronous_commit` {})\n",
+        if durable { "on" } else { "off" }
+    ))
+}
+
+/// Tasks that each take and release a lock of their own, in a loop (scenario 10).
+const THROUGHPUT_TASKS: usize = 64;
+/// Connections of the peers' pools in scenario 10.
+const THROUGHPUT_POOL: usize = 16;
+
+/// One client of scenario 10: what each task does per operation.
+#[derive(Clone)]
+enum Contender {
+    /// One manager (one connection) for every task.
+    Chosen(LockManager),
+    /// sqlx's `PgAdvisoryLock` on a connection taken from a pool, per operation.
+    Sqlx(sqlx::PgPool),
+    /// The bare pair on tokio-postgres connections shared round-robin (a client
+    /// pipelines the statements of several tasks).
+    Bare(
+        Arc<
+            Vec<(
+                tokio_postgres::Client,
+                tokio_postgres::Statement,
+                tokio_postgres::Statement,
+            )>,
+        >,
+    ),
+}
+
+impl Contender {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Chosen(_) => "chosen, one manager (1 connection)",
+            Self::Sqlx(_) => "sqlx `PgAdvisoryLock`, a pool of 16 connections",
+            Self::Bare(_) => "bare tokio-postgres pair, 16 connections",
+        }
+    }
+
+    /// Acquire + release of task `task`'s own lock.
+    async fn once(&self, task: usize, name: &str) -> Res<()> {
+        match self {
+            Self::Chosen(manager) => {
+                let lease = manager.acquire(name).await?;
+                lease.release().await?;
+            }
+            Self::Sqlx(pool) => {
+                let conn = pool.acquire().await?;
+                let lock = sqlx::postgres::PgAdvisoryLock::new(name);
+                let guard = lock.acquire(conn).await?;
+                drop(guard.release_now().await?);
+            }
+            Self::Bare(clients) => {
+                let (client, lock, unlock) = &clients[task % clients.len()];
+                let key = i64::try_from(task)?;
+                let won: bool = client.query_one(lock, &[&key]).await?.get(0);
+                if !won {
+                    return Err(format!("bare pair: key {key} was busy").into());
+                }
+                client.query_one(unlock, &[&key]).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the tasks for a warm-up and then `window`; the latencies of the operations
+    /// that started in the window.
+    async fn run(&self, window: Duration) -> Res<Vec<Duration>> {
+        let warm_up = window / 5;
+        let start = Instant::now();
+        let (from, until) = (start + warm_up, start + warm_up + window);
+        let mut tasks = Vec::new();
+        for task in 0..THROUGHPUT_TASKS {
+            let this = self.clone();
+            tasks.push(tokio::spawn(async move {
+                let name = format!("bench-throughput-{task}");
+                let mut times = Vec::new();
+                loop {
+                    let t = Instant::now();
+                    if t >= until {
+                        break;
+                    }
+                    this.once(task, &name).await?;
+                    if t >= from {
+                        times.push(t.elapsed());
+                    }
+                }
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(times)
+            }));
+        }
+        let mut all = Vec::new();
+        for task in tasks {
+            all.extend(task.await??);
+        }
+        all.sort();
+        Ok(all)
+    }
+}
+
+/// 64 tasks, each acquiring and releasing a lock of its own in a loop: chosen on one
+/// connection against sqlx on a pool of 16 and the bare pair on 16 connections. The
+/// three run one after the other (they would share the two cores otherwise), in a
+/// rotated order per run.
+async fn throughput(url: &str, profile: &Profile) -> Res<String> {
+    let manager = LockManager::connect(options(url, "bench-throughput")?).await?;
+    // A freshly started server grants nothing for `term_grant_delay`: wait it out
+    // untimed.
+    manager
+        .acquire("bench-throughput-first")
+        .await?
+        .release()
+        .await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(u32::try_from(THROUGHPUT_POOL)?)
+        .min_connections(u32::try_from(THROUGHPUT_POOL)?)
+        .connect(url)
+        .await?;
+    let mut clients = Vec::new();
+    for _ in 0..THROUGHPUT_POOL {
+        let client = connect_admin(url).await?;
+        let lock = client
+            .prepare("SELECT pg_try_advisory_lock($1::int8)")
+            .await?;
+        let unlock = client
+            .prepare("SELECT pg_advisory_unlock($1::int8)")
+            .await?;
+        clients.push((client, lock, unlock));
+    }
+    let contenders = [
+        Contender::Chosen(manager.clone()),
+        Contender::Sqlx(pool.clone()),
+        Contender::Bare(Arc::new(clients)),
+    ];
+    let window = profile.throughput_window;
+    let mut rows = String::new();
+    let mut ratios = Vec::new();
+    for run in 0..profile.throughput_runs {
+        let mut ops = [0.0_f64; 3];
+        for i in 0..contenders.len() {
+            let which = (run + i) % contenders.len();
+            let contender = &contenders[which];
+            let times = contender.run(window).await?;
+            let per_sec = times.len() as f64 / window.as_secs_f64();
+            ops[which] = per_sec;
+            rows.push_str(&format!(
+                "| {} | {} | {per_sec:.0} | {} | {} |\n",
+                run + 1,
+                contender.label(),
+                us(pct(&times, 50)),
+                us(pct(&times, 99)),
+            ));
+        }
+        ratios.push(ops[0] / ops[1]);
+    }
+    ratios.sort_by(f64::total_cmp);
+    manager.shutdown().await;
+    pool.close().await;
+    Ok(format!(
+        "### 10. Throughput: {THROUGHPUT_TASKS} tasks, each taking and releasing a lock of its own in a loop ({} s per client and run, after {} s of warm-up)\n\n| run | client | operations/s | p50 | p99 |\n|---|---|---|---|---|\n{rows}\nchosen on one connection / sqlx on {THROUGHPUT_POOL} (operations/s, median of {}): **{:.2}** (target ≥ 1).\n\n",
+        window.as_secs_f64(),
+        (window / 5).as_secs_f64(),
+        ratios.len(),
+        ratios[ratios.len() / 2],
+    ))
 }
 
 /// Scenario 9 alone, on a cluster of its own (`--fenced`).
