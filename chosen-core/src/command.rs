@@ -31,6 +31,12 @@ pub(crate) enum Command {
         to: Option<String>,
         reply: Option<oneshot::Sender<Result<()>>>,
     },
+    /// The holder `id` of `key` reads its fencing token (`None`: it could not be had).
+    Token {
+        key: LockKey,
+        id: RequestId,
+        reply: oneshot::Sender<Option<FencingToken>>,
+    },
     Locks(oneshot::Sender<Vec<LockInfo>>),
     Holder {
         key: LockKey,
@@ -57,7 +63,8 @@ pub(crate) struct Grant {
     pub(crate) id: RequestId,
     pub(crate) name: Arc<str>,
     pub(crate) key: LockKey,
-    pub(crate) token: FencingToken,
+    /// `None` for a request that did not ask for its token eagerly.
+    pub(crate) token: Option<FencingToken>,
     pub(crate) generation: Arc<Generation>,
     pub(crate) shared: Arc<Shared>,
     /// `None` once released (or never armed), so `Drop` and a release don't both act.
@@ -70,7 +77,7 @@ impl Grant {
         id: RequestId,
         name: Arc<str>,
         key: LockKey,
-        token: FencingToken,
+        token: Option<FencingToken>,
         generation: Arc<Generation>,
         shared: Arc<Shared>,
         tx: Option<mpsc::UnboundedSender<Command>>,
@@ -90,6 +97,20 @@ impl Grant {
     /// lock back itself.
     pub(crate) fn disarm(&mut self) {
         self.tx = None;
+    }
+
+    /// Asks the task for this lease's fencing token: `None` when it was released (or
+    /// disarmed) already, or the task is gone.
+    pub(crate) fn read_token(&self) -> Option<oneshot::Receiver<Option<FencingToken>>> {
+        let tx = self.tx.as_ref()?;
+        let (reply, rx) = oneshot::channel();
+        tx.send(Command::Token {
+            key: self.key,
+            id: self.id,
+            reply,
+        })
+        .ok()?;
+        Some(rx)
     }
 
     /// Asks the task to release the lock (for `to`, a hand-over), once: `None` if it was

@@ -99,7 +99,10 @@ impl Election {
             preferred,
             fail_back_after,
         } = options;
-        let request = lock.into();
+        // A leader hands its token to its code at once (a gate's requests, a child):
+        // taken with the win, one durable write per tenure.
+        let request: LockRequest = lock.into();
+        let request = request.eager_token();
         let name = request.validated_name()?;
         let prefer = request.presence_lock();
         let leadership = Leadership::new(
@@ -481,7 +484,7 @@ pub(crate) fn gained(leadership: &Leadership, lease: &Lease) {
     info!(
         lock = %leadership.name(),
         node_id = %leadership.node_id(),
-        token = lease.fencing_token().get(),
+        token = lease.eager_token().get(),
         "gained leadership"
     );
 }

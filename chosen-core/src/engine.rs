@@ -639,9 +639,7 @@ impl Engine {
                     .iter()
                     .flatten()
                     .filter_map(|(_, outcome)| match outcome {
-                        TryOutcome::Won(token) | TryOutcome::WonFenced { token, .. } => {
-                            Some(*token)
-                        }
+                        TryOutcome::Won(token) | TryOutcome::WonFenced { token, .. } => *token,
                         TryOutcome::Held { .. } | TryOutcome::Failed => None,
                     }),
             );
@@ -662,7 +660,7 @@ impl Engine {
         table.unfenced(&plan.unfence, now);
         table.fenced(&done.fenced, now);
         table.checked(&done.checked, now);
-        table.tokens(&plan.token_for, done.token, now);
+        table.tokens(&plan.token_for, &plan.token_read, done.token, now);
         table.registered(&done.registered);
         table.seen_held(&done.seen_held);
         table.senders(&done.senders);
@@ -814,6 +812,7 @@ mod tests {
                 mode: crate::table::Mode::Try,
                 since: std::time::SystemTime::UNIX_EPOCH,
                 enqueued: now,
+                eager_token: true,
             },
             now,
         );
@@ -822,7 +821,7 @@ mod tests {
         let done = Done {
             tried: Ok(vec![(
                 LockKey::Int(1),
-                TryOutcome::Won(FencingToken::from_parts(1, 2_000)),
+                TryOutcome::Won(Some(FencingToken::from_parts(1, 2_000))),
             )]),
             ..Done::default()
         };
@@ -850,6 +849,7 @@ mod tests {
                 mode: crate::table::Mode::Try,
                 since: std::time::SystemTime::UNIX_EPOCH,
                 enqueued: now,
+                eager_token: true,
             },
             now,
         );
@@ -857,7 +857,7 @@ mod tests {
         let done = Done {
             tried: Ok(vec![(
                 LockKey::Int(1),
-                TryOutcome::Won(FencingToken::from_parts(1, 2_000)),
+                TryOutcome::Won(Some(FencingToken::from_parts(1, 2_000))),
             )]),
             ..Done::default()
         };
@@ -1071,7 +1071,7 @@ mod tests {
         let done = Done {
             tried: Ok(vec![(
                 LockKey::Int(1),
-                TryOutcome::Won(FencingToken::from_parts(1, 2_000)),
+                TryOutcome::Won(Some(FencingToken::from_parts(1, 2_000))),
             )]),
             ..Done::default()
         };

@@ -193,6 +193,14 @@ pub enum Error {
         "the lease is no longer valid ({0}); roll back the transaction: another node may hold the lock"
     )]
     LeaseLost(SessionDownReason),
+
+    /// The statement that issues a lease's fencing token failed while the lease is still
+    /// held (the server logged why); nothing was issued. Call
+    /// [`Lease::fencing_token`](crate::Lease::fencing_token) again.
+    #[error(
+        "the fencing token could not be issued (the statement failed; the lease is still held): try again"
+    )]
+    TokenNotIssued,
 }
 
 impl Error {
@@ -235,7 +243,8 @@ impl Error {
             Self::Connect { .. }
             | Self::ConnectTimeout { .. }
             | Self::NotConnected(_)
-            | Self::FenceConflict { .. } => true,
+            | Self::FenceConflict { .. }
+            | Self::TokenNotIssued => true,
             Self::Database(e) => e.is_closed(),
             Self::Fence { source, .. } => source.is_closed(),
             // A standby may be promoted in a moment, a fenced primary opened again.

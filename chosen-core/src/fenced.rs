@@ -21,7 +21,7 @@
 //! let tx = client.transaction().await?;
 //! // First in the transaction: fails with Error::StaleToken if a newer holder
 //! // of "nightly-report" has already written.
-//! fenced::fence(&tx, "nightly-report", lease.fencing_token()).await?;
+//! fenced::fence(&tx, "nightly-report", lease.fencing_token().await?).await?;
 //! // Or, the same with the lease's name and token, refused at once if this node
 //! // already knows the lease is lost: lease.fence(&tx).await?;
 //! tx.execute("INSERT INTO reports (day, body) VALUES (current_date, $1)", &[&"..."])

@@ -58,8 +58,9 @@ pub struct ClusterLock {
 pub enum LockState {
     /// Held by a lease of this manager.
     Held {
-        /// The lease's fencing token.
-        token: FencingToken,
+        /// The lease's fencing token, `None` until issued (see
+        /// [`Lease::fencing_token`](crate::Lease::fencing_token)).
+        token: Option<FencingToken>,
         /// The session generation it belongs to.
         generation: u64,
     },

@@ -123,7 +123,7 @@ impl Leadership {
     pub(crate) fn set_leading(&self, lease: &Lease) {
         self.inner.tx.send_replace(Snapshot {
             state: LeaderState::Leading {
-                token: lease.fencing_token(),
+                token: lease.eager_token(),
                 since: lease.acquired_at(),
             },
             validity: Some(lease.validity()),
@@ -356,7 +356,7 @@ impl ManualLeadership {
             0,
             Arc::from(name),
             crate::LockKey::derive("manual", name),
-            FencingToken::new(token),
+            Some(FencingToken::new(token)),
             Arc::clone(&generation),
             shared,
             None,

@@ -47,6 +47,8 @@ pub struct Lease {
     /// owner), always *before* the release is sent: every [`Validity`] of this lease
     /// checks it. A new, uncancelled token for each lease.
     ended: CancellationToken,
+    /// The fencing token, once known: with the grant (an eager request), or read.
+    token: std::sync::OnceLock<FencingToken>,
 }
 
 impl fmt::Debug for Lease {
@@ -54,7 +56,7 @@ impl fmt::Debug for Lease {
         f.debug_struct("Lease")
             .field("name", &self.grant.name)
             .field("key", &self.grant.key)
-            .field("token", &self.grant.token)
+            .field("token", &self.token.get())
             .field("generation", &self.grant.generation.id)
             .field("valid", &self.is_valid())
             .finish()
@@ -64,10 +66,15 @@ impl fmt::Debug for Lease {
 impl Lease {
     /// The lease of a grant that reached its requester: granted now (wall clock).
     pub(crate) fn new(grant: Grant) -> Self {
+        let token = std::sync::OnceLock::new();
+        if let Some(t) = grant.token {
+            let _ = token.set(t);
+        }
         Self {
             grant,
             acquired_at: SystemTime::now(),
             ended: CancellationToken::new(),
+            token,
         }
     }
 
@@ -83,10 +90,65 @@ impl Lease {
         self.grant.key
     }
 
-    /// The fencing token of this acquisition.
+    /// The fencing token of this acquisition: greater than every token of the lock's
+    /// earlier holders, on any node, and smaller than every later holder's.
+    ///
+    /// Issued on first use (unless the request asked for it with the grant, see
+    /// [`LockRequest::eager_token`](crate::LockRequest::eager_token)): one statement,
+    /// run only while this session still holds the lock, writes and flushes it; later
+    /// calls answer at once. A lease whose token is never read costs no write.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease is lost or released before the token was
+    /// issued (no token is ever issued to a session that no longer holds the lock);
+    /// [`Error::TokenNotIssued`] when the statement failed while the lease is still
+    /// held (retry); [`Error::Closed`] when the manager has shut down.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a token issued for a call that was dropped is kept for the next.
+    pub async fn fencing_token(&self) -> Result<FencingToken> {
+        if let Some(token) = self.token.get() {
+            return Ok(*token);
+        }
+        if let Some(reason) = self.loss_reason() {
+            return Err(Error::LeaseLost(reason));
+        }
+        let Some(rx) = self.grant.read_token() else {
+            return Err(Error::Closed);
+        };
+        match rx.await {
+            // Issued while held; but a lease that ended meanwhile (a shutdown began)
+            // is not handed a token.
+            Ok(Some(_)) if self.loss_reason().is_some() => Err(Error::LeaseLost(
+                self.loss_reason().unwrap_or(SessionDownReason::Shutdown),
+            )),
+            Ok(Some(token)) => Ok(*self.token.get_or_init(|| token)),
+            Ok(None) => match self.loss_reason() {
+                Some(reason) => Err(Error::LeaseLost(reason)),
+                None => Err(Error::TokenNotIssued),
+            },
+            Err(_) => Err(Error::Closed),
+        }
+    }
+
+    /// The fencing token if it is known already (taken with the grant, or read before),
+    /// without asking the database.
     #[must_use]
-    pub fn fencing_token(&self) -> FencingToken {
-        self.grant.token
+    pub fn known_fencing_token(&self) -> Option<FencingToken> {
+        self.token.get().copied()
+    }
+
+    /// The token of a lease whose request asked for it eagerly: the table grants such a
+    /// request only with its token. (Token 0, which every fence refuses as stale, should
+    /// that ever break.)
+    pub(crate) fn eager_token(&self) -> FencingToken {
+        debug_assert!(
+            self.token.get().is_some(),
+            "BUG: an eager request granted without its token"
+        );
+        self.token.get().copied().unwrap_or(FencingToken::new(0))
     }
 
     /// The session generation the lease belongs to.
@@ -143,7 +205,7 @@ impl Lease {
 
     /// A fenced write under this lease: records its fencing token for its name (the lock
     /// name) inside `tx`, in the default fence table, as
-    /// [`fenced::fence`](crate::fenced::fence)`(tx, lease.name(), lease.fencing_token())`;
+    /// [`fenced::fence`](crate::fenced::fence)`(tx, lease.name(), lease.fencing_token().await?)`;
     /// fails if a newer holder has already recorded a greater token. Call it first in
     /// the transaction that makes the guarded writes; see [`fenced`](crate::fenced) for
     /// the guarantee.
@@ -192,7 +254,8 @@ impl Lease {
         if let Some(reason) = self.loss_reason() {
             return Err(Error::LeaseLost(reason));
         }
-        table.fence(tx, &self.grant.name, self.grant.token).await
+        let token = self.fencing_token().await?;
+        table.fence(tx, &self.grant.name, token).await
     }
 
     /// Releases the lock and waits until the server confirmed it (or the lock passed
@@ -356,7 +419,7 @@ impl Lease {
             1,
             "test".into(),
             LockKey::derive("chosen", "test"),
-            FencingToken::new(7),
+            Some(FencingToken::new(7)),
             Arc::clone(&generation),
             Arc::clone(&validity.shared),
             Some(tx),

@@ -65,12 +65,11 @@ pub use token::FencingToken;
 #[cfg(feature = "test-util")]
 #[doc(hidden)]
 pub mod bench_sql {
-    /// The single-key try (parameters as in the session's `try_keys`).
+    /// The single-key try (parameters as in the session's `try_keys`; the last, `$13`,
+    /// takes the durable token with a win).
     pub const TRY_ONE: &str = crate::pg::TRY_ONE_SQL;
     /// The single-key unlock (parameters as in the session's `unlock_announcing`).
     pub const UNLOCK_ONE: &str = crate::pg::UNLOCK_ONE_SQL;
-    /// The part of [`TRY_ONE`] that takes the durable fencing token.
-    pub const TOKEN: &str = "f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8";
 }
 /// The former name of [`ConnectionState`].
 #[deprecated(

@@ -59,7 +59,7 @@ use crate::task::Driver;
 /// # async fn demo() -> chosen_core::Result<()> {
 /// let manager = LockManager::connect(ManagerOptions::from_url("postgres://app@db/app")?).await?;
 /// let lease = manager.acquire("nightly-report").await?;
-/// println!("running with fencing token {}", lease.fencing_token());
+/// println!("running with fencing token {}", lease.fencing_token().await?);
 /// tokio::select! {
 ///     reason = lease.lost() => eprintln!("lost the lock: {reason}"),
 ///     () = tokio::time::sleep(std::time::Duration::from_secs(10)) => {}
@@ -93,6 +93,8 @@ pub struct LockRequest {
     /// One of the library's own locks, whose name may begin with
     /// [`RESERVED_PREFIX`](crate::names::RESERVED_PREFIX).
     internal: bool,
+    /// The grant carries the fencing token.
+    eager_token: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -109,6 +111,22 @@ impl LockRequest {
         self.poll_interval = Some(interval);
         self
     }
+
+    /// Take the fencing token with the lock, in the statement that wins it, so that
+    /// [`Lease::fencing_token`] answers at once.
+    ///
+    /// By default a lease has no token until its holder first asks for one: then one
+    /// statement issues it (proving that this session still holds the lock), and a lease
+    /// whose token nobody reads writes nothing to the database. A token is durable
+    /// (a small WAL record flushed before it is answered), which with `fsync` on costs
+    /// a disk flush: take it eagerly when the holder always needs it right away;
+    /// elections, singletons and the adapters' gates do. Either way the ordering
+    /// guarantee is the same (see [`FencingToken`](crate::FencingToken)).
+    #[must_use]
+    pub fn eager_token(mut self) -> Self {
+        self.eager_token = true;
+        self
+    }
 }
 
 impl LockRequest {
@@ -119,6 +137,7 @@ impl LockRequest {
             target: Target::Name(name),
             poll_interval: None,
             internal: true,
+            eager_token: false,
         }
     }
 
@@ -168,6 +187,7 @@ impl From<&str> for LockRequest {
             target: Target::Name(name.to_owned()),
             poll_interval: None,
             internal: false,
+            eager_token: false,
         }
     }
 }
@@ -178,6 +198,7 @@ impl From<String> for LockRequest {
             target: Target::Name(name),
             poll_interval: None,
             internal: false,
+            eager_token: false,
         }
     }
 }
@@ -194,6 +215,7 @@ impl From<LockKey> for LockRequest {
             target: Target::Key(key),
             poll_interval: None,
             internal: false,
+            eager_token: false,
         }
     }
 }
@@ -305,6 +327,7 @@ impl LockManager {
             mode,
             since: SystemTime::now(),
             enqueued: crate::clock::now(),
+            eager_token: request.eager_token,
         };
         self.tx
             .send(Command::Acquire { request, reply })

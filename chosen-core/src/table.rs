@@ -14,7 +14,14 @@
 //! * **Only the head waiter contends**, and every due key is tried in one statement
 //!   ([`Plan::try_keys`]). Keys with one poll interval share one tick.
 //! * **A local hand-off keeps the server lock** and gives the next waiter a fresh, larger
-//!   fencing token ([`Plan::token_for`]).
+//!   fencing token ([`Plan::token_for`]), or none when it asked for none.
+//! * **Tokens on demand.** A request that asks for its token eagerly gets it with its
+//!   grant (assigned by the statement that won the key, after every lock of the batch).
+//!   Any other gets none until its holder reads it ([`LockTable::read_token`]): then a
+//!   token statement issues it, in a statement that proves this session still holds the
+//!   key ([`Plan::token_read`]). Either way the token is assigned while this session
+//!   holds the key at the server and the lease holds it here, so every later tenure's
+//!   token (assigned after this one ended) is greater, and every earlier one's smaller.
 //! * **Takeover grace.** A key that a try saw held by another session and then won
 //!   *without* a verified release announcement may have a holder that does not know yet
 //!   that its session ended (terminated or cut by the server). The grant waits
@@ -76,6 +83,9 @@ pub(crate) struct Request {
     pub(crate) since: SystemTime,
     /// When the request was made (monotonic, for the wait-time metric).
     pub(crate) enqueued: Instant,
+    /// The grant carries its fencing token (taken by the statement that wins the key);
+    /// otherwise the token is issued only when the holder reads it.
+    pub(crate) eager_token: bool,
 }
 
 /// Why a request was answered without a lease.
@@ -100,7 +110,8 @@ pub(crate) enum Action {
     Grant {
         id: RequestId,
         key: LockKey,
-        token: FencingToken,
+        /// `None` for a request that did not ask for it eagerly.
+        token: Option<FencingToken>,
         generation: u64,
         /// Wait time of the request, for metrics.
         waited: Duration,
@@ -109,6 +120,14 @@ pub(crate) enum Action {
     },
     /// Answer request `id` without a lease.
     Refuse { id: RequestId, why: Refusal },
+    /// Answer the token read of the holder `id` (see [`LockTable::read_token`]): its
+    /// token, or `None` when it could not be had (the statement failed, or the lease
+    /// ended first).
+    Token {
+        id: RequestId,
+        key: LockKey,
+        token: Option<FencingToken>,
+    },
     /// The holder of `key` released it (metrics, logs).
     Released { key: LockKey, name: Arc<str> },
     /// The holder of `key` lost it with its session (metrics, logs).
@@ -165,6 +184,10 @@ pub(crate) enum Protection {
     /// This node's own next request after it handed a key to another node holds off
     /// too (its slot forgotten meanwhile, or not). Seen as `HandOverYield` is.
     HandOverHold,
+    /// A local hand-off to a lazy waiter grants it without a token: never with the
+    /// token of the holder before it (two tenures would share one token, and the
+    /// earlier's writes would pass the later's fence).
+    FreshHandOffToken,
     /// A key whose holder no try has seen (a new request, or evidence lost) trusts one
     /// announced hand-over to another node, whoever sent it: it holds off, or gives
     /// back a win not yet granted (its first try raced the hand-over). Seen as
@@ -198,8 +221,17 @@ pub(crate) struct Plan {
     /// would tell waiters that any earlier holder's work has stopped, which this process
     /// does not know).
     pub(crate) unlock_quiet: Vec<LockKey>,
-    /// Local hand-offs: one fresh fencing token for all of them.
+    /// Local hand-offs, and wins granted to a request that wants its token eagerly but
+    /// whose try took none: one fresh fencing token for all of them (and for
+    /// `token_read`), in one statement that proves the session holds every key.
     pub(crate) token_for: Vec<LockKey>,
+    /// Held keys whose holder reads its token: issued by the same statement as
+    /// `token_for`'s.
+    pub(crate) token_read: Vec<LockKey>,
+    /// Keys of `try_keys` whose head waiter did not ask for its token: a win of one
+    /// takes none (no transaction id and no durable write for it; the statement takes
+    /// one only when a key that wants it is won).
+    pub(crate) lazy: Vec<LockKey>,
     /// Try these keys, in one statement.
     pub(crate) try_keys: Vec<LockKey>,
     /// Take the stop fences of these keys: leases of an ended session still out.
@@ -224,6 +256,7 @@ impl Plan {
         self.unlock.is_empty()
             && self.unlock_quiet.is_empty()
             && self.token_for.is_empty()
+            && self.token_read.is_empty()
             && self.try_keys.is_empty()
             && self.fence.is_empty()
             && self.unfence.is_empty()
@@ -263,12 +296,13 @@ pub(crate) struct Backend {
 /// What one try of one key found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum TryOutcome {
-    /// The session took the lock; the token was assigned after every lock of the batch.
-    Won(FencingToken),
+    /// The session took the lock; the token was assigned after every lock of the batch
+    /// (`None`: the key was tried without one, see [`Plan::lazy`]).
+    Won(Option<FencingToken>),
     /// The session took the lock, but its stop fence is held (by that backend pid, when
     /// the server told): an earlier holder's work is still stopping.
     WonFenced {
-        token: FencingToken,
+        token: Option<FencingToken>,
         by: Option<i32>,
     },
     /// Another session holds it (its backend, when the server told).
@@ -327,30 +361,36 @@ enum Server {
     /// the try before saw holding the key, if any (a hand-over it announces to another
     /// node meanwhile gives the key back: this try raced it).
     Granting {
-        token: FencingToken,
+        token: Option<FencingToken>,
         at: Instant,
         from: Option<i32>,
     },
     /// Won; its stop fence is being checked (in the current plan).
     Checking {
-        token: FencingToken,
+        token: Option<FencingToken>,
         until: Option<Instant>,
     },
     /// Won, but the old holder is still stopping its work: checked again at `next` or on
     /// its announcement; granted anyway at `until`.
     Fenced {
-        token: FencingToken,
+        token: Option<FencingToken>,
         next: Instant,
         until: Instant,
         by: Option<i32>,
         /// Not checked before this (the end of the takeover grace, when it applies).
         not_before: Instant,
     },
-    /// Held; a local hand-off waits for a fresh token (`asked`: in the current plan).
+    /// Held; a local hand-off (or a win whose next holder wants its token eagerly but
+    /// whose try took none) waits for a fresh token (`asked`: in the current plan).
     /// `announce`: a holder here released it (its work stopped), so if the hand-off
     /// fails the key is unlocked announced; not after a grant that never reached its
-    /// request (nothing ran here, and whoever held it before may still be stopping).
-    NeedsToken { asked: bool, announce: bool },
+    /// request (nothing ran here, and whoever held it before may still be stopping), nor
+    /// after a win. `via`: how the key came to be granted.
+    NeedsToken {
+        asked: bool,
+        announce: bool,
+        via: Via,
+    },
     /// Held, and owned by `Slot::holder`.
     Held,
     /// Held by nobody here; to be unlocked (`sent`: in the current plan), announced
@@ -362,9 +402,33 @@ enum Server {
 struct Holder {
     id: RequestId,
     name: Arc<str>,
-    token: FencingToken,
+    /// `None` until issued (a request that did not ask for it eagerly).
+    token: Option<FencingToken>,
     generation: u64,
     since: SystemTime,
+    /// Its token read: to be asked in the next plan, or asked in the current one.
+    reading: Reading,
+}
+
+/// A holder's token read (see [`LockTable::read_token`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reading {
+    No,
+    /// To be asked in the next plan.
+    Wanted,
+    /// In the current plan's token statement.
+    Asked,
+}
+
+/// What a holder's token read found at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TokenRead {
+    /// Known already: no statement.
+    Known(FencingToken),
+    /// A token statement will issue it: answered by an [`Action::Token`].
+    Pending,
+    /// `id` does not hold the key (any more).
+    NotHeld,
 }
 
 /// What this process knows about who else held a key.
@@ -461,6 +525,9 @@ struct Slot {
     /// contended win after it: the takeover grace and the fence check) that often at
     /// most.
     trusted_unseen: Option<Instant>,
+    /// The token of the holder that released the key for a local hand-off (used only
+    /// with [`Protection::FreshHandOffToken`] switched off, to show it is needed).
+    inherited: Option<FencingToken>,
 }
 
 impl Slot {
@@ -486,6 +553,7 @@ impl Slot {
             hand_to: None,
             announced_in_flight: Vec::new(),
             trusted_unseen: None,
+            inherited: None,
         }
     }
 
@@ -521,7 +589,7 @@ pub(crate) enum Entry {
     Held {
         id: RequestId,
         name: Arc<str>,
-        token: FencingToken,
+        token: Option<FencingToken>,
         generation: u64,
         since: SystemTime,
     },
@@ -661,6 +729,7 @@ impl LockTable {
                     since: now,
                     retry_at: now,
                 });
+                unanswered_read(&mut self.actions, *key, &h);
                 self.actions.push_back(Action::Lost {
                     key: *key,
                     name: h.name,
@@ -745,6 +814,7 @@ impl LockTable {
         self.begin_close();
         for (key, slot) in &mut self.slots {
             if let Some(h) = slot.holder.take() {
+                unanswered_read(&mut self.actions, *key, &h);
                 self.actions.push_back(Action::Lost {
                     key: *key,
                     name: h.name,
@@ -937,6 +1007,8 @@ impl LockTable {
             return;
         }
         let holder = slot.holder.take().expect("BUG: holder checked");
+        unanswered_read(&mut self.actions, key, &holder);
+        let inherited = holder.token;
         self.actions.push_back(Action::Released {
             key,
             name: holder.name,
@@ -951,17 +1023,19 @@ impl LockTable {
             slot.next_try = slot.next_try.max(now + HAND_OVER_HOLD);
             slot.evidence = Evidence::unknown();
         }
-        slot.server = if slot.waiters.is_empty() || to.is_some() {
-            Server::Unlocking {
+        if slot.waiters.is_empty() || to.is_some() {
+            slot.server = Server::Unlocking {
                 sent: false,
                 announce: true,
-            }
+            };
         } else {
-            Server::NeedsToken {
+            slot.server = Server::NeedsToken {
                 asked: false,
                 announce: true,
-            }
-        };
+                via: Via::HandOff,
+            };
+            slot.inherited = inherited;
+        }
     }
 
     /// Grant `id` never reached its request (the caller stopped waiting, or a shutdown
@@ -978,24 +1052,50 @@ impl LockTable {
         if slot.holder.as_ref().map(|h| h.id) != Some(id) {
             return;
         }
-        slot.holder = None;
+        let inherited = slot.holder.take().and_then(|h| {
+            unanswered_read(&mut self.actions, key, &h);
+            h.token
+        });
         slot.hand_to = None;
         let announce = self.off(Protection::QuietUnlock);
         let slot = self
             .slots
             .get_mut(&key)
             .expect("BUG: the slot was just seen");
-        slot.server = if slot.waiters.is_empty() {
-            Server::Unlocking {
+        if slot.waiters.is_empty() {
+            slot.server = Server::Unlocking {
                 sent: false,
                 announce,
-            }
+            };
         } else {
-            Server::NeedsToken {
+            slot.server = Server::NeedsToken {
                 asked: false,
                 announce,
-            }
+                via: Via::HandOff,
+            };
+            slot.inherited = inherited;
+        }
+    }
+
+    /// Holder `id` of `key` reads its fencing token: known already, or to be issued by
+    /// the next plan's token statement (answered by [`Action::Token`]), or refused when
+    /// `id` does not hold the key.
+    pub(crate) fn read_token(&mut self, key: LockKey, id: RequestId) -> TokenRead {
+        let Some(holder) = self
+            .slots
+            .get_mut(&key)
+            .and_then(|slot| slot.holder.as_mut())
+            .filter(|h| h.id == id)
+        else {
+            return TokenRead::NotHeld;
         };
+        if let Some(token) = holder.token {
+            return TokenRead::Known(token);
+        }
+        if holder.reading == Reading::No {
+            holder.reading = Reading::Wanted;
+        }
+        TokenRead::Pending
     }
 
     /// Another session announced that it released `key`; `sender` is the backend pid
@@ -1150,7 +1250,8 @@ impl LockTable {
         let Some(generation) = self.generation else {
             return plan;
         };
-        let mut grants: Vec<(LockKey, FencingToken)> = Vec::new();
+        let mut grants: Vec<(LockKey, Option<FencingToken>, Via)> = Vec::new();
+        let pass_inherited = self.off(Protection::FreshHandOffToken);
         let check_sessions = !self.off(Protection::SessionCheck);
         for (key, slot) in &mut self.slots {
             if let Some(st) = slot.stopping {
@@ -1196,7 +1297,9 @@ impl LockTable {
                     slot.server = Server::Checking { token, until: None };
                     plan.check.push(*key);
                 }
-                Server::Fenced { token, until, .. } if until <= now => grants.push((*key, token)),
+                Server::Fenced { token, until, .. } if until <= now => {
+                    grants.push((*key, token, Via::FenceExpired));
+                }
                 Server::Fenced {
                     token, next, until, ..
                 } if next <= now => {
@@ -1206,21 +1309,45 @@ impl LockTable {
                     };
                     plan.check.push(*key);
                 }
+                Server::Held => {
+                    if let Some(h) = slot.holder.as_mut()
+                        && h.reading == Reading::Wanted
+                    {
+                        h.reading = Reading::Asked;
+                        plan.token_read.push(*key);
+                    }
+                }
                 Server::Granting { .. }
                 | Server::Fenced { .. }
                 | Server::Checking { .. }
-                | Server::Held
                 | Server::Trying
                 | Server::NeedsToken { asked: true, .. }
                 | Server::Unlocking { sent: true, .. } => {}
+                // A local hand-off to a waiter that did not ask for its token eagerly
+                // needs no statement: granted now, without a token (its holder reads
+                // one when it needs it, issued then, after every token of the key's
+                // earlier holders). Here, not on the release: a plan is made only on a
+                // valid session.
+                Server::NeedsToken {
+                    asked: false,
+                    via: Via::HandOff,
+                    ..
+                } if slot.waiters.front().is_some_and(|w| !w.eager_token) => {
+                    let inherited = slot.inherited.take();
+                    let passed = if pass_inherited { inherited } else { None };
+                    grants.push((*key, passed, Via::HandOff));
+                }
                 Server::NeedsToken {
                     asked: false,
                     announce,
+                    via,
                 } => {
                     slot.server = Server::NeedsToken {
                         asked: true,
                         announce,
+                        via,
                     };
+                    slot.inherited = None;
                     plan.token_for.push(*key);
                 }
                 Server::Unlocking {
@@ -1249,6 +1376,9 @@ impl LockTable {
                     {
                         slot.server = Server::Trying;
                         plan.try_keys.push(*key);
+                        if slot.waiters.front().is_some_and(|w| !w.eager_token) {
+                            plan.lazy.push(*key);
+                        }
                         if let Some(Backend {
                             pid,
                             start: Some(_),
@@ -1262,9 +1392,10 @@ impl LockTable {
                 }
             }
         }
-        for (key, token) in grants {
-            // The old holder's fence outlived any stop budget: it is broken or gone.
-            self.grant(key, token, generation, now, Via::FenceExpired);
+        for (key, token, via) in grants {
+            // `FenceExpired`: the old holder's fence outlived any stop budget: it is
+            // broken or gone.
+            self.grant(key, token, generation, now, via);
         }
         // Interest: a key that waits for another session's release registers its bucket
         // (once per bucket per statement); a bucket no waiting key needs is released.
@@ -1285,6 +1416,8 @@ impl LockTable {
         plan.unlock.sort_unstable();
         plan.unlock_quiet.sort_unstable();
         plan.token_for.sort_unstable();
+        plan.token_read.sort_unstable();
+        plan.lazy.sort_unstable();
         plan.try_keys.sort_unstable();
         plan.fence.sort_unstable();
         plan.unfence.sort_unstable();
@@ -1475,19 +1608,28 @@ impl LockTable {
         }
     }
 
-    /// The token statement of the last plan answered: `Some(token)` for every hand-off,
-    /// or `None` when it failed (the keys are unlocked instead).
-    pub(crate) fn tokens(&mut self, keys: &[LockKey], token: Option<FencingToken>, now: Instant) {
+    /// The token statement of the last plan answered: `Some(token)` for every hand-off
+    /// (`handed`, [`Plan::token_for`]) and every holder's read (`read`,
+    /// [`Plan::token_read`]), or `None` when it failed (the hand-offs are unlocked
+    /// instead, the reads answered without a token).
+    pub(crate) fn tokens(
+        &mut self,
+        handed: &[LockKey],
+        read: &[LockKey],
+        token: Option<FencingToken>,
+        now: Instant,
+    ) {
         let Some(generation) = self.generation else {
             return;
         };
-        for &key in keys {
+        for &key in handed {
             let Some(slot) = self.slots.get_mut(&key) else {
                 continue;
             };
             let Server::NeedsToken {
                 asked: true,
                 announce,
+                via,
             } = slot.server
             else {
                 continue;
@@ -1501,7 +1643,7 @@ impl LockTable {
                         announce,
                     };
                 }
-                Some(token) => self.grant(key, token, generation, now, Via::HandOff),
+                Some(token) => self.grant(key, Some(token), generation, now, via),
                 // Announced only if a holder here released it (its work stopped); not
                 // after a grant that never reached its request.
                 None => {
@@ -1511,6 +1653,27 @@ impl LockTable {
                     };
                 }
             }
+        }
+        for &key in read {
+            // Only the holder that asked, still holding (a lease that ended meanwhile
+            // was answered then; a later holder's token is issued after this one).
+            let Some(holder) = self
+                .slots
+                .get_mut(&key)
+                .and_then(|slot| slot.holder.as_mut())
+                .filter(|h| h.reading == Reading::Asked)
+            else {
+                continue;
+            };
+            holder.reading = Reading::No;
+            if holder.token.is_none() {
+                holder.token = token;
+            }
+            self.actions.push_back(Action::Token {
+                id: holder.id,
+                key,
+                token: holder.token,
+            });
         }
     }
 
@@ -1684,6 +1847,14 @@ impl LockTable {
                 match slot.server {
                     Server::NeedsToken { asked: false, .. }
                     | Server::Unlocking { sent: false, .. } => Some(now),
+                    Server::Held
+                        if slot
+                            .holder
+                            .as_ref()
+                            .is_some_and(|h| h.reading == Reading::Wanted) =>
+                    {
+                        Some(now)
+                    }
                     Server::Granting { at, .. } => Some(at),
                     Server::Fenced { next, until, .. } => Some(next.min(until)),
                     Server::Free
@@ -1790,7 +1961,7 @@ impl LockTable {
     fn grant(
         &mut self,
         key: LockKey,
-        token: FencingToken,
+        token: Option<FencingToken>,
         generation: u64,
         now: Instant,
         via: Via,
@@ -1804,6 +1975,16 @@ impl LockTable {
             .slots
             .get_mut(&key)
             .expect("BUG: granting an unknown key");
+        if token.is_none() && slot.waiters.front().is_some_and(|w| w.eager_token) {
+            // Its try took no token (another request headed the queue then): one fresh
+            // token first, issued while the key is held.
+            slot.server = Server::NeedsToken {
+                asked: false,
+                announce: false,
+                via,
+            };
+            return;
+        }
         match slot.waiters.pop_front() {
             Some(w) => {
                 slot.server = Server::Held;
@@ -1813,6 +1994,7 @@ impl LockTable {
                     token,
                     generation,
                     since: SystemTime::now(),
+                    reading: Reading::No,
                 });
                 self.actions.push_back(Action::Grant {
                     id: w.id,
@@ -1912,6 +2094,17 @@ fn next_tick(
     let at = now + jitter(rng, interval);
     ticks.insert(interval, at);
     at
+}
+
+/// A holder that leaves while its token read is pending is answered without one.
+fn unanswered_read(actions: &mut VecDeque<Action>, key: LockKey, holder: &Holder) {
+    if holder.reading != Reading::No {
+        actions.push_back(Action::Token {
+            id: holder.id,
+            key,
+            token: None,
+        });
+    }
 }
 
 pub(crate) fn next_random(state: &mut u64) -> u64 {

@@ -20,8 +20,11 @@ use std::fmt;
 /// ```
 ///
 /// * The low 48 bits are the PostgreSQL transaction id (`pg_current_xact_id()`, the
-///   64-bit `xid8` with its epoch) of the statement that won the lock, assigned only
-///   when a lock is actually won and committed durably (a small WAL record and
+///   64-bit `xid8` with its epoch) of the statement that issued the token while the
+///   session held the lock (the statement that won it, for a request that asked for
+///   the token with the grant; otherwise the one that answered the holder's first
+///   [`Lease::fencing_token`](crate::Lease::fencing_token), which issues it only if
+///   the session still holds the lock), assigned only then and committed durably (a small WAL record and
 ///   `synchronous_commit = local` for that statement, whatever the server's setting),
 ///   so a crash cannot hand the same id out again. 2<sup>48</sup> transactions are 89 years at 100,000 per
 ///   second; past that the low bits would wrap and tokens go backwards (PostgreSQL's

@@ -131,15 +131,10 @@ async fn run() -> Res<()> {
         )
         .await?
         .get(0);
-    let exact_try = chosen_core::bench_sql::TRY_ONE;
-    if !exact_try.contains(chosen_core::bench_sql::TOKEN) {
-        return Err("the try statement no longer contains bench_sql::TOKEN: update it".into());
-    }
-    let exact = [
-        raw.prepare(exact_try).await?,
-        raw.prepare(&exact_try.replace(chosen_core::bench_sql::TOKEN, "f.won THEN 0::int8"))
-            .await?,
-    ];
+    // One statement; its last parameter says whether a win takes the durable token
+    // (a request that asked for it with the grant) or not (the default: issued when
+    // read).
+    let exact_try = raw.prepare(chosen_core::bench_sql::TRY_ONE).await?;
     let exact_unlock = raw.prepare(chosen_core::bench_sql::UNLOCK_ONE).await?;
     // A relay task that runs the bare pair for the caller, one request at a time.
     let (relay, mut relay_rx) = tokio::sync::mpsc::unbounded_channel::<(
@@ -170,10 +165,11 @@ async fn run() -> Res<()> {
     // After the variants: chosen, its exact statements (with, without the token), the
     // relayed bare pair.
     let extra = [
-        "chosen (acquire + release)",
-        "chosen's exact statements on the raw connection",
-        "chosen's exact statements without the durable token",
+        "chosen (acquire + release; the token not read)",
+        "chosen's exact statements on the raw connection, the token taken",
+        "chosen's exact statements, no token (as when it is not read)",
         "bare pair through a relay task",
+        "chosen, the token taken with the grant (`eager_token`)",
     ];
     let n = variants.len() + extra.len();
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); n];
@@ -210,14 +206,20 @@ async fn run() -> Res<()> {
             if which == variants.len() {
                 let lease = manager.acquire("itemize").await?;
                 lease.release().await?;
+            } else if which == variants.len() + 4 {
+                let lease = manager
+                    .acquire(chosen_core::LockRequest::from("itemize").eager_token())
+                    .await?;
+                lease.release().await?;
             } else if (variants.len() + 1..variants.len() + 3).contains(&which) {
                 let (a, b, big): (i32, i32, Option<i64>) = (1, 3, None);
                 let (fence, interest) = ((7i32, 9i32), (7i32, 11i32));
                 // No announcer to verify (the key is free).
                 let announcer: Option<i32> = None;
                 let tag = "itemize".to_owned();
+                let take_token = which == variants.len() + 1;
                 raw.query(
-                    &exact[which - variants.len() - 1],
+                    &exact_try,
                     &[
                         &a,
                         &b,
@@ -231,6 +233,7 @@ async fn run() -> Res<()> {
                         &interest.0,
                         &interest.1,
                         &announcer,
+                        &take_token,
                     ],
                 )
                 .await?;

@@ -40,16 +40,19 @@ impl History {
         let history = self.clone();
         tokio::spawn(async move {
             loop {
-                let lease = match manager.acquire(name.as_str()).await {
+                // The token with the grant: known at once, whatever happens next.
+                let request = chosen_core::LockRequest::from(name.as_str()).eager_token();
+                let lease = match manager.acquire(request).await {
                     Ok(lease) => lease,
                     Err(Error::Closed) => return,
                     Err(e) => panic!("acquire failed: {e}"),
                 };
+                let token = lease.known_fencing_token().expect("taken with the grant");
                 let index = {
                     let mut h = history.0.lock().unwrap();
                     h.push(Interval {
                         node: manager.node_id().to_owned(),
-                        token: lease.fencing_token(),
+                        token,
                         start: Instant::now(),
                         end: None,
                         reason: None,
@@ -358,7 +361,7 @@ async fn frozen_holder_loses_to_the_server_and_wakes_up_fenced() {
         .unwrap();
     let taken = t0.elapsed();
     let taken_at = unix_us(SystemTime::now());
-    assert!(lease.fencing_token().get() > holder_token);
+    assert!(lease.fencing_token().await.unwrap().get() > holder_token);
 
     // Let it sleep a little longer, then wake it: its first check must say "lost".
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -388,7 +391,7 @@ async fn frozen_holder_loses_to_the_server_and_wakes_up_fenced() {
         "FAULT SIGSTOP holder: new holder after {} ms (server idle_session_timeout), woken holder reported lost {} ms after the takeover with no work in between; tokens {holder_token} -> {}",
         ms(taken),
         (lost_at.saturating_sub(taken_at)) / 1000,
-        lease.fencing_token()
+        lease.fencing_token().await.unwrap()
     );
 }
 

@@ -343,7 +343,7 @@ async fn tokens_of_real_leases_across_a_hand_over_are_accepted_in_order() {
 
     // A holds, fences twice (the same token again), and hands over gracefully.
     let lease_a = a.acquire(&name).await.unwrap();
-    let token_a = lease_a.fencing_token();
+    let token_a = lease_a.fencing_token().await.unwrap();
     for _ in 0..2 {
         let tx = client.transaction().await.unwrap();
         lease_a.fence(&tx).await.unwrap();
@@ -351,7 +351,7 @@ async fn tokens_of_real_leases_across_a_hand_over_are_accepted_in_order() {
     }
     lease_a.release().await.unwrap();
     let lease_b = b.acquire(&name).await.unwrap();
-    let token_b = lease_b.fencing_token();
+    let token_b = lease_b.fencing_token().await.unwrap();
     assert!(token_b > token_a, "{token_b} > {token_a}");
     let tx = client.transaction().await.unwrap();
     lease_b.fence(&tx).await.unwrap();
@@ -375,7 +375,7 @@ async fn tokens_of_real_leases_across_a_hand_over_are_accepted_in_order() {
         .await
         .expect("B learns it lost the lease");
     let lease_a2 = a.acquire(&name).await.unwrap();
-    assert!(lease_a2.fencing_token() > token_b);
+    assert!(lease_a2.fencing_token().await.unwrap() > token_b);
     let tx = client.transaction().await.unwrap();
     lease_a2.fence(&tx).await.unwrap();
     tx.commit().await.unwrap();
@@ -388,7 +388,12 @@ async fn tokens_of_real_leases_across_a_hand_over_are_accepted_in_order() {
     // B's token through the plain function (a holder that does not know yet): stale.
     let err = fenced::fence(&tx, &name, token_b).await.unwrap_err();
     assert!(
-        is_stale(&err, &name, token_b.get(), lease_a2.fencing_token().get()),
+        is_stale(
+            &err,
+            &name,
+            token_b.get(),
+            lease_a2.fencing_token().await.unwrap().get()
+        ),
         "{err:?}"
     );
     drop(tx);

@@ -337,9 +337,13 @@ async fn a_batch_token_is_newer_than_every_tenure_before_it() {
         let requests: Vec<_> = (0..KEYS)
             .map(|k| {
                 let a = a.clone();
-                tokio::spawn(
-                    async move { a.try_acquire(chosen_core::LockKey::Pair(class, k)).await },
-                )
+                tokio::spawn(async move {
+                    a.try_acquire(
+                        chosen_core::LockRequest::from(chosen_core::LockKey::Pair(class, k))
+                            .eager_token(),
+                    )
+                    .await
+                })
             })
             .collect();
         let mut leases = Vec::new();
@@ -353,11 +357,11 @@ async fn a_batch_token_is_newer_than_every_tenure_before_it() {
         let first = leases
             .iter()
             .find(|l| l.key() == chosen_core::LockKey::Pair(class, 0))
-            .map(|l| l.fencing_token());
+            .and_then(chosen_core::Lease::known_fencing_token);
         let won_last = leases
             .iter()
             .find(|l| l.key() == last)
-            .map(|l| l.fencing_token());
+            .and_then(chosen_core::Lease::known_fencing_token);
         eprintln!(
             "round {round}: {} leases, first {first:?}, last {won_last:?}, {} tenures of the last key",
             leases.len(),

@@ -81,7 +81,7 @@ async fn release_hands_over_to_a_waiting_manager() {
     let name = unique_name("handover");
 
     let lease_a = a.acquire(&name).await.unwrap();
-    let token_a = lease_a.fencing_token();
+    let token_a = lease_a.fencing_token().await.unwrap();
     let waiter = tokio::spawn({
         let b = b.clone();
         let name = name.clone();
@@ -103,7 +103,7 @@ async fn release_hands_over_to_a_waiting_manager() {
     let handoff = released.elapsed();
     assert!(handoff < Duration::from_secs(1), "{handoff:?}");
     assert!(
-        lease_b.fencing_token() > token_a,
+        lease_b.fencing_token().await.unwrap() > token_a,
         "tokens grow across holders"
     );
     assert!(a.try_acquire(&name).await.unwrap().is_none());
@@ -124,7 +124,7 @@ async fn local_waiters_are_served_in_fifo_order() {
         let tx = tx.clone();
         tasks.push(tokio::spawn(async move {
             let lease = m.acquire(name).await.unwrap();
-            tx.send((i, lease.fencing_token())).unwrap();
+            tx.send((i, lease.fencing_token().await.unwrap())).unwrap();
             tokio::time::sleep(Duration::from_millis(20)).await;
             lease.release().await.unwrap();
         }));
@@ -148,7 +148,7 @@ async fn local_waiters_are_served_in_fifo_order() {
         1
     );
 
-    let mut last_token = first.fencing_token();
+    let mut last_token = first.fencing_token().await.unwrap();
     drop(first);
     for expected in 0..5 {
         let (i, token) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
@@ -198,14 +198,17 @@ async fn a_local_hand_off_keeps_the_session_for_every_key_form() {
             async move { m.acquire(key).await }
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let token = first.fencing_token();
+        let token = first.fencing_token().await.unwrap();
         drop(first);
         let next = tokio::time::timeout(Duration::from_secs(10), waiter)
             .await
             .expect("the waiter is served")
             .unwrap()
             .unwrap();
-        assert!(next.fencing_token() > token, "{key:?}: a greater token");
+        assert!(
+            next.fencing_token().await.unwrap() > token,
+            "{key:?}: a greater token"
+        );
         assert_eq!(
             generation(&m),
             before,
@@ -350,7 +353,7 @@ async fn fencing_tokens_increase_across_holders() {
     let mut last = None;
     for round in 0..12 {
         let lease = managers[round % 3].acquire(&name).await.unwrap();
-        let token = lease.fencing_token();
+        let token = lease.fencing_token().await.unwrap();
         if let Some(prev) = last {
             assert!(token > prev, "round {round}: {token} after {prev}");
         }

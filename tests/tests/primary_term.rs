@@ -47,7 +47,7 @@ async fn a_partitioned_holder_fences_itself_before_a_restarted_server_grants() {
         .await
         .unwrap();
     let held = a.acquire(name.as_str()).await.unwrap();
-    let old_token = held.fencing_token();
+    let old_token = held.fencing_token().await.unwrap();
     let a_lost = tokio::spawn(async move {
         held.lost().await;
         Instant::now()
@@ -56,7 +56,12 @@ async fn a_partitioned_holder_fences_itself_before_a_restarted_server_grants() {
         let name = name.clone();
         tokio::spawn(async move {
             let lease = b.acquire(name.as_str()).await.unwrap();
-            (Instant::now(), lease.fencing_token(), b, lease)
+            (
+                Instant::now(),
+                lease.fencing_token().await.unwrap(),
+                b,
+                lease,
+            )
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -159,11 +164,11 @@ async fn tokens_never_go_backwards_across_a_promotion() {
     let mut before: Vec<FencingToken> = Vec::new();
     for _ in 0..20 {
         let lease = a.acquire(name.as_str()).await.unwrap();
-        before.push(lease.fencing_token());
+        before.push(lease.fencing_token().await.unwrap());
         lease.release().await.unwrap();
     }
     let held = a.acquire(name.as_str()).await.unwrap();
-    before.push(held.fencing_token());
+    before.push(held.fencing_token().await.unwrap());
     primary.stop("immediate").unwrap();
     standby.start_again().unwrap();
     let admin = connect_admin(&standby.url()).await.unwrap();
@@ -187,7 +192,7 @@ async fn tokens_never_go_backwards_across_a_promotion() {
                 t0.elapsed()
             );
         }
-        after.push(lease.fencing_token());
+        after.push(lease.fencing_token().await.unwrap());
         lease.release().await.unwrap();
     }
     let newest_before = *before.iter().max().unwrap();
@@ -232,13 +237,13 @@ async fn tokens_never_go_backwards_across_a_crash() {
             .unwrap();
     }
     let held = a.acquire(name.as_str()).await.unwrap();
-    let old = held.fencing_token();
+    let old = held.fencing_token().await.unwrap();
     pg.restart("immediate").unwrap();
     let b = LockManager::connect(options(&pg.url(), "crash-b").term_grant_delay(Duration::ZERO))
         .await
         .unwrap();
     let lease = b.acquire(name.as_str()).await.unwrap();
-    let new = lease.fencing_token();
+    let new = lease.fencing_token().await.unwrap();
     eprintln!("TERM crash: token before {old}, after {new}");
     assert!(
         !held.is_valid(),
@@ -278,7 +283,7 @@ async fn a_partitioned_holder_fences_itself_before_a_promoted_standby_grants() {
         .unwrap();
     assert_eq!(server_of(&b), format!("127.0.0.1:{primary_port}"));
     let held = a.acquire(name.as_str()).await.unwrap();
-    let old_token = held.fencing_token();
+    let old_token = held.fencing_token().await.unwrap();
     let a_lost = tokio::spawn(async move {
         held.lost().await;
         Instant::now()
@@ -287,7 +292,12 @@ async fn a_partitioned_holder_fences_itself_before_a_promoted_standby_grants() {
         let name = name.clone();
         tokio::spawn(async move {
             let lease = b.acquire(name.as_str()).await.unwrap();
-            (Instant::now(), lease.fencing_token(), b, lease)
+            (
+                Instant::now(),
+                lease.fencing_token().await.unwrap(),
+                b,
+                lease,
+            )
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -29,12 +29,18 @@ async fn the_token_epoch_raises_the_high_bits() {
         .unwrap();
     let name = unique_name("epoch");
     let lease = plain.acquire(name.as_str()).await.unwrap();
-    let before = lease.fencing_token();
+    let before = lease.fencing_token().await.unwrap();
     lease.release().await.unwrap();
     let raised = LockManager::connect(options(&pg.url(), "epoch-3").token_epoch(3))
         .await
         .unwrap();
-    let after = raised.acquire(name.as_str()).await.unwrap().fencing_token();
+    let after = raised
+        .acquire(name.as_str())
+        .await
+        .unwrap()
+        .fencing_token()
+        .await
+        .unwrap();
     assert_eq!(after.timeline(), before.timeline() + 3);
     assert!(after > before);
 
@@ -75,7 +81,7 @@ async fn a_cutover_to_a_cluster_with_smaller_ids_is_refused_until_its_epoch_is_r
         .unwrap();
     let name = unique_name("cutover");
     let lease = m.acquire(name.as_str()).await.unwrap();
-    let old_token = lease.fencing_token();
+    let old_token = lease.fencing_token().await.unwrap();
     lease.release().await.unwrap();
 
     // The cutover: the address now leads to the new cluster.
@@ -114,7 +120,7 @@ async fn a_cutover_to_a_cluster_with_smaller_ids_is_refused_until_its_epoch_is_r
         .await
         .expect("granted once the new cluster's epoch is raised")
         .unwrap();
-    let new_token = lease.fencing_token();
+    let new_token = lease.fencing_token().await.unwrap();
     assert!(new_token > old_token, "{new_token} <= {old_token}");
     assert_eq!(
         new_token.timeline(),
@@ -152,7 +158,7 @@ async fn another_cluster_needs_higher_high_bits_whatever_its_ids() {
         .unwrap();
     let name = unique_name("other-cluster");
     let lease = m.acquire(name.as_str()).await.unwrap();
-    let old_token = lease.fencing_token();
+    let old_token = lease.fencing_token().await.unwrap();
     lease.release().await.unwrap();
     // The new cluster has handed out far more ids than this process's last token.
     let admin_new = connect_admin(&new.url()).await.unwrap();
@@ -191,6 +197,6 @@ async fn another_cluster_needs_higher_high_bits_whatever_its_ids() {
         .await
         .expect("granted once the new cluster's epoch is raised")
         .unwrap();
-    assert!(lease.fencing_token() > old_token);
-    assert_eq!(lease.fencing_token().timeline(), 2);
+    assert!(lease.fencing_token().await.unwrap() > old_token);
+    assert_eq!(lease.fencing_token().await.unwrap().timeline(), 2);
 }

@@ -51,13 +51,21 @@ impl PgLink {
             }
         };
         let token = async {
-            if plan.token_for.is_empty() {
+            if plan.token_for.is_empty() && plan.token_read.is_empty() {
                 return Ok(None);
             }
-            match self.fresh_token(&plan.token_for).await {
+            let mut keys: Vec<LockKey> = plan
+                .token_for
+                .iter()
+                .chain(&plan.token_read)
+                .copied()
+                .collect();
+            keys.sort_unstable();
+            keys.dedup();
+            match self.fresh_token(&keys).await {
                 Ok(t) => Ok(Some(t)),
                 Err(Fault::Query(e)) => {
-                    warn!(error = %error_text(&e), "could not get a fencing token for a local hand-off; releasing instead");
+                    warn!(error = %error_text(&e), "could not issue a fencing token (a local hand-off is released instead; a holder's read fails and may be retried)");
                     Ok(None)
                 }
                 Err(lost) => Err(lost),
@@ -68,7 +76,7 @@ impl PgLink {
                 return Ok(((Ok(Vec::new()), None), Vec::new(), Vec::new(), Vec::new()));
             }
             match self
-                .try_keys(&plan.try_keys, &plan.register, &plan.verify)
+                .try_keys(&plan.try_keys, &plan.register, &plan.verify, &plan.lazy)
                 .await
             {
                 Ok(t) => Ok(((Ok(t.outcomes), None), t.registered, t.seen_held, t.senders)),

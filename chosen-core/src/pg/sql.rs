@@ -52,8 +52,11 @@ FROM (SELECT coalesce(array_agg((l.classid::int8 << 32) | l.objid::int8), '{}') 
 ///   use) reads every row of `k` first. A token assigned before a later key of the batch
 ///   was locked could be smaller than the token of another node's tenure of that key in
 ///   between.
-/// * A transaction id (the token) is assigned only when a lock was won: failed polls burn
-///   no transaction ids. Keys won in one statement share one token.
+/// * A transaction id (the token) is assigned only when a lock was won, and only for a
+///   key whose flag in `$13` is set (its request wants the token with the grant; any
+///   other's is issued when its holder reads it, see [`TOKEN_SQL`]): failed polls and
+///   lazy wins burn no transaction ids and write nothing. Keys won in one statement
+///   share one token. Whether a key was won is told by the fifth column, not the token.
 /// * For a key won, its stop fence (`$7`, `$8`) is *probed*: taken exclusively and
 ///   released again in one expression (`fence_clear`). It fails when another backend
 ///   holds the fence in any mode: an earlier holder whose session the server ended is
@@ -91,7 +94,7 @@ FROM (SELECT coalesce(array_agg((l.classid::int8 << 32) | l.objid::int8), '{}') 
 ///   try here).
 pub(super) const TRY_KEYS_SQL: &str = "
 WITH t AS MATERIALIZED (
-    SELECT k.i, k.a, k.b, k.big, k.fa, k.fb, k.ap,
+    SELECT k.i, k.a, k.b, k.big, k.fa, k.fb, k.ap, k.tok,
            CASE WHEN (CASE WHEN k.big IS NULL THEN pg_try_advisory_lock(k.a, k.b)
                            ELSE pg_try_advisory_lock(k.big) END) THEN 1
                 WHEN NOT k.reg THEN 0
@@ -102,8 +105,8 @@ WITH t AS MATERIALIZED (
                            ELSE pg_try_advisory_lock(k.big) END) THEN 4
                 ELSE 0 END AS r
     FROM unnest($1::int4[], $2::int4[], $3::int8[], $7::int4[], $8::int4[],
-                $9::bool[], $10::int4[], $11::int4[], $12::int4[])
-         WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, ap, i)
+                $9::bool[], $10::int4[], $11::int4[], $12::int4[], $13::bool[])
+         WITH ORDINALITY AS k(a, b, big, fa, fb, reg, ia, ib, ap, tok, i)
     WHERE pg_backend_pid() = $4 AND current_setting('chosen.session', true) = $5
       AND current_setting('transaction_read_only') = 'off'
 ),
@@ -128,7 +131,7 @@ holders AS (
     ) x
 )
 SELECT f.i,
-       CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
+       CASE WHEN f.won AND f.tok AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
        h.pid,
        CASE WHEN f.won AND NOT f.fence_clear THEN coalesce(
            ((SELECT m FROM holders) ->> ((f.fa::int8 & 4294967295)::text || ':' || (f.fb::int8 & 4294967295)::text || ':2:s'))::int4,
@@ -177,7 +180,7 @@ f AS MATERIALIZED (
            END AS fence_clear
     FROM k
 )
-SELECT CASE WHEN f.won AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
+SELECT CASE WHEN f.won AND $13::bool AND set_config('synchronous_commit', 'local', true) = 'local' AND pg_logical_emit_message(true, 'chosen.token', '') IS NOT NULL THEN pg_current_xact_id()::text::int8 END,
        h.pid,
        CASE WHEN f.won AND NOT f.fence_clear THEN coalesce((
            SELECT l.pid FROM pg_lock_status() l

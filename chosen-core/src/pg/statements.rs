@@ -26,6 +26,7 @@ impl PgLink {
         keys: &[LockKey],
         register: &[LockKey],
         verify: &[(LockKey, i32)],
+        lazy: &[LockKey],
     ) -> Result<Tried, Fault> {
         type Row = (
             i64,
@@ -44,7 +45,12 @@ impl PgLink {
             .iter()
             .map(|k| verify.iter().find(|(v, _)| v == k).map(|(_, pid)| *pid))
             .collect();
-        let result = if let ([key], [fa], [fb], [reg], [ia], [ib], [ap]) = (
+        // Take the token with the win (the plan's `lazy` keys take none).
+        let tok: Vec<bool> = keys
+            .iter()
+            .map(|k| lazy.binary_search(k).is_err())
+            .collect();
+        let result = if let ([key], [fa], [fb], [reg], [ia], [ib], [ap], [tok]) = (
             keys,
             fa.as_slice(),
             fb.as_slice(),
@@ -52,6 +58,7 @@ impl PgLink {
             ia.as_slice(),
             ib.as_slice(),
             ap.as_slice(),
+            tok.as_slice(),
         ) {
             let (a, b, big) = key_params(*key);
             self.client
@@ -70,6 +77,7 @@ impl PgLink {
                         ia,
                         ib,
                         ap,
+                        tok,
                     ],
                 )
                 .await
@@ -106,6 +114,7 @@ impl PgLink {
                         &ia,
                         &ib,
                         &ap,
+                        &tok,
                     ],
                 )
                 .await
@@ -169,17 +178,19 @@ impl PgLink {
             if matches!(how, Some(3 | 4)) {
                 seen_held.push(entry.0);
             }
-            if token.is_some() && ap[at].is_some() {
+            let won = matches!(how, Some(1 | 3 | 4));
+            if won && ap[at].is_some() {
                 senders.push((entry.0, sender_start));
             }
-            entry.1 = match (token, fence_holder) {
-                (Some(t), Some(by)) => TryOutcome::WonFenced {
-                    token: self.issue(t),
+            let token = token.map(|t| self.issue(t));
+            entry.1 = match (won, fence_holder) {
+                (true, Some(by)) => TryOutcome::WonFenced {
+                    token,
                     // 0: the fence was let go between the probe and the read.
                     by: (by != 0).then_some(by),
                 },
-                (Some(t), _) => TryOutcome::Won(self.issue(t)),
-                (None, _) => TryOutcome::Held {
+                (true, None) => TryOutcome::Won(token),
+                (false, _) => TryOutcome::Held {
                     by: holder.map(|pid| Backend {
                         pid,
                         start: holder_start,

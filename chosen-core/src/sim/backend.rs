@@ -833,7 +833,10 @@ mod tests {
         let a = manager(&server, "a", seed + 1).await;
         let b = manager(&server, "b", seed + 2).await;
         let lease_a = a.acquire("job").await.unwrap();
-        let token_a = lease_a.fencing_token();
+        let token_a = lease_a
+            .fencing_token()
+            .await
+            .expect("the holder reads its token");
         let waiting = tokio::spawn({
             let b = b.clone();
             async move { b.acquire("job").await }
@@ -862,7 +865,10 @@ mod tests {
             .unwrap();
         let granted_after = start.elapsed();
         assert!(server.violations().is_empty(), "{:?}", server.violations());
-        let token_b = lease_b.fencing_token();
+        let token_b = lease_b
+            .fencing_token()
+            .await
+            .expect("the new holder reads its token");
         drop((kept, lease_b));
         a.shutdown().await;
         b.shutdown().await;

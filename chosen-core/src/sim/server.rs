@@ -376,15 +376,19 @@ impl Server {
             out.notices
                 .push(self.announce(pid, &interested, &hand, now));
         }
-        // TOKEN_SQL (a failed one: the keys are released instead).
-        if !stmts.token_for.is_empty() && failing == "token_failed" {
+        // TOKEN_SQL, for the hand-offs and the holders' reads (a failed one: the
+        // hand-offs are released instead, the reads fail).
+        let token_keys: Vec<LockKey> = stmts
+            .token_for
+            .iter()
+            .chain(&stmts.token_read)
+            .copied()
+            .collect();
+        if !token_keys.is_empty() && failing == "token_failed" {
             out.faults.push("token_failed");
-        } else if !stmts.token_for.is_empty() {
+        } else if !token_keys.is_empty() {
             // TOKEN_SQL issues one only while the session still holds every key.
-            let all_held = stmts
-                .token_for
-                .iter()
-                .all(|k| self.excl.get(k) == Some(&pid));
+            let all_held = token_keys.iter().all(|k| self.excl.get(k) == Some(&pid));
             if all_held {
                 self.xid += 1;
                 reply.token = Some(FencingToken::from_parts(high, self.xid));
@@ -436,9 +440,14 @@ impl Server {
                 }
             }
             if !won.is_empty() {
-                self.xid += 1;
-                let token = FencingToken::from_parts(high, self.xid);
+                // One id for the keys won that take their token with the win (none
+                // when every key won is lazy: no id, no write).
+                let token = won.iter().any(|k| !stmts.lazy.contains(k)).then(|| {
+                    self.xid += 1;
+                    FencingToken::from_parts(high, self.xid)
+                });
                 for k in won {
+                    let token = if stmts.lazy.contains(&k) { None } else { token };
                     // The statement also probes the won key's stop fence (exclusively:
                     // it fails against any other holder of the shared fence).
                     let fence = self.fence_key(k);

@@ -216,6 +216,8 @@ impl Singleton {
         E: Into<ChildError>,
     {
         options.validate(manager)?;
+        // The child gets its token at start: taken with the win.
+        request = request.eager_token();
         if let Some(interval) = options.poll_interval {
             request = request.poll_interval(interval);
         }

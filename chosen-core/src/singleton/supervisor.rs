@@ -120,7 +120,7 @@ where
     inner.update(|s| {
         s.state = SingletonState::Leading {
             since: lease.acquired_at(),
-            token: lease.fencing_token(),
+            token: lease.eager_token(),
         };
     });
     let name: Arc<str> = inner.leadership.name().into();
@@ -128,7 +128,7 @@ where
     let make = |restarts, cancel| LeaderContext {
         name: Arc::clone(&name),
         node_id: Arc::clone(node_id),
-        token: lease.fencing_token(),
+        token: lease.eager_token(),
         restarts,
         cancel,
         validity: validity.clone(),

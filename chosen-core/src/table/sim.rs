@@ -67,8 +67,8 @@ use crate::key::LockKey;
 use crate::key::SessionLock;
 use crate::shared::ServerFloor;
 use crate::table::{
-    Action, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId, Rules, TryOutcome,
-    Via, next_random, verified,
+    Action, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId, Rules, TokenRead,
+    TryOutcome, Via, next_random, verified,
 };
 use crate::token::FencingToken;
 
@@ -194,6 +194,9 @@ struct Config {
     stop_time: Option<T>,
     /// Children sometimes give their lease up on their own.
     resign: bool,
+    /// Half the requests take no token with the grant: their holders read it (issued
+    /// by a token statement) before they start their work.
+    lazy: bool,
     /// Rare reconnects slower than the takeover grace (gap (c)).
     slow_reconnects: bool,
     /// No fault is drawn from then on: once their effects end, every key some node
@@ -214,6 +217,7 @@ impl Config {
             script: Vec::new(),
             stop_time: None,
             resign: true,
+            lazy: true,
             slow_reconnects: true,
             // Three seeds in ten settle for the last half of the run.
             quiet_after: (seed % 10 < 3).then_some(30 * SEC),
@@ -229,6 +233,7 @@ impl Config {
             random_faults: false,
             script,
             resign: false,
+            lazy: false,
             slow_reconnects: false,
             ..Self::random(seed)
         }
@@ -562,8 +567,24 @@ struct Closing {
 enum SState {
     Idle,
     Waiting(RequestId),
-    Holding { id: RequestId, run: usize },
-    Stopping { id: RequestId, run: usize },
+    /// Granted without its token (a lazy request): it reads the token first and starts
+    /// its work once the token is issued (a holder that fences what it does).
+    Reading {
+        id: RequestId,
+        how: How,
+        decided_at: T,
+        /// When it was granted, and how its session's tenure of the key began.
+        granted: T,
+        origin: Origin,
+    },
+    Holding {
+        id: RequestId,
+        run: usize,
+    },
+    Stopping {
+        id: RequestId,
+        run: usize,
+    },
     Gone,
 }
 
@@ -622,6 +643,8 @@ struct Node {
     end_seen: T,
     /// Requests whose caller stopped waiting: a grant for one never reaches it.
     abandoned: BTreeSet<RequestId>,
+    /// Requests that asked for their token with the grant.
+    eager: BTreeSet<RequestId>,
     /// The clusters (system identifiers) this instance had a session on.
     known_systems: BTreeSet<u32>,
     /// Their withdrawals, read after the statement in flight answers (the task reads
@@ -758,6 +781,9 @@ struct Stats {
     beyond_clock_tolerance: u64,
     /// Grants that never reached their caller (it had stopped waiting).
     undelivered: u64,
+    /// Lazy holders' token reads answered with a token, and without one.
+    tokens_read: u64,
+    tokens_unread: u64,
     /// Sessions ended by the heartbeat's lock guard.
     pooler_detected: u64,
     /// Runs whose faults stopped early enough to check that wanted keys are granted,
@@ -812,6 +838,8 @@ impl Stats {
         self.shutdowns_failed += o.shutdowns_failed;
         self.closing_given_up += o.closing_given_up;
         self.undelivered += o.undelivered;
+        self.tokens_read += o.tokens_read;
+        self.tokens_unread += o.tokens_unread;
         self.pooler_detected += o.pooler_detected;
         self.settled_runs += o.settled_runs;
         self.longest_wait_settled = self.longest_wait_settled.max(o.longest_wait_settled);
@@ -848,6 +876,12 @@ struct Sim {
     nodes: Vec<Node>,
     server: Server,
     runs: Vec<Run>,
+    /// Tenures granted without a token whose holder dropped them before the token came
+    /// (key, the session's pid, grant, and the server time its tenure began): tenures
+    /// all the same, whose announced release vouches for itself only.
+    unrun: Vec<(LockKey, i32, T, T)>,
+    /// The server time of the last win or clear fence check of each node's key.
+    decided: BTreeMap<(usize, LockKey), T>,
     freezes: Vec<Freeze>,
     pid_owners: BTreeMap<i32, (usize, u32)>,
     /// The start of the backend that last sent each node an announcement of a key, per
@@ -949,6 +983,7 @@ impl Sim {
                 batch_fault: None,
                 end_seen: 0,
                 abandoned: BTreeSet::new(),
+                eager: BTreeSet::new(),
                 known_systems: BTreeSet::new(),
                 withdrawals: Vec::new(),
                 notes: Vec::new(),
@@ -980,6 +1015,8 @@ impl Sim {
             undelivered_origin: BTreeMap::new(),
             disturbed_until: 0,
             runs: Vec::new(),
+            unrun: Vec::new(),
+            decided: BTreeMap::new(),
             freezes: Vec::new(),
             pid_owners: BTreeMap::new(),
             announcers: BTreeMap::new(),
@@ -1121,6 +1158,7 @@ impl Sim {
         self.now = self.cfg.duration;
         self.judge();
         self.check_liveness();
+        self.check_reads_answered();
         self.stats.seeds = 1;
         self.stats.virtual_us = self.cfg.duration;
         self.stats.violations = self.violations.len() as u64;
@@ -1132,6 +1170,31 @@ impl Sim {
             past_fence: self.past_fence,
             stale_grants: self.stale_grants,
             tries: self.tries,
+        }
+    }
+
+    /// Every token read is answered: a holder still waiting for its token long after
+    /// its grant, on a node neither frozen nor down, is a hang of `Lease::fencing_token`.
+    fn check_reads_answered(&mut self) {
+        let mut hung = Vec::new();
+        for (n, node) in self.nodes.iter().enumerate() {
+            if node.down || node.frozen.is_some() {
+                continue;
+            }
+            for single in &node.singles {
+                if let SState::Reading { id, granted, .. } = single.state
+                    && granted + 20 * SEC < self.now
+                {
+                    hung.push(format!(
+                        "n{n} request {id} waits for its token of {} since {:.3} ms",
+                        single.key,
+                        granted as f64 / 1000.0
+                    ));
+                }
+            }
+        }
+        for h in hung {
+            self.violation(h);
         }
     }
 
@@ -1925,6 +1988,19 @@ impl Sim {
                     .insert((n, *k), (sent_at, arrived, sender));
             }
         }
+        // When the server decided each win and each clear fence check: a grant that
+        // waits for a token statement first (an eager request won by a lazy try) was
+        // decided then, not by that statement.
+        for (k, outcome) in &reply.tried {
+            if matches!(outcome, TryOutcome::Won(_) | TryOutcome::WonFenced { .. }) {
+                self.decided.insert((n, *k), reply.at);
+            }
+        }
+        for (k, check) in &reply.checked {
+            if *check == FenceCheck::Clear {
+                self.decided.insert((n, *k), reply.at);
+            }
+        }
         let granted_before = self.runs.len();
         self.carry_out(n, reply.at);
         self.announced_now.clear();
@@ -1996,6 +2072,7 @@ impl Sim {
             Action::Refuse { id, .. } => (1, LockKey::Int(0), *id),
             Action::Released { key, .. } => (2, *key, 0),
             Action::Lost { key, .. } => (3, *key, 0),
+            Action::Token { id, key, .. } => (4, *key, *id),
         });
         for a in actions {
             match a {
@@ -2007,9 +2084,10 @@ impl Sim {
                     via,
                     ..
                 } => {
+                    let decided = self.decided.get(&(n, key)).copied().unwrap_or(reply_at);
                     let (how, decided_at) = match via {
-                        Via::Won => (How::Direct, reply_at),
-                        Via::Checked => (How::Checked, reply_at),
+                        Via::Won => (How::Direct, decided),
+                        Via::Checked => (How::Checked, decided),
                         Via::HandOff => (How::Handoff, reply_at),
                         Via::FenceExpired => (How::Expired, self.now),
                     };
@@ -2037,9 +2115,73 @@ impl Sim {
                         self.push(t, Ev::Reacquire { n, inst, s });
                     }
                 }
+                Action::Token { id, key, token } => self.on_token(n, id, key, token),
                 Action::Released { .. } | Action::Lost { .. } => {}
             }
         }
+    }
+
+    /// A lazy holder's token read answered: it starts its work with the token, or,
+    /// without one (its lease ended, or the statement failed), drops its lease and asks
+    /// again later.
+    fn on_token(&mut self, n: usize, id: RequestId, key: LockKey, token: Option<FencingToken>) {
+        let Some(s) = self.nodes[n]
+            .singles
+            .iter()
+            .position(|single| matches!(single.state, SState::Reading { id: r, .. } if r == id))
+        else {
+            // Dropped meanwhile: its release answered the read without a token.
+            if let Some(token) = token {
+                self.violation(format!(
+                    "n{n} answered a token read of {key} with {token} to request {id}, which no longer reads"
+                ));
+            }
+            return;
+        };
+        let SState::Reading {
+            how, decided_at, ..
+        } = self.nodes[n].singles[s].state
+        else {
+            return;
+        };
+        match token {
+            Some(token) => {
+                self.log(|| format!("n{n} read token {token} of {key} (request {id})"));
+                self.stats.tokens_read += 1;
+                self.check_token(n, key, token, false);
+                self.start_run(n, s, id, key, token, how, decided_at);
+            }
+            None => {
+                self.log(|| format!("n{n} got no token for {key} (request {id}); drops it"));
+                self.stats.tokens_unread += 1;
+                self.drop_unread(n, s, id);
+            }
+        }
+    }
+
+    /// A lazy holder drops its lease before it started any work.
+    fn drop_unread(&mut self, n: usize, s: usize, id: RequestId) {
+        let key = self.nodes[n].singles[s].key;
+        if let SState::Reading {
+            granted, origin, ..
+        } = self.nodes[n].singles[s].state
+            && let Conn::Up { pid, .. } = self.nodes[n].conn
+        {
+            // A tenure all the same (its release is announced): see `unrun`.
+            self.unrun.push((key, pid, granted, origin.1));
+        }
+        let now = self.at(self.now);
+        self.nodes[n].engine.table_mut().release(key, id, now);
+        let node = &mut self.nodes[n];
+        if node.closing.is_some() {
+            node.singles[s].state = SState::Gone;
+        } else {
+            node.singles[s].state = SState::Idle;
+            let inst = node.inst;
+            let t = self.now + self.rng.range(0, SEC);
+            self.push(t, Ev::Reacquire { n, inst, s });
+        }
+        self.poke(n);
     }
 
     #[expect(clippy::too_many_arguments, reason = "one grant's fields")]
@@ -2048,7 +2190,7 @@ impl Sim {
         n: usize,
         id: RequestId,
         key: LockKey,
-        token: FencingToken,
+        token: Option<FencingToken>,
         generation: u64,
         how: How,
         decided_at: T,
@@ -2078,7 +2220,11 @@ impl Sim {
             self.violation(format!("n{n} granted {key} while closing"));
         }
         if self.nodes[n].singles.iter().any(|s| {
-            s.key == key && matches!(s.state, SState::Holding { .. } | SState::Stopping { .. })
+            s.key == key
+                && matches!(
+                    s.state,
+                    SState::Holding { .. } | SState::Stopping { .. } | SState::Reading { .. }
+                )
         }) {
             self.violation(format!(
                 "n{n} granted {key} while a lease of its own on it is still out"
@@ -2139,47 +2285,9 @@ impl Sim {
                 ));
             }
         }
-        if let Some(prev) = self.last_token.get(&key).copied()
-            && token <= prev
-        {
-            let text = format!("n{n} granted {key} with token {token} after token {prev}");
-            // The answer that won the key came back after the server had ended the
-            // session (a termination racing the reply): the client cannot know yet,
-            // and learns it with the next message. Physics, as gap (a): the later
-            // holder's greater token fences this one's writes. Kept apart as a finding.
-            // Or another client released the session's locks behind its back: the
-            // lock guard ends it with the next heartbeat.
-            let ended_at_server = match self.nodes[n].conn {
-                Conn::Up { pid, .. } => self.server.excl.get(&key) != Some(&pid),
-                _ => false,
-            };
-            // A replaced cluster whose token epoch the DBA has not set yet, and a node
-            // that never saw the old one (it started since): it cannot know. The
-            // documented operator duty; counted apart.
-            // (Or it knew clusters, but not the one of the key's last token: its floor
-            // says nothing of that one's tokens.)
-            let prev_system = self.last_system.get(&key).copied();
-            let on_unepoched = match self.nodes[n].conn {
-                Conn::Up { pid, .. } => self.server.backends.get(&pid).is_some_and(|b| b.unepoched),
-                _ => false,
-            };
-            let cannot_know = on_unepoched
-                && prev_system != Some(self.session_system(n))
-                && prev_system.is_some_and(|sys| !self.nodes[n].known_systems.contains(&sys));
-            if born_invalid || ended_at_server {
-                self.stats.stale_grants += 1;
-                self.log(|| format!("FINDING {text}, on a session the server had ended"));
-                self.stale_grants.push(text);
-            } else if cannot_know {
-                self.stats.epoch_unset_grants += 1;
-                self.log(|| format!("FINDING {text}, on a replaced cluster without its epoch"));
-            } else {
-                self.violation(text);
-            }
+        if let Some(token) = token {
+            self.check_token(n, key, token, born_invalid);
         }
-        self.last_token.insert(key, token);
-        let system = self.session_system(n);
-        self.last_system.insert(key, system);
         if self.nodes[n].abandoned.remove(&id) {
             // The grant never reaches its caller: nothing runs under it, and the key
             // goes back as the driver gives it (`LockTable::undelivered`).
@@ -2208,32 +2316,63 @@ impl Sim {
             self.violation(format!("n{n} granted unknown request {id}"));
             return;
         };
+        let eager = self.nodes[n].eager.remove(&id);
+        let Some(token) = token else {
+            if eager {
+                self.violation(format!(
+                    "n{n} granted {key} to request {id}, which asked for its token, without one"
+                ));
+            }
+            // A lazy request: its holder reads the token before it starts its work. Its
+            // session's tenure began as a grant since the last run's (a hand-off from
+            // it inherits that).
+            let origin = self.tenure_origin(n, key, how, decided_at);
+            let inst = self.nodes[n].inst;
+            self.undelivered_origin
+                .insert((n, inst, key), (self.now, origin));
+            self.nodes[n].singles[s].state = SState::Reading {
+                id,
+                how,
+                decided_at,
+                granted: self.now,
+                origin,
+            };
+            self.log(|| format!("n{n} GRANT {key} without a token (request {id}); reads it"));
+            match self.nodes[n].engine.table_mut().read_token(key, id) {
+                TokenRead::Pending => self.poke(n),
+                TokenRead::Known(token) => {
+                    self.violation(format!(
+                        "n{n} granted {key} without its token, which it knows ({token})"
+                    ));
+                }
+                TokenRead::NotHeld => {
+                    self.violation(format!(
+                        "n{n} granted {key} to request {id}, which does not hold it"
+                    ));
+                }
+            }
+            return;
+        };
+        self.start_run(n, s, id, key, token, how, decided_at);
+    }
+
+    /// A holder starts its work with its token (given with the grant, or read since).
+    #[expect(clippy::too_many_arguments, reason = "one grant's fields")]
+    fn start_run(
+        &mut self,
+        n: usize,
+        s: usize,
+        id: RequestId,
+        key: LockKey,
+        token: FencingToken,
+        how: How,
+        decided_at: T,
+    ) {
+        // A lease past its deadline before its work could start: it never acts.
+        let born_invalid = self.now >= self.nodes[n].valid_until;
         let run = self.runs.len();
         let inst = self.nodes[n].inst;
-        let origin = if how == How::Handoff {
-            // The tenure began with the last grant of this session's lock: the last
-            // run's, or a grant since that never reached its caller.
-            let run = self
-                .runs
-                .iter()
-                .rev()
-                .find(|r| r.n == n && r.inst == inst && r.key == key)
-                .map(|r| (r.grant_at, r.origin));
-            let lost = self.undelivered_origin.get(&(n, inst, key)).copied();
-            match (run, lost) {
-                (Some((at, o)), Some((lost_at, lost_o))) => {
-                    if lost_at >= at {
-                        lost_o
-                    } else {
-                        o
-                    }
-                }
-                (Some((_, o)), None) | (None, Some((_, o))) => o,
-                (None, None) => (how, decided_at),
-            }
-        } else {
-            (how, decided_at)
-        };
+        let origin = self.tenure_origin(n, key, how, decided_at);
         let pid = match self.nodes[n].conn {
             Conn::Up { pid, .. } => pid,
             _ => 0,
@@ -2283,6 +2422,82 @@ impl Sim {
         }
     }
 
+    /// How the session's tenure of `key` began, for a grant made `how`: a hand-off keeps
+    /// the server lock, so it inherits the tenure of the last grant of this session's
+    /// lock (the last run's, or a grant since that never reached its caller or was
+    /// granted without its token).
+    fn tenure_origin(&self, n: usize, key: LockKey, how: How, decided_at: T) -> Origin {
+        if how != How::Handoff {
+            return (how, decided_at);
+        }
+        let inst = self.nodes[n].inst;
+        let run = self
+            .runs
+            .iter()
+            .rev()
+            .find(|r| r.n == n && r.inst == inst && r.key == key)
+            .map(|r| (r.grant_at, r.origin));
+        let lost = self.undelivered_origin.get(&(n, inst, key)).copied();
+        match (run, lost) {
+            (Some((at, o)), Some((lost_at, lost_o))) => {
+                if lost_at >= at {
+                    lost_o
+                } else {
+                    o
+                }
+            }
+            (Some((_, o)), None) | (None, Some((_, o))) => o,
+            (None, None) => (how, decided_at),
+        }
+    }
+
+    /// A token handed to a holder (with its grant, or read later) must be above every
+    /// token of the key's earlier tenures: findings kept apart where the client cannot
+    /// know yet (see the cases).
+    fn check_token(&mut self, n: usize, key: LockKey, token: FencingToken, born_invalid: bool) {
+        if let Some(prev) = self.last_token.get(&key).copied()
+            && token <= prev
+        {
+            let text = format!("n{n} granted {key} with token {token} after token {prev}");
+            // The answer that won the key came back after the server had ended the
+            // session (a termination racing the reply): the client cannot know yet,
+            // and learns it with the next message. Physics, as gap (a): the later
+            // holder's greater token fences this one's writes. Kept apart as a finding.
+            // Or another client released the session's locks behind its back: the
+            // lock guard ends it with the next heartbeat.
+            let ended_at_server = match self.nodes[n].conn {
+                Conn::Up { pid, .. } => self.server.excl.get(&key) != Some(&pid),
+                _ => false,
+            };
+            // A replaced cluster whose token epoch the DBA has not set yet, and a node
+            // that never saw the old one (it started since): it cannot know. The
+            // documented operator duty; counted apart.
+            // (Or it knew clusters, but not the one of the key's last token: its floor
+            // says nothing of that one's tokens.)
+            let prev_system = self.last_system.get(&key).copied();
+            let on_unepoched = match self.nodes[n].conn {
+                Conn::Up { pid, .. } => self.server.backends.get(&pid).is_some_and(|b| b.unepoched),
+                _ => false,
+            };
+            let cannot_know = on_unepoched
+                && prev_system != Some(self.session_system(n))
+                && prev_system.is_some_and(|sys| !self.nodes[n].known_systems.contains(&sys));
+            if born_invalid || ended_at_server {
+                self.stats.stale_grants += 1;
+                self.log(|| format!("FINDING {text}, on a session the server had ended"));
+                self.stale_grants.push(text);
+            } else if cannot_know {
+                self.stats.epoch_unset_grants += 1;
+                self.log(|| format!("FINDING {text}, on a replaced cluster without its epoch"));
+            } else {
+                self.violation(text);
+            }
+        }
+        self.last_token.insert(key, token);
+        let system = self.session_system(n);
+        self.last_system.insert(key, system);
+    }
+
     fn child_drop(&mut self, n: usize, s: usize, id: RequestId) {
         let SState::Stopping { id: h, run } = self.nodes[n].singles[s].state else {
             return;
@@ -2307,8 +2522,8 @@ impl Sim {
         if matches!(self.nodes[n].conn, Conn::Up { .. }) {
             self.nodes[n].releases_unanswered += 1;
         }
-        self.carry_out(n, self.now);
-        self.closing_command(n);
+        // The lease is gone before the task's answers are read (a local hand-off to a
+        // lazy waiter is granted at once).
         let node = &mut self.nodes[n];
         if node.closing.is_some() {
             node.singles[s].state = SState::Gone;
@@ -2318,6 +2533,8 @@ impl Sim {
             let t = self.now + self.rng.range(0, SEC);
             self.push(t, Ev::Reacquire { n, inst, s });
         }
+        self.carry_out(n, self.now);
+        self.closing_command(n);
         self.poke(n);
     }
 
@@ -2332,6 +2549,11 @@ impl Sim {
         node.singles[s].state = SState::Waiting(id);
         node.singles[s].since = self.now;
         let now = self.base + Duration::from_micros(self.now);
+        let eager_token = !(self.cfg.lazy && self.rng.chance(50));
+        let node = &mut self.nodes[n];
+        if eager_token {
+            node.eager.insert(id);
+        }
         node.engine.table_mut().acquire(
             Request {
                 id,
@@ -2341,6 +2563,7 @@ impl Sim {
                 mode: Mode::Wait,
                 since: SystemTime::UNIX_EPOCH,
                 enqueued: now,
+                eager_token,
             },
             now,
         );
@@ -2513,6 +2736,8 @@ impl Sim {
                 SState::Stopping { run, .. } if supervised => {
                     self.runs[run].acting_end.get_or_insert(self.now);
                 }
+                // Nothing started under it yet: dropped now.
+                SState::Reading { id, .. } if supervised => self.drop_unread(n, s, id),
                 SState::Idle => self.nodes[n].singles[s].state = SState::Gone,
                 _ => {}
             }
@@ -2549,7 +2774,7 @@ impl Sim {
                 !single.supervised
                     || !matches!(
                         single.state,
-                        SState::Holding { .. } | SState::Stopping { .. }
+                        SState::Holding { .. } | SState::Stopping { .. } | SState::Reading { .. }
                     )
             });
         if !stopped && self.now < c.supervisors_until {
@@ -2608,6 +2833,7 @@ impl Sim {
                 SState::Stopping { run, .. } => {
                     self.runs[run].acting_end.get_or_insert(self.now);
                 }
+                SState::Reading { id, .. } => self.drop_unread(n, s, id),
                 SState::Idle => self.nodes[n].singles[s].state = SState::Gone,
                 _ => {}
             }
@@ -3067,10 +3293,10 @@ impl Sim {
     fn holder_pid(&self, key: LockKey) -> Option<i32> {
         self.nodes.iter().find_map(|node| match node.conn {
             Conn::Up { pid, .. }
-                if node
-                    .singles
-                    .iter()
-                    .any(|s| s.key == key && matches!(s.state, SState::Holding { .. })) =>
+                if node.singles.iter().any(|s| {
+                    s.key == key
+                        && matches!(s.state, SState::Holding { .. } | SState::Reading { .. })
+                }) =>
             {
                 Some(pid)
             }
@@ -3216,7 +3442,7 @@ impl Sim {
                 self.nodes[*n]
                     .singles
                     .iter()
-                    .any(|s| matches!(s.state, SState::Holding { .. }))
+                    .any(|s| matches!(s.state, SState::Holding { .. } | SState::Reading { .. }))
             })
             .collect();
         let from = if prefer_holders && !holders.is_empty() && self.rng.chance(75) {
@@ -3799,12 +4025,20 @@ impl Sim {
                 // session), which began in gap (c) of this run (the server had ended
                 // this one's session, the news or its fence was slow): its release
                 // vouched for its own tenure only.
+                // (Or a tenure granted without a token, whose holder dropped it
+                // before its work started.)
                 let chained = self.runs.iter().any(|z| {
                     z.key == y.key
                         && z.pid == sender
                         && z.grant_at >= x.grant_at
                         && z.grant_at <= sent
                         && self.within_gap_c(x, z.origin.1).is_ok()
+                }) || self.unrun.iter().any(|&(key, pid, at, decided)| {
+                    key == y.key
+                        && pid == sender
+                        && at >= x.grant_at
+                        && at <= sent
+                        && self.within_gap_c(x, decided).is_ok()
                 });
                 // In both, the overlapped run's session was ended by the server (else
                 // its lock would have kept the key) and it stays within gap (c)'s bound,
@@ -3950,7 +4184,7 @@ fn summary(s: &Stats) -> String {
         "{} seeds, {:.0} virtual s, {} events, {} statements; {} grants {:?}, {} takeovers, \
          {} fence waits, {} idle timeouts, {} sessions on a young term; faults {:?}; overlaps in gaps: (a) {} (+{} past a fence wait), (b) {} \
          (+{} still acting), (c) {} (+{} still acting, +{} chained), (d) {}, (e) {} (+{} still acting); brand-new requester past a stop fence: {}; stale grants (session ended at the server): {} (overlaps with one: {}); \
-         grants never delivered: {}; sessions ended by the lock guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
+         grants never delivered: {}; lazy holders' token reads answered: {} (without a token: {}); sessions ended by the lock guard: {}; settled runs: {}, the longest a wanted key stayed free after the faults' effects ended: {} ms; grants in a term hold shortened by a clock step past the tolerance: {}; sessions refused by the token floor: {}; grants on a replaced cluster before its epoch was set, by a node that never saw the old one: {}; \
          shutdowns: {} ({} with a failed statement, {} given up on past its deadline); \
          violations: {}",
         s.seeds,
@@ -3978,6 +4212,8 @@ fn summary(s: &Stats) -> String {
         s.stale_grants,
         s.stale_grant_overlaps,
         s.undelivered,
+        s.tokens_read,
+        s.tokens_unread,
         s.pooler_detected,
         s.settled_runs,
         s.longest_wait_settled / MS,
@@ -4536,6 +4772,7 @@ fn every_protection_is_load_bearing() {
         Protection::HandleClosing,
         Protection::LockGuard,
         Protection::TakesInFlight,
+        Protection::FreshHandOffToken,
     ] {
         match first_failing_seed(&[p], budget) {
             Some(seed) => seen.push((p, seed)),

@@ -80,6 +80,7 @@ impl Fixture {
                 mode,
                 since: SystemTime::UNIX_EPOCH,
                 enqueued: self.now,
+                eager_token: true,
             },
             self.now,
         );
@@ -88,6 +89,48 @@ impl Fixture {
 
     fn wait(&mut self, key: LockKey) -> RequestId {
         self.request(key, Mode::Wait, POLL)
+    }
+
+    /// A waiting request that takes no token with its grant.
+    fn wait_lazily(&mut self, key: LockKey) -> RequestId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.table.acquire(
+            Request {
+                id,
+                key,
+                name: Arc::from(format!("lock-{key}")),
+                poll_interval: POLL,
+                mode: Mode::Wait,
+                since: SystemTime::UNIX_EPOCH,
+                enqueued: self.now,
+                eager_token: false,
+            },
+            self.now,
+        );
+        id
+    }
+
+    /// Grants with their tokens as given (`None` for a lazy grant).
+    fn granted_lazily(&mut self) -> Vec<(RequestId, Option<FencingToken>)> {
+        self.actions()
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Grant { id, token, .. } => Some((id, token)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Token reads answered.
+    fn read_answers(&mut self) -> Vec<(RequestId, Option<FencingToken>)> {
+        self.actions()
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Token { id, token, .. } => Some((id, token)),
+                _ => None,
+            })
+            .collect()
     }
 
     fn try_(&mut self, key: LockKey) -> RequestId {
@@ -151,7 +194,7 @@ impl Fixture {
         self.actions()
             .into_iter()
             .filter_map(|a| match a {
-                Action::Grant { id, token, .. } => Some((id, token)),
+                Action::Grant { id, token, .. } => Some((id, token.expect("eager requests"))),
                 _ => None,
             })
             .collect()
@@ -162,7 +205,7 @@ impl Fixture {
 fn a_free_lock_is_granted_on_the_first_try() {
     let mut f = Fixture::new();
     let id = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(id, token(10))]);
     assert_eq!(f.table.held(), 1);
 }
@@ -173,23 +216,23 @@ fn waiters_are_served_in_order_and_a_hand_off_gets_a_larger_token() {
     let a = f.wait(key(1));
     let b = f.wait(key(1));
     let c = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(a, token(10))]);
     f.table.release(key(1), a, f.now);
     let plan = f.plan();
     assert_eq!(plan.token_for, vec![key(1)], "a hand-off keeps the lock");
     assert!(plan.unlock.is_empty() && plan.try_keys.is_empty());
-    f.table.tokens(&[key(1)], Some(token(11)), f.now);
+    f.table.tokens(&[key(1)], &[], Some(token(11)), f.now);
     assert_eq!(f.granted(), vec![(b, token(11))]);
     f.table.release(key(1), b, f.now);
     f.plan();
     // The token statement failed: the lock is released instead, and c tries again.
-    f.table.tokens(&[key(1)], None, f.now);
+    f.table.tokens(&[key(1)], &[], None, f.now);
     assert!(f.granted().is_empty());
     let plan = f.plan();
     assert_eq!(plan.unlock, vec![key(1)]);
     f.table.unlocked(&plan.unlock, f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(12))));
     assert_eq!(f.granted(), vec![(c, token(12))]);
 }
 
@@ -197,7 +240,7 @@ fn waiters_are_served_in_order_and_a_hand_off_gets_a_larger_token() {
 fn a_release_with_nobody_waiting_unlocks_and_forgets_the_key() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.actions();
     f.table.release(key(1), a, f.now);
     assert!(matches!(f.actions().as_slice(), [Action::Released { key: k, .. }] if *k == key(1)));
@@ -217,7 +260,7 @@ fn an_unannounced_takeover_waits_the_grace() {
     let a = f.wait(key(1));
     f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(POLL * 2);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "granted before the grace");
     // The interest key, no longer needed, is released at once; then the grace.
     assert_eq!(f.table.next_wakeup(f.now), Some(f.now));
@@ -239,7 +282,7 @@ fn a_verified_announcement_skips_the_grace_and_polls_at_once() {
     f.advance(ms(5));
     assert!(f.plan().is_empty(), "next poll is an hour away");
     f.table.announced(key(1), 4242, f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
 
@@ -272,7 +315,7 @@ fn announced_win_when_the_sender_is(found: Option<i64>, holder_start: Option<i64
     let found: Vec<_> = plan.verify.iter().map(|(k, _)| (*k, found)).collect();
     f.table.senders(&found);
     f.table
-        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+        .tried(&[(key(1), TryOutcome::Won(Some(token(10))))], f.now);
     let immediate = f.granted() == vec![(a, token(10))];
     if !immediate {
         assert!(f.granted().is_empty());
@@ -317,7 +360,7 @@ fn without_session_verification_a_reused_pid_is_believed() {
     let a = f.wait(key(1));
     f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.table.announced(key(1), 4242, f.now);
-    f.try_round_finding(&[key(1)], TryOutcome::Won(token(10)), |_| {
+    f.try_round_finding(&[key(1)], TryOutcome::Won(Some(token(10))), |_| {
         panic!("nothing to verify")
     });
     assert_eq!(f.granted(), vec![(a, token(10))]);
@@ -345,7 +388,7 @@ fn a_confirmed_sender_does_not_outlive_its_try() {
         "verifying an announcer the last try did not see"
     );
     f.table
-        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+        .tried(&[(key(1), TryOutcome::Won(Some(token(10))))], f.now);
     assert!(
         f.granted().is_empty(),
         "an old confirmation skipped the grace"
@@ -385,7 +428,7 @@ fn an_announcement_from_another_backend_is_only_a_cue() {
     }
     assert!(f.plan().is_empty(), "two tries within one cue interval");
     f.advance(UNVERIFIED_CUE * 11 / 10);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(
         f.granted().is_empty(),
         "an unverified announcement skipped the grace"
@@ -405,7 +448,7 @@ fn an_announcement_does_not_outlive_a_lost_race() {
     f.table.announced(key(1), 100, f.now);
     f.try_round(&[key(1)], TryOutcome::Held { by: by(200) });
     f.advance(POLL * 2);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(
         f.granted().is_empty(),
         "a stale announcement skipped the grace"
@@ -434,7 +477,7 @@ fn a_win_on_a_new_primary_term_waits_until_the_hold_ends() {
         }]
     );
     // Tried at once (the lock is taken at the server), but not granted.
-    f.try_round(&[key(1), key(2)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1), key(2)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "granted during the term's hold");
     assert_eq!(f.table.next_wakeup(f.now), Some(f.now + hold));
     f.advance(hold - ms(1));
@@ -455,7 +498,7 @@ fn a_fenced_win_on_a_new_term_waits_for_the_hold_too() {
     f.try_round(
         &[key(1)],
         TryOutcome::WonFenced {
-            token: token(10),
+            token: Some(token(10)),
             by: Some(9),
         },
     );
@@ -474,7 +517,7 @@ fn the_hold_ends_with_its_session() {
     f.table.session_ended(f.now);
     f.table.session_started(2, f.now);
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(
         f.granted(),
         vec![(a, token(10))],
@@ -489,7 +532,7 @@ fn after_a_reconnect_the_first_win_waits_the_grace() {
     f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.table.session_ended(f.now);
     f.table.session_started(2, f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "won right after our own reconnect");
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -501,7 +544,7 @@ fn a_session_end_revokes_every_holder_and_answers_tries() {
     let mut f = Fixture::new();
     let held = f.wait(key(1));
     let _waiting = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.actions();
     let t = f.try_(key(2));
     let plan = f.plan();
@@ -570,7 +613,7 @@ fn a_withdrawn_head_does_not_delay_the_next_request() {
     f.advance(ms(10));
     f.table.withdraw(key(1), hourly, f.now);
     let t = f.try_(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     // The key was forgotten with its last request: a first try that wins is granted
     // at once (a documented gap: nothing is known about who held it).
     assert_eq!(f.granted(), vec![(t, token(10))]);
@@ -584,7 +627,7 @@ fn a_withdrawn_head_does_not_delay_the_next_request() {
     f.table.withdraw(key(1), hourly, f.now);
     f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     f.advance(ms(60));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(quick, token(10))]);
@@ -594,7 +637,7 @@ fn a_withdrawn_head_does_not_delay_the_next_request() {
 fn withdrawn_waiters_behind_a_local_holder_leave_at_once() {
     let mut f = Fixture::new();
     let _holder = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     for _ in 0..10_000 {
         let id = f.wait(key(1));
         f.table.withdraw(key(1), id, f.now);
@@ -609,7 +652,7 @@ fn a_grant_nobody_takes_any_more_is_unlocked() {
     let a = f.wait(key(1));
     f.try_round(&[key(1)], TryOutcome::Held { by: by(9) });
     f.advance(POLL * 2);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.table.withdraw(key(1), a, f.now);
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -691,7 +734,7 @@ fn closing_refuses_waiters_and_unlocks_as_leases_come_back() {
     let a = f.wait(key(1));
     let b = f.wait(key(1));
     let c = f.wait(key(2));
-    f.try_round(&[key(1), key(2)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1), key(2)], TryOutcome::Won(Some(token(10))));
     f.actions();
     f.table.begin_close();
     assert_eq!(
@@ -726,7 +769,7 @@ fn closing_refuses_waiters_and_unlocks_as_leases_come_back() {
 fn a_lease_of_an_ended_session_is_fenced_until_its_owner_drops_it() {
     let mut f = Fixture::new();
     let old = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.actions();
     let local = f.wait(key(1));
     f.table.session_ended(f.now);
@@ -751,7 +794,7 @@ fn a_lease_of_an_ended_session_is_fenced_until_its_owner_drops_it() {
     assert!(plan.try_keys.is_empty());
     f.table.unfenced(&plan.unfence, f.now);
     // Now the local waiter may try; it won unannounced, so it checks the fence too.
-    f.try_round(&[key(1)], TryOutcome::Won(token(20)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(20))));
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(local, token(20))]);
@@ -763,7 +806,7 @@ fn a_takeover_waits_while_the_old_holder_is_stopping() {
     let a = f.wait(key(1));
     f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.advance(POLL * 2);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.advance(GRACE);
     let plan = f.plan();
     assert_eq!(plan.check, vec![key(1)]);
@@ -785,7 +828,7 @@ fn a_fence_held_past_any_stop_budget_is_given_up_on() {
     let a = f.wait(key(1));
     f.try_round(&[key(1)], TryOutcome::Held { by: by(100) });
     f.advance(POLL * 2);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.advance(GRACE);
     f.plan();
     f.table.checked(&[(key(1), FenceCheck::Failed)], f.now);
@@ -816,7 +859,7 @@ fn a_first_try_that_finds_a_stop_fence_waits_for_it() {
     f.try_round(
         &[key(1)],
         TryOutcome::WonFenced {
-            token: token(10),
+            token: Some(token(10)),
             by: Some(300),
         },
     );
@@ -970,6 +1013,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         mode,
                         since: SystemTime::UNIX_EPOCH,
                         enqueued: now,
+                        eager_token: true,
                     },
                     now,
                 );
@@ -1052,7 +1096,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                     m.next_token += 1;
                     token(m.next_token)
                 });
-                table.tokens(&plan.token_for, t, now);
+                table.tokens(&plan.token_for, &plan.token_read, t, now);
                 if !plan.try_keys.is_empty() {
                     m.next_token += 1;
                 }
@@ -1063,12 +1107,12 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                     .zip(outcomes.iter().cycle())
                     .map(|(k, (o, pid))| {
                         let outcome = match o {
-                            0 => TryOutcome::Won(batch_token),
+                            0 => TryOutcome::Won(Some(batch_token)),
                             1 => TryOutcome::Held {
                                 by: by(i32::from(*pid)),
                             },
                             2 => TryOutcome::WonFenced {
-                                token: batch_token,
+                                token: Some(batch_token),
                                 by: Some(i32::from(*pid)),
                             },
                             _ => TryOutcome::Failed,
@@ -1245,6 +1289,11 @@ fn drain(table: &mut LockTable, m: &mut Model, now: Instant) -> Result<(), TestC
                     "two local holders of {}",
                     k
                 );
+                let Some(t) = t else {
+                    return Err(TestCaseError::fail(format!(
+                        "{k} granted to an eager request without its token"
+                    )));
+                };
                 if let Some(prev) = m.last_token.get(&k) {
                     prop_assert!(t > *prev, "token went from {} to {} on {}", prev, t, k);
                 }
@@ -1279,6 +1328,11 @@ fn drain(table: &mut LockTable, m: &mut Model, now: Instant) -> Result<(), TestC
                     q.retain(|x| *x != id);
                 }
                 prop_assert!(m.answered.insert(id), "answered twice");
+            }
+            Action::Token { id, .. } => {
+                return Err(TestCaseError::fail(format!(
+                    "a token read answered for {id}, which never read"
+                )));
             }
             Action::Lost { key: k, .. } => {
                 let lost: Vec<RequestId> = m
@@ -1412,7 +1466,7 @@ fn history_old_lease_still_out_blocks_the_local_waiter() {
 fn a_try_while_a_lost_lease_is_out_is_answered_at_once() {
     let mut f = Fixture::new();
     let _old = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.actions();
     f.table.session_ended(f.now);
     f.actions();
@@ -1446,7 +1500,7 @@ fn a_try_while_a_lost_lease_is_out_is_answered_at_once() {
 fn a_shutdown_right_after_a_reconnect_still_fences_the_lost_lease() {
     let mut f = Fixture::new();
     let _old = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.actions();
     f.table.session_ended(f.now);
     f.actions();
@@ -1485,7 +1539,7 @@ fn a_key_not_won_without_its_buckets_interest_is_tried_again_at_once() {
     assert_eq!(plan.register, vec![x], "one registration per bucket");
     f.table.tried(
         &[
-            (x, TryOutcome::Won(token(5))),
+            (x, TryOutcome::Won(Some(token(5)))),
             (y, TryOutcome::Held { by: by(9) }),
         ],
         f.now,
@@ -1560,7 +1614,8 @@ fn a_key_won_after_being_seen_held_in_the_same_statement_waits_out_the_grace() {
     let plan = f.plan();
     assert_eq!(plan.try_keys, vec![key(1)]);
     f.table.seen_held(&[key(1)]);
-    f.table.tried(&[(key(1), TryOutcome::Won(token(3)))], f.now);
+    f.table
+        .tried(&[(key(1), TryOutcome::Won(Some(token(3))))], f.now);
     assert!(f.granted().is_empty(), "granted without the grace");
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -1607,7 +1662,7 @@ fn a_try_during_a_new_terms_hold_answers_at_once() {
     assert!(f.plan().is_empty(), "tried at the server");
     // A waiting request is tried (and held at the server) and granted after the hold.
     let w = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(4)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(4))));
     assert!(f.granted().is_empty());
     f.advance(Duration::from_secs(6));
     f.clear_fences(&[key(1)]);
@@ -1622,7 +1677,7 @@ fn a_hand_over_names_its_node_and_skips_the_local_waiters() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
     let b = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(a, token(10))]);
     f.table.release_to(key(1), a, Some(7), f.now);
     let plan = f.plan();
@@ -1636,7 +1691,7 @@ fn a_hand_over_names_its_node_and_skips_the_local_waiters() {
     );
     assert_eq!(f.table.next_wakeup(f.now), Some(f.now + HAND_OVER_HOLD));
     f.advance(HAND_OVER_HOLD);
-    f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(12))));
     // Node 7 may have held it meanwhile and lost it silently: the grace, the fence.
     assert!(f.granted().is_empty());
     f.advance(GRACE);
@@ -1654,7 +1709,7 @@ fn a_hand_over_to_this_node_is_a_plain_release() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
     let b = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.actions();
     f.table.release_to(key(1), a, Some(0), f.now);
     assert_eq!(
@@ -1662,7 +1717,7 @@ fn a_hand_over_to_this_node_is_a_plain_release() {
         vec![key(1)],
         "a local hand-off, as usual"
     );
-    f.table.tokens(&[key(1)], Some(token(11)), f.now);
+    f.table.tokens(&[key(1)], &[], Some(token(11)), f.now);
     assert_eq!(f.granted(), vec![(b, token(11))]);
 }
 
@@ -1682,7 +1737,7 @@ fn a_verified_hand_over_to_another_node_holds_this_one_off() {
     // Node 9 did not take it (or took it and lost it silently): we do, after the
     // grace and the fence check.
     f.advance(ms(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty());
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -1700,7 +1755,7 @@ fn a_try_that_wins_a_key_just_handed_to_another_node_gives_it_back() {
     let a = f.request(key(1), Mode::Wait, POLL);
     f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(2 * POLL);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "granted without the grace");
     f.advance(ms(5));
     f.table.announced_for(key(1), 4242, Some(9), f.now);
@@ -1713,7 +1768,7 @@ fn a_try_that_wins_a_key_just_handed_to_another_node_gives_it_back() {
     assert!(f.plan().try_keys.is_empty(), "tried within the hold");
     // Node 9 did not take it: this node does, after the hold, the grace and the check.
     f.advance(ms(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(11)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(11))));
     assert!(f.granted().is_empty());
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -1728,7 +1783,7 @@ fn a_win_is_not_given_back_for_a_hand_over_from_a_backend_the_try_did_not_see() 
     let a = f.request(key(1), Mode::Wait, POLL);
     f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(2 * POLL);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.advance(ms(5));
     f.table.announced_for(key(1), 5151, Some(9), f.now);
     f.advance(GRACE);
@@ -1748,7 +1803,7 @@ fn a_win_by_a_try_that_saw_no_holder_is_given_back_once_for_a_hand_over_to_anoth
     f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.table.session_ended(f.now);
     f.table.session_started(2, f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "granted without the grace");
     f.advance(ms(5));
     f.table.announced_for(key(1), 4343, Some(9), f.now);
@@ -1760,7 +1815,7 @@ fn a_win_by_a_try_that_saw_no_holder_is_given_back_once_for_a_hand_over_to_anoth
     // Node 9 did not take it: this node wins again, and another such announcement (a
     // forged one, say) no longer takes the key from it.
     f.advance(ms(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(11)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(11))));
     f.advance(ms(5));
     f.table.announced_for(key(1), 4444, Some(9), f.now);
     assert!(f.plan().unlock_quiet.is_empty());
@@ -1780,7 +1835,7 @@ fn a_new_request_held_off_by_an_unchecked_hand_over_keeps_the_grace_after_it() {
     f.table.announced_for(key(1), 4343, Some(9), f.now);
     assert!(f.plan().try_keys.is_empty(), "not held off for node 9");
     f.advance(HAND_OVER_HOLD);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "granted without the grace");
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -1808,7 +1863,7 @@ fn a_hold_after_an_announced_release_keeps_the_grace_after_it() {
     f.table.announced_for(key(1), 4242, Some(9), f.now);
     assert!(f.plan().try_keys.is_empty(), "not held off for node 9");
     f.advance(HAND_OVER_HOLD);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(
         f.granted().is_empty(),
         "granted without the grace after a hold"
@@ -1863,7 +1918,7 @@ fn a_waiter_that_saw_no_holder_holds_off_once_for_a_hand_over_to_another_node() 
     f.advance(HAND_OVER_HOLD - ms(1));
     assert!(f.plan().try_keys.is_empty(), "tried within the hold");
     f.advance(ms(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.table.announced_for(key(1), 4444, Some(9), f.now);
     assert!(f.plan().unlock_quiet.is_empty());
     f.advance(GRACE);
@@ -1879,7 +1934,7 @@ fn a_node_that_handed_a_key_to_another_does_not_take_it_back_at_once() {
     for before_unlock in [true, false] {
         let mut f = Fixture::new();
         let a = f.request(key(1), Mode::Wait, POLL);
-        f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+        f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
         assert_eq!(f.granted(), vec![(a, token(10))]);
         f.table.release_to(key(1), a, Some(9), f.now);
         let plan = f.plan();
@@ -1908,7 +1963,7 @@ fn a_verified_hand_over_to_this_node_tries_at_once() {
     f.try_round(&[key(1)], TryOutcome::Held { by: by(4242) });
     f.advance(ms(5));
     f.table.announced_for(key(1), 4242, Some(0), f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
 
@@ -1927,7 +1982,7 @@ fn a_hand_over_announced_while_the_named_node_s_try_is_in_flight_is_kept() {
     f.table
         .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
     f.advance(ms(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     // Announced by the holder the try saw: no grace.
     assert_eq!(f.granted(), vec![(a, token(10))]);
 }
@@ -1944,7 +1999,7 @@ fn an_announcement_in_flight_from_a_backend_the_try_did_not_see_is_only_a_cue() 
     f.table.registered(&plan.register);
     f.table
         .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "granted without the grace");
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -1984,7 +2039,7 @@ fn an_announcement_during_the_try_counts_as_if_it_came_after_the_answer() {
             &[(
                 key(1),
                 TryOutcome::WonFenced {
-                    token: token(10),
+                    token: Some(token(10)),
                     by: Some(4242),
                 },
             )],
@@ -2009,7 +2064,7 @@ fn an_announcement_older_than_a_failed_try_vouches_for_nothing() {
     f.table.announced(key(1), 100, f.now);
     f.try_round(&[key(1)], TryOutcome::Failed);
     f.advance(ms(500));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(
         f.granted().is_empty(),
         "an announcement older than a failed try skipped the grace"
@@ -2033,7 +2088,7 @@ fn an_announcement_counts_only_for_a_win_soon_after_it() {
     f.advance(GRACE + ms(1));
     f.table.senders(&[(key(1), by(100).and_then(|b| b.start))]);
     f.table
-        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+        .tried(&[(key(1), TryOutcome::Won(Some(token(10))))], f.now);
     assert!(f.granted().is_empty(), "a late win skipped the grace");
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -2051,7 +2106,7 @@ fn an_unverified_hand_over_holds_nobody_off() {
         f.table.announced_for(key(1), forged, Some(9), f.now);
     }
     f.advance(UNVERIFIED_CUE * 11 / 10);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(a, token(10))]);
@@ -2077,7 +2132,7 @@ fn an_unverified_hand_over_to_this_node_tries_once_at_once_and_keeps_the_grace()
     );
     f.advance(UNVERIFIED_CUE);
     f.table.announced_for(key(1), 8000, Some(0), f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(f.granted().is_empty(), "the grace was skipped");
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
@@ -2101,7 +2156,7 @@ fn a_hand_over_hold_does_not_vouch_for_the_targets_release() {
     f.table.announced_for(key(1), 4242, Some(9), f.now);
     // ... node 9 wins the key at the server, and is cut off, within the hold ...
     f.advance(HAND_OVER_HOLD);
-    f.try_round(&[key(1)], TryOutcome::Won(token(20)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(20))));
     assert!(
         f.granted().is_empty(),
         "granted at once after the hold: the grace was skipped for node 9's unseen release"
@@ -2119,7 +2174,7 @@ fn the_local_waiter_after_a_hand_over_hold_waits_the_grace() {
     let mut f = Fixture::new();
     let a = f.wait(key(1));
     let b = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(a, token(10))]);
     f.table.release_to(key(1), a, Some(9), f.now);
     let plan = f.plan();
@@ -2127,7 +2182,7 @@ fn the_local_waiter_after_a_hand_over_hold_waits_the_grace() {
     f.table.unlocked(&plan.unlock, f.now);
     // ... node 9 wins the key at the server, and is cut off, within the hold ...
     f.advance(HAND_OVER_HOLD);
-    f.try_round(&[key(1)], TryOutcome::Won(token(12)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(12))));
     assert!(
         f.granted().is_empty(),
         "the local waiter was granted at once after the hold: the grace was skipped"
@@ -2154,7 +2209,7 @@ fn a_batch_of_hand_overs_fits_the_notify_payload_limit() {
         .collect();
     keys.sort_unstable();
     let ids: Vec<RequestId> = keys.iter().map(|k| f.wait(*k)).collect();
-    f.try_round(&keys, TryOutcome::Won(token(1)));
+    f.try_round(&keys, TryOutcome::Won(Some(token(1))));
     assert_eq!(f.granted().len(), 200);
     let to = crate::key::node_hash("web-2");
     for (k, id) in keys.iter().zip(&ids) {
@@ -2226,7 +2281,7 @@ fn a_try_during_the_releasers_hold_is_answered_at_once() {
     // way: it is neither refused (Busy) nor tried; it waits out the whole hold.
     let mut f = Fixture::new();
     let a = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(a, token(10))]);
     f.table.release_to(key(1), a, Some(9), f.now);
     let plan = f.plan();
@@ -2311,7 +2366,7 @@ fn a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() {
     assert_eq!(plan.try_keys, vec![key(1)]);
     f.table.begin_close();
     f.table
-        .tried(&[(key(1), TryOutcome::Won(token(10)))], f.now);
+        .tried(&[(key(1), TryOutcome::Won(Some(token(10))))], f.now);
     assert!(f.granted().is_empty());
     let plan = f.plan();
     assert_eq!((plan.unlock, plan.unlock_quiet), (vec![], vec![key(1)]));
@@ -2319,7 +2374,7 @@ fn a_won_key_refused_at_shutdown_is_unlocked_quietly_in_either_order() {
     // (b) The try's result is read first (a grant), then the driver refuses it.
     let mut f = Fixture::new();
     let w = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(w, token(10))]);
     f.table.undelivered(key(1), w, f.now);
     let plan = f.plan();
@@ -2349,12 +2404,13 @@ fn a_grant_that_never_reached_its_request_stays_quiet_through_a_failed_hand_off_
     let mut f = Fixture::new();
     let w = f.wait(key(1));
     let _second = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(w, token(10))]);
     f.table.undelivered(key(1), w, f.now);
     let plan = f.plan();
     assert_eq!(plan.token_for, vec![key(1)]);
-    f.table.tokens(&plan.token_for, None, f.now);
+    f.table
+        .tokens(&plan.token_for, &plan.token_read, None, f.now);
     let plan = f.plan();
     assert_eq!(
         (plan.unlock.clone(), plan.unlock_quiet.clone()),
@@ -2366,7 +2422,7 @@ fn a_grant_that_never_reached_its_request_stays_quiet_through_a_failed_hand_off_
     let mut f = Fixture::new();
     let w = f.wait(key(1));
     let _second = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(w, token(10))]);
     f.table.undelivered(key(1), w, f.now);
     f.table.begin_close();
@@ -2381,13 +2437,14 @@ fn a_grant_that_never_reached_its_request_stays_quiet_through_a_failed_hand_off_
     let mut f = Fixture::new();
     let w = f.wait(key(1));
     let second = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(w, token(10))]);
     f.table.undelivered(key(1), w, f.now);
     let plan = f.plan();
     assert_eq!(plan.token_for, vec![key(1)]);
     f.table.withdraw(key(1), second, f.now);
-    f.table.tokens(&plan.token_for, Some(token(11)), f.now);
+    f.table
+        .tokens(&plan.token_for, &plan.token_read, Some(token(11)), f.now);
     let plan = f.plan();
     assert_eq!(
         (plan.unlock.clone(), plan.unlock_quiet.clone()),
@@ -2399,12 +2456,13 @@ fn a_grant_that_never_reached_its_request_stays_quiet_through_a_failed_hand_off_
     let mut f = Fixture::new();
     let w = f.wait(key(1));
     let _second = f.wait(key(1));
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert_eq!(f.granted(), vec![(w, token(10))]);
     f.table.release_to(key(1), w, None, f.now);
     let plan = f.plan();
     assert_eq!(plan.token_for, vec![key(1)]);
-    f.table.tokens(&plan.token_for, None, f.now);
+    f.table
+        .tokens(&plan.token_for, &plan.token_read, None, f.now);
     let plan = f.plan();
     assert_eq!(plan.unlock, vec![key(1)]);
 }
@@ -2423,7 +2481,7 @@ fn an_announcement_that_arrives_during_a_slow_try_keeps_its_arrival() {
     f.table.registered(&plan.register);
     f.table
         .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(
         f.granted().is_empty(),
         "a stale in-flight announcement skipped the grace"
@@ -2447,7 +2505,7 @@ fn an_announcement_read_after_a_slow_try_answered_keeps_its_arrival() {
     f.table
         .tried(&[(key(1), TryOutcome::Held { by: by(4242) })], f.now);
     f.table.announced_for(key(1), 4242, Some(0), arrived);
-    f.try_round(&[key(1)], TryOutcome::Won(token(10)));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(10))));
     assert!(
         f.granted().is_empty(),
         "a stale announcement skipped the grace"
@@ -2455,4 +2513,117 @@ fn an_announcement_read_after_a_slow_try_answered_keeps_its_arrival() {
     f.advance(GRACE);
     f.clear_fences(&[key(1)]);
     assert_eq!(f.granted(), vec![(a, token(10))]);
+}
+
+#[test]
+fn a_lazy_request_is_won_without_a_token_and_reads_one_while_it_holds() {
+    let mut f = Fixture::new();
+    let id = f.wait_lazily(key(1));
+    let plan = f.plan();
+    assert_eq!(plan.try_keys, vec![key(1)]);
+    assert_eq!(plan.lazy, vec![key(1)], "its try takes no token");
+    f.table.tried(&[(key(1), TryOutcome::Won(None))], f.now);
+    assert_eq!(f.granted_lazily(), vec![(id, None)]);
+    assert_eq!(f.table.read_token(key(1), id), TokenRead::Pending);
+    let plan = f.plan();
+    assert_eq!(
+        plan.token_read,
+        vec![key(1)],
+        "one token statement issues it"
+    );
+    assert!(plan.token_for.is_empty() && plan.try_keys.is_empty());
+    // A second read while the first is in flight waits for the same answer.
+    assert_eq!(f.table.read_token(key(1), id), TokenRead::Pending);
+    assert!(f.plan().is_empty());
+    f.table
+        .tokens(&[], &plan.token_read, Some(token(20)), f.now);
+    assert_eq!(f.read_answers(), vec![(id, Some(token(20)))]);
+    assert_eq!(f.table.read_token(key(1), id), TokenRead::Known(token(20)));
+    assert!(f.plan().is_empty(), "known: no statement");
+    assert_eq!(f.table.read_token(key(1), id + 1), TokenRead::NotHeld);
+}
+
+#[test]
+fn a_token_read_fails_when_the_statement_fails_and_may_be_read_again() {
+    let mut f = Fixture::new();
+    let id = f.wait_lazily(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(None));
+    assert_eq!(f.granted_lazily(), vec![(id, None)]);
+    assert_eq!(f.table.read_token(key(1), id), TokenRead::Pending);
+    let plan = f.plan();
+    f.table.tokens(&[], &plan.token_read, None, f.now);
+    assert_eq!(f.read_answers(), vec![(id, None)]);
+    assert_eq!(f.table.held(), 1, "the lease is still held");
+    assert_eq!(f.table.read_token(key(1), id), TokenRead::Pending);
+    let plan = f.plan();
+    f.table
+        .tokens(&[], &plan.token_read, Some(token(21)), f.now);
+    assert_eq!(f.read_answers(), vec![(id, Some(token(21)))]);
+}
+
+#[test]
+fn a_token_read_pending_when_the_lease_ends_is_answered_without_a_token() {
+    // Released while the read is in flight: answered at once, and the late token is
+    // handed to nobody.
+    let mut f = Fixture::new();
+    let id = f.wait_lazily(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(None));
+    f.granted_lazily();
+    f.table.read_token(key(1), id);
+    let plan = f.plan();
+    f.table.release(key(1), id, f.now);
+    assert_eq!(f.read_answers(), vec![(id, None)]);
+    f.table
+        .tokens(&[], &plan.token_read, Some(token(30)), f.now);
+    assert!(f.read_answers().is_empty(), "the late token goes to nobody");
+    // Lost with the session while asked but not sent.
+    let mut f = Fixture::new();
+    let id = f.wait_lazily(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(None));
+    f.granted_lazily();
+    f.table.read_token(key(1), id);
+    f.table.session_ended(f.now);
+    assert_eq!(f.read_answers(), vec![(id, None)]);
+}
+
+#[test]
+fn an_eager_request_won_by_a_lazy_try_gets_a_token_before_its_grant() {
+    let mut f = Fixture::new();
+    let lazy = f.wait_lazily(key(1));
+    let eager = f.wait(key(1));
+    let plan = f.plan();
+    assert_eq!(plan.lazy, vec![key(1)], "the head waiter decides");
+    // The lazy head gives up while the try is in flight.
+    f.table.withdraw(key(1), lazy, f.now);
+    f.table.tried(&[(key(1), TryOutcome::Won(None))], f.now);
+    assert!(
+        f.granted_lazily().is_empty(),
+        "not granted without its token"
+    );
+    let plan = f.plan();
+    assert_eq!(plan.token_for, vec![key(1)]);
+    f.table.tokens(&plan.token_for, &[], Some(token(40)), f.now);
+    assert_eq!(f.granted_lazily(), vec![(eager, Some(token(40)))]);
+}
+
+#[test]
+fn a_local_hand_off_to_a_lazy_waiter_needs_no_statement_and_no_earlier_token() {
+    let mut f = Fixture::new();
+    let a = f.wait(key(1));
+    let b = f.wait_lazily(key(1));
+    f.try_round(&[key(1)], TryOutcome::Won(Some(token(50))));
+    assert_eq!(f.granted_lazily(), vec![(a, Some(token(50)))]);
+    f.table.release(key(1), a, f.now);
+    assert!(f.plan().is_empty(), "no statement");
+    assert_eq!(
+        f.granted_lazily(),
+        vec![(b, None)],
+        "granted by the next plan, never with the earlier holder's token"
+    );
+    assert_eq!(f.table.read_token(key(1), b), TokenRead::Pending);
+    let plan = f.plan();
+    assert_eq!(plan.token_read, vec![key(1)]);
+    f.table
+        .tokens(&[], &plan.token_read, Some(token(51)), f.now);
+    assert_eq!(f.read_answers(), vec![(b, Some(token(51)))]);
 }

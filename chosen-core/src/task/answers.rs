@@ -15,7 +15,7 @@ use crate::fault::Fault;
 use crate::info::{LockInfo, LockState};
 use crate::key::LockKey;
 use crate::status::SessionDownReason;
-use crate::table::{Action, Entry, Refusal, RequestId};
+use crate::table::{Action, Entry, Refusal, RequestId, TokenRead};
 use crate::token::FencingToken;
 
 impl Driver {
@@ -48,6 +48,11 @@ impl Driver {
                     };
                     let _ = reply.send(answer);
                 }
+                Action::Token { id, token, .. } => {
+                    for reply in self.token_replies.remove(&id).unwrap_or_default() {
+                        let _ = reply.send(token);
+                    }
+                }
                 Action::Released { key, name } => {
                     debug!(lock = %name, key = %key, "released");
                     if let Some(m) = self.metrics() {
@@ -70,7 +75,7 @@ impl Driver {
         &mut self,
         id: RequestId,
         key: LockKey,
-        token: FencingToken,
+        token: Option<FencingToken>,
         generation_id: u64,
         waited: Duration,
     ) {
@@ -105,7 +110,7 @@ impl Driver {
                 if let Some(m) = self.metrics() {
                     m.lock_acquired(self.node(), &name, waited);
                 }
-                debug!(lock = %name, key = %key, token = token.get(), "acquired");
+                debug!(lock = %name, key = %key, token = token.map(FencingToken::get), "acquired");
             }
             Err(returned) => {
                 if let Ok(Some(mut grant)) = returned {
@@ -267,6 +272,23 @@ impl Driver {
                     self.cluster_queries.push(reply);
                 } else {
                     let _ = reply.send(Err(Error::NotConnected(self.last_reason.clone())));
+                }
+            }
+            Command::Token { key, id, reply } => {
+                match self.engine.table_mut().read_token(key, id) {
+                    TokenRead::Known(token) => {
+                        let _ = reply.send(Some(token));
+                    }
+                    TokenRead::NotHeld => {
+                        let _ = reply.send(None);
+                    }
+                    // Answered by the table's `Action::Token`, with every read of the
+                    // lease that came meanwhile (the dropped ones' too).
+                    TokenRead::Pending => {
+                        let replies = self.token_replies.entry(id).or_default();
+                        replies.retain(|r| !r.is_closed());
+                        replies.push(reply);
+                    }
                 }
             }
             Command::Holder { key, reply } => {

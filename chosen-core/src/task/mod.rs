@@ -46,6 +46,8 @@ pub(crate) struct Driver {
     engine: Engine,
     /// Reply channels of requests the table still has (waiting or in a statement).
     replies: HashMap<RequestId, oneshot::Sender<Result<Option<Grant>>>>,
+    /// Token reads waiting for the table's answer, by lease.
+    token_replies: HashMap<RequestId, Vec<oneshot::Sender<Option<crate::token::FencingToken>>>>,
     release_replies: Vec<oneshot::Sender<Result<()>>>,
     holder_queries: Vec<(LockKey, HolderReply)>,
     cluster_queries: Vec<ClusterReply>,
@@ -108,6 +110,7 @@ impl Driver {
             weak_tx,
             backend,
             replies: HashMap::default(),
+            token_replies: HashMap::default(),
             release_replies: Vec::new(),
             holder_queries: Vec::new(),
             cluster_queries: Vec::new(),

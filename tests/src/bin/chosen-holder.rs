@@ -26,7 +26,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let manager = LockManager::connect(ManagerOptions::from_url(&url)?.node_id(node)).await?;
     let lease = manager.acquire(lock.as_str()).await?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "acquired {} {}", lease.fencing_token(), now_us())?;
+    writeln!(
+        out,
+        "acquired {} {}",
+        lease.fencing_token().await.unwrap(),
+        now_us()
+    )?;
     out.flush()?;
     let mut ticks = tokio::time::interval(Duration::from_millis(10));
     loop {
