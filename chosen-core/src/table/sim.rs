@@ -1996,10 +1996,9 @@ impl Sim {
                 self.decided.insert((n, *k), reply.at);
             }
         }
-        for (k, check) in &reply.checked {
-            if *check == FenceCheck::Clear {
-                self.decided.insert((n, *k), reply.at);
-            }
+        // (Every check: with the stop fence switched off, a held one grants too.)
+        for (k, _) in &reply.checked {
+            self.decided.insert((n, *k), reply.at);
         }
         let granted_before = self.runs.len();
         self.carry_out(n, reply.at);
@@ -2288,19 +2287,19 @@ impl Sim {
         if let Some(token) = token {
             self.check_token(n, key, token, born_invalid);
         }
+        let eager = self.nodes[n].eager.remove(&id);
+        if eager && token.is_none() {
+            self.violation(format!(
+                "n{n} granted {key} to request {id}, which asked for its token, without one"
+            ));
+        }
         if self.nodes[n].abandoned.remove(&id) {
             // The grant never reaches its caller: nothing runs under it, and the key
             // goes back as the driver gives it (`LockTable::undelivered`).
             self.stats.undelivered += 1;
             self.log(|| format!("n{n} grant {id} of {key} was never delivered"));
             let inst = self.nodes[n].inst;
-            let origin = if how == How::Handoff {
-                self.undelivered_origin
-                    .get(&(n, inst, key))
-                    .map_or((how, decided_at), |(_, o)| *o)
-            } else {
-                (how, decided_at)
-            };
+            let origin = self.tenure_origin(n, key, how, decided_at);
             self.undelivered_origin
                 .insert((n, inst, key), (self.now, origin));
             let now = self.at(self.now);
@@ -2316,13 +2315,7 @@ impl Sim {
             self.violation(format!("n{n} granted unknown request {id}"));
             return;
         };
-        let eager = self.nodes[n].eager.remove(&id);
         let Some(token) = token else {
-            if eager {
-                self.violation(format!(
-                    "n{n} granted {key} to request {id}, which asked for its token, without one"
-                ));
-            }
             // A lazy request: its holder reads the token before it starts its work. Its
             // session's tenure began as a grant since the last run's (a hand-off from
             // it inherits that).
