@@ -194,7 +194,11 @@ async fn run() -> Res<()> {
         some => some.to_vec(),
     };
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut cpu_from = Duration::ZERO;
     for round in 0..warm_up + rounds {
+        if round == warm_up {
+            cpu_from = cpu_time();
+        }
         for i in (1..order.len()).rev() {
             seed = seed
                 .wrapping_mul(6_364_136_223_846_793_005)
@@ -258,6 +262,9 @@ async fn run() -> Res<()> {
             }
         }
     }
+    // This process's CPU (every thread) per timed round: with one row alone
+    // (`CHOSEN_ITEMIZE_ONLY=i`), what that row costs the client.
+    let cpu_per_round = (cpu_time().saturating_sub(cpu_from)).as_secs_f64() * 1e6 / rounds as f64;
     manager.shutdown().await;
     // What chosen sent, per acquire + release.
     let rows = raw
@@ -286,7 +293,7 @@ async fn run() -> Res<()> {
         p50(&mut times[0].clone())
     };
     println!(
-        "{} rounds, fsync and synchronous_commit {}\n",
+        "{} rounds, fsync and synchronous_commit {}; client CPU {cpu_per_round:.0} µs per round (all rows of a round)\n",
         rounds,
         if durable { "on" } else { "off" }
     );
@@ -303,4 +310,16 @@ async fn run() -> Res<()> {
         );
     }
     Ok(())
+}
+
+/// CPU time (user + system) of this process, every thread.
+fn cpu_time() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
+            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    Duration::from_millis(ticks * 10) // USER_HZ = 100 on Linux
 }
