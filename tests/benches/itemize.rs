@@ -197,7 +197,7 @@ async fn run() -> Res<()> {
     let mut cpu_from = Duration::ZERO;
     for round in 0..warm_up + rounds {
         if round == warm_up {
-            cpu_from = cpu_time();
+            cpu_from = chosen_tests::process_cpu_time();
         }
         for i in (1..order.len()).rev() {
             seed = seed
@@ -264,7 +264,9 @@ async fn run() -> Res<()> {
     }
     // This process's CPU (every thread) per timed round: with one row alone
     // (`CHOSEN_ITEMIZE_ONLY=i`), what that row costs the client.
-    let cpu_per_round = (cpu_time().saturating_sub(cpu_from)).as_secs_f64() * 1e6 / rounds as f64;
+    let cpu_per_round = (chosen_tests::process_cpu_time().saturating_sub(cpu_from)).as_secs_f64()
+        * 1e6
+        / rounds as f64;
     manager.shutdown().await;
     // What chosen sent, per acquire + release.
     let rows = raw
@@ -310,16 +312,4 @@ async fn run() -> Res<()> {
         );
     }
     Ok(())
-}
-
-/// CPU time (user + system) of this process, every thread.
-fn cpu_time() -> Duration {
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
-            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0);
-    Duration::from_millis(ticks * 10) // USER_HZ = 100 on Linux
 }

@@ -97,18 +97,6 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU time (user + system) of this process.
-fn cpu_time() -> Duration {
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
-            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0);
-    Duration::from_millis(ticks * 10) // USER_HZ = 100 on Linux
-}
-
 /// Calls of statements that try advisory locks, as the server counted them.
 async fn tries(admin: &tokio_postgres::Client) -> i64 {
     admin
@@ -763,9 +751,9 @@ async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profi
         }
     }
     // Baseline CPU: the holder's heartbeats only.
-    let c0 = cpu_time();
+    let c0 = chosen_tests::process_cpu_time();
     tokio::time::sleep(window).await;
-    let base_cpu = cpu_time() - c0;
+    let base_cpu = chosen_tests::process_cpu_time() - c0;
 
     // chosen: one manager waits for all N names.
     let waiter = LockManager::connect(options(url, "bench-wait-waiter")?).await?;
@@ -777,10 +765,10 @@ async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profi
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let x0 = tries(admin).await;
-    let c0 = cpu_time();
+    let c0 = chosen_tests::process_cpu_time();
     tokio::time::sleep(window).await;
     let chosen_q = (tries(admin).await - x0) as f64 / window.as_secs_f64();
-    let chosen_cpu = (cpu_time() - c0).saturating_sub(base_cpu);
+    let chosen_cpu = (chosen_tests::process_cpu_time() - c0).saturating_sub(base_cpu);
     waits.abort_all();
     waiter.shutdown().await;
 
@@ -810,10 +798,10 @@ async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profi
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let x0 = tries(admin).await;
-    let c0 = cpu_time();
+    let c0 = chosen_tests::process_cpu_time();
     tokio::time::sleep(window).await;
     let naive_q = (tries(admin).await - x0) as f64 / window.as_secs_f64();
-    let naive_cpu = (cpu_time() - c0).saturating_sub(base_cpu);
+    let naive_cpu = (chosen_tests::process_cpu_time() - c0).saturating_sub(base_cpu);
     loops.abort_all();
     drop(leases);
     holder.shutdown().await;

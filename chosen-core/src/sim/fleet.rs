@@ -1432,7 +1432,19 @@ fn the_fleet_check_fails_when_the_server_releases_a_session_before_its_lease_exp
 
 /// The first of the first 40 seeds whose run, with `guard` switched off, reports a
 /// violation that contains `what`.
+/// Reports through `tracing` to the test's output (`--nocapture` shows it), once per
+/// test process.
+fn log_to_tests(filter: &str) {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_timer(VirtualTime)
+        .with_target(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .try_init();
+}
+
 fn first_failing_without(guard: super::Guard, what: &str) -> Option<u64> {
+    log_to_tests("chosen_core::sim::fleet=info");
     let _off = super::switch_off(&[guard]);
     let found = (0..40).find_map(|seed| {
         run_seed(seed, RELEASE_AFTER)
@@ -1441,7 +1453,7 @@ fn first_failing_without(guard: super::Guard, what: &str) -> Option<u64> {
             .find(|v| v.contains(what))
             .map(|v| (seed, v))
     });
-    eprintln!("with {guard:?} off, the first failing seed and its violation: {found:?}");
+    tracing::info!("with {guard:?} off, the first failing seed and its violation: {found:?}");
     found.map(|(seed, _)| seed)
 }
 
@@ -1545,12 +1557,7 @@ fn the_fleet_holds_over_many_seeds() {
         }
         .to_owned()
     });
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_timer(VirtualTime)
-        .with_target(false)
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .try_init();
+    log_to_tests(&filter);
     let (first, count) = match replay {
         Some(seed) => (seed, 1),
         None => (

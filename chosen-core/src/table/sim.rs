@@ -2158,6 +2158,20 @@ impl Sim {
         }
     }
 
+    /// A single whose lease is gone asks again within a second, or is gone for good
+    /// while its node closes.
+    fn asks_again_later(&mut self, n: usize, s: usize) {
+        let node = &mut self.nodes[n];
+        if node.closing.is_some() {
+            node.singles[s].state = SState::Gone;
+        } else {
+            node.singles[s].state = SState::Idle;
+            let inst = node.inst;
+            let t = self.now + self.rng.range(0, SEC);
+            self.push(t, Ev::Reacquire { n, inst, s });
+        }
+    }
+
     /// A lazy holder drops its lease before it started any work.
     fn drop_unread(&mut self, n: usize, s: usize, id: RequestId) {
         let key = self.nodes[n].singles[s].key;
@@ -2171,15 +2185,7 @@ impl Sim {
         }
         let now = self.at(self.now);
         self.nodes[n].engine.table_mut().release(key, id, now);
-        let node = &mut self.nodes[n];
-        if node.closing.is_some() {
-            node.singles[s].state = SState::Gone;
-        } else {
-            node.singles[s].state = SState::Idle;
-            let inst = node.inst;
-            let t = self.now + self.rng.range(0, SEC);
-            self.push(t, Ev::Reacquire { n, inst, s });
-        }
+        self.asks_again_later(n, s);
         self.poke(n);
     }
 
@@ -2515,17 +2521,8 @@ impl Sim {
         if matches!(self.nodes[n].conn, Conn::Up { .. }) {
             self.nodes[n].releases_unanswered += 1;
         }
-        // The lease is gone before the task's answers are read (a local hand-off to a
-        // lazy waiter is granted at once).
-        let node = &mut self.nodes[n];
-        if node.closing.is_some() {
-            node.singles[s].state = SState::Gone;
-        } else {
-            node.singles[s].state = SState::Idle;
-            let inst = node.inst;
-            let t = self.now + self.rng.range(0, SEC);
-            self.push(t, Ev::Reacquire { n, inst, s });
-        }
+        // The lease is gone before the task's answers are read.
+        self.asks_again_later(n, s);
         self.carry_out(n, self.now);
         self.closing_command(n);
         self.poke(n);

@@ -191,12 +191,9 @@ impl Fixture {
     }
 
     fn granted(&mut self) -> Vec<(RequestId, FencingToken)> {
-        self.actions()
+        self.granted_lazily()
             .into_iter()
-            .filter_map(|a| match a {
-                Action::Grant { id, token, .. } => Some((id, token.expect("eager requests"))),
-                _ => None,
-            })
+            .map(|(id, token)| (id, token.expect("eager requests get their token")))
             .collect()
     }
 }
