@@ -60,3 +60,21 @@ pub(crate) async fn http(
         .unwrap_or_default();
     Ok((status, body))
 }
+
+/// The database the examples use: `DATABASE_URL` when set, else a throwaway local
+/// PostgreSQL cluster from the server binaries (removed when the returned handle is
+/// dropped). This is the examples' convenience, not part of chosen's API: in your
+/// program, pass your own database URL to `ManagerOptions::from_url`.
+pub(crate) fn database_url()
+-> Result<(String, Option<chosen_tests::PgCluster>), Box<dyn std::error::Error>> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Ok((url, None)),
+        _ => {
+            eprintln!(
+                "No DATABASE_URL: starting a throwaway PostgreSQL server (examples/common)..."
+            );
+            let cluster = chosen_tests::PgCluster::start_local()?;
+            Ok((cluster.url(), Some(cluster)))
+        }
+    }
+}
