@@ -131,13 +131,6 @@ pub struct LeaderOnlyJobLayer<P = AnyTask> {
     pub(crate) _election: Option<Arc<Election>>,
 }
 
-/// The name before the tower layer got a name of its own: both were `LeaderOnlyLayer`,
-/// so a service using both crates could not import both.
-#[deprecated(
-    note = "renamed to `LeaderOnlyJobLayer` (chosen-tower's layer is `LeaderOnlyHttpLayer`)"
-)]
-pub type LeaderOnlyLayer<P = AnyTask> = LeaderOnlyJobLayer<P>;
-
 impl LeaderOnlyJobLayer {
     /// Gates on an existing leadership (from an [`Election`] or a
     /// [`Singleton`](chosen_core::Singleton)).

@@ -10,8 +10,7 @@ mod service;
 mod worker;
 
 pub use guard::LeaderGuard;
-#[allow(deprecated)] // the old name, kept so that existing code still compiles
-pub use layer::{GateStats, LeaderOnlyJobLayer, LeaderOnlyLayer};
+pub use layer::{GateStats, LeaderOnlyJobLayer};
 #[cfg(feature = "ledger")]
 #[cfg_attr(docsrs, doc(cfg(feature = "ledger")))]
 pub use ledger::{
@@ -21,8 +20,7 @@ pub use ledger::{
     TickContext, TickLedger,
 };
 pub use policy::{AnyTask, CronTicks, TaskSchedule};
-#[allow(deprecated)] // the old name, kept so that existing code still compiles
-pub use service::{GateFuture, LeaderOnly, LeaderOnlyJob, Outcome, SkipReason};
+pub use service::{GateFuture, LeaderOnlyJob, Outcome, SkipReason};
 pub use worker::{CronGate, cron_worker};
 
 // What a cron job's code names, at the versions this crate is built with: no need to add

@@ -127,11 +127,6 @@ pub struct LeaderOnlyJob<S, P> {
     _election: Option<Arc<chosen_core::Election>>,
 }
 
-/// The name before the tower layer's service got a name of its own: both were
-/// `LeaderOnly`.
-#[deprecated(note = "renamed to `LeaderOnlyJob` (chosen-tower's service is `LeaderOnlyHttp`)")]
-pub type LeaderOnly<S, P> = LeaderOnlyJob<S, P>;
-
 impl<S> LeaderOnlyJob<S, crate::AnyTask> {
     /// Gates `inner` on `leadership`, as
     /// [`LeaderOnlyJobLayer::new`](crate::LeaderOnlyJobLayer::new)`(leadership).layer(inner)`

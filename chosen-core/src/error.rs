@@ -39,7 +39,7 @@ pub enum Error {
     /// something between chosen and PostgreSQL (a proxy or pooler) rewrote the
     /// conversation, or this is a bug in chosen; please report it with the message.
     #[error(
-        "unexpected answer from the server: {message}; check that nothing between this process and PostgreSQL (a proxy, a pooler) rewrites queries, or report it as a bug"
+        "unexpected answer from the server: {message}; is a proxy or pooler rewriting queries? if not, report a bug"
     )]
     Protocol {
         /// What was unexpected.
@@ -99,9 +99,13 @@ pub enum Error {
     NotConnected(SessionDownReason),
 
     /// The manager already tracks as many locks as
-    /// [`ManagerOptions::max_locks`](crate::ManagerOptions::max_locks) allows.
+    /// [`ManagerOptions::max_locks`](crate::ManagerOptions::max_locks) allows. Release
+    /// some, or raise the limit after checking the server's lock table capacity: every
+    /// held lock takes an entry of a table shared by the whole server
+    /// (`max_locks_per_transaction × (max_connections + max_prepared_transactions)`
+    /// entries), and other sessions' queries fail once it is full.
     #[error(
-        "this manager already holds or waits for {limit} locks, its limit; release some, or raise ManagerOptions::max_locks after checking the server's lock table capacity (max_locks_per_transaction)"
+        "this manager already holds or waits for {limit} locks (ManagerOptions::max_locks): release some or raise the limit"
     )]
     TooManyLocks {
         /// The configured limit.
@@ -124,10 +128,10 @@ pub enum Error {
 
     /// A fenced write ([`fenced::fence`](crate::fenced::fence)) found a greater token
     /// already recorded for its fence name: a newer holder of the lock has written.
-    /// The transaction has been aborted on the server and cannot commit; stop the
-    /// guarded work, this process no longer holds the lock.
+    /// The transaction has been aborted on the server and cannot commit; roll it back
+    /// and stop the guarded work, this process no longer holds the lock.
     #[error(
-        "fencing token {token} for {name:?} is stale: a newer holder recorded {}; this transaction was aborted and cannot commit: roll it back and stop the guarded work, this process no longer holds the lock",
+        "fencing token {token} for {name:?} is stale (a newer holder recorded {}): roll back and stop the guarded work",
         recorded_text(.recorded.as_ref())
     )]
     StaleToken {
@@ -155,9 +159,10 @@ pub enum Error {
     },
 
     /// A fencing token too large to record: fences store tokens as `bigint`, so they
-    /// must be below 2<sup>63</sup> (every token chosen issues is).
+    /// must be below 2<sup>63</sup>. Every token chosen issues is, so this one was made
+    /// by hand.
     #[error(
-        "fencing token {0} is out of range: fences store tokens as bigint, so a token must be at most 9223372036854775807 (2^63 - 1); every token chosen issues is, so this one was made by hand"
+        "fencing token {0} is above 2^63 - 1, the largest a fence stores: pass a token chosen issued"
     )]
     TokenOutOfRange(FencingToken),
 
@@ -165,9 +170,13 @@ pub enum Error {
     #[error("invalid fence table name: {0}")]
     InvalidTableName(String),
 
-    /// The fence table does not exist.
+    /// The fence table does not exist: create it with
+    /// [`fenced::install`](crate::fenced::install) (or
+    /// [`FenceTable::install`](crate::fenced::FenceTable::install)), or run its SQL
+    /// ([`fenced::INSTALL_SQL`](crate::fenced::INSTALL_SQL),
+    /// [`FenceTable::install_sql`](crate::fenced::FenceTable::install_sql)) in a migration.
     #[error(
-        "the fence table {table} does not exist: create it with chosen_core::fenced::install (or FenceTable::install), or run its SQL (fenced::INSTALL_SQL, FenceTable::install_sql) in a migration"
+        "the fence table {table} does not exist: run chosen_core::fenced::install, or its SQL in a migration"
     )]
     FenceNotInstalled {
         /// The table name.
@@ -189,9 +198,7 @@ pub enum Error {
 
     /// A fenced write through a lease or leader context that is known to be lost
     /// already; no statement was sent. Roll back: another node may hold the lock.
-    #[error(
-        "the lease is no longer valid ({0}); roll back the transaction: another node may hold the lock"
-    )]
+    #[error("the lease is no longer valid ({0}): roll back, another node may hold the lock")]
     LeaseLost(SessionDownReason),
 
     /// The statement that issues a lease's fencing token failed while the lease is still
@@ -265,6 +272,78 @@ impl Error {
             | Self::InvalidTableName(_)
             | Self::FenceNotInstalled { .. }
             | Self::LeaseLost(_) => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every message is one line that says what was wrong and what to do; the longer
+    /// explanation lives in the variant's docs.
+    #[test]
+    fn every_error_reads_in_one_line() {
+        let reasons = [
+            SessionDownReason::ConnectionLost {
+                message: "connection reset by peer".into(),
+            },
+            SessionDownReason::HeartbeatOverdue {
+                lease_timeout: Duration::from_secs(5),
+            },
+            SessionDownReason::ServerInRecovery,
+            SessionDownReason::ServerReadOnly,
+            SessionDownReason::BackendChanged {
+                expected: 4242,
+                found: 4343,
+            },
+            SessionDownReason::PoolerDetected {
+                detail: "the session carried another client's settings".into(),
+            },
+            SessionDownReason::ServerTooOld { version: 130_010 },
+            SessionDownReason::ConnectFailed {
+                message: "connection refused".into(),
+            },
+            SessionDownReason::Shutdown,
+        ];
+        let token = FencingToken::new(281_474_976_711_381);
+        let mut errors = vec![
+            Error::config(
+                "ManagerOptions::lease_timeout",
+                "lease_timeout 0ns must be more than zero",
+            ),
+            Error::InvalidUrl {
+                message: "invalid port".into(),
+            },
+            Error::Protocol {
+                message: "no row".into(),
+            },
+            Error::TooManyLocks { limit: 4096 },
+            Error::InvalidName("lock name \"\" is empty".into()),
+            Error::InvalidPollInterval(Duration::from_millis(1)),
+            Error::Closed,
+            Error::StaleToken {
+                name: "billing-run".into(),
+                token,
+                recorded: Some(FencingToken::new(281_474_976_711_999)),
+            },
+            Error::TokenOutOfRange(FencingToken::new(u64::MAX)),
+            Error::InvalidTableName("\"a.b.c\": too many dots".into()),
+            Error::TokenNotIssued,
+        ];
+        for reason in reasons {
+            errors.push(Error::Refused(reason.clone()));
+            errors.push(Error::NotConnected(reason.clone()));
+            errors.push(Error::LeaseLost(reason));
+        }
+        for error in errors {
+            let text = error.to_string();
+            assert!(!text.contains('\n'), "one line: {text}");
+            assert!(
+                text.len() <= 240,
+                "{} chars, at most 240: {text}",
+                text.len()
+            );
         }
     }
 }

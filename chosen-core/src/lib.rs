@@ -71,15 +71,3 @@ pub mod bench_sql {
     /// The single-key unlock (parameters as in the session's `unlock_announcing`).
     pub const UNLOCK_ONE: &str = crate::pg::UNLOCK_ONE_SQL;
 }
-/// The former name of [`ConnectionState`].
-#[deprecated(
-    since = "0.2.0",
-    note = "renamed to ConnectionState (a state, as SingletonState)"
-)]
-pub type ConnectionStatus = ConnectionState;
-/// The former name of [`SessionDownReason`].
-#[deprecated(
-    since = "0.2.0",
-    note = "renamed to SessionDownReason: it also names refusals (a server too old, a failed connect), not only disconnects"
-)]
-pub type DisconnectReason = SessionDownReason;

@@ -423,6 +423,14 @@ impl ManagerOptions {
     /// documentation ("A new primary term") for how, and what a DBA can do to make it
     /// exact. The cost: after a restart or failover, the first grant comes this long
     /// after the server came back, even when no holder was silent.
+    ///
+    /// A server started for the first time waits too (every `docker compose up`, every
+    /// throwaway test server): nothing it shows proves that no earlier term existed. Its
+    /// first start after `initdb` looks the same whether or not it replaces a server at
+    /// the same address whose holders still trust their leases (a fresh volume after
+    /// `docker compose down`, a cluster rebuilt by a script). The manager logs the wait
+    /// once at `info`, with its length and this option's name. In tests that start one
+    /// server per test and no process outlives it, zero is safe.
     #[must_use]
     pub fn term_grant_delay(mut self, delay: Duration) -> Self {
         self.term_grant_delay = Some(delay);
@@ -664,10 +672,7 @@ impl ManagerOptions {
             return bad(
                 "ManagerOptions::server_release_after",
                 format!(
-                    "timing invariant broken: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {needed} must be less than server_release_after {:?} (at most {MAX_TIMING_TEXT}); raise server_release_after above {needed} or lower the others",
-                    self.lease_timeout,
-                    self.stop_budget,
-                    self.safety_margin,
+                    "timing invariant: lease_timeout + stop_budget + safety_margin = {needed} must be below server_release_after {:?}: raise it (at most {MAX_TIMING_TEXT}) or lower the others",
                     self.server_release_after,
                 ),
             );
@@ -900,6 +905,13 @@ mod tests {
         assert!(
             err.contains(setting) && err.contains(bound),
             "{setting}: the error must name the setting and the bound {bound:?}: {err}"
+        );
+        let shown = o
+            .validate()
+            .map_or_else(|e| e.to_string(), |()| String::new());
+        assert!(
+            !shown.contains('\n'),
+            "{setting}: errors read in one line: {shown}"
         );
     }
 

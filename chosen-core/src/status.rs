@@ -4,9 +4,9 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 /// The state of a [`LockManager`](crate::LockManager)'s database session, as
-/// [`connection_status`](crate::LockManager::connection_status) reports it (formerly
-/// `ConnectionStatus`; a *state* enum, as [`SingletonState`](crate::SingletonState),
-/// where `*Status` types are snapshots such as [`SingletonStatus`](crate::SingletonStatus)).
+/// [`connection_status`](crate::LockManager::connection_status) reports it (a *state*
+/// enum, as [`SingletonState`](crate::SingletonState), where `*Status` types are
+/// snapshots such as [`SingletonStatus`](crate::SingletonStatus)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConnectionState {
@@ -47,7 +47,7 @@ impl ConnectionState {
 
 /// Why the lock session is down: it ended (lost, overdue, shut down) or was refused
 /// (a standby, a read-only or too old server, a pooler, a failed connect). Every
-/// variant revokes all leases of the session at once. (Formerly `DisconnectReason`.)
+/// variant revokes all leases of the session at once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SessionDownReason {
@@ -69,7 +69,9 @@ pub enum SessionDownReason {
     /// The session is read-only (`transaction_read_only` is on: the server, database
     /// or role sets `default_transaction_read_only`, e.g. an old primary fenced that
     /// way during a switchover): chosen holds locks on a writable primary only, as
-    /// read-write targeting of a multi-host URL requires.
+    /// read-write targeting of a multi-host URL requires. Connect to the primary; if
+    /// the role or database sets it, remove that (`ALTER ROLE ... RESET
+    /// default_transaction_read_only`).
     ServerReadOnly,
     /// The backend process changed under the session: a transaction-mode pooler sits in
     /// between, through which session locks are unsafe.
@@ -131,15 +133,15 @@ impl fmt::Display for SessionDownReason {
                 "the server is in recovery (a hot standby); connect to the primary, e.g. with target_session_attrs=read-write",
             ),
             Self::ServerReadOnly => f.write_str(
-                "the session is read-only (default_transaction_read_only is on for the server, the database or the role): connect to a writable primary; if the role or database sets it, remove that (ALTER ROLE ... RESET default_transaction_read_only)",
+                "the session is read-only (default_transaction_read_only): connect to a writable primary, or reset the setting",
             ),
             Self::BackendChanged { expected, found } => write!(
                 f,
-                "the backend pid changed from {expected} to {found}: a transaction-mode pooler is in between; connect directly or through a session-mode pooler",
+                "the backend pid changed from {expected} to {found}: a transaction pooler is in between; connect directly or in session mode",
             ),
             Self::PoolerDetected { detail } => write!(
                 f,
-                "a transaction-mode pooler seems to be in between ({detail}); connect directly or through a session-mode pooler",
+                "a transaction pooler seems to be in between ({detail}); connect directly or in session mode",
             ),
             Self::ServerTooOld { version } => write!(
                 f,

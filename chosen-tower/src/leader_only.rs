@@ -127,13 +127,6 @@ pub struct LeaderOnlyHttpLayer<R = Reject> {
     election: Option<Arc<Election>>,
 }
 
-/// The name before the apalis gate got a layer of its own: both were `LeaderOnlyLayer`,
-/// so a service using both crates could not import both.
-#[deprecated(
-    note = "renamed to `LeaderOnlyHttpLayer` (chosen-apalis' gate is `LeaderOnlyJobLayer`)"
-)]
-pub type LeaderOnlyLayer<R = Reject> = LeaderOnlyHttpLayer<R>;
-
 impl LeaderOnlyHttpLayer {
     /// Gates on an existing leadership (from an [`Election`] or a
     /// [`Singleton`](chosen_core::Singleton)). Followers answer `503 Service
@@ -321,10 +314,6 @@ impl<S: Clone, R> Clone for LeaderOnlyHttp<S, R> {
         }
     }
 }
-
-/// The name before the apalis gate got a service of its own: both were `LeaderOnly`.
-#[deprecated(note = "renamed to `LeaderOnlyHttp` (chosen-apalis' gate service is `LeaderOnlyJob`)")]
-pub type LeaderOnly<S, R> = LeaderOnlyHttp<S, R>;
 
 impl<S, R> LeaderOnlyHttp<S, R> {
     /// Wraps `inner`.

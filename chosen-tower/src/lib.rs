@@ -7,10 +7,7 @@ mod responder;
 mod tenure;
 
 pub use health::LeaderHealth;
-#[allow(deprecated)] // the old names, kept so that existing code still compiles
-pub use leader_only::{
-    LeaderOnly, LeaderOnlyHttp, LeaderOnlyHttpLayer, LeaderOnlyLayer, ResponseFuture,
-};
+pub use leader_only::{LeaderOnlyHttp, LeaderOnlyHttpLayer, ResponseFuture};
 pub use responder::{
     BoxResponder, FollowerContext, FollowerResponder, LEADER_HEADER, Redirect, Reject,
 };

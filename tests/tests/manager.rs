@@ -576,7 +576,7 @@ async fn the_per_manager_cap_is_a_clear_error() {
     }
     let err = m.acquire(format!("{name}-3")).await.unwrap_err();
     assert!(matches!(err, Error::TooManyLocks { limit: 3 }), "{err}");
-    assert!(err.to_string().contains("max_locks_per_transaction"));
+    assert!(err.to_string().contains("ManagerOptions::max_locks"));
     leases.pop();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(m.acquire(format!("{name}-3")).await.is_ok());

@@ -1,7 +1,6 @@
 //! A service that uses chosen-tower and chosen-apalis together: both gates import side
-//! by side (they were once both called `LeaderOnlyLayer`, and their services both
-//! `LeaderOnly`), gate on one leadership, and agree on who runs what. No database: the
-//! leadership is set by hand.
+//! by side (their names differ: `LeaderOnlyHttpLayer`, `LeaderOnlyJobLayer`), gate on one
+//! leadership, and agree on who runs what. No database: the leadership is set by hand.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -69,16 +68,4 @@ mod globs {
         let jobs: LeaderOnlyJobLayer = LeaderOnlyJobLayer::new(leadership);
         assert_eq!(http.leadership().name(), jobs.leadership().name());
     }
-}
-
-/// Code written against the old names still compiles, with a deprecation warning.
-#[test]
-#[allow(deprecated)]
-fn the_old_names_still_compile() {
-    let (leadership, _control) = Leadership::manual("admin", "node-1");
-    let http: chosen_tower::LeaderOnlyLayer =
-        chosen_tower::LeaderOnlyLayer::new(leadership.clone());
-    let _service: chosen_tower::LeaderOnly<(), Reject> = http.layer(());
-    let jobs = chosen_apalis::LeaderOnlyLayer::new(leadership).for_cron_ticks();
-    let _service: chosen_apalis::LeaderOnly<(), chosen_apalis::CronTicks> = jobs.layer(());
 }

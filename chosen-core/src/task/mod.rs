@@ -173,12 +173,17 @@ impl Driver {
             self.engine
                 .session_started(generation.id, &s.term, crate::clock::now())
         {
+            let began = s.term.age.map_or_else(
+                || "at an unknown time (a promotion)".to_owned(),
+                |age| format!("{:.1} s ago", age.as_secs_f64()),
+            );
             info!(
                 node_id = %self.shared.options.node_id,
                 timeline = s.term.timeline,
                 term_age = ?s.term.age,
                 ?grants_in,
-                "the server's term as primary began recently; no lock is granted before the term grant delay passed"
+                "no lock is granted for {:.1} s: the server started or was promoted {began}, and a holder from before that may still trust its lease until then (ManagerOptions::term_grant_delay)",
+                grants_in.as_secs_f64()
             );
         }
         self.shared.set_server_floor(Vec::new(), None);
