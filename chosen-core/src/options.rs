@@ -50,7 +50,9 @@ const MAX_WAIT_TEXT: &str = "1h";
 /// ```
 ///
 /// [`validate`](Self::validate) (called by [`LockManager::connect`](crate::LockManager::connect))
-/// rejects options that break it, naming the numbers. The defaults (1 s heartbeat,
+/// rejects options that break it, naming the numbers. Every setting reads back through a
+/// getter named `get_<setting>`, as in `tokio_postgres::Config` (the plain name is the
+/// builder method). The defaults (1 s heartbeat,
 /// 3 s lease timeout, 2 s stop budget, 1 s margin, 7 s server release) give a
 /// partition or freeze failover of about 7–8 s with no overlap.
 ///
@@ -538,6 +540,54 @@ impl ManagerOptions {
     #[must_use]
     pub fn get_poll_interval(&self) -> Duration {
         self.poll_interval
+    }
+
+    /// Whether this node may lead (see [`eligible`](Self::eligible)).
+    #[must_use]
+    pub fn get_eligible(&self) -> bool {
+        self.eligible
+    }
+
+    /// The heartbeat interval (see [`heartbeat_interval`](Self::heartbeat_interval)).
+    #[must_use]
+    pub fn get_heartbeat_interval(&self) -> Duration {
+        self.heartbeat_interval
+    }
+
+    /// The safety margin (see [`safety_margin`](Self::safety_margin)).
+    #[must_use]
+    pub fn get_safety_margin(&self) -> Duration {
+        self.safety_margin
+    }
+
+    /// The connect timeout (see [`connect_timeout`](Self::connect_timeout)).
+    #[must_use]
+    pub fn get_connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The most locks this manager tracks (see [`max_locks`](Self::max_locks)).
+    #[must_use]
+    pub fn get_max_locks(&self) -> usize {
+        self.max_locks
+    }
+
+    /// The takeover grace (see [`takeover_grace`](Self::takeover_grace)).
+    #[must_use]
+    pub fn get_takeover_grace(&self) -> Duration {
+        self.takeover_grace
+    }
+
+    /// The client-side token epoch (see [`token_epoch`](Self::token_epoch)).
+    #[must_use]
+    pub fn get_token_epoch(&self) -> u16 {
+        self.token_epoch
+    }
+
+    /// The reconnect backoff, `(min, max)` (see [`reconnect_backoff`](Self::reconnect_backoff)).
+    #[must_use]
+    pub fn get_reconnect_backoff(&self) -> (Duration, Duration) {
+        (self.reconnect_min, self.reconnect_max)
     }
 
     /// Checks every setting and the timing invariant.
