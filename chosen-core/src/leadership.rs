@@ -166,6 +166,29 @@ impl Leadership {
         Self::manual_in(Some(crate::key::DEFAULT_NAMESPACE), name, node_id)
     }
 
+    /// [`manual`](Self::manual), with a metrics sink that code reading the leadership
+    /// reports to through [`metrics`](Self::metrics), as it would to a manager's.
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    #[must_use]
+    pub fn manual_with_metrics(
+        name: &str,
+        node_id: &str,
+        metrics: Arc<dyn MetricsSink>,
+    ) -> (Self, ManualLeadership) {
+        let leadership = Self::new(
+            name,
+            Some(crate::key::DEFAULT_NAMESPACE),
+            node_id,
+            Some(metrics),
+        );
+        let control = ManualLeadership {
+            leadership: leadership.clone(),
+            lease: Arc::default(),
+        };
+        (leadership, control)
+    }
+
     /// [`manual`](Self::manual), for a name derived in `namespace` (`None`: a raw key's
     /// leadership, named `key(..)`).
     #[cfg(any(test, feature = "test-util"))]

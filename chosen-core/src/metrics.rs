@@ -110,11 +110,24 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
         let _ = (node, singleton);
     }
 
-    /// An apalis task reached the gate for `lock`. `outcome`: `ran`,
-    /// `skipped_not_leader`, `skipped_stale_tick`; with chosen-apalis' tick ledger also
-    /// `caught_up` (a missed tick run late; its run counts as `ran` too),
+    /// An apalis task reached the gate for `lock`. Reported once per answer of the
+    /// gate, and once per missed tick its misfire policy decided about. `outcome`:
+    /// `ran`, `skipped_not_leader`, `skipped_stale_tick`; with chosen-apalis' tick
+    /// ledger also `caught_up` (a missed tick run late; its run counts as `ran` too),
     /// `skipped_missed` (once per missed tick recorded as skipped),
-    /// `skipped_already_recorded`, `skipped_ledger_error`, `skipped_overlap`, `cancelled`.
+    /// `skipped_already_recorded`, `skipped_ledger_error`, `skipped_overlap`,
+    /// `skipped_not_due` (delivered over an hour before the database's clock reaches
+    /// it), `cancelled` (a run stopped before it ended, also counted `ran` once
+    /// claimed; or a tick stopped before its run started: the worker shutting down, a
+    /// newer tick).
+    ///
+    /// Ticks skipped or missed, by reason, are one query:
+    /// `sum by (lock, outcome) (increase(chosen_apalis_tasks_total{outcome=~"skipped_.*|cancelled", outcome!~"skipped_not_leader|skipped_already_recorded"}[1h]))`.
+    /// The two left out are the normal answers of a follower (to every tick) and to a
+    /// tick delivered twice. A tick answered `skipped_stale_tick`, `skipped_not_due`,
+    /// `skipped_ledger_error`, or `skipped_overlap` under `Overlap::Buffer`, is also
+    /// decided about as a missed tick (`skipped_missed` or `caught_up`), then or by a
+    /// later leader.
     fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
         let _ = (node, lock, outcome);
     }
