@@ -80,7 +80,8 @@ impl GateStats {
     }
 
     /// Runs stopped before they ended: `max_runtime`, `Overlap::CancelPrevious`, or
-    /// leadership lost (tick ledger only).
+    /// leadership lost; and ticks stopped before their run started: the worker shutting
+    /// down, or a newer tick under `Overlap::CancelPrevious` (tick ledger only).
     #[must_use]
     pub fn cancelled(&self) -> u64 {
         self.cancelled.load(Ordering::Relaxed)

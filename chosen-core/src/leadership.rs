@@ -1,8 +1,8 @@
 //! A watch handle on "is this node the leader of a name".
 
 use std::fmt;
-use std::sync::Arc;
-use std::time::SystemTime;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 
@@ -57,6 +57,69 @@ struct Inner {
     node_id: String,
     tx: watch::Sender<Snapshot>,
     metrics: Option<Arc<dyn MetricsSink>>,
+    /// What this node saw of the leader so far, for the leadership metrics.
+    observed: Mutex<Observed>,
+}
+
+/// What a node saw of a lock's leader: its observations are the leader look-ups of a
+/// follower, the wins and the ends of its own terms. Turns them into the leaderless
+/// time and the changes of hands that [`MetricsSink::leaderless`] and
+/// [`MetricsSink::leader_changed`] describe.
+#[derive(Debug, Default)]
+struct Observed {
+    /// The last observation: when, and whether it saw nobody lead.
+    last: Option<(tokio::time::Instant, bool)>,
+    /// The last leader seen.
+    leader: Option<String>,
+    /// Nobody was seen leading since `leader` was.
+    gap: bool,
+}
+
+/// What one observation adds to the metrics.
+#[derive(Debug, PartialEq, Eq)]
+struct Seen {
+    /// Leaderless time to add (zero at the first observation).
+    leaderless: Option<Duration>,
+    /// The leadership changed hands.
+    changed: bool,
+}
+
+impl Observed {
+    /// Notes an observation made `now`: `leader` leads (`None`: nobody does);
+    /// `free_before`: the lock was free just before (this node just won it).
+    fn see(&mut self, now: tokio::time::Instant, leader: Option<&str>, free_before: bool) -> Seen {
+        let leaderless = match self.last {
+            None => Some(Duration::ZERO),
+            // Both ends of the interval saw nobody: leaderless throughout, as far as
+            // this node can tell. An interval with a leader at one end counts nothing.
+            Some((at, true)) if leader.is_none() || free_before => {
+                Some(now.saturating_duration_since(at))
+            }
+            Some(_) => None,
+        };
+        self.last = Some((now, leader.is_none()));
+        let changed = match leader {
+            Some(leader) => {
+                let changed = self
+                    .leader
+                    .as_deref()
+                    .is_some_and(|old| old != leader || self.gap);
+                if self.leader.as_deref() != Some(leader) {
+                    self.leader = Some(leader.to_owned());
+                }
+                self.gap = false;
+                changed
+            }
+            None => {
+                self.gap = true;
+                false
+            }
+        };
+        Seen {
+            leaderless,
+            changed,
+        }
+    }
 }
 
 impl fmt::Debug for Leadership {
@@ -88,6 +151,7 @@ impl Leadership {
                 node_id: node_id.to_owned(),
                 tx,
                 metrics,
+                observed: Mutex::default(),
             }),
         }
     }
@@ -100,6 +164,29 @@ impl Leadership {
     #[must_use]
     pub fn manual(name: &str, node_id: &str) -> (Self, ManualLeadership) {
         Self::manual_in(Some(crate::key::DEFAULT_NAMESPACE), name, node_id)
+    }
+
+    /// [`manual`](Self::manual), with a metrics sink that code reading the leadership
+    /// reports to through [`metrics`](Self::metrics), as it would to a manager's.
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    #[must_use]
+    pub fn manual_with_metrics(
+        name: &str,
+        node_id: &str,
+        metrics: Arc<dyn MetricsSink>,
+    ) -> (Self, ManualLeadership) {
+        let leadership = Self::new(
+            name,
+            Some(crate::key::DEFAULT_NAMESPACE),
+            node_id,
+            Some(metrics),
+        );
+        let control = ManualLeadership {
+            leadership: leadership.clone(),
+            lease: Arc::default(),
+        };
+        (leadership, control)
     }
 
     /// [`manual`](Self::manual), for a name derived in `namespace` (`None`: a raw key's
@@ -121,6 +208,8 @@ impl Leadership {
     }
 
     pub(crate) fn set_leading(&self, lease: &Lease) {
+        let me = self.inner.node_id.clone();
+        self.observe(Some(&me), true);
         self.inner.tx.send_replace(Snapshot {
             state: LeaderState::Leading {
                 token: lease.eager_token(),
@@ -130,7 +219,11 @@ impl Leadership {
         });
     }
 
+    /// Following `leader` (`None`: nobody leads, as this node just found, by a
+    /// look-up or at the end of its own term). Every call is an observation for the
+    /// metrics, a repeated one too.
     pub(crate) fn set_following(&self, leader: Option<String>) {
+        self.observe(leader.as_deref(), false);
         self.inner.tx.send_if_modified(|snap| {
             let next = LeaderState::Following { leader };
             if snap.state == next {
@@ -145,10 +238,35 @@ impl Leadership {
     }
 
     pub(crate) fn set_stopped(&self) {
+        *self
+            .inner
+            .observed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Observed::default();
         self.inner.tx.send_replace(Snapshot {
             state: LeaderState::Stopped,
             validity: None,
         });
+    }
+
+    /// Reports an observation of the leader to the metrics sink, if there is one.
+    fn observe(&self, leader: Option<&str>, free_before: bool) {
+        let Some(m) = self.inner.metrics.as_deref() else {
+            return;
+        };
+        let seen = self
+            .inner
+            .observed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .see(tokio::time::Instant::now(), leader, free_before);
+        let (node, lock) = (self.inner.node_id.as_str(), self.inner.name.as_str());
+        if let Some(leaderless) = seen.leaderless {
+            m.leaderless(node, lock, leaderless);
+        }
+        if seen.changed {
+            m.leader_changed(node, lock);
+        }
     }
 
     /// The lock name.
@@ -496,5 +614,102 @@ mod tests {
             .await
             .expect("wait_not_leading resolves when the lease ends")
             .unwrap();
+    }
+
+    fn at(secs: u64) -> tokio::time::Instant {
+        // Any fixed origin: only differences matter.
+        static ORIGIN: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+        *ORIGIN.get_or_init(tokio::time::Instant::now) + Duration::from_secs(secs)
+    }
+
+    fn seen(leaderless: Option<u64>, changed: bool) -> Seen {
+        Seen {
+            leaderless: leaderless.map(Duration::from_secs),
+            changed,
+        }
+    }
+
+    #[test]
+    fn a_follower_counts_nothing_before_its_first_look_up() {
+        let mut o = Observed::default();
+        // Started long before: the first look-up only puts the series at rest.
+        assert_eq!(o.see(at(100), None, false), seen(Some(0), false));
+        assert_eq!(o.see(at(102), None, false), seen(Some(2), false));
+        // The first leader it ever sees is no change.
+        assert_eq!(o.see(at(104), Some("a"), false), seen(None, false));
+        assert_eq!(o.see(at(106), Some("a"), false), seen(None, false));
+    }
+
+    #[test]
+    fn a_hand_over_between_look_ups_counts_a_change_and_no_leaderless_time() {
+        let mut o = Observed::default();
+        o.see(at(0), Some("a"), false);
+        // A look-up that fell into the hand-over's milliseconds saw nobody: the
+        // interval before it had a leader at one end, the one after it too.
+        assert_eq!(o.see(at(2), None, false), seen(None, false));
+        assert_eq!(o.see(at(4), Some("b"), false), seen(None, true));
+        // Straight from one leader to another: a change.
+        assert_eq!(o.see(at(6), Some("c"), false), seen(None, true));
+    }
+
+    #[test]
+    fn a_long_stretch_counts_between_observations_that_saw_nobody() {
+        let mut o = Observed::default();
+        o.see(at(0), Some("me"), true);
+        // This node's term ends; nobody takes over for 10 s, then this node wins
+        // again (the lock free just before): leaderless from the end to the win, and
+        // a new term of the same leader is a change.
+        assert_eq!(o.see(at(10), None, false), seen(None, false));
+        assert_eq!(o.see(at(12), None, false), seen(Some(2), false));
+        assert_eq!(o.see(at(20), Some("me"), true), seen(Some(8), true));
+        // The same leader seen again, no gap: nothing.
+        assert_eq!(o.see(at(22), Some("me"), false), seen(None, false));
+    }
+
+    #[derive(Debug, Default)]
+    struct Recorder(std::sync::Mutex<Vec<String>>);
+
+    impl MetricsSink for Recorder {
+        fn leaderless(&self, node: &str, lock: &str, seen: Duration) {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("leaderless {node} {lock} {}", seen.as_secs()));
+        }
+
+        fn leader_changed(&self, node: &str, lock: &str) {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("changed {node} {lock}"));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leadership_reports_what_it_observes_to_the_sink() {
+        let sink = Arc::new(Recorder::default());
+        let leadership = Leadership::new("job", Some("chosen"), "me", Some(sink.clone()));
+        leadership.set_following(Some("a".to_owned()));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        leadership.set_following(None);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        leadership.set_following(None);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let (lease, _rx, _generation) = Lease::for_tests();
+        leadership.set_leading(&lease);
+        // Stopped and started again: no observation carries over.
+        leadership.set_stopped();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        leadership.set_following(None);
+        assert_eq!(
+            *sink.0.lock().unwrap(),
+            [
+                "leaderless me job 0",
+                "leaderless me job 2",
+                "leaderless me job 3",
+                "changed me job",
+                "leaderless me job 0",
+            ]
+        );
     }
 }

@@ -110,13 +110,70 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
         let _ = (node, singleton);
     }
 
-    /// An apalis task reached the gate for `lock`. `outcome`: `ran`,
-    /// `skipped_not_leader`, `skipped_stale_tick`; with chosen-apalis' tick ledger also
-    /// `caught_up` (a missed tick run late; its run counts as `ran` too),
+    /// An apalis task reached the gate for `lock`. Reported once per answer of the
+    /// gate, and once per missed tick its misfire policy decided about. `outcome`:
+    /// `ran`, `skipped_not_leader`, `skipped_stale_tick`; with chosen-apalis' tick
+    /// ledger also `caught_up` (a missed tick run late; its run counts as `ran` too),
     /// `skipped_missed` (once per missed tick recorded as skipped),
-    /// `skipped_already_recorded`, `skipped_ledger_error`, `skipped_overlap`, `cancelled`.
+    /// `skipped_already_recorded`, `skipped_ledger_error`, `skipped_overlap`,
+    /// `skipped_not_due` (delivered over an hour before the database's clock reaches
+    /// it), `cancelled` (a run stopped before it ended, also counted `ran` once
+    /// claimed; or a tick stopped before its run started: the worker shutting down, a
+    /// newer tick).
+    ///
+    /// Ticks skipped or missed, by reason, are one query:
+    /// `sum by (lock, outcome) (increase(chosen_apalis_tasks_total{outcome=~"skipped_.*|cancelled", outcome!~"skipped_not_leader|skipped_already_recorded"}[1h]))`.
+    /// The two left out are the normal answers of a follower (to every tick) and to a
+    /// tick delivered twice. A tick answered `skipped_stale_tick`, `skipped_not_due`,
+    /// `skipped_ledger_error`, or `skipped_overlap` under `Overlap::Buffer`, is also
+    /// decided about as a missed tick (`skipped_missed` or `caught_up`), then or by a
+    /// later leader.
     fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
         let _ = (node, lock, outcome);
+    }
+
+    /// `node` saw nobody lead `lock` for `seen` more: the time between two observations
+    /// of its [`Election`](crate::Election) or [`Singleton`](crate::Singleton) for the
+    /// lock that both found no valid holder anywhere in the fleet (a follower's leader
+    /// look-up, every 2 s, that found no holder; the end of this node's own term; the
+    /// lock won by this node, free just before). A sink adds it up
+    /// (`chosen_leaderless_seconds_total`).
+    ///
+    /// A lower bound, by design: the time between an observation that saw a leader
+    /// and one that saw none is not counted (the leader may have left just before the
+    /// second), so a hand-over of a few milliseconds adds nothing, a follower that
+    /// just started counts nothing before its first look-up, and a stretch of `n`
+    /// seconds adds at least `n` less two look-up intervals (4 s) on every node that
+    /// looks. A counter rather than a histogram of stretches: it grows *during* a
+    /// stretch (at each look-up), where a stretch's histogram sample would only come
+    /// once a leader is back, too late for the alert that matters.
+    ///
+    /// Called with [`Duration::ZERO`] at this node's first observation of the lock, so
+    /// that a sink shows the lock's leadership series (this and
+    /// [`leader_changed`](Self::leader_changed)) at rest before they first move.
+    fn leaderless(&self, node: &str, lock: &str, seen: Duration) {
+        let _ = (node, lock, seen);
+    }
+
+    /// `node` saw the leadership of `lock` change hands: a leader observed (itself or
+    /// another node, by its [`Election`](crate::Election) or
+    /// [`Singleton`](crate::Singleton) for the lock) other than the last one it
+    /// observed, or the same one again after it observed nobody leading (a new term).
+    /// A follower sees a change between two other nodes when its look-ups (every 2 s)
+    /// catch both leaders; a change and its reversal within one look-up interval go
+    /// unseen. The first leader a node observes is no change. Every node that
+    /// observes counts the change: take `max by (lock)` across nodes, not `sum`.
+    fn leader_changed(&self, node: &str, lock: &str) {
+        let _ = (node, lock);
+    }
+
+    /// The fencing token of `lock` on `node`: `Some` when this node holds the lock and
+    /// knows the token (granted with it, as every [`Election`](crate::Election)'s and
+    /// [`Singleton`](crate::Singleton)'s lease is, or issued at a
+    /// [`Lease::fencing_token`](crate::Lease::fencing_token) call); `None` right after
+    /// it released or lost the lock. Tokens grow with every acquisition, on any node.
+    fn fencing_token(&self, node: &str, lock: &str, token: Option<u64>) {
+        let _ = (node, lock, token);
     }
 
     /// The tower layer answered a request itself because `node` does not lead `lock`.

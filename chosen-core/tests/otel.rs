@@ -50,6 +50,11 @@ fn instruments_use_the_provider_installed_later() {
     sink.singleton_restart("n1", "report");
     sink.task_gated("n1", "cron", "ran");
     sink.follower_response("n1", "admin");
+    sink.leaderless("n1", "report", Duration::ZERO);
+    sink.leaderless("n1", "report", Duration::from_secs(3));
+    sink.leader_changed("n1", "report");
+    sink.fencing_token("n1", "report", Some((40 << 48) | 7));
+    sink.fencing_token("n1", "idle", None);
     // At rest until they lead; a running singleton stays running when another of its
     // name starts.
     sink.lock_known("n1", "idle");
@@ -73,6 +78,15 @@ fn instruments_use_the_provider_installed_later() {
     assert_eq!(
         gauge(&finished, "chosen.singleton.running", "singleton", "report"),
         Some(1)
+    );
+    // A token above 2^53 (timeline 40) stays exact in a u64 gauge.
+    assert_eq!(
+        gauge(&finished, "chosen.fencing_token", "lock", "report"),
+        Some((40 << 48) | 7)
+    );
+    assert_eq!(
+        gauge(&finished, "chosen.fencing_token", "lock", "idle"),
+        Some(0)
     );
     let names: BTreeSet<String> = finished
         .iter()
@@ -98,6 +112,9 @@ fn instruments_use_the_provider_installed_later() {
         "chosen.singleton.restarts",
         "chosen.apalis.tasks",
         "chosen.tower.follower_responses",
+        "chosen.leaderless",
+        "chosen.leader.changes",
+        "chosen.fencing_token",
     ] {
         assert!(
             names.contains(expected),

@@ -16,7 +16,7 @@ use chosen_apalis::{
     Claim, LeaderOnlyJobLayer, LedgeredCron, LedgeredCronLayer, Misfire, Outcome, Overlap,
     Schedule, SkipReason, Tick, TickContext, TickLedger,
 };
-use chosen_core::{Leadership, ManualLeadership};
+use chosen_core::{Leadership, ManualLeadership, MetricsSink};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 use deadpool_postgres::Pool;
 use tokio_postgres::Client;
@@ -3337,4 +3337,89 @@ async fn a_claim_lost_in_a_server_crash_is_not_taken_for_committed() {
         .await
         .unwrap();
     assert!(rows.is_empty(), "a row for a claim that was lost");
+}
+
+/// The outcomes a gate reported to the metrics sink, in order.
+#[derive(Debug, Default)]
+struct Outcomes(Mutex<Vec<String>>);
+
+impl MetricsSink for Outcomes {
+    fn task_gated(&self, _node: &str, _lock: &str, outcome: &str) {
+        self.0.lock().unwrap().push(outcome.to_owned());
+    }
+}
+
+// Every answer of the gate is reported to the metrics once, with its reason. A tick
+// whose catch-up a newer tick cancelled (Overlap::CancelPrevious) is recorded
+// `cancelled` before its run started, and was answered `Cancelled` without a report:
+// "ticks skipped or missed, by reason" missed it.
+#[tokio::test]
+async fn a_tick_cancelled_before_its_run_started_is_reported() {
+    let db = db().await;
+    let job = unique_name("ledger-report-cancel");
+    let outcomes = Arc::new(Outcomes::default());
+    let (leadership, control) = Leadership::manual_with_metrics(&job, "node-a", outcomes.clone());
+    control.lead(5);
+    let layer = LeaderOnlyJobLayer::new(leadership)
+        .ledger(db.ledger.clone())
+        .schedule(every_second())
+        .misfire(Misfire::RunOnce)
+        .overlap(Overlap::CancelPrevious);
+    let (runs, delays) = (Runs::default(), Delays::default());
+    let mut a = Node {
+        svc: layer.layer(Job {
+            runs: Arc::clone(&runs),
+            pool: None,
+            delays: Arc::clone(&delays),
+            ids: Ids::default(),
+        }),
+        control,
+        layer,
+        runs,
+        delays,
+        ids: Ids::default(),
+    };
+    assert!(tick(&mut a, t0()).await.ran());
+    // t0+1..t0+4 missed when t0+5 comes: RunOnce runs t0+4 (slowly) first.
+    a.delays
+        .lock()
+        .unwrap()
+        .push((t0() + 4, Duration::from_secs(60)));
+    let fifth = tick_in_background(&a, t0() + 5);
+    started(&a, t0() + 4).await;
+    // A newer tick: it cancels the catch-up, and with it the tick at hand.
+    assert!(tick(&mut a, t0() + 6).await.ran());
+    let out = fifth.await.unwrap();
+    assert!(
+        matches!(&out, Outcome::Skipped(SkipReason::Cancelled { reason, .. }) if reason == "a newer tick is due"),
+        "{out:?}"
+    );
+    let mut got = outcomes.0.lock().unwrap().clone();
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [
+            // The catch-up of t0+4 (stopped), and t0+5 (stopped before it started).
+            "cancelled",
+            "cancelled",
+            "caught_up",
+            // t0, the catch-up of t0+4, t0+6.
+            "ran",
+            "ran",
+            "ran",
+            // t0+1..t0+3, superseded by t0+4.
+            "skipped_missed",
+            "skipped_missed",
+            "skipped_missed",
+        ]
+    );
+    assert_eq!(a.layer.stats().cancelled(), 2);
+    assert_eq!(
+        rows(&db.admin, &job).await[4..],
+        [
+            row(4, "cancelled", Some("a newer tick is due"), 5),
+            row(5, "cancelled", Some("a newer tick is due"), 5),
+            row(6, "ran", None, 5),
+        ]
+    );
 }

@@ -1,10 +1,12 @@
-//! Scrape `/metrics` of real node processes over HTTP during a takeover.
+//! Scrape `/metrics` of real node processes over HTTP during a takeover, and the
+//! registries of managers in this process through a change of leader.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockManager, ManagerOptions};
+use chosen_core::{Election, LockManager, ManagerOptions, PrometheusMetrics};
 use chosen_tests::{NodeProcess, PgCluster, connect_admin, unique_name};
 
 struct Node {
@@ -263,4 +265,141 @@ async fn a_node_that_never_led_exports_its_series_at_zero() {
         ),
         0.0
     );
+}
+
+/// `metric{labels}` -> value, from the Prometheus text encoding of `registry`.
+fn scrape_registry(registry: &prometheus::Registry) -> HashMap<String, f64> {
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+async fn manager_with_registry(url: &str, id: &str) -> (LockManager, prometheus::Registry) {
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(PrometheusMetrics::register(&registry).unwrap());
+    let manager = LockManager::connect(
+        ManagerOptions::from_url(url)
+            .unwrap()
+            .node_id(id)
+            .poll_interval(Duration::from_millis(100))
+            .term_grant_delay(Duration::ZERO)
+            .metrics(metrics),
+    )
+    .await
+    .unwrap();
+    (manager, registry)
+}
+
+/// The leadership series in a real scrape: a change of leader between two managers
+/// counts on the one that saw it, the fencing token gauge follows the holder, and a
+/// stretch with nobody leading (the leader's session killed, nobody else there) adds
+/// leaderless seconds, where the hand-over before it added none to speak of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scraped_leadership_series_follow_a_change_of_leader() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("metrics-leader");
+    let series = |family: &str, node: &str| format!("{family}{{lock=\"{lock}\",node=\"{node}\"}}");
+    let within = Duration::from_secs(10);
+
+    let (a, registry_a) = manager_with_registry(&pg.url(), "m-lead-a").await;
+    let election_a = Election::start(&a, lock.as_str()).unwrap();
+    let token_a = tokio::time::timeout(within, election_a.leadership().wait_leading())
+        .await
+        .expect("a leads");
+    let (b, registry_b) = manager_with_registry(&pg.url(), "m-lead-b").await;
+    let election_b = Election::start(&b, lock.as_str()).unwrap();
+    // B's look-ups (every 2 s) name A.
+    let deadline = Instant::now() + within;
+    while election_b.leadership().leader().as_deref() != Some("m-lead-a") {
+        assert!(Instant::now() < deadline, "b never saw a lead");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = scrape_registry(&registry_a);
+    assert_eq!(
+        value(&m, &series("chosen_fencing_token", "m-lead-a")),
+        token_a.get() as f64
+    );
+    assert!(token_a.get() > 0);
+    assert_eq!(
+        value(&m, &series("chosen_leader_changes_total", "m-lead-a")),
+        0.0
+    );
+    let m = scrape_registry(&registry_b);
+    // At rest on the follower: no token, no change seen, no leaderless time.
+    assert_eq!(value(&m, &series("chosen_fencing_token", "m-lead-b")), 0.0);
+    assert_eq!(
+        value(&m, &series("chosen_leader_changes_total", "m-lead-b")),
+        0.0
+    );
+    assert_eq!(
+        value(&m, &series("chosen_leaderless_seconds_total", "m-lead-b")),
+        0.0
+    );
+
+    // A change of leader: A stops, B takes over within milliseconds.
+    election_a.shutdown().await;
+    let token_b = tokio::time::timeout(within, election_b.leadership().wait_leading())
+        .await
+        .expect("b takes over");
+    assert!(token_b > token_a);
+    let m = scrape_registry(&registry_a);
+    assert_eq!(value(&m, &series("chosen_fencing_token", "m-lead-a")), 0.0);
+    assert_eq!(value(&m, &series("chosen_lock_held", "m-lead-a")), 0.0);
+    let m = scrape_registry(&registry_b);
+    assert_eq!(
+        value(&m, &series("chosen_fencing_token", "m-lead-b")),
+        token_b.get() as f64
+    );
+    assert_eq!(
+        value(&m, &series("chosen_leader_changes_total", "m-lead-b")),
+        1.0
+    );
+    let handed_over = value(&m, &series("chosen_leaderless_seconds_total", "m-lead-b"));
+    assert!(
+        handed_over < 1.0,
+        "a hand-over counted {handed_over} s leaderless"
+    );
+
+    // B's session killed, nobody else contends: leaderless until B's next session
+    // wins the lock again, a new term (a change) with a newer token.
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'm-lead-b'",
+            &[],
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(within, election_b.leadership().wait_not_leading())
+        .await
+        .expect("b loses its lease with its session");
+    let token_b2 = tokio::time::timeout(within, election_b.leadership().wait_leading())
+        .await
+        .expect("b leads again");
+    assert!(token_b2 > token_b);
+    let m = scrape_registry(&registry_b);
+    assert_eq!(
+        value(&m, &series("chosen_fencing_token", "m-lead-b")),
+        token_b2.get() as f64
+    );
+    assert_eq!(
+        value(&m, &series("chosen_leader_changes_total", "m-lead-b")),
+        2.0
+    );
+    let leaderless = value(&m, &series("chosen_leaderless_seconds_total", "m-lead-b"));
+    // At least the pause before contending again (two poll intervals).
+    assert!(
+        (0.15..10.0).contains(&(leaderless - handed_over)),
+        "leaderless {leaderless} s, {handed_over} s of it before the kill"
+    );
+    election_b.shutdown().await;
+    b.shutdown().await;
+    a.shutdown().await;
 }

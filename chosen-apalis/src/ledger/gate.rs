@@ -530,6 +530,19 @@ impl Shared {
         })
     }
 
+    /// A tick stopped before its run started (the worker shutting down, a newer tick
+    /// under `Overlap::CancelPrevious`): answered `Cancelled`, and counted and reported
+    /// `cancelled` once, as every answer is counted once.
+    fn not_started<R>(&self, tick: u64, reason: String) -> Outcome<R> {
+        self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        self.report("cancelled");
+        debug!(lock = %self.job, tick, reason = %reason, "tick cancelled before its run started");
+        Outcome::Skipped(SkipReason::Cancelled {
+            tick: at(tick),
+            reason,
+        })
+    }
+
     fn already_recorded<R>(&self, tick: u64) -> Outcome<R> {
         self.stats
             .skipped_already_recorded
@@ -631,12 +644,7 @@ impl Shared {
     /// the tick is more than [`MAX_EARLY_HOLD`] (beyond the tolerance) early.
     async fn until_due<R>(&self, task: &Task<Tick>, tick: u64) -> Hold<R> {
         let tolerance = self.ledger.tolerance();
-        let shutting_down = || {
-            Hold::NotRun(Outcome::Skipped(SkipReason::Cancelled {
-                tick: at(tick),
-                reason: Stop::ShuttingDown.reason(),
-            }))
-        };
+        let shutting_down = || Hold::NotRun(self.not_started(tick, Stop::ShuttingDown.reason()));
         let mut held = false;
         // Each wait covers the whole distance, so a second round finds the tick due
         // unless a new reading moved the clock back; the claim statement decides then.
@@ -774,10 +782,7 @@ impl Shared {
                 {
                     warn!(lock = %self.job, tick = current, error = %chain(&e), "could not record a cancelled tick");
                 }
-                return Ok(Outcome::Skipped(SkipReason::Cancelled {
-                    tick: at(current),
-                    reason: reason.to_owned(),
-                }));
+                return Ok(self.not_started(current, reason.to_owned()));
             }
             return Ok(skipped);
         }
@@ -982,10 +987,7 @@ impl Shared {
         );
         if self.stopping(base) {
             // Not claimed, not run: the next run, here or on the next leader, decides.
-            return Ok(Outcome::Skipped(SkipReason::Cancelled {
-                tick: at(tick),
-                reason: Stop::ShuttingDown.reason(),
-            }));
+            return Ok(self.not_started(tick, Stop::ShuttingDown.reason()));
         }
         let mut task = base.clone();
         task.args = Tick::new(tick);
@@ -1133,19 +1135,13 @@ impl Shared {
     {
         loop {
             if self.stopping(base) {
-                return Ok(Some(Outcome::Skipped(SkipReason::Cancelled {
-                    tick: at(tick),
-                    reason: Stop::ShuttingDown.reason(),
-                })));
+                return Ok(Some(self.not_started(tick, Stop::ShuttingDown.reason())));
             }
             tokio::select! {
                 ready = std::future::poll_fn(|cx| inner.poll_ready(cx)) => return ready.map(|()| None),
                 () = guard.lost() => return Ok(Some(self.not_leader())),
                 () = held.cancelled(), if self.overlap == Overlap::CancelPrevious => {
-                    return Ok(Some(Outcome::Skipped(SkipReason::Cancelled {
-                        tick: at(tick),
-                        reason: Stop::NewerTick.reason(),
-                    })));
+                    return Ok(Some(self.not_started(tick, Stop::NewerTick.reason())));
                 }
                 () = tokio::time::sleep(SHUTDOWN_POLL) => {}
             }

@@ -18,7 +18,10 @@ use super::MetricsSink;
 /// `chosen.lock.waiters`, `chosen.connection.up`, `chosen.session.generation`,
 /// `chosen.reconnects`, `chosen.heartbeat.rtt` (s), `chosen.poll.queries`,
 /// `chosen.poll.keys`, `chosen.singleton.running`, `chosen.singleton.restarts`,
-/// `chosen.apalis.tasks`, `chosen.tower.follower_responses`; attributes as its labels.
+/// `chosen.apalis.tasks`, `chosen.tower.follower_responses`, `chosen.leaderless` (s,
+/// a counter), `chosen.leader.changes`, `chosen.fencing_token` (a `u64` gauge: exact
+/// here, rounded only by a backend that keeps floats, see
+/// [`PrometheusMetrics`](crate::PrometheusMetrics)); attributes as its labels.
 #[derive(Debug, Default)]
 pub struct OtelMetrics {
     instruments: OnceLock<Instruments>,
@@ -45,6 +48,9 @@ struct Instruments {
     singleton_restarts: Counter<u64>,
     apalis_tasks: Counter<u64>,
     follower_responses: Counter<u64>,
+    leaderless: Counter<f64>,
+    leader_changes: Counter<u64>,
+    fencing_token: Gauge<u64>,
 }
 
 impl Instruments {
@@ -112,6 +118,21 @@ impl Instruments {
                 .u64_counter("chosen.tower.follower_responses")
                 .with_description("Requests answered by the leader-only layer")
                 .build(),
+            leaderless: meter
+                .f64_counter("chosen.leaderless")
+                .with_unit("s")
+                .with_description("Time this node saw nobody lead the lock (a lower bound)")
+                .build(),
+            leader_changes: meter
+                .u64_counter("chosen.leader.changes")
+                .with_description("Changes of the lock's leader this node saw")
+                .build(),
+            fencing_token: meter
+                .u64_gauge("chosen.fencing_token")
+                .with_description(
+                    "Fencing token of the lock this node holds (0: none or not known)",
+                )
+                .build(),
         }
     }
 }
@@ -175,6 +196,7 @@ impl MetricsSink for OtelMetrics {
         i.lock_held.record(0, &attrs);
         i.lock_waiters.record(0, &attrs);
         i.acquisitions.add(0, &attrs);
+        i.fencing_token.record(0, &attrs);
     }
 
     fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
@@ -244,5 +266,27 @@ impl MetricsSink for OtelMetrics {
         self.get()
             .follower_responses
             .add(1, &[kv("node", node), kv("lock", lock)]);
+    }
+
+    fn leaderless(&self, node: &str, lock: &str, seen: Duration) {
+        let i = self.get();
+        let attrs = [kv("node", node), kv("lock", lock)];
+        // Zero at the first observation: both series start at rest.
+        i.leaderless.add(seen.as_secs_f64(), &attrs);
+        if seen.is_zero() {
+            i.leader_changes.add(0, &attrs);
+        }
+    }
+
+    fn leader_changed(&self, node: &str, lock: &str) {
+        self.get()
+            .leader_changes
+            .add(1, &[kv("node", node), kv("lock", lock)]);
+    }
+
+    fn fencing_token(&self, node: &str, lock: &str, token: Option<u64>) {
+        self.get()
+            .fencing_token
+            .record(token.unwrap_or(0), &[kv("node", node), kv("lock", lock)]);
     }
 }

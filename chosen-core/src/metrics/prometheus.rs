@@ -1,7 +1,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    CounterVec, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
+    Registry,
 };
 
 use super::MetricsSink;
@@ -39,6 +40,26 @@ use super::MetricsSink;
 /// | `chosen_singleton_restarts_total` | counter | `node`, `singleton` |
 /// | `chosen_apalis_tasks_total` | counter | `node`, `lock`, `outcome` |
 /// | `chosen_tower_follower_responses_total` | counter | `node`, `lock` |
+/// | `chosen_leaderless_seconds_total` | counter (s) | `node`, `lock` |
+/// | `chosen_leader_changes_total` | counter | `node`, `lock` |
+/// | `chosen_fencing_token` | gauge | `node`, `lock` |
+///
+/// `chosen_leaderless_seconds_total` and `chosen_leader_changes_total` are what this
+/// node's [`Election`](crate::Election) or [`Singleton`](crate::Singleton) for the lock
+/// saw ([`MetricsSink::leaderless`], [`MetricsSink::leader_changed`]): every node that
+/// looks counts, so aggregate with `max by (lock)`. Leaderless time is a lower bound (a
+/// hand-over of milliseconds adds nothing; a stretch of `n` seconds adds at least
+/// `n - 4`).
+///
+/// `chosen_fencing_token` is the token of the lock this node holds (0 when it holds
+/// none, or does not know the token yet: a plain lease's token is issued on first
+/// use). Prometheus keeps samples as 64-bit floats: the value is exact below 2<sup>53</sup>,
+/// that is on timelines below 32 (the token is `timeline << 48 | xid`); above, it is
+/// rounded to an even number or a multiple of a higher power of two (off by at most 1
+/// on timelines below 64), never reordered, so "the token grew" still holds. The exact
+/// value is in the `gained leadership` log line, and in
+/// [`Leadership::fencing_token`](crate::Leadership::fencing_token). Not set for locks
+/// past the label cap (`_other`: a token of one of many locks means nothing).
 ///
 /// The series of a lock appear, at 0, as soon as a request for it reaches the manager
 /// (an `acquire`, or the first campaign of an `Election` or `Singleton`), and those of a
@@ -72,6 +93,9 @@ pub struct PrometheusMetrics {
     singleton_restarts: IntCounterVec,
     apalis_tasks: IntCounterVec,
     follower_responses: IntCounterVec,
+    leaderless: CounterVec,
+    leader_changes: IntCounterVec,
+    fencing_token: GaugeVec,
 }
 
 impl PrometheusMetrics {
@@ -204,6 +228,25 @@ impl PrometheusMetrics {
                 "Requests answered by the leader-only layer because this node does not lead",
                 &["node", "lock"],
             )?,
+            leaderless: CounterVec::new(
+                Opts::new(
+                    "chosen_leaderless_seconds_total",
+                    "Seconds this node saw nobody lead the lock (a lower bound)",
+                ),
+                &["node", "lock"],
+            )?,
+            leader_changes: counter(
+                "chosen_leader_changes_total",
+                "Changes of the lock's leader this node saw",
+                &["node", "lock"],
+            )?,
+            fencing_token: GaugeVec::new(
+                Opts::new(
+                    "chosen_fencing_token",
+                    "Fencing token of the lock this node holds (0: none or not known); exact below 2^53",
+                ),
+                &["node", "lock"],
+            )?,
         };
         registry.register(Box::new(m.lock_held.clone()))?;
         registry.register(Box::new(m.lock_waiters.clone()))?;
@@ -220,6 +263,9 @@ impl PrometheusMetrics {
         registry.register(Box::new(m.singleton_restarts.clone()))?;
         registry.register(Box::new(m.apalis_tasks.clone()))?;
         registry.register(Box::new(m.follower_responses.clone()))?;
+        registry.register(Box::new(m.leaderless.clone()))?;
+        registry.register(Box::new(m.leader_changes.clone()))?;
+        registry.register(Box::new(m.fencing_token.clone()))?;
         Ok(m)
     }
 }
@@ -263,6 +309,9 @@ impl MetricsSink for PrometheusMetrics {
         let _ = self.lock_held.with_label_values(&labels);
         let _ = self.lock_waiters.with_label_values(&labels);
         let _ = self.acquisitions.with_label_values(&labels);
+        if labels[1] != "_other" {
+            let _ = self.fencing_token.with_label_values(&labels);
+        }
     }
 
     fn lock_waiting(&self, node: &str, lock: &str, waiters: usize) {
@@ -331,6 +380,31 @@ impl MetricsSink for PrometheusMetrics {
             .with_label_values(&[node, self.label(lock)])
             .inc();
     }
+
+    fn leaderless(&self, node: &str, lock: &str, seen: Duration) {
+        let labels = [node, self.label(lock)];
+        // Zero at the first observation: both series start at rest.
+        let _ = self.leader_changes.with_label_values(&labels);
+        self.leaderless
+            .with_label_values(&labels)
+            .inc_by(seen.as_secs_f64());
+    }
+
+    fn leader_changed(&self, node: &str, lock: &str) {
+        self.leader_changes
+            .with_label_values(&[node, self.label(lock)])
+            .inc();
+    }
+
+    fn fencing_token(&self, node: &str, lock: &str, token: Option<u64>) {
+        let lock = self.label(lock);
+        if lock == "_other" {
+            return;
+        }
+        // Exact below 2^53 (timelines below 32); rounded, in order, above.
+        let value = token.map_or(0.0, |t| t as f64);
+        gauge_of(&self.fencing_token.with_label_values(&[node, lock]), value);
+    }
 }
 
 #[cfg(test)]
@@ -394,6 +468,69 @@ mod tests {
         assert_eq!(
             series(&registry, "chosen_singleton_running", &singleton),
             Some(1.0)
+        );
+    }
+
+    #[test]
+    fn leadership_series_count_leaderless_time_changes_and_the_token_held() {
+        let registry = Registry::new();
+        let m = PrometheusMetrics::register(&registry).unwrap();
+        let lock = [("node", "n"), ("lock", "report")];
+        m.lock_known("n", "report");
+        assert_eq!(series(&registry, "chosen_fencing_token", &lock), Some(0.0));
+        // The first observation puts both leadership series at rest.
+        m.leaderless("n", "report", Duration::ZERO);
+        assert_eq!(
+            series(&registry, "chosen_leaderless_seconds_total", &lock),
+            Some(0.0)
+        );
+        assert_eq!(
+            series(&registry, "chosen_leader_changes_total", &lock),
+            Some(0.0)
+        );
+        m.leaderless("n", "report", Duration::from_millis(2_500));
+        m.leaderless("n", "report", Duration::from_secs(2));
+        m.leader_changed("n", "report");
+        assert_eq!(
+            series(&registry, "chosen_leaderless_seconds_total", &lock),
+            Some(4.5)
+        );
+        assert_eq!(
+            series(&registry, "chosen_leader_changes_total", &lock),
+            Some(1.0)
+        );
+
+        // A token on timeline 3; back to 0 once released.
+        let token = (3_u64 << 48) | 1_234;
+        m.lock_acquired("n", "report", Duration::ZERO);
+        m.fencing_token("n", "report", Some(token));
+        assert_eq!(
+            series(&registry, "chosen_fencing_token", &lock),
+            Some(token as f64)
+        );
+        m.lock_released("n", "report");
+        m.fencing_token("n", "report", None);
+        assert_eq!(series(&registry, "chosen_fencing_token", &lock), Some(0.0));
+    }
+
+    #[test]
+    fn no_fencing_token_is_exported_for_locks_past_the_label_cap() {
+        let registry = Registry::new();
+        let m = PrometheusMetrics::register(&registry)
+            .unwrap()
+            .with_max_lock_labels(1);
+        m.fencing_token("n", "a", Some(5));
+        m.lock_known("n", "b");
+        m.fencing_token("n", "b", Some(6));
+        let other = [("node", "n"), ("lock", "_other")];
+        assert_eq!(series(&registry, "chosen_fencing_token", &other), None);
+        assert_eq!(
+            series(
+                &registry,
+                "chosen_fencing_token",
+                &[("node", "n"), ("lock", "a")]
+            ),
+            Some(5.0)
         );
     }
 

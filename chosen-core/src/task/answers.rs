@@ -48,21 +48,31 @@ impl Driver {
                     };
                     let _ = reply.send(answer);
                 }
-                Action::Token { id, token, .. } => {
+                Action::Token { id, key, token } => {
                     for reply in self.token_replies.remove(&id).unwrap_or_default() {
                         let _ = reply.send(token);
+                    }
+                    // Answered only to the holder that asked, still holding.
+                    if let Some(token) = token
+                        && self.metrics().is_some()
+                        && let Some(name) = self.engine.table_mut().name_of(key).cloned()
+                        && let Some(m) = self.metrics()
+                    {
+                        m.fencing_token(self.node(), &name, Some(token.get()));
                     }
                 }
                 Action::Released { key, name } => {
                     debug!(lock = %name, key = %key, "released");
                     if let Some(m) = self.metrics() {
                         m.lock_released(self.node(), &name);
+                        m.fencing_token(self.node(), &name, None);
                     }
                 }
                 Action::Lost { key, name } => {
                     debug!(lock = %name, key = %key, "lost with the session");
                     if let Some(m) = self.metrics() {
                         m.lock_lost(self.node(), &name, self.last_reason.label());
+                        m.fencing_token(self.node(), &name, None);
                     }
                 }
             }
@@ -109,6 +119,9 @@ impl Driver {
             Ok(()) => {
                 if let Some(m) = self.metrics() {
                     m.lock_acquired(self.node(), &name, waited);
+                    if let Some(token) = token {
+                        m.fencing_token(self.node(), &name, Some(token.get()));
+                    }
                 }
                 debug!(lock = %name, key = %key, token = token.map(FencingToken::get), "acquired");
             }
