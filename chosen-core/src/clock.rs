@@ -10,6 +10,11 @@
 
 use std::time::Instant;
 
+/// A deadline that never comes (a year away), for a timer with nothing to wait for.
+pub(crate) fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + std::time::Duration::from_secs(86_400 * 365)
+}
+
 /// Now, on the clock tokio's timers use.
 pub(crate) fn now() -> Instant {
     tokio::time::Instant::now().into_std()

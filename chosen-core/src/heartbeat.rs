@@ -22,6 +22,7 @@ use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
 use crate::backend::HeartbeatLink;
+use crate::clock::far_future;
 use crate::generation::Generation;
 use crate::key::SessionLock;
 use crate::shared::{FloorRead, ServerFloor, Shared};
@@ -111,10 +112,6 @@ pub(crate) async fn run(
             }
         }
     }
-}
-
-fn far_future() -> tokio::time::Instant {
-    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
 }
 
 /// The heartbeat's rules, apart from its I/O: when the next heartbeat is due, how many

@@ -162,12 +162,23 @@ impl LockRequest {
         {
             return Err(Error::InvalidPollInterval(interval));
         }
+        Ok(self.resolve("", false)?.0)
+    }
+
+    /// The name reported for this request and its key in `namespace`, the name checked
+    /// as [`LockManager::acquire`] checks it, or, for a `lookup`, only as a look-up
+    /// does (reserved names allowed). A raw key is reported as `key(...)`.
+    pub(crate) fn resolve(&self, namespace: &str, lookup: bool) -> Result<(String, LockKey)> {
         match &self.target {
             Target::Name(name) => {
-                crate::names::validate_lock_name(name, self.internal)?;
-                Ok(name.clone())
+                if lookup {
+                    crate::names::validate_name("the lock name", name)?;
+                } else {
+                    crate::names::validate_lock_name(name, self.internal)?;
+                }
+                Ok((name.clone(), LockKey::derive(namespace, name)))
             }
-            Target::Key(key) => Ok(format!("key{key}")),
+            Target::Key(key) => Ok((format!("key{key}"), *key)),
         }
     }
 
@@ -303,14 +314,7 @@ impl LockManager {
         if self.shared.closing.is_cancelled() {
             return Err(Error::Closed);
         }
-        let (name, key) = match request.target {
-            Target::Name(name) => {
-                crate::names::validate_lock_name(&name, request.internal)?;
-                let key = self.key_for(&name);
-                (name, key)
-            }
-            Target::Key(key) => (format!("key{key}"), key),
-        };
+        let (name, key) = request.resolve(&self.shared.options.namespace, false)?;
         let poll_interval = request
             .poll_interval
             .unwrap_or(self.shared.options.poll_interval);
@@ -369,13 +373,7 @@ impl LockManager {
     /// [`Error::NotConnected`] while the session is down, [`Error::Database`],
     /// [`Error::InvalidName`], [`Error::Closed`].
     pub async fn holder(&self, lock: impl Into<LockRequest>) -> Result<Option<HolderInfo>> {
-        let key = match lock.into().target {
-            Target::Name(name) => {
-                crate::names::validate_name("the lock name", &name)?;
-                self.key_for(&name)
-            }
-            Target::Key(key) => key,
-        };
+        let (_, key) = lock.into().resolve(&self.shared.options.namespace, true)?;
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Command::Holder { key, reply })

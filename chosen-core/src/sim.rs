@@ -66,3 +66,39 @@ pub(crate) const SEC: T = 1_000_000;
 pub(crate) fn epoch_us(start: T) -> i64 {
     1_700_000_000_000_000 + start as i64
 }
+
+/// The simulations' random numbers: xorshift64* (the engine's own jitter generator),
+/// seeded through splitmix64 so that neighbouring seeds start far apart.
+#[derive(Debug)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        // splitmix64, so that neighbouring seeds start far apart.
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Self((z ^ (z >> 31)) | 1)
+    }
+
+    pub(crate) fn next(&mut self) -> u64 {
+        crate::table::next_random(&mut self.0)
+    }
+
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+
+    pub(crate) fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+
+    pub(crate) fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    /// Milliseconds between `lo` and `hi`, both included.
+    pub(crate) fn millis(&mut self, lo: u64, hi: u64) -> std::time::Duration {
+        std::time::Duration::from_millis(self.range(lo, hi))
+    }
+}

@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Client, NoTls};
 use tracing::{debug, warn};
@@ -261,7 +260,7 @@ where
         let _ = events_tx.send(ConnEvent::Closed(end));
     });
     // From here on, dropping `guard` (on any error) closes the connection.
-    let guard = AbortOnDrop(Some(conn_task));
+    let guard = crate::task::AbortOnDrop::new(conn_task);
     // A DBA's statement_timeout could cancel even the probe: override it in the same
     // round trip, as early as a `SET LOCAL` can be (it still covers the `BEGIN` and the
     // `SET` itself; `connect` tries once more if one of them is cancelled; these
@@ -355,22 +354,6 @@ where
             term,
         },
     ))
-}
-
-pub(super) struct AbortOnDrop(Option<JoinHandle<()>>);
-
-impl AbortOnDrop {
-    pub(super) fn disarm(mut self) -> JoinHandle<()> {
-        self.0.take().expect("BUG: disarmed twice")
-    }
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(task) = &self.0 {
-            task.abort();
-        }
-    }
 }
 
 impl Statements {

@@ -15,6 +15,9 @@ use crate::status::SessionDownReason;
 use crate::table::{Backend, FenceCheck, TryOutcome};
 use crate::token::FencingToken;
 
+/// A statement parameter.
+type Param<'a> = &'a (dyn tokio_postgres::types::ToSql + Sync);
+
 impl PgLink {
     /// Tries every key in one statement; the keys of `register` that are not won
     /// register interest in their bucket (see [`TRY_KEYS_SQL`]). Answers the outcome
@@ -50,90 +53,52 @@ impl PgLink {
             .iter()
             .map(|k| lazy.binary_search(k).is_err())
             .collect();
-        let result = if let ([key], [fa], [fb], [reg], [ia], [ib], [ap], [tok]) = (
-            keys,
-            fa.as_slice(),
-            fb.as_slice(),
-            reg.as_slice(),
-            ia.as_slice(),
-            ib.as_slice(),
-            ap.as_slice(),
-            tok.as_slice(),
-        ) {
-            let (a, b, big) = key_params(*key);
-            self.client
-                .query(
-                    &self.stmts.try_one,
-                    &[
-                        &a,
-                        &b,
-                        &big,
-                        &self.backend_pid,
-                        &self.marker,
-                        &self.database_oid,
-                        fa,
-                        fb,
-                        reg,
-                        ia,
-                        ib,
-                        ap,
-                        tok,
-                    ],
-                )
-                .await
-                .and_then(|rows| {
-                    rows.iter()
-                        .map(|r| {
-                            Ok((
-                                1i64,
-                                r.try_get(0)?,
-                                r.try_get(1)?,
-                                r.try_get(2)?,
-                                r.try_get(3)?,
-                                r.try_get(4)?,
-                                r.try_get(5)?,
-                            ))
-                        })
-                        .collect::<Result<Vec<Row>, _>>()
-                })
+        // One key: the single-key statement, the same parameters as scalars (its rows
+        // carry no index column); more: the batched one, with arrays.
+        let single = keys.len() == 1;
+        let one;
+        let many;
+        let mut params: Vec<Param<'_>> = Vec::with_capacity(13);
+        if single {
+            one = key_params(keys[0]);
+            params.extend::<[Param<'_>; 3]>([&one.0, &one.1, &one.2]);
         } else {
-            let (a, b, big) = key_arrays(keys);
-            self.client
-                .query(
-                    &self.stmts.try_keys,
-                    &[
-                        &a,
-                        &b,
-                        &big,
-                        &self.backend_pid,
-                        &self.marker,
-                        &self.database_oid,
-                        &fa,
-                        &fb,
-                        &reg,
-                        &ia,
-                        &ib,
-                        &ap,
-                        &tok,
-                    ],
-                )
-                .await
-                .and_then(|rows| {
-                    rows.iter()
-                        .map(|r| {
-                            Ok((
-                                r.try_get(0)?,
-                                r.try_get(1)?,
-                                r.try_get(2)?,
-                                r.try_get(3)?,
-                                r.try_get(4)?,
-                                r.try_get(5)?,
-                                r.try_get(6)?,
-                            ))
-                        })
-                        .collect::<Result<Vec<Row>, _>>()
-                })
+            many = key_arrays(keys);
+            params.extend::<[Param<'_>; 3]>([&many.0, &many.1, &many.2]);
+        }
+        params.extend::<[Param<'_>; 3]>([&self.backend_pid, &self.marker, &self.database_oid]);
+        if single {
+            params.extend::<[Param<'_>; 7]>([
+                &fa[0], &fb[0], &reg[0], &ia[0], &ib[0], &ap[0], &tok[0],
+            ]);
+        } else {
+            params.extend::<[Param<'_>; 7]>([&fa, &fb, &reg, &ia, &ib, &ap, &tok]);
+        }
+        let statement = if single {
+            &self.stmts.try_one
+        } else {
+            &self.stmts.try_keys
         };
+        let at = usize::from(!single);
+        let result = self
+            .client
+            .query(statement, &params)
+            .await
+            .and_then(|rows| {
+                rows.iter()
+                    .map(|r| {
+                        Ok((
+                            if single { 1 } else { r.try_get(0)? },
+                            r.try_get(at)?,
+                            r.try_get(at + 1)?,
+                            r.try_get(at + 2)?,
+                            r.try_get(at + 3)?,
+                            r.try_get(at + 4)?,
+                            r.try_get(at + 5)?,
+                        ))
+                    })
+                    .collect::<Result<Vec<Row>, _>>()
+            });
         let rows = match result.map_err(classify) {
             Ok(rows) => rows,
             Err(Fault::Lost(reason)) => return Err(Fault::Lost(reason)),

@@ -56,6 +56,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::Rng;
 use super::backend::{SimBackend, SimServer};
 use crate::singleton::{LeaderContext, RestartPolicy, Singleton, SingletonOptions};
 use crate::{Election, GroupOptions, Leadership, LockManager, ManagerOptions, SingletonGroup};
@@ -90,18 +91,6 @@ const STEPS: u32 = 30;
 const SETTLE: Duration = Duration::from_secs(30);
 /// A shutdown returns within this (stop budget, lease timeout and slack: 2 + 3 + 5 s).
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
-
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        crate::table::next_random(&mut self.0) % n.max(1)
-    }
-
-    fn millis(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(lo + self.below(hi - lo + 1))
-    }
-}
 
 /// What the children did, as the checker saw it.
 #[derive(Default)]
@@ -1161,7 +1150,7 @@ struct Outcome {
 const RELEASE_AFTER: Duration = Duration::from_secs(7);
 
 async fn run(seed: u64, release_after: Duration) -> Outcome {
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = Rng::new(seed);
     let server = SimServer::new(seed);
     // As chosen sets its session up: the server ends a silent session after
     // `server_release_after` (7 s by default).

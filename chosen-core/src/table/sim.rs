@@ -68,7 +68,7 @@ use crate::key::SessionLock;
 use crate::shared::ServerFloor;
 use crate::table::{
     Action, FenceCheck, Mode, Plan, Protection, Refusal, Request, RequestId, Rules, TokenRead,
-    TryOutcome, Via, next_random, verified,
+    TryOutcome, Via, verified,
 };
 use crate::token::FencingToken;
 
@@ -124,7 +124,7 @@ const CLIENT_CLOSED: &str = "client closed the connection";
 /// Forged announcements come from these pids (no backend of the server has one).
 const FORGED_PIDS: i32 = 900_000;
 
-use crate::sim::{MS, SEC, T, epoch_us};
+use crate::sim::{MS, Rng, SEC, T, epoch_us};
 
 // ---- configuration ------------------------------------------------------------------
 
@@ -241,35 +241,6 @@ impl Config {
 }
 
 // ---- randomness -----------------------------------------------------------------------
-
-#[derive(Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        // splitmix64, so that neighbouring seeds start far apart.
-        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        Self((z ^ (z >> 31)) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        next_random(&mut self.0)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 { 0 } else { self.next() % n }
-    }
-
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 // ---- messages and events --------------------------------------------------------------
 

@@ -7,8 +7,9 @@ use std::time::{Instant, SystemTime};
 use tokio::time::sleep_until;
 use tracing::{debug, warn};
 
-use super::{Driver, error_chain, far_future};
+use super::{Driver, error_chain};
 use crate::backend::Session;
+use crate::clock::far_future;
 use crate::error::Error;
 use crate::generation::Generation;
 use crate::status::{ConnectionState, SessionDownReason};

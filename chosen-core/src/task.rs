@@ -14,7 +14,7 @@ mod lifecycle;
 use crate::maps::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
 use tokio::sync::mpsc::{UnboundedReceiver, WeakUnboundedSender};
 use tokio::sync::oneshot;
@@ -22,6 +22,7 @@ use tokio::time::sleep_until;
 use tracing::{debug, info};
 
 use crate::backend::{Backend, ConnEvent, Session};
+use crate::clock::far_future;
 use crate::command::{ClusterReply, Command, Grant, HolderReply};
 use crate::engine::{CloseNext, Engine, Overdue};
 use crate::error::Result;
@@ -193,7 +194,7 @@ impl Driver {
             Arc::clone(&generation),
             s.proven_at,
         )));
-        let _heartbeat = AbortOnDrop(heartbeat);
+        let _heartbeat = AbortOnDrop::new(heartbeat);
 
         let exit = loop {
             // Everything already queued first, merged: requests, releases and
@@ -454,15 +455,25 @@ fn revoke_reason(generation: &Generation) -> SessionDownReason {
         .unwrap_or(SessionDownReason::Shutdown)
 }
 
-fn far_future() -> tokio::time::Instant {
-    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
-}
+/// Aborts its task when dropped, unless [`disarm`](Self::disarm)ed first.
+pub(crate) struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl AbortOnDrop {
+    pub(crate) fn new(task: tokio::task::JoinHandle<()>) -> Self {
+        Self(Some(task))
+    }
+
+    /// The task, no longer aborted on drop.
+    pub(crate) fn disarm(mut self) -> tokio::task::JoinHandle<()> {
+        self.0.take().expect("BUG: disarmed twice")
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        self.0.abort();
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
     }
 }
 
