@@ -59,7 +59,7 @@ fn the_printed_ledger_table_is_the_one_installed() {
     assert_copies(
         "chosen_ticks",
         chosen_apalis::LEDGER_INSTALL_SQL,
-        &["chosen-apalis/README.md", "chosen-apalis/src/ledger/mod.rs"],
+        &["chosen-apalis/README.md", "chosen-apalis/src/ledger.rs"],
     );
 }
 
