@@ -68,6 +68,6 @@ fn the_printed_fence_table_is_the_one_installed() {
     assert_copies(
         "chosen_fence",
         chosen_core::fenced::INSTALL_SQL,
-        &["README.md", "chosen-core/src/fenced.rs"],
+        &["chosen-core/src/fenced.rs"],
     );
 }
