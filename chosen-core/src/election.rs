@@ -578,9 +578,8 @@ pub(crate) async fn campaign(
                     // Never this node itself while it follows: the holder is then a
                     // former session of its own (lost, and kept open until the next one
                     // fences the work still stopping, or not yet noticed as gone by the
-                    // server), so the leader is not known.
-                    let me = manager.node_id();
-                    leadership.set_following(holder.map(|h| h.node_id).filter(|n| n != me));
+                    // server), so the leader is not known; the lock is held all the same.
+                    leadership.set_following_holder(holder.map(|h| h.node_id));
                 }
             }
         }

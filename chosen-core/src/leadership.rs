@@ -208,8 +208,6 @@ impl Leadership {
     }
 
     pub(crate) fn set_leading(&self, lease: &Lease) {
-        let me = self.inner.node_id.clone();
-        self.observe(Some(&me), true);
         self.inner.tx.send_replace(Snapshot {
             state: LeaderState::Leading {
                 token: lease.eager_token(),
@@ -217,13 +215,30 @@ impl Leadership {
             },
             validity: Some(lease.validity()),
         });
+        // After publishing: a slow metrics sink never delays the state.
+        self.observe(Some(&self.inner.node_id), true);
     }
 
-    /// Following `leader` (`None`: nobody leads, as this node just found, by a
-    /// look-up or at the end of its own term). Every call is an observation for the
-    /// metrics, a repeated one too.
+    /// Following `leader` (`None`: nobody leads, as this node just found at the end of
+    /// its own term). Every call is an observation for the metrics, a repeated one too.
     pub(crate) fn set_following(&self, leader: Option<String>) {
-        self.observe(leader.as_deref(), false);
+        let seen = leader.clone();
+        self.follow(leader);
+        self.observe(seen.as_deref(), false);
+    }
+
+    /// Following after a look-up found `holder` holding the lock (`None`: nobody).
+    /// A holder with this node's own id is not published as the leader (it is a former
+    /// session of this node, still open, or another leadership of the same lock in this
+    /// process, or a replica misconfigured with the same id), but the lock is held: the
+    /// metrics see it held, not leaderless.
+    pub(crate) fn set_following_holder(&self, holder: Option<String>) {
+        let seen = holder.clone();
+        self.follow(holder.filter(|h| *h != self.inner.node_id));
+        self.observe(seen.as_deref(), false);
+    }
+
+    fn follow(&self, leader: Option<String>) {
         self.inner.tx.send_if_modified(|snap| {
             let next = LeaderState::Following { leader };
             if snap.state == next {
@@ -711,5 +726,22 @@ mod tests {
                 "leaderless me job 0",
             ]
         );
+    }
+
+    /// A look-up that finds this node's own id holding the lock (a former session of
+    /// this node, another leadership of the lock in this process) publishes no leader,
+    /// but counts no leaderless time either: the lock is held.
+    #[tokio::test(start_paused = true)]
+    async fn a_holder_with_this_nodes_id_is_not_leaderless_time() {
+        let sink = Arc::new(Recorder::default());
+        let leadership = Leadership::new("job", Some("chosen"), "me", Some(sink.clone()));
+        leadership.set_following_holder(Some("me".to_owned()));
+        assert_eq!(leadership.leader(), None);
+        for _ in 0..3 {
+            tokio::time::advance(Duration::from_secs(2)).await;
+            leadership.set_following_holder(Some("me".to_owned()));
+        }
+        assert_eq!(leadership.leader(), None);
+        assert_eq!(*sink.0.lock().unwrap(), ["leaderless me job 0"]);
     }
 }

@@ -125,9 +125,11 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
     /// `sum by (lock, outcome) (increase(chosen_apalis_tasks_total{outcome=~"skipped_.*|cancelled", outcome!~"skipped_not_leader|skipped_already_recorded"}[1h]))`.
     /// The two left out are the normal answers of a follower (to every tick) and to a
     /// tick delivered twice. A tick answered `skipped_stale_tick`, `skipped_not_due`,
-    /// `skipped_ledger_error`, or `skipped_overlap` under `Overlap::Buffer`, is also
-    /// decided about as a missed tick (`skipped_missed` or `caught_up`), then or by a
-    /// later leader.
+    /// `skipped_ledger_error`, `skipped_overlap` under `Overlap::Buffer`, or
+    /// `cancelled` before its run started (left unrecorded), is also decided about as a
+    /// missed tick (`skipped_missed` or `caught_up`), then or by a later leader, so the
+    /// sum counts such a tick twice; a shutdown during a catch-up reports `cancelled`
+    /// for each missed tick it did not reach.
     fn task_gated(&self, node: &str, lock: &str, outcome: &str) {
         let _ = (node, lock, outcome);
     }
@@ -139,14 +141,21 @@ pub trait MetricsSink: Send + Sync + fmt::Debug {
     /// lock won by this node, free just before). A sink adds it up
     /// (`chosen_leaderless_seconds_total`).
     ///
-    /// A lower bound, by design: the time between an observation that saw a leader
-    /// and one that saw none is not counted (the leader may have left just before the
-    /// second), so a hand-over of a few milliseconds adds nothing, a follower that
-    /// just started counts nothing before its first look-up, and a stretch of `n`
-    /// seconds adds at least `n` less two look-up intervals (4 s) on every node that
-    /// looks. A counter rather than a histogram of stretches: it grows *during* a
-    /// stretch (at each look-up), where a stretch's histogram sample would only come
-    /// once a leader is back, too late for the alert that matters.
+    /// What it leaves out: the time between an observation that saw a leader and one
+    /// that saw none (the leader may have left just before the second), so a hand-over
+    /// of a few milliseconds adds nothing and a follower that just started counts
+    /// nothing before its first look-up; and whatever happens while look-ups fail (the
+    /// database unreachable: the gap is counted at the next observation if both ends
+    /// saw nobody, so alert on `chosen_connection_up` for outages). What it may add:
+    /// a node that wins the lock again counts the time since the end of its own last
+    /// term, which can include another node's short term within the pause before it
+    /// contends again (about two poll intervals). With a follower looking every 2 s, a
+    /// stretch of `n` seconds adds about `n` less up to two look-up intervals (4 s) on
+    /// each node that keeps looking. A look-up that finds this node's own id holding
+    /// the lock (a former session of it) counts as held. A counter rather than a
+    /// histogram of stretches: it grows *during* a stretch (at each look-up), where a
+    /// stretch's histogram sample would only come once a leader is back, too late for
+    /// the alert that matters.
     ///
     /// Called with [`Duration::ZERO`] at this node's first observation of the lock, so
     /// that a sink shows the lock's leadership series (this and

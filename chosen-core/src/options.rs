@@ -722,7 +722,10 @@ impl ManagerOptions {
             return bad(
                 "ManagerOptions::server_release_after",
                 format!(
-                    "timing invariant: lease_timeout + stop_budget + safety_margin = {needed} must be below server_release_after {:?}: raise it (at most {MAX_TIMING_TEXT}) or lower the others",
+                    "timing invariant: lease_timeout {:?} + stop_budget {:?} + safety_margin {:?} = {needed} must be below server_release_after {:?}: raise it (at most {MAX_TIMING_TEXT}) or lower the others",
+                    self.lease_timeout,
+                    self.stop_budget,
+                    self.safety_margin,
                     self.server_release_after,
                 ),
             );
