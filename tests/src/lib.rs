@@ -38,9 +38,45 @@ pub use tokio_postgres::config::Host as PgHost;
 /// When `url` does not parse.
 #[must_use]
 pub fn manager_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
-    chosen_core::ManagerOptions::from_url(url)
-        .expect("a valid test URL")
-        .node_id(node)
+    try_manager_options(url, node).expect("a valid test URL")
+}
+
+/// [`manager_options`] that returns a URL that does not parse as an error (for the
+/// benchmarks, which may be pointed at any server).
+///
+/// # Errors
+///
+/// When `url` does not parse.
+pub fn try_manager_options(
+    url: &str,
+    node: &str,
+) -> chosen_core::Result<chosen_core::ManagerOptions> {
+    Ok(chosen_core::ManagerOptions::from_url(url)?.node_id(node))
+}
+
+/// [`manager_options`] polling every 50 ms, so that a waiter finds a lock free soon
+/// after its release even without the announcement. Other timings are the defaults.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn eager_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    manager_options(url, node).poll_interval(std::time::Duration::from_millis(50))
+}
+
+/// [`eager_options`] that also reconnects fast (20 ms, backing off to 200 ms), for tests
+/// that end sessions and wait for the node's next one.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn fast_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    eager_options(url, node).reconnect_backoff(
+        std::time::Duration::from_millis(20),
+        std::time::Duration::from_millis(200),
+    )
 }
 
 /// `true` when running in CI (`CI=true`, as `.ci/run` is run): there no test may skip

@@ -5,13 +5,15 @@
 //! statement, and a waiter whose interest take met another release's probe, register
 //! on their next try, and are announced to. An announcement from a backend the waiter
 //! never saw holding the key is only a cue to try soon, and a forged flood of them
-//! costs at most one more try statement per second.
+//! costs at most one more try statement per second. A flood of forged announcements
+//! revokes nothing and grants nothing held, and the holder a waiter saw is looked up
+//! right for every key shape.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockKey, LockManager, ManagerOptions, MetricsSink};
+use chosen_core::{ConnectionState, LockKey, LockManager, ManagerOptions, MetricsSink};
 use chosen_tests::{PgCluster, connect_admin, unique_name};
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
@@ -489,5 +491,153 @@ async fn a_forged_flood_costs_at_most_one_more_statement_per_second() {
     drop(leases);
     for w in waits {
         w.abort();
+    }
+}
+
+/// §2.4: any role may `NOTIFY chosen_release`. A flood of them naming keys a manager
+/// waits for must not starve its heartbeat (revoking every lease it holds), nor hand it
+/// a lock another session holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_flood_revokes_nothing() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("flooded");
+    // The victim holds one lock and waits for twenty others.
+    let victim = LockManager::connect(chosen_tests::eager_options(&pg.url(), "flooded-victim"))
+        .await
+        .expect("manager connects");
+    let lease = victim.acquire(lock.as_str()).await.unwrap();
+    let other = LockManager::connect(chosen_tests::eager_options(&pg.url(), "key-holder"))
+        .await
+        .expect("manager connects");
+    let mut held = Vec::new();
+    let mut waits = Vec::new();
+    for i in 0..20 {
+        let name = format!("{lock}-{i}");
+        held.push(other.acquire(name.as_str()).await.unwrap());
+        let m = victim.clone();
+        waits.push(tokio::spawn(async move { m.acquire(name.as_str()).await }));
+    }
+    let tags: Vec<String> = held
+        .iter()
+        .map(|l| match l.key() {
+            chosen_core::LockKey::Pair(a, b) => format!("pair:{a}:{b}"),
+            chosen_core::LockKey::Int(k) => format!("int:{k}"),
+        })
+        .collect();
+    let flood_until = Instant::now() + Duration::from_secs(6);
+    let flooder = tokio::spawn({
+        let url = pg.url();
+        async move {
+            let client = connect_admin(&url).await.unwrap();
+            let mut sent = 0u64;
+            while Instant::now() < flood_until {
+                // Distinct payloads: the server folds identical ones within a transaction.
+                client
+                    .execute(
+                        "SELECT pg_notify('chosen_release', $1 || ',' || g::text) FROM generate_series(1, 1000) g",
+                        &[&tags.join(",")],
+                    )
+                    .await
+                    .unwrap();
+                sent += 1_000;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            sent
+        }
+    });
+    let mut checks = 0;
+    while Instant::now() < flood_until {
+        assert!(
+            lease.is_valid(),
+            "the victim's lease was revoked during the flood: {:?}",
+            lease.loss_reason()
+        );
+        assert!(
+            waits.iter().all(|w| !w.is_finished()),
+            "a forged announcement handed over a held lock"
+        );
+        checks += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sent = flooder.await.unwrap();
+    assert!(sent >= 50_000, "only {sent} notifications sent");
+    assert!(checks > 50);
+    assert!(lease.is_valid(), "{:?}", lease.loss_reason());
+    assert!(matches!(
+        victim.connection_status(),
+        ConnectionState::Connected { generation: 1, .. }
+    ));
+    for w in waits {
+        w.abort();
+    }
+    drop(held);
+    drop(lease);
+    victim.shutdown().await;
+    other.shutdown().await;
+}
+
+/// Release announcements are believed only from the backend a failed try saw holding the
+/// key: that look-up must be right for every key shape (negative halves, big keys), in
+/// the single-key and the batched statement, or hand-overs fall back to polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_are_verified_for_every_key_shape() {
+    use chosen_core::LockKey;
+    let pg = PgCluster::start().unwrap();
+    let shapes = [
+        vec![LockKey::Int(-5)],
+        vec![LockKey::Pair(-1, -2)],
+        vec![
+            LockKey::Int(i64::MIN + 7),
+            LockKey::Int(0x7fff_ffff_0000_0001),
+            LockKey::Pair(i32::MIN, 3),
+            LockKey::Pair(12, -12),
+        ],
+    ];
+    for keys in shapes {
+        let a = LockManager::connect(chosen_tests::eager_options(&pg.url(), "shape-holder"))
+            .await
+            .expect("manager connects");
+        let b = LockManager::connect(
+            chosen_tests::eager_options(&pg.url(), "shape-waiter")
+                .poll_interval(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+        let mut held = Vec::new();
+        for k in &keys {
+            held.push(a.acquire(*k).await.unwrap());
+        }
+        let waits: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                let b = b.clone();
+                let k = *k;
+                tokio::spawn(async move { b.acquire(k).await })
+            })
+            .collect();
+        // Let B's first (failed) try see the holders.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while b.locks().await.unwrap().len() < keys.len() {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t0 = Instant::now();
+        drop(held);
+        for w in waits {
+            let lease = tokio::time::timeout(Duration::from_secs(5), w)
+                .await
+                .expect("woken by the verified announcement, not the 30 s poll")
+                .unwrap()
+                .unwrap();
+            drop(lease);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "{keys:?}: hand-over took {:?}",
+            t0.elapsed()
+        );
+        a.shutdown().await;
+        b.shutdown().await;
     }
 }

@@ -1,6 +1,8 @@
 //! `LockManager::shutdown` alone stops what was started from it, in order: every
 //! singleton's child first, every election's contest, then the announced releases,
-//! then the session. Real clusters.
+//! then the session. A lock is released only once its lease is dropped (a waiting node
+//! cannot start while this node still works under the lease), or once the stop budget
+//! ran out, then without an announcement. Real clusters.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -449,4 +451,112 @@ async fn a_request_whose_try_is_in_flight_when_the_shutdown_begins_is_closed_not
         "a request answered after the shutdown began must be Closed, got {granted}"
     );
     other.shutdown().await;
+}
+
+/// §2.2 (b): a graceful shutdown releases a lock only once its lease is dropped (a
+/// singleton drops it once its child has stopped), so a waiting node cannot start while
+/// this node still works under the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_only_after_the_lease_is_dropped() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("graceful-order");
+    let a = LockManager::connect(chosen_tests::eager_options(&pg.url(), "stopping-holder"))
+        .await
+        .expect("manager connects");
+    let lease = a.acquire(lock.as_str()).await.unwrap();
+    // The waiter polls every 30 s: only the release announcement can wake it.
+    let b = LockManager::connect(
+        chosen_tests::eager_options(&pg.url(), "patient-waiter")
+            .poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        let lock = lock.clone();
+        async move {
+            let lease = b.acquire(lock.as_str()).await.unwrap();
+            (Instant::now(), lease)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The holder's "child" notices the loss and takes 500 ms to stop.
+    let stopped = Arc::new(Mutex::new(None::<Instant>));
+    let child = tokio::spawn({
+        let stopped = Arc::clone(&stopped);
+        async move {
+            lease.lost().await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            *stopped.lock().unwrap() = Some(Instant::now());
+            drop(lease);
+        }
+    });
+    a.shutdown().await;
+    child.await.unwrap();
+    let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter is woken by the announcement, not its 30 s poll")
+        .unwrap();
+    let stopped = stopped.lock().unwrap().expect("the child stopped");
+    assert!(
+        acquired > stopped,
+        "the waiter held the lock {:?} before the old holder's work stopped",
+        stopped - acquired
+    );
+    assert!(
+        acquired - stopped < Duration::from_secs(2),
+        "hand-over took {:?} after the stop",
+        acquired - stopped
+    );
+    drop(lease_b);
+    b.shutdown().await;
+}
+
+/// §2.2 (b), the other half: a lease its owner never drops does not keep the lock past
+/// the stop budget; the shutdown then releases it anyway, without an announcement (its
+/// work may still run), so a waiter finds it free by polling and waits the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("kept-lease");
+    let budget = Duration::from_millis(800);
+    let a = LockManager::connect(
+        chosen_tests::eager_options(&pg.url(), "keeping-holder").stop_budget(budget),
+    )
+    .await
+    .unwrap();
+    let lease = a.acquire(lock.as_str()).await.unwrap();
+    let b = LockManager::connect(
+        chosen_tests::eager_options(&pg.url(), "budget-waiter")
+            .poll_interval(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        let lock = lock.clone();
+        async move { b.acquire(lock.as_str()).await.map(|l| (Instant::now(), l)) }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    a.shutdown().await;
+    assert!(!lease.is_valid(), "revoked first");
+    let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter takes over")
+        .unwrap()
+        .unwrap();
+    let after = acquired - t0;
+    assert!(
+        after >= budget,
+        "released {after:?} after the shutdown began, before the budget"
+    );
+    assert!(
+        after < budget + Duration::from_secs(2),
+        "released {after:?} after the shutdown began"
+    );
+    drop(lease);
+    drop(lease_b);
+    b.shutdown().await;
 }
