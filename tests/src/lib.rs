@@ -31,7 +31,10 @@ pub use tokio_postgres::Config as PgConfig;
 pub use tokio_postgres::config::Host as PgHost;
 
 /// The options every test manager starts from: `url` (a test URL, so a parse failure
-/// is a bug in the test) and `node` as the node id; each test adds its own timings.
+/// is a bug in the test) and `node` as the node id, other settings the defaults. The
+/// presets built on it ([`eager_options`], [`fast_options`], [`fault_options`],
+/// [`unheld_options`], [`prompt_options`]) set the timings tests share; a test adds its
+/// own on top.
 ///
 /// # Panics
 ///
@@ -77,6 +80,44 @@ pub fn fast_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
         std::time::Duration::from_millis(20),
         std::time::Duration::from_millis(200),
     )
+}
+
+/// [`manager_options`] polling every 100 ms and reconnecting fast (50 ms, backing off to
+/// 500 ms), for tests that cut, restart or fail over the server.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn fault_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    manager_options(url, node)
+        .poll_interval(std::time::Duration::from_millis(100))
+        .reconnect_backoff(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_millis(500),
+        )
+}
+
+/// [`manager_options`] with no term hold (`term_grant_delay(Duration::ZERO)`): a test's
+/// cluster has just started, and its grants must not wait for the young term. Other
+/// timings are the defaults.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn unheld_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    manager_options(url, node).term_grant_delay(std::time::Duration::ZERO)
+}
+
+/// [`unheld_options`] polling every 100 ms.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn prompt_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    unheld_options(url, node).poll_interval(std::time::Duration::from_millis(100))
 }
 
 /// `true` when running in CI (`CI=true`, as `.ci/run` is run): there no test may skip

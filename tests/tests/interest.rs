@@ -13,14 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use chosen_core::{ConnectionState, LockKey, LockManager, ManagerOptions, MetricsSink};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
+use chosen_core::{ConnectionState, LockKey, LockManager, MetricsSink};
+use chosen_tests::{PgCluster, connect_admin, eager_options, unique_name};
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node).poll_interval(Duration::from_millis(50))
-}
 
 /// A connection that LISTENs on the release channel; payloads arrive on the receiver.
 async fn listener(url: &str) -> (tokio_postgres::Client, mpsc::UnboundedReceiver<String>) {
@@ -68,12 +64,12 @@ async fn a_release_nobody_waits_for_announces_nothing() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let (_listen, mut rx) = listener(&pg.url()).await;
-    let a = LockManager::connect(options(&pg.url(), "quiet-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "quiet-a"))
         .await
         .unwrap();
     // Another manager waits for a different lock: its interest must not make every
     // release announce (unless the two share a bucket: pick one that does not).
-    let b = LockManager::connect(options(&pg.url(), "quiet-b"))
+    let b = LockManager::connect(eager_options(&pg.url(), "quiet-b"))
         .await
         .unwrap();
     let other = unique_name("quiet-other");
@@ -170,11 +166,11 @@ async fn shared_locks(admin: &tokio_postgres::Client, node: &str) -> i64 {
 async fn a_waiter_holds_interest_only_while_it_waits() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "interest-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "interest-a"))
         .await
         .unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "interest-b").poll_interval(Duration::from_secs(30)),
+        eager_options(&pg.url(), "interest-b").poll_interval(Duration::from_secs(30)),
     )
     .await
     .unwrap();
@@ -223,14 +219,15 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let name = unique_name("cue");
-    let a = LockManager::connect(options(&pg.url(), "cue-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "cue-a"))
         .await
         .unwrap();
     let lease_a = a.acquire(name.as_str()).await.unwrap();
-    let c =
-        LockManager::connect(options(&pg.url(), "cue-c").poll_interval(Duration::from_secs(30)))
-            .await
-            .unwrap();
+    let c = LockManager::connect(
+        eager_options(&pg.url(), "cue-c").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let c_waiting = tokio::spawn({
         let c = c.clone();
         let name = name.clone();
@@ -241,7 +238,7 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
         assert!(Instant::now() < deadline, "C never tried");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let b = LockManager::connect(options(&pg.url(), "cue-b"))
+    let b = LockManager::connect(eager_options(&pg.url(), "cue-b"))
         .await
         .unwrap();
     let b_waiting = tokio::spawn({
@@ -302,11 +299,11 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
 async fn a_second_key_of_a_bucket_whose_first_key_was_won_is_still_announced() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "lw-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "lw-a"))
         .await
         .unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "lw-b")
+        eager_options(&pg.url(), "lw-b")
             .poll_interval(Duration::from_secs(30))
             .reconnect_backoff(Duration::from_millis(1000), Duration::from_millis(1000)),
     )
@@ -384,12 +381,14 @@ async fn a_waiter_whose_interest_take_failed_is_still_announced() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let prober = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "ft-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "ft-a"))
         .await
         .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "ft-b").poll_interval(Duration::from_secs(30)))
-        .await
-        .unwrap();
+    let b = LockManager::connect(
+        eager_options(&pg.url(), "ft-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let y = unique_name("ft-y");
     let (ia, ib) = interest_key(bucket(a.key_for(&y)));
     let lease_y = a.acquire(y.as_str()).await.unwrap();
@@ -444,12 +443,12 @@ async fn a_forged_flood_costs_at_most_one_more_statement_per_second() {
     const N: usize = 40;
     let pg = PgCluster::start().unwrap();
     let forger = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "fl-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "fl-a"))
         .await
         .unwrap();
     let polls = Arc::new(Polls::default());
     let b = LockManager::connect(
-        options(&pg.url(), "fl-b")
+        eager_options(&pg.url(), "fl-b")
             .poll_interval(Duration::from_secs(30))
             .metrics(polls.clone()),
     )

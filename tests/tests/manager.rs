@@ -8,14 +8,10 @@ use std::time::{Duration, Instant};
 use chosen_core::{
     ConnectionState, Error, LockKey, LockManager, LockRequest, LockState, ManagerOptions,
 };
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node).poll_interval(Duration::from_millis(50))
-}
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, eager_options, unique_name};
 
 async fn manager(url: &str, node: &str) -> LockManager {
-    LockManager::connect(options(url, node))
+    LockManager::connect(eager_options(url, node))
         .await
         .expect("manager connects")
 }
@@ -74,7 +70,7 @@ async fn release_hands_over_to_a_waiting_manager() {
     // A long poll interval: the hand-over must come from NOTIFY, not from polling.
     let waiting = std::sync::Arc::new(Waiting::default());
     let b = LockManager::connect(
-        options(&pg.url(), "handover-b")
+        eager_options(&pg.url(), "handover-b")
             .poll_interval(Duration::from_secs(30))
             .metrics(waiting.clone()),
     )
@@ -311,7 +307,7 @@ async fn keys_follow_the_documented_derivation() {
     }
 
     // And pg_locks shows a held named lock under exactly those columns.
-    let m = LockManager::connect(options(&pg.url(), "golden").namespace("billing"))
+    let m = LockManager::connect(eager_options(&pg.url(), "golden").namespace("billing"))
         .await
         .unwrap();
     let lease = m.acquire("nightly-report").await.unwrap();
@@ -409,7 +405,7 @@ async fn shutdown_releases_everything_and_fails_waiters() {
     // A long poll interval: B must be woken by the release announcement.
     let waiting = std::sync::Arc::new(Waiting::default());
     let b = LockManager::connect(
-        options(&pg.url(), "shutdown-b")
+        eager_options(&pg.url(), "shutdown-b")
             .poll_interval(Duration::from_secs(30))
             .metrics(waiting.clone()),
     )
@@ -473,7 +469,7 @@ async fn bad_input_gives_clear_errors() {
 
     // Nothing listens: a prompt, clear error.
     let started = Instant::now();
-    let err = LockManager::connect(options(
+    let err = LockManager::connect(eager_options(
         "postgres://postgres:pw@127.0.0.1:1/postgres",
         "nobody-home",
     ))
@@ -489,7 +485,7 @@ async fn bad_input_gives_clear_errors() {
     silent.set(ProxyMode::BlackHole);
     let started = Instant::now();
     let err = LockManager::connect(
-        options(
+        eager_options(
             &format!("postgres://postgres:pw@{}/postgres", silent.addr()),
             "unreachable",
         )
@@ -511,7 +507,7 @@ async fn bad_input_gives_clear_errors() {
 
     // Invalid options are rejected before any connection is tried.
     let err = LockManager::connect(
-        options("postgres://postgres:pw@127.0.0.1:1/postgres", "bad")
+        eager_options("postgres://postgres:pw@127.0.0.1:1/postgres", "bad")
             .server_release_after(Duration::from_secs(2)),
     )
     .await
@@ -533,7 +529,7 @@ async fn bad_input_gives_clear_errors() {
     let pg = PgCluster::start_local().unwrap();
     // Wrong password: an authentication error naming the user, not the password.
     let url = pg.url_with_password("not-the-password").unwrap();
-    let err = LockManager::connect(options(&url, "wrong-pw"))
+    let err = LockManager::connect(eager_options(&url, "wrong-pw"))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Authentication { .. }), "{err}");
@@ -568,7 +564,7 @@ async fn bad_input_gives_clear_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_per_manager_cap_is_a_clear_error() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "capped").max_locks(3))
+    let m = LockManager::connect(eager_options(&pg.url(), "capped").max_locks(3))
         .await
         .unwrap();
     let name = unique_name("cap");
@@ -656,10 +652,11 @@ async fn followers_learn_who_holds_a_lock() {
 async fn releasing_many_locks_wakes_a_waiter_on_all_of_them() {
     let pg = PgCluster::start().unwrap();
     let a = manager(&pg.url(), "bulk-a").await;
-    let b =
-        LockManager::connect(options(&pg.url(), "bulk-b").poll_interval(Duration::from_secs(60)))
-            .await
-            .unwrap();
+    let b = LockManager::connect(
+        eager_options(&pg.url(), "bulk-b").poll_interval(Duration::from_secs(60)),
+    )
+    .await
+    .unwrap();
     let prefix = unique_name("bulk");
     let names: Vec<String> = (0..500).map(|i| format!("{prefix}-{i}")).collect();
     let mut leases = Vec::new();
@@ -724,7 +721,7 @@ async fn waiting_locks_cost_one_statement_per_tick_however_many() {
     let holder = manager(&pg.url(), "tick-holder").await;
     let waiting = std::sync::Arc::new(Waiting::default());
     let waiter = LockManager::connect(
-        options(&pg.url(), "tick-waiter")
+        eager_options(&pg.url(), "tick-waiter")
             .poll_interval(Duration::from_millis(100))
             .metrics(waiting.clone()),
     )
@@ -776,7 +773,7 @@ async fn a_batch_token_is_newer_than_every_tenure_before_it() {
     for round in 0..16 {
         let a = LockManager::connect(
             // No term hold: the cluster just started, and the tries must race now.
-            options(&pg.url(), &format!("batcher-{round}"))
+            eager_options(&pg.url(), &format!("batcher-{round}"))
                 .max_locks(KEYS as usize + 10)
                 .term_grant_delay(Duration::ZERO),
         )

@@ -10,14 +10,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockKey, LockManager, ManagerOptions};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(50))
-        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
-}
+use chosen_core::{LockKey, LockManager};
+use chosen_tests::{PgCluster, connect_admin, fast_options, unique_name};
 
 fn fence_of(m: &LockManager, lock: &str) -> (i32, i32) {
     let LockKey::Pair(ka, kb) = m.key_for(lock) else {
@@ -55,12 +49,12 @@ async fn a_fence_probe_does_not_keep_a_stopping_holder_from_fencing() {
     let admin = connect_admin(&pg.url()).await.unwrap();
     let prober = connect_admin(&pg.url()).await.unwrap();
     let lock = unique_name("probe-collision");
-    let a = LockManager::connect(options(&pg.url(), "probe-a"))
+    let a = LockManager::connect(fast_options(&pg.url(), "probe-a"))
         .await
         .unwrap();
     let lease = a.acquire(lock.as_str()).await.unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "probe-b").takeover_grace(Duration::from_millis(300)),
+        fast_options(&pg.url(), "probe-b").takeover_grace(Duration::from_millis(300)),
     )
     .await
     .unwrap();
@@ -122,12 +116,12 @@ async fn an_exclusive_fence_probe_only_delays_a_stopping_holders_take() {
     let admin = connect_admin(&pg.url()).await.unwrap();
     let prober = connect_admin(&pg.url()).await.unwrap();
     let lock = unique_name("probe-exclusive");
-    let a = LockManager::connect(options(&pg.url(), "probe-xa"))
+    let a = LockManager::connect(fast_options(&pg.url(), "probe-xa"))
         .await
         .unwrap();
     let lease = a.acquire(lock.as_str()).await.unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "probe-xb").takeover_grace(Duration::from_millis(100)),
+        fast_options(&pg.url(), "probe-xb").takeover_grace(Duration::from_millis(100)),
     )
     .await
     .unwrap();
@@ -228,7 +222,7 @@ async fn a_blocked_fence_does_not_unfence_the_other_keys_of_its_batch() {
     let outsider = connect_admin(&pg.url()).await.unwrap();
     let x = unique_name("batch-x");
     let y = unique_name("batch-y");
-    let a = LockManager::connect(options(&pg.url(), "batch-a"))
+    let a = LockManager::connect(fast_options(&pg.url(), "batch-a"))
         .await
         .unwrap();
     let lease_x = a.acquire(x.as_str()).await.unwrap();
@@ -236,7 +230,7 @@ async fn a_blocked_fence_does_not_unfence_the_other_keys_of_its_batch() {
     // A grace long enough for A to reconnect and fence on a loaded machine (what is
     // tested here is that a blocked fence does not undo the others, not the grace).
     let b = LockManager::connect(
-        options(&pg.url(), "batch-b").takeover_grace(Duration::from_millis(500)),
+        fast_options(&pg.url(), "batch-b").takeover_grace(Duration::from_millis(500)),
     )
     .await
     .unwrap();
@@ -283,7 +277,7 @@ async fn a_waiting_fence_take_does_not_starve_the_heartbeat_of_a_tight_session()
     let x = unique_name("starve-x");
     let z = unique_name("starve-z");
     let a = LockManager::connect(
-        options(&pg.url(), "starve-a")
+        fast_options(&pg.url(), "starve-a")
             .heartbeat_interval(Duration::from_millis(150))
             .lease_timeout(Duration::from_millis(300))
             .takeover_grace(Duration::from_millis(100))
