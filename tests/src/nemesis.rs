@@ -24,9 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::checker::{Event, FaultRecord, PlacementSpec, Timing, Verdict, check_with};
-use crate::{
-    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, monotonic_us, signal,
-};
+use crate::{FaultProxy, PgCluster, ProxyMode, connect_admin, monotonic_us, signal, test_binary};
 
 /// How a run is set up.
 #[derive(Debug, Clone)]
@@ -164,7 +162,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     // A streaming standby, promoted by the `failover` fault (and a new one made of the
     // new primary after each).
     let mut standby = Some(cluster.lock().expect("cluster lock").start_standby()?);
-    let binary = example_binary("node")?;
+    let binary = test_binary("node")?;
     let events: Shared<Vec<Event>> = Arc::default();
     let problems: Shared<Vec<String>> = Arc::default();
     let singletons = Spec {

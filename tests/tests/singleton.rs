@@ -11,7 +11,7 @@ use chosen_core::{
     LeaderState, LockManager, RestartPolicy, Singleton, SingletonOptions, SingletonState,
 };
 use chosen_tests::{
-    NodeProcess, PgCluster, connect_admin, example_binary, manager_options, signal, unique_name,
+    NodeProcess, PgCluster, connect_admin, manager_options, signal, test_binary, unique_name,
 };
 
 /// Records every child's life, across every singleton given to it: when it started and
@@ -529,7 +529,7 @@ async fn node_processes_take_over_after_sigkill_and_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_rejects_bad_flags_with_one_line() {
-    let bin = example_binary("node").unwrap();
+    let bin = test_binary("node").unwrap();
     for (args, url) in [
         (vec!["--node-id", "x"], Some("postgres://u@127.0.0.1:1/db")),
         (
