@@ -671,10 +671,12 @@ fn proxied_url(url: &str, proxy: SocketAddr) -> io::Result<String> {
 /// probe session is opened and ended with `pg_terminate_backend`, as the fault does.
 /// The error says why not.
 async fn may_terminate(url: &str) -> Result<(), String> {
-    let why_not = |e: &dyn std::fmt::Display| {
-        format!(
-            "the role may not end the nodes' sessions (needs superuser or pg_signal_backend): {e}"
-        )
+    // The server's own words (`tokio_postgres::Error` alone says "db error").
+    let why_not = |e: &tokio_postgres::Error| {
+        let e = e
+            .as_db_error()
+            .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+        format!("the role may not end the nodes' sessions: {e}")
     };
     let name = format!("chosen-nemesis-probe-{}", std::process::id());
     let mut config: tokio_postgres::Config = url.parse().map_err(|e| why_not(&e))?;
@@ -698,7 +700,7 @@ async fn may_terminate(url: &str) -> Result<(), String> {
     if ended {
         Ok(())
     } else {
-        Err(why_not(&"pg_terminate_backend returned false"))
+        Err("the role may not end the nodes' sessions (pg_terminate_backend ended none)".to_owned())
     }
 }
 
