@@ -15,16 +15,11 @@
 use std::time::{Duration, Instant};
 
 use chosen_core::{ConnectionState, LockManager, ManagerOptions};
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, SUPERUSER_PASSWORD, connect_admin};
+use chosen_tests::{
+    FaultProxy, PgCluster, ProxyMode, SUPERUSER_PASSWORD, connect_admin, fault_options,
+};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
-fn options(url: &str, node: &str) -> Res<ManagerOptions> {
-    Ok(ManagerOptions::from_url(url)?
-        .node_id(node)
-        .poll_interval(Duration::from_millis(100))
-        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500)))
-}
 
 fn ms(d: Duration) -> String {
     format!("{:.0}", d.as_secs_f64() * 1000.0)
@@ -55,13 +50,13 @@ async fn failover(partitioned: bool) -> Res<Takeover> {
         standby.port().ok_or("local cluster")?,
     );
     let proxy = FaultProxy::start(([127, 0, 0, 1], primary_port).into()).await?;
-    let a_opts = options(&proxy.url(&primary.url(), primary_port), "bench-a")?;
+    let a_opts = fault_options(&proxy.url(&primary.url(), primary_port), "bench-a");
     tokio::time::sleep(a_opts.get_term_grant_delay()).await;
     let multi_host = format!(
         "host=127.0.0.1,127.0.0.1 port={primary_port},{standby_port} user=postgres password={SUPERUSER_PASSWORD} dbname=postgres"
     );
     let a = LockManager::connect(a_opts).await?;
-    let b = LockManager::connect(options(&multi_host, "bench-b")?).await?;
+    let b = LockManager::connect(fault_options(&multi_host, "bench-b")).await?;
     let held = a.acquire("failover").await?;
     let a_lost = tokio::spawn(async move {
         held.lost().await;
@@ -124,8 +119,8 @@ async fn latency_ladder(
     let port = pg.port().ok_or("local cluster")?;
     let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await?;
     let tune = |o: ManagerOptions| o.heartbeat_interval(heartbeat).lease_timeout(lease_timeout);
-    let a = LockManager::connect(tune(options(&proxy.url(&pg.url(), port), "slow")?)).await?;
-    let b = LockManager::connect(tune(options(&pg.url(), "fast")?)).await?;
+    let a = LockManager::connect(tune(fault_options(&proxy.url(&pg.url(), port), "slow"))).await?;
+    let b = LockManager::connect(tune(fault_options(&pg.url(), "fast"))).await?;
     let lease = a.acquire("latency").await?;
     let b_task = tokio::spawn(async move { b.acquire("latency").await.map(|l| (b, l)) });
     let mut held = None;

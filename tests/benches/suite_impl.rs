@@ -7,8 +7,8 @@ use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockManager, ManagerOptions};
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, signal};
+use chosen_core::LockManager;
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, signal, try_manager_options};
 
 /// Sizes of one run.
 #[derive(Debug, Clone)]
@@ -79,12 +79,6 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
 }
 
-fn options(url: &str, node: &str) -> chosen_core::Result<ManagerOptions> {
-    Ok(ManagerOptions::from_url(url)?
-        .node_id(node)
-        .max_locks(1_000_000))
-}
-
 /// Resident set size of this process, in KiB.
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -142,7 +136,9 @@ pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
     let raw = connect_admin(&url).await?;
     let lock = raw.prepare("SELECT pg_try_advisory_lock(1, 2)").await?;
     let unlock = raw.prepare("SELECT pg_advisory_unlock(1, 2)").await?;
-    let manager = LockManager::connect(options(&url, "bench-latency")?).await?;
+    let manager =
+        LockManager::connect(try_manager_options(&url, "bench-latency")?.max_locks(1_000_000))
+            .await?;
     let mut sqlx_conn = Some(<sqlx::PgConnection as sqlx::Connection>::connect(&url).await?);
     let sqlx_lock = sqlx::postgres::PgAdvisoryLock::new("bench-sqlx");
     let warm_up = (profile.latency_rounds / 10).max(5);
@@ -244,9 +240,13 @@ pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
     out.push_str(&waiting_cost(&url, &admin, profile).await?);
 
     // 4. Graceful hand-over.
-    let a = LockManager::connect(options(&url, "bench-handover-a")?).await?;
+    let a =
+        LockManager::connect(try_manager_options(&url, "bench-handover-a")?.max_locks(1_000_000))
+            .await?;
     let b = LockManager::connect(
-        options(&url, "bench-handover-b")?.poll_interval(Duration::from_secs(60)),
+        try_manager_options(&url, "bench-handover-b")?
+            .max_locks(1_000_000)
+            .poll_interval(Duration::from_secs(60)),
     )
     .await?;
     let mut handovers = Vec::new();
@@ -278,7 +278,9 @@ pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
     b.shutdown().await;
 
     // 5. Crash failover: holder process SIGKILLed.
-    let waiter = LockManager::connect(options(&url, "bench-crash-waiter")?).await?;
+    let waiter =
+        LockManager::connect(try_manager_options(&url, "bench-crash-waiter")?.max_locks(1_000_000))
+            .await?;
     let poll = waiter.options().get_poll_interval();
     let mut crashes = Vec::new();
     for round in 0..profile.crash_rounds {
@@ -330,9 +332,15 @@ pub(crate) async fn run(profile: &Profile, holder_bin: &str) -> Res<String> {
         let (mut fences, mut takeovers) = (Vec::new(), Vec::new());
         for round in 0..profile.partition_rounds {
             let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await?;
-            let holder =
-                LockManager::connect(options(&proxy.url(&url, port), "bench-part-holder")?).await?;
-            let waiter = LockManager::connect(options(&url, "bench-part-waiter")?).await?;
+            let holder = LockManager::connect(
+                try_manager_options(&proxy.url(&url, port), "bench-part-holder")?
+                    .max_locks(1_000_000),
+            )
+            .await?;
+            let waiter = LockManager::connect(
+                try_manager_options(&url, "bench-part-waiter")?.max_locks(1_000_000),
+            )
+            .await?;
             let name = format!("bench-partition-{round}");
             let lease = holder.acquire(name.as_str()).await?;
             let w = tokio::spawn({
@@ -492,7 +500,9 @@ impl Contender {
 /// three run one after the other (they would share the two cores otherwise), in a
 /// rotated order per run.
 async fn throughput(url: &str, profile: &Profile) -> Res<String> {
-    let manager = LockManager::connect(options(url, "bench-throughput")?).await?;
+    let manager =
+        LockManager::connect(try_manager_options(url, "bench-throughput")?.max_locks(1_000_000))
+            .await?;
     // A freshly started server grants nothing for `term_grant_delay`: wait it out
     // untimed.
     manager
@@ -652,7 +662,7 @@ async fn many_locks(
     label: &str,
 ) -> Res<String> {
     let node = format!("bench-many-{n}");
-    let m = LockManager::connect(options(url, &node)?).await?;
+    let m = LockManager::connect(try_manager_options(url, &node)?.max_locks(1_000_000)).await?;
     // Untimed: on a server that just started, nothing is granted before its term is
     // `term_grant_delay` old; time the acquisitions, not that wait.
     m.acquire("bench-many-warm-up").await?.release().await?;
@@ -737,7 +747,9 @@ async fn sqlx_many(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<S
 async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profile) -> Res<String> {
     let n = profile.waiting_names;
     let window = profile.waiting_window;
-    let holder = LockManager::connect(options(url, "bench-wait-holder")?).await?;
+    let holder =
+        LockManager::connect(try_manager_options(url, "bench-wait-holder")?.max_locks(1_000_000))
+            .await?;
     let mut leases = Vec::with_capacity(n);
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let mut set = tokio::task::JoinSet::new();
@@ -756,7 +768,9 @@ async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profi
     let base_cpu = chosen_tests::process_cpu_time() - c0;
 
     // chosen: one manager waits for all N names.
-    let waiter = LockManager::connect(options(url, "bench-wait-waiter")?).await?;
+    let waiter =
+        LockManager::connect(try_manager_options(url, "bench-wait-waiter")?.max_locks(1_000_000))
+            .await?;
     let poll = waiter.options().get_poll_interval();
     let mut waits = tokio::task::JoinSet::new();
     for i in 0..n {
@@ -818,7 +832,8 @@ async fn waiting_cost(url: &str, admin: &tokio_postgres::Client, profile: &Profi
 
 async fn loss_signal(url: &str, admin: &tokio_postgres::Client) -> Res<String> {
     // chosen: the holder's session is terminated; how soon does the holder know?
-    let m = LockManager::connect(options(url, "bench-loss")?).await?;
+    let m =
+        LockManager::connect(try_manager_options(url, "bench-loss")?.max_locks(1_000_000)).await?;
     let lease = m.acquire("bench-loss").await?;
     let t = Instant::now();
     admin

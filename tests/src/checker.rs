@@ -43,7 +43,7 @@ pub struct Event {
 }
 
 impl Event {
-    /// Parses one JSON line of the `node` example (flat object; strings, numbers, null).
+    /// Parses one JSON line of the `node` test process (flat object; strings, numbers, null).
     #[must_use]
     pub fn parse(line: &str, instance: u32) -> Option<Self> {
         let fields = parse_flat_json(line)?;

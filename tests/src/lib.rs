@@ -31,16 +31,93 @@ pub use tokio_postgres::Config as PgConfig;
 pub use tokio_postgres::config::Host as PgHost;
 
 /// The options every test manager starts from: `url` (a test URL, so a parse failure
-/// is a bug in the test) and `node` as the node id; each test adds its own timings.
+/// is a bug in the test) and `node` as the node id, other settings the defaults. The
+/// presets built on it ([`eager_options`], [`fast_options`], [`fault_options`],
+/// [`unheld_options`], [`prompt_options`]) set the timings tests share; a test adds its
+/// own on top.
 ///
 /// # Panics
 ///
 /// When `url` does not parse.
 #[must_use]
 pub fn manager_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
-    chosen_core::ManagerOptions::from_url(url)
-        .expect("a valid test URL")
-        .node_id(node)
+    try_manager_options(url, node).expect("a valid test URL")
+}
+
+/// [`manager_options`] that returns a URL that does not parse as an error (for the
+/// benchmarks, which may be pointed at any server).
+///
+/// # Errors
+///
+/// When `url` does not parse.
+pub fn try_manager_options(
+    url: &str,
+    node: &str,
+) -> chosen_core::Result<chosen_core::ManagerOptions> {
+    Ok(chosen_core::ManagerOptions::from_url(url)?.node_id(node))
+}
+
+/// [`manager_options`] polling every 50 ms, so that a waiter finds a lock free soon
+/// after its release even without the announcement. Other timings are the defaults.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn eager_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    manager_options(url, node).poll_interval(std::time::Duration::from_millis(50))
+}
+
+/// [`eager_options`] that also reconnects fast (20 ms, backing off to 200 ms), for tests
+/// that end sessions and wait for the node's next one.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn fast_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    eager_options(url, node).reconnect_backoff(
+        std::time::Duration::from_millis(20),
+        std::time::Duration::from_millis(200),
+    )
+}
+
+/// [`manager_options`] polling every 100 ms and reconnecting fast (50 ms, backing off to
+/// 500 ms), for tests that cut, restart or fail over the server.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn fault_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    manager_options(url, node)
+        .poll_interval(std::time::Duration::from_millis(100))
+        .reconnect_backoff(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_millis(500),
+        )
+}
+
+/// [`manager_options`] with no term hold (`term_grant_delay(Duration::ZERO)`): a test's
+/// cluster has just started, and its grants must not wait for the young term. Other
+/// timings are the defaults.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn unheld_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    manager_options(url, node).term_grant_delay(std::time::Duration::ZERO)
+}
+
+/// [`unheld_options`] polling every 100 ms.
+///
+/// # Panics
+///
+/// When `url` does not parse.
+#[must_use]
+pub fn prompt_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
+    unheld_options(url, node).poll_interval(std::time::Duration::from_millis(100))
 }
 
 /// `true` when running in CI (`CI=true`, as `.ci/run` is run): there no test may skip
@@ -112,26 +189,60 @@ pub fn shifted_clock_env(offset_secs: i64) -> std::io::Result<Vec<(String, Strin
 ///
 /// When the binary is stale, or cannot be found or built.
 pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
+    built_binary(Binary::Example, name)
+}
+
+/// The path of one of this package's fixture binaries (`src/bin`: `node`, `cron_node`,
+/// `chosen-holder`). `cargo test -p chosen-tests` builds them before it runs the tests;
+/// a missing one is built with `cargo build -p chosen-tests --bin`, and one older than
+/// the sources is an error that says how to rebuild it.
+///
+/// # Errors
+///
+/// When the binary is stale, or cannot be found or built.
+pub fn test_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
+    built_binary(Binary::Fixture, name)
+}
+
+/// Where a binary comes from: the examples package, or this package's `src/bin`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Binary {
+    Example,
+    Fixture,
+}
+
+fn built_binary(kind: Binary, name: &str) -> std::io::Result<std::path::PathBuf> {
     let exe = std::env::current_exe()?;
     // target/<profile>/deps/<test> -> target/<profile>
     let profile_dir = exe
         .parent()
         .and_then(std::path::Path::parent)
         .ok_or_else(|| std::io::Error::other("unexpected test binary location"))?;
-    let path = profile_dir.join("examples").join(name);
+    let path = match kind {
+        Binary::Example => profile_dir.join("examples").join(name),
+        Binary::Fixture => profile_dir.join(name),
+    };
     let release = profile_dir.ends_with("release");
+    let (package, flag, what) = match kind {
+        Binary::Example => ("chosen-examples", "--example", "example"),
+        Binary::Fixture => ("chosen-tests", "--bin", "test fixture"),
+    };
+    let build = format!(
+        "cargo build{} -p {package} {flag} {name}",
+        if release { " --release" } else { "" }
+    );
     if !path.exists() {
         let mut cmd = std::process::Command::new(
             std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()),
         );
-        cmd.args(["build", "-q", "-p", "chosen-examples", "--example", name]);
+        cmd.args(["build", "-q", "-p", package, flag, name]);
         if release {
             cmd.arg("--release");
         }
         let status = cmd.status()?;
         if !status.success() || !path.exists() {
             return Err(std::io::Error::other(format!(
-                "could not build example {name:?} ({status})"
+                "could not build {what} {name:?} ({status}): `{build}`"
             )));
         }
     }
@@ -139,29 +250,50 @@ pub fn example_binary(name: &str) -> std::io::Result<std::path::PathBuf> {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .ok_or_else(|| std::io::Error::other("no workspace root"))?;
-    for dir in [
-        "examples",
-        "chosen-core/src",
-        "chosen-apalis/src",
-        "chosen-tower/src",
-    ] {
-        if let Some(newer) = newest_rs(&workspace.join(dir)).filter(|t| *t > built) {
-            let _ = newer;
+    let newest = match kind {
+        Binary::Example => newest_rs(&workspace.join("examples"), None),
+        // The library and this binary's own source; the other binaries are not in it.
+        Binary::Fixture => {
+            let src = workspace.join("tests/src");
+            let own = src.join("bin").join(format!("{name}.rs"));
+            let own = std::fs::metadata(own).and_then(|m| m.modified()).ok();
+            newest_rs(&src, Some(&src.join("bin"))).max(own)
+        }
+    };
+    // The libraries it is built from (the fixtures do not use chosen-tower).
+    let libraries: &[&str] = match kind {
+        Binary::Example => &["chosen-core/src", "chosen-apalis/src", "chosen-tower/src"],
+        Binary::Fixture => &["chosen-core/src", "chosen-apalis/src"],
+    };
+    let libraries = libraries
+        .iter()
+        .filter_map(|dir| newest_rs(&workspace.join(dir), None));
+    for newest in newest.into_iter().chain(libraries) {
+        if newest > built {
+            let rebuilt_by = match kind {
+                Binary::Example => "the whole `cargo test --workspace`, which builds examples",
+                Binary::Fixture => "`cargo test -p chosen-tests`, which builds the fixtures",
+            };
             return Err(std::io::Error::other(format!(
-                "the {name:?} example binary is older than its sources: run `cargo build{} -p chosen-examples --example {name}` (or the whole `cargo test --workspace`, which builds examples) and try again",
-                if release { " --release" } else { "" }
+                "the {name:?} {what} binary is older than its sources: run `{build}` (or {rebuilt_by}) and try again"
             )));
         }
     }
     Ok(path)
 }
 
-fn newest_rs(dir: &std::path::Path) -> Option<std::time::SystemTime> {
+/// The newest modification time of the `.rs` files under `dir`, but those under `skip`.
+fn newest_rs(
+    dir: &std::path::Path,
+    skip: Option<&std::path::Path>,
+) -> Option<std::time::SystemTime> {
     let mut newest = None;
     for entry in std::fs::read_dir(dir).ok()?.flatten() {
         let path = entry.path();
-        let t = if path.is_dir() {
-            newest_rs(&path)
+        let t = if skip == Some(path.as_path()) {
+            None
+        } else if path.is_dir() {
+            newest_rs(&path, skip)
         } else if path.extension().is_some_and(|e| e == "rs") {
             entry.metadata().ok()?.modified().ok()
         } else {
@@ -172,7 +304,8 @@ fn newest_rs(dir: &std::path::Path) -> Option<std::time::SystemTime> {
     newest
 }
 
-/// A `node` example process (see `examples/README.md`) and its event lines.
+/// A `node` fixture process (`src/bin/node.rs`, its events in `examples/README.md`), or
+/// an example that prints the same kind of event lines, and its event lines.
 #[derive(Debug)]
 pub struct NodeProcess {
     /// The process.
@@ -187,7 +320,7 @@ impl NodeProcess {
     ///
     /// When the binary is missing or stale, or does not start.
     pub fn spawn(url: &str, args: &[&str]) -> std::io::Result<Self> {
-        Self::spawn_example("node", url, args)
+        Self::spawn_binary(&test_binary("node")?, url, args)
     }
 
     /// Starts another example that prints JSON event lines on stdout (`service`), with
@@ -197,7 +330,11 @@ impl NodeProcess {
     ///
     /// When the binary is missing or stale, or does not start.
     pub fn spawn_example(example: &str, url: &str, args: &[&str]) -> std::io::Result<Self> {
-        let (child, stdout) = spawn_piped(example, url, args)?;
+        Self::spawn_binary(&example_binary(example)?, url, args)
+    }
+
+    fn spawn_binary(binary: &std::path::Path, url: &str, args: &[&str]) -> std::io::Result<Self> {
+        let (child, stdout) = spawn_piped(binary, url, args)?;
         let (tx, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             use std::io::BufRead;
@@ -328,14 +465,14 @@ pub async fn http_request_async(
         .map_err(std::io::Error::other)?
 }
 
-/// Starts `example` with `args` against `url` (as `DATABASE_URL`), stdout piped,
+/// Starts `binary` with `args` against `url` (as `DATABASE_URL`), stdout piped,
 /// stderr inherited.
 fn spawn_piped(
-    example: &str,
+    binary: &std::path::Path,
     url: &str,
     args: &[&str],
 ) -> std::io::Result<(std::process::Child, std::process::ChildStdout)> {
-    let mut child = std::process::Command::new(example_binary(example)?)
+    let mut child = std::process::Command::new(binary)
         .args(args)
         .env("DATABASE_URL", url)
         .stdin(std::process::Stdio::null())
@@ -349,7 +486,7 @@ fn spawn_piped(
 /// Events of several `node` processes, parsed into one history (in arrival order).
 pub type History = std::sync::Arc<std::sync::Mutex<Vec<checker::Event>>>;
 
-/// A `node` process whose event lines go into a shared [`History`] (stamped with
+/// A `node` fixture process whose event lines go into a shared [`History`] (stamped with
 /// `instance`); killed on drop.
 #[derive(Debug)]
 pub struct LoggedNode {
@@ -370,7 +507,7 @@ impl LoggedNode {
         history: &History,
         instance: u32,
     ) -> std::io::Result<Self> {
-        let (child, stdout) = spawn_piped("node", url, args)?;
+        let (child, stdout) = spawn_piped(&test_binary("node")?, url, args)?;
         let history = std::sync::Arc::clone(history);
         std::thread::spawn(move || {
             use std::io::BufRead;

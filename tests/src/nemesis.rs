@@ -10,23 +10,30 @@
 //! `CHOSEN_NEMESIS_HISTORY` (a file to write the history to, for reading after a
 //! surprising run).
 //!
+//! The nodes' server is a throwaway local cluster, with a streaming standby for the
+//! failover. With `DATABASE_URL` set, it is that server instead (your own): the faults
+//! that need a local cluster (restarts, a stopped server, a failover) are left out of
+//! the deck, and so is `terminate_backend` when the role may not end the nodes'
+//! sessions; the run says which on stderr as it starts (see [`Deck`]). The nodes reach
+//! it through loopback proxies (cuts, black holes, latency), so it must be a TCP
+//! server they reach without TLS.
+//!
 //! A run cannot pass by doing nothing: faults are drawn from a shuffled deck, so every
-//! kind is injected at least once (the run goes on past its duration until the first
-//! deck is dealt); every signal, termination and restart must succeed; and the
+//! kind of the deck is injected at least once (the run goes on past its duration until
+//! the first deck is dealt); every signal, termination and restart must succeed; and the
 //! [`Report`] lists what went wrong outside the contract: a node that exited on its
 //! own, a panic on a node's stderr, an output line that is not an event.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::checker::{Event, FaultRecord, PlacementSpec, Timing, Verdict, check_with};
-use crate::{
-    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, monotonic_us, signal,
-};
+use crate::{FaultProxy, PgCluster, ProxyMode, connect_admin, monotonic_us, signal, test_binary};
 
 /// How a run is set up.
 #[derive(Debug, Clone)]
@@ -70,6 +77,10 @@ impl NemesisConfig {
 }
 
 /// The faults, by the names reports use.
+///
+/// A run deals them all against a local cluster; against `DATABASE_URL`, those of
+/// [`LOCAL_ONLY_KINDS`] (and `terminate_backend` when the role may not) are left out
+/// (see [`Deck`]).
 pub const FAULT_KINDS: [&str; 12] = [
     "sigkill",
     "sigstop_short",
@@ -84,6 +95,79 @@ pub const FAULT_KINDS: [&str; 12] = [
     "latency",
     "failover",
 ];
+
+/// The faults that need a local cluster: they restart or stop the server, or promote
+/// its standby.
+pub const LOCAL_ONLY_KINDS: [&str; 4] = [
+    "restart_fast",
+    "restart_immediate",
+    "server_down",
+    "failover",
+];
+
+/// The fault kinds a run deals, and those it leaves out with the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Deck {
+    /// The kinds dealt, in [`FAULT_KINDS`] order; each is injected at least once.
+    pub kinds: Vec<&'static str>,
+    /// The kinds left out, each with why.
+    pub left_out: Vec<(&'static str, String)>,
+}
+
+impl Deck {
+    /// Every kind: a local cluster.
+    #[must_use]
+    pub fn full() -> Self {
+        Self {
+            kinds: FAULT_KINDS.to_vec(),
+            left_out: Vec::new(),
+        }
+    }
+
+    /// The kinds for an external server (`DATABASE_URL`): all but [`LOCAL_ONLY_KINDS`],
+    /// and but `terminate_backend` unless `may_terminate` is `Ok` (its error says why).
+    #[must_use]
+    pub fn external(may_terminate: &Result<(), String>) -> Self {
+        let mut deck = Self::full();
+        deck.kinds.retain(|k| !LOCAL_ONLY_KINDS.contains(k));
+        for kind in LOCAL_ONLY_KINDS {
+            deck.left_out.push((
+                kind,
+                "they need a local cluster: they restart, stop or fail over the server".to_owned(),
+            ));
+        }
+        if let Err(why) = may_terminate {
+            deck.kinds.retain(|k| *k != "terminate_backend");
+            deck.left_out.push(("terminate_backend", why.clone()));
+        }
+        deck
+    }
+
+    /// Whether `kind` is dealt.
+    #[must_use]
+    pub fn deals(&self, kind: &str) -> bool {
+        self.kinds.contains(&kind)
+    }
+}
+
+impl std::fmt::Display for Deck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "faults {}", self.kinds.join(", "))?;
+        // Kinds left out for one reason are named together.
+        let mut groups: Vec<(Vec<&str>, &str)> = Vec::new();
+        for (kind, why) in &self.left_out {
+            match groups.last_mut() {
+                Some((kinds, last)) if *last == why.as_str() => kinds.push(kind),
+                _ => groups.push((vec![kind], why)),
+            }
+        }
+        for (i, (kinds, why)) in groups.iter().enumerate() {
+            let lead = if i == 0 { "; left out: " } else { "; " };
+            write!(f, "{lead}{} ({why})", kinds.join(", "))?;
+        }
+        Ok(())
+    }
+}
 
 struct Rng(u64);
 
@@ -105,9 +189,9 @@ impl Rng {
         Duration::from_millis(lo + self.below(hi - lo + 1))
     }
 
-    /// Every fault kind once, in a random order.
-    fn deck(&mut self) -> Vec<&'static str> {
-        let mut deck = FAULT_KINDS.to_vec();
+    /// Every fault kind of `kinds` once, in a random order.
+    fn deck(&mut self, kinds: &[&'static str]) -> Vec<&'static str> {
+        let mut deck = kinds.to_vec();
         for i in (1..deck.len()).rev() {
             deck.swap(i, self.below(i as u64 + 1) as usize);
         }
@@ -118,6 +202,8 @@ impl Rng {
 /// What a run produced.
 #[derive(Debug)]
 pub struct Report {
+    /// The fault kinds the run dealt (all of them against a local cluster).
+    pub deck: Deck,
     /// The checker's verdict on the history.
     pub verdict: Verdict,
     /// The faults injected.
@@ -154,17 +240,33 @@ const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
 /// # Errors
 ///
 /// When the cluster, a proxy or a node process cannot be started, or a fault cannot be
-/// injected (a signal, a backend termination or a restart failed).
+/// injected (a signal, a backend termination or a restart failed); with `DATABASE_URL`,
+/// when it is not a TCP server.
 pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
-    let cluster = Arc::new(Mutex::new(PgCluster::start_local()?));
+    // `DATABASE_URL` when set, else a local cluster.
+    let cluster = Arc::new(Mutex::new(PgCluster::start()?));
     let (mut direct_url, port) = {
         let c = cluster.lock().expect("cluster lock");
-        (c.url(), c.port().expect("local cluster"))
+        (c.url(), c.port())
+    };
+    // Where the proxies forward to, and the deck: everything against a local cluster.
+    let (upstream, deck) = match port {
+        Some(port) => (SocketAddr::from(([127, 0, 0, 1], port)), Deck::full()),
+        None => {
+            let upstream = server_address(&direct_url).await?;
+            let deck = Deck::external(&may_terminate(&direct_url).await);
+            eprintln!("nemesis: against DATABASE_URL ({upstream}): {deck}");
+            (upstream, deck)
+        }
     };
     // A streaming standby, promoted by the `failover` fault (and a new one made of the
     // new primary after each).
-    let mut standby = Some(cluster.lock().expect("cluster lock").start_standby()?);
-    let binary = example_binary("node")?;
+    let mut standby = if deck.deals("failover") {
+        Some(cluster.lock().expect("cluster lock").start_standby()?)
+    } else {
+        None
+    };
+    let binary = test_binary("node")?;
     let events: Shared<Vec<Event>> = Arc::default();
     let problems: Shared<Vec<String>> = Arc::default();
     let singletons = Spec {
@@ -175,10 +277,18 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     let all_held = config.singletons + config.group_members;
     let mut nodes = Vec::new();
     for i in 0..config.nodes {
-        let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await?;
-        let url = proxy.url(&direct_url, port);
+        let proxy = FaultProxy::start(upstream).await?;
+        let (url, id) = match port {
+            Some(port) => (proxy.url(&direct_url, port), format!("n{i}")),
+            // Another server's sessions may be called `n0`: `terminate_backend` ends
+            // the sessions named after its target.
+            None => (
+                proxied_url(&direct_url, proxy.addr())?,
+                format!("n{i}-{}", std::process::id()),
+            ),
+        };
         let mut node = Node {
-            id: format!("n{i}"),
+            id,
             proxy,
             url,
             child: None,
@@ -191,10 +301,10 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
 
     let mut rng = Rng(config.seed | 1);
     let mut faults = Vec::new();
-    let mut deck = Vec::new();
+    let mut dealt_now = Vec::new();
     let mut dealt = 0;
     let started = std::time::Instant::now();
-    while started.elapsed() < config.duration || dealt < FAULT_KINDS.len() {
+    while started.elapsed() < config.duration || dealt < deck.kinds.len() {
         for node in &mut nodes {
             if let Some(status) = node
                 .child
@@ -209,10 +319,10 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 spawn(&binary, node, &singletons, &events, &problems)?;
             }
         }
-        if deck.is_empty() {
-            deck = rng.deck();
+        if dealt_now.is_empty() {
+            dealt_now = rng.deck(&deck.kinds);
         }
-        let kind = deck.pop().expect("BUG: dealt from a full deck");
+        let kind = dealt_now.pop().expect("BUG: dealt from a full deck");
         dealt += 1;
         // Aim at nodes that hold something, so that every fault takes a lease away.
         let holders = holders(&events.lock().expect("events lock"));
@@ -481,10 +591,117 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         until_us: final_stop_us,
     });
     Ok(Report {
+        deck,
         verdict: check_with(&events, &faults, config.timing, group.as_ref()),
         faults,
         problems,
     })
+}
+
+/// The address of `url`'s server (its first host, resolved), for the proxies to
+/// forward to.
+async fn server_address(url: &str) -> io::Result<SocketAddr> {
+    let config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| io::Error::other(format!("DATABASE_URL does not parse: {e}")))?;
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let host = match config.get_hostaddrs().first() {
+        Some(addr) => addr.to_string(),
+        None => match config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
+            _ => {
+                return Err(io::Error::other(
+                    "the nemesis reaches DATABASE_URL through TCP proxies: it needs a TCP host, not a Unix socket",
+                ));
+            }
+        },
+    };
+    tokio::net::lookup_host((host.as_str(), port))
+        .await?
+        .next()
+        .ok_or_else(|| io::Error::other(format!("{host}:{port} resolves to no address")))
+}
+
+/// `url` with its server replaced by the proxy at `proxy` (a URL, or `key=value`
+/// settings).
+fn proxied_url(url: &str, proxy: SocketAddr) -> io::Result<String> {
+    let (ip, port) = (proxy.ip(), proxy.port());
+    if let Some((scheme, rest)) = url.split_once("://") {
+        let end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let user = authority.rfind('@').map_or("", |at| &authority[..=at]);
+        if authority[user.len()..].contains(',') {
+            return Err(io::Error::other(
+                "the nemesis needs DATABASE_URL to name one server, not several",
+            ));
+        }
+        // Host settings in the query string would bypass the proxy.
+        let query: Vec<&str> = tail.split_once('?').map_or(Vec::new(), |(_, q)| {
+            q.split('&')
+                .filter(|kv| {
+                    !["host=", "hostaddr=", "port="]
+                        .iter()
+                        .any(|k| kv.starts_with(k))
+                })
+                .collect()
+        });
+        let path = tail.split_once('?').map_or(tail, |(p, _)| p);
+        let query = if query.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", query.join("&"))
+        };
+        Ok(format!("{scheme}://{user}{ip}:{port}{path}{query}"))
+    } else {
+        let mut settings: Vec<&str> = url
+            .split_whitespace()
+            .filter(|kv| {
+                !["host=", "hostaddr=", "port="]
+                    .iter()
+                    .any(|k| kv.starts_with(k))
+            })
+            .collect();
+        let server = format!("host={ip} port={port}");
+        settings.push(&server);
+        Ok(settings.join(" "))
+    }
+}
+
+/// Whether the role of `url` may end the nodes' sessions (which use the same role): a
+/// probe session is opened and ended with `pg_terminate_backend`, as the fault does.
+/// The error says why not.
+async fn may_terminate(url: &str) -> Result<(), String> {
+    // The server's own words (`tokio_postgres::Error` alone says "db error").
+    let why_not = |e: &tokio_postgres::Error| {
+        let e = e
+            .as_db_error()
+            .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+        format!("the role may not end the nodes' sessions: {e}")
+    };
+    let name = format!("chosen-nemesis-probe-{}", std::process::id());
+    let mut config: tokio_postgres::Config = url.parse().map_err(|e| why_not(&e))?;
+    config.application_name(&name);
+    let (_probe, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| why_not(&e))?;
+    let probe = tokio::spawn(connection);
+    let admin = connect_admin(url).await.map_err(|e| why_not(&e))?;
+    let ended = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&name],
+        )
+        .await
+        .map_err(|e| why_not(&e))?
+        .iter()
+        .any(|r| r.get::<_, bool>(0));
+    probe.abort();
+    if ended {
+        Ok(())
+    } else {
+        Err("the role may not end the nodes' sessions (pg_terminate_backend ended none)".to_owned())
+    }
 }
 
 /// Writes the history (events and faults, in time order, one per line) for a person to
@@ -690,5 +907,50 @@ impl Drop for Node {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proxied_url_names_the_proxy_and_keeps_the_rest() {
+        let proxy = SocketAddr::from(([127, 0, 0, 1], 4242));
+        assert_eq!(
+            proxied_url("postgres://u:p@db.example:5433/app?sslmode=disable", proxy).unwrap(),
+            "postgres://u:p@127.0.0.1:4242/app?sslmode=disable"
+        );
+        assert_eq!(
+            proxied_url(
+                "postgresql://db.example?host=other&application_name=x",
+                proxy
+            )
+            .unwrap(),
+            "postgresql://127.0.0.1:4242?application_name=x"
+        );
+        assert_eq!(
+            proxied_url("host=db.example port=5433 user=u dbname=app", proxy).unwrap(),
+            "user=u dbname=app host=127.0.0.1 port=4242"
+        );
+        assert!(proxied_url("postgres://u@a:1,b:2/app", proxy).is_err());
+    }
+
+    #[test]
+    fn an_external_deck_leaves_out_the_local_faults_and_says_why() {
+        let deck = Deck::external(&Ok(()));
+        assert!(deck.deals("terminate_backend") && deck.deals("sigkill"));
+        assert!(LOCAL_ONLY_KINDS.iter().all(|k| !deck.deals(k)));
+        let deck = Deck::external(&Err("permission denied".to_owned()));
+        assert!(!deck.deals("terminate_backend"));
+        assert_eq!(
+            deck.kinds.len(),
+            FAULT_KINDS.len() - LOCAL_ONLY_KINDS.len() - 1
+        );
+        assert!(
+            deck.to_string()
+                .contains("terminate_backend (permission denied)")
+        );
+        assert_eq!(Deck::full().kinds, FAULT_KINDS.to_vec());
     }
 }

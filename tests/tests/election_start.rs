@@ -8,22 +8,16 @@ use std::time::{Duration, Instant};
 
 use chosen_apalis::LeaderOnlyJobLayer;
 use chosen_core::{
-    Election, Error, GroupOptions, LeaderContext, LockManager, LockRequest, ManagerOptions,
-    Singleton, SingletonGroup, SingletonOptions,
+    Election, Error, GroupOptions, LeaderContext, LockManager, LockRequest, Singleton,
+    SingletonGroup, SingletonOptions,
 };
-use chosen_tests::{PgCluster, unique_name};
+use chosen_tests::{PgCluster, prompt_options, unique_name};
 use tower::Layer;
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .term_grant_delay(Duration::ZERO)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_interval_out_of_range_is_refused_by_every_start() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "start-poll"))
+    let m = LockManager::connect(prompt_options(&pg.url(), "start-poll"))
         .await
         .unwrap();
     for bad in [Duration::ZERO, Duration::from_secs(7200)] {
@@ -72,7 +66,7 @@ async fn a_poll_interval_out_of_range_is_refused_by_every_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_apalis_gate_keeps_its_layers_election_alive() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "start-gate"))
+    let m = LockManager::connect(prompt_options(&pg.url(), "start-gate"))
         .await
         .unwrap();
     let name = unique_name("start-gate");

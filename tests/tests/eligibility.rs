@@ -8,16 +8,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chosen_core::{
-    Election, ElectionOptions, GroupOptions, LockManager, ManagerOptions, Singleton,
-    SingletonGroup, SingletonOptions,
+    Election, ElectionOptions, GroupOptions, LockManager, Singleton, SingletonGroup,
+    SingletonOptions,
 };
-use chosen_tests::{PgCluster, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .term_grant_delay(Duration::ZERO)
-}
+use chosen_tests::{PgCluster, prompt_options, unique_name};
 
 /// Waits up to `limit` for `cond`.
 async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
@@ -36,12 +30,16 @@ async fn an_ineligible_election_follows_and_never_leads() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let name = unique_name("eligible");
-    let a = LockManager::connect(options(&url, "el-a")).await.unwrap();
-    // Ineligible two ways: the whole node, and one election on an eligible node.
-    let b = LockManager::connect(options(&url, "el-b").eligible(false))
+    let a = LockManager::connect(prompt_options(&url, "el-a"))
         .await
         .unwrap();
-    let c = LockManager::connect(options(&url, "el-c")).await.unwrap();
+    // Ineligible two ways: the whole node, and one election on an eligible node.
+    let b = LockManager::connect(prompt_options(&url, "el-b").eligible(false))
+        .await
+        .unwrap();
+    let c = LockManager::connect(prompt_options(&url, "el-c"))
+        .await
+        .unwrap();
     let ea = Election::start(&a, name.as_str()).unwrap();
     let eb = Election::start(&b, name.as_str()).unwrap();
     let ec = Election::start_with(
@@ -71,7 +69,9 @@ async fn an_ineligible_election_follows_and_never_leads() {
     assert!(!eb.leadership().is_leader());
     assert!(!ec.leadership().is_leader());
     // An eligible node comes: it leads, and they follow it.
-    let d = LockManager::connect(options(&url, "el-d")).await.unwrap();
+    let d = LockManager::connect(prompt_options(&url, "el-d"))
+        .await
+        .unwrap();
     let ed = Election::start(&d, name.as_str()).unwrap();
     assert!(eventually(Duration::from_secs(10), || ed.leadership().is_leader()).await);
     assert!(
@@ -91,7 +91,7 @@ async fn an_ineligible_election_follows_and_never_leads() {
 async fn an_ineligible_singleton_never_starts_its_child() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("eligible-singleton");
-    let manager = LockManager::connect(options(&pg.url(), "es-a"))
+    let manager = LockManager::connect(prompt_options(&pg.url(), "es-a"))
         .await
         .unwrap();
     let started = Arc::new(AtomicU32::new(0));
@@ -136,8 +136,10 @@ async fn an_ineligible_node_gets_no_group_member() {
         )
         .unwrap()
     };
-    let a = LockManager::connect(options(&url, "eg-a")).await.unwrap();
-    let b = LockManager::connect(options(&url, "eg-b").eligible(false))
+    let a = LockManager::connect(prompt_options(&url, "eg-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(prompt_options(&url, "eg-b").eligible(false))
         .await
         .unwrap();
     let (ga, gb) = (start(&a), start(&b));
@@ -193,8 +195,12 @@ async fn ineligible_member_singletons_do_not_make_a_group_churn() {
         )
         .unwrap()
     };
-    let a = LockManager::connect(options(&url, "egs-a")).await.unwrap();
-    let b = LockManager::connect(options(&url, "egs-b")).await.unwrap();
+    let a = LockManager::connect(prompt_options(&url, "egs-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(prompt_options(&url, "egs-b"))
+        .await
+        .unwrap();
     let ga = start(&a, SingletonOptions::default());
     let gb = start(&b, SingletonOptions::default().eligible(false));
     tokio::time::sleep(Duration::from_secs(12)).await;
@@ -216,10 +222,12 @@ async fn an_ineligible_election_sends_no_request() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let name = unique_name("eligible-probe");
-    let b = LockManager::connect(options(&url, "ep-b").eligible(false))
+    let b = LockManager::connect(prompt_options(&url, "ep-b").eligible(false))
         .await
         .unwrap();
-    let c = LockManager::connect(options(&url, "ep-c")).await.unwrap();
+    let c = LockManager::connect(prompt_options(&url, "ep-c"))
+        .await
+        .unwrap();
     let eb = Election::start(&b, name.as_str()).unwrap();
     let ec = Election::start_with(
         &c,

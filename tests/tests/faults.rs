@@ -9,18 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chosen_core::{
-    ConnectionState, Error, FencingToken, LockManager, ManagerOptions, MetricsSink,
-    SessionDownReason,
+    ConnectionState, Error, FencingToken, LockManager, MetricsSink, SessionDownReason,
 };
 use chosen_tests::{
-    FaultProxy, PgBouncer, PgCluster, ProxyMode, connect_admin, signal, unique_name,
+    FaultProxy, PgBouncer, PgCluster, ProxyMode, connect_admin, fault_options, signal, unique_name,
 };
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
-}
 
 #[derive(Debug, Clone)]
 struct Interval {
@@ -155,11 +148,11 @@ async fn two_contenders(
     url_b: &str,
     name: &str,
 ) -> (LockManager, LockManager, History) {
-    let a = LockManager::connect(options(url_a, "node-a"))
+    let a = LockManager::connect(fault_options(url_a, "node-a"))
         .await
         .unwrap();
     let polls = Arc::new(PollCounter::default());
-    let b = LockManager::connect(options(url_b, "node-b").metrics(polls.clone()))
+    let b = LockManager::connect(fault_options(url_b, "node-b").metrics(polls.clone()))
         .await
         .unwrap();
     let history = History::default();
@@ -349,7 +342,7 @@ async fn frozen_holder_loses_to_the_server_and_wakes_up_fenced() {
     let acquired = wait_line(&lines, "acquired");
     let holder_token: u64 = acquired.split(' ').nth(1).unwrap().parse().unwrap();
 
-    let b = LockManager::connect(options(&pg.url(), "node-b"))
+    let b = LockManager::connect(fault_options(&pg.url(), "node-b"))
         .await
         .unwrap();
     let t0 = Instant::now();
@@ -402,7 +395,7 @@ async fn killed_holder_process_is_replaced_within_a_poll() {
     let (mut holder, lines) = spawn_holder(&pg.url(), &name, "killed-holder");
     wait_line(&lines, "acquired");
     let polls = Arc::new(PollCounter::default());
-    let b = LockManager::connect(options(&pg.url(), "node-b").metrics(polls.clone()))
+    let b = LockManager::connect(fault_options(&pg.url(), "node-b").metrics(polls.clone()))
         .await
         .unwrap();
     let waiting = tokio::spawn({
@@ -435,7 +428,7 @@ async fn full_lock_table_means_not_acquired_not_a_crash() {
         .setting("max_connections", "20")
         .start()
         .unwrap();
-    let m = LockManager::connect(options(&pg.url(), "table-full"))
+    let m = LockManager::connect(fault_options(&pg.url(), "table-full"))
         .await
         .unwrap();
     let name = unique_name("table");
@@ -583,7 +576,7 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
         .get(0);
     assert!(in_recovery);
 
-    let err = LockManager::connect(options(&standby.url(), "on-standby"))
+    let err = LockManager::connect(fault_options(&standby.url(), "on-standby"))
         .await
         .unwrap_err();
     assert!(
@@ -599,7 +592,7 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
         pg.port().unwrap(),
         chosen_tests::SUPERUSER_PASSWORD
     );
-    let m = LockManager::connect(options(&url, "multi-host"))
+    let m = LockManager::connect(fault_options(&url, "multi-host"))
         .await
         .unwrap();
     // The status says which host it is on: the primary's port.
@@ -634,14 +627,14 @@ async fn transaction_pooler_is_refused() {
         Err(e) => panic!("{e}"),
     };
     // The first client gets a fresh backend and takes a lock on it...
-    let first = LockManager::connect(options(&bouncer.url(), "pooled-1"))
+    let first = LockManager::connect(fault_options(&bouncer.url(), "pooled-1"))
         .await
         .unwrap();
     let name = unique_name("pooled");
     let lease = first.acquire(name.as_str()).await.unwrap();
     // ...a second client through the same pool lands on that backend and is refused
     // instead of being granted the held lock re-entrantly.
-    let err = LockManager::connect(options(&bouncer.url(), "pooled-2"))
+    let err = LockManager::connect(fault_options(&bouncer.url(), "pooled-2"))
         .await
         .unwrap_err();
     assert!(
@@ -680,7 +673,7 @@ async fn dba_defaults_do_not_break_a_holder() {
             .await
             .unwrap();
     }
-    let m = LockManager::connect(options(&pg.url(), "dba-defaults"))
+    let m = LockManager::connect(fault_options(&pg.url(), "dba-defaults"))
         .await
         .unwrap();
     let name = unique_name("dba");
@@ -717,7 +710,7 @@ async fn tls_with_verification() {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let m = LockManager::connect(options(&url, "tls-node").rustls(trusted))
+    let m = LockManager::connect(fault_options(&url, "tls-node").rustls(trusted))
         .await
         .unwrap();
     let pid = match m.connection_status() {
@@ -740,13 +733,13 @@ async fn tls_with_verification() {
         .unwrap()
         .with_root_certificates(rustls::RootCertStore::empty())
         .with_no_client_auth();
-    let err = LockManager::connect(options(&url, "tls-untrusted").rustls(untrusted))
+    let err = LockManager::connect(fault_options(&url, "tls-untrusted").rustls(untrusted))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Connect { .. }), "{err}");
 
     // sslmode=require without TLS settings: a configuration error, before connecting.
-    let err = LockManager::connect(options(&url, "tls-missing"))
+    let err = LockManager::connect(fault_options(&url, "tls-missing"))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
@@ -759,14 +752,15 @@ async fn a_terminated_holder_knows_before_anyone_else_holds() {
     // without the takeover grace.
     let pg = PgCluster::start_local().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    let b =
-        LockManager::connect(options(&pg.url(), "race-b").poll_interval(Duration::from_millis(10)))
-            .await
-            .unwrap();
+    let b = LockManager::connect(
+        fault_options(&pg.url(), "race-b").poll_interval(Duration::from_millis(10)),
+    )
+    .await
+    .unwrap();
     let mut closest = Duration::MAX;
     for round in 0..20 {
         let node = format!("race-a-{round}");
-        let a = LockManager::connect(options(&pg.url(), &node))
+        let a = LockManager::connect(fault_options(&pg.url(), &node))
             .await
             .unwrap();
         let name = unique_name("race");

@@ -7,16 +7,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{GroupOptions, LockManager, ManagerOptions, SingletonGroup};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
+use chosen_core::{GroupOptions, LockManager, SingletonGroup};
+use chosen_tests::{PgCluster, connect_admin, unheld_options, unique_name};
 
 const MEMBERS: usize = 30;
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(200))
-        .term_grant_delay(Duration::ZERO)
-}
 
 /// Which nodes run each member's child right now, across every node of this process,
 /// and the most children one member ever had at once.
@@ -83,7 +77,10 @@ async fn node(
     members: &[String],
     children: &Children,
 ) -> Node {
-    let manager = LockManager::connect(options(url, id)).await.unwrap();
+    let manager =
+        LockManager::connect(unheld_options(url, id).poll_interval(Duration::from_millis(200)))
+            .await
+            .unwrap();
     let children = children.clone();
     let me = id.to_owned();
     let group = SingletonGroup::start(
@@ -269,9 +266,11 @@ async fn members_spread_rebalance_on_join_and_spread_on_leave() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_clearly() {
     let pg = PgCluster::start().unwrap();
-    let manager = LockManager::connect(options(&pg.url(), "g-bad"))
-        .await
-        .unwrap();
+    let manager = LockManager::connect(
+        unheld_options(&pg.url(), "g-bad").poll_interval(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
     let child = |_m: String, _ctx| async { Ok::<(), std::io::Error>(()) };
     let err = SingletonGroup::start(&manager, "", ["x"], GroupOptions::default(), child)
         .expect_err("empty group name");
@@ -295,9 +294,11 @@ async fn bad_input_is_refused_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_of_two_groups_with_one_name_both_run() {
     let pg = PgCluster::start().unwrap();
-    let manager = LockManager::connect(options(&pg.url(), "g-scope"))
-        .await
-        .unwrap();
+    let manager = LockManager::connect(
+        unheld_options(&pg.url(), "g-scope").poll_interval(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
     let children = Children::default();
     let start = |group: &'static str| {
         let children = children.clone();
@@ -409,13 +410,21 @@ async fn a_member_whose_child_finished_is_not_moved_to_rebalance() {
         )
         .unwrap()
     };
-    let a = LockManager::connect(options(&url, "os-a")).await.unwrap();
+    let a = LockManager::connect(
+        unheld_options(&url, "os-a").poll_interval(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
     let _ga = start(&a, "os-a");
     wait_for("every member ran once", Duration::from_secs(20), || {
         runs.lock().unwrap().len() == members.len()
     })
     .await;
-    let b = LockManager::connect(options(&url, "os-b")).await.unwrap();
+    let b = LockManager::connect(
+        unheld_options(&url, "os-b").poll_interval(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
     let _gb = start(&b, "os-b");
     // Several rounds of the group's look (every 250 ms), after the join settled.
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -4,21 +4,14 @@
 //! id) is a plain release; and a rolling deploy of K replicas (each replaced in turn:
 //! start the new one, hand over if leading, stop the old one) causes at most K
 //! hand-overs with short leaderless times. Prints `HAND-OVER` lines with the timings
-//! (run with `--nocapture`).
+//! (run with `--nocapture`). The managers poll at the default interval (300 ms): a node
+//! that did not hold off would take the lock within 300 ms of a release.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOptions};
-use chosen_tests::{PgCluster, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        // The default poll: a node that did not hold off would take the lock within
-        // 300 ms of a release.
-        .poll_interval(Duration::from_millis(300))
-        .term_grant_delay(Duration::ZERO)
-}
+use chosen_core::{Election, LockManager, Singleton, SingletonOptions};
+use chosen_tests::{PgCluster, unheld_options, unique_name};
 
 fn pct(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
@@ -49,7 +42,9 @@ async fn an_election_is_handed_to_the_named_node() {
     let mut elections = Vec::new();
     let mut managers = Vec::new();
     for node in ["ho-a", "ho-b", "ho-c"] {
-        let m = LockManager::connect(options(&url, node)).await.unwrap();
+        let m = LockManager::connect(unheld_options(&url, node))
+            .await
+            .unwrap();
         elections.push((node, Election::start(&m, name.as_str()).unwrap()));
         managers.push(m);
         // The first one leads before the others start.
@@ -136,7 +131,7 @@ async fn an_election_is_handed_to_the_named_node() {
 async fn a_hand_over_to_an_impossible_node_id_is_a_plain_release() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("ho-void");
-    let a = LockManager::connect(options(&pg.url(), "hv-a"))
+    let a = LockManager::connect(unheld_options(&pg.url(), "hv-a"))
         .await
         .unwrap();
     let ea = Election::start(&a, name.as_str()).unwrap();
@@ -146,9 +141,11 @@ async fn a_hand_over_to_an_impossible_node_id_is_a_plain_release() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // B polls every 30 s: only the announcement can make it take over soon.
-    let b = LockManager::connect(options(&pg.url(), "hv-b").poll_interval(Duration::from_secs(30)))
-        .await
-        .unwrap();
+    let b = LockManager::connect(
+        unheld_options(&pg.url(), "hv-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let eb = Election::start(&b, name.as_str()).unwrap();
     let t0 = Instant::now();
     while eb.leadership().leader().as_deref() != Some("hv-a") {
@@ -197,15 +194,21 @@ async fn a_singleton_is_handed_over_and_its_child_stops_first() {
         })
         .unwrap()
     };
-    let a = LockManager::connect(options(&url, "hs-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "hs-a"))
+        .await
+        .unwrap();
     let sa = start(&a, "hs-a");
     let t0 = Instant::now();
     while runs.lock().unwrap().is_empty() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let b = LockManager::connect(options(&url, "hs-b")).await.unwrap();
-    let c = LockManager::connect(options(&url, "hs-c")).await.unwrap();
+    let b = LockManager::connect(unheld_options(&url, "hs-b"))
+        .await
+        .unwrap();
+    let c = LockManager::connect(unheld_options(&url, "hs-c"))
+        .await
+        .unwrap();
     let (_sb, _sc) = (start(&b, "hs-b"), start(&c, "hs-c"));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t0 = Instant::now();
@@ -243,7 +246,9 @@ async fn a_rolling_deploy_hands_over_at_most_once_per_replica() {
         let url = url.clone();
         let name = name.clone();
         async move {
-            let m = LockManager::connect(options(&url, &id)).await.unwrap();
+            let m = LockManager::connect(unheld_options(&url, &id))
+                .await
+                .unwrap();
             let e = Election::start(&m, name.as_str()).unwrap();
             (id, m, e)
         }
@@ -396,7 +401,9 @@ async fn a_preferred_node_takes_the_lead_back_once_it_is_stable() {
     let name = unique_name("fail-back");
     let plain = ElectionOptions::default().fail_back_after(Duration::from_secs(2));
     let preferred = ElectionOptions::default().preferred(true);
-    let a = LockManager::connect(options(&url, "fb-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "fb-a"))
+        .await
+        .unwrap();
     let ea = Election::start_with(&a, name.as_str(), plain.clone()).unwrap();
     let t0 = Instant::now();
     while !ea.leadership().is_leader() {
@@ -408,7 +415,9 @@ async fn a_preferred_node_takes_the_lead_back_once_it_is_stable() {
     let watcher = watch_leaders(Arc::clone(&leaderships), Arc::clone(&done));
     for round in 0..2 {
         // The preferred node comes up: after about two seconds it leads.
-        let p = LockManager::connect(options(&url, "fb-p")).await.unwrap();
+        let p = LockManager::connect(unheld_options(&url, "fb-p"))
+            .await
+            .unwrap();
         let ep = Election::start_with(&p, name.as_str(), preferred.clone()).unwrap();
         leaderships
             .lock()
@@ -463,7 +472,9 @@ async fn a_preferred_node_whose_session_is_lost_while_it_waits_is_still_failed_b
     let url = pg.url();
     let admin = chosen_tests::connect_admin(&url).await.unwrap();
     let name = unique_name("fail-back-lost");
-    let a = LockManager::connect(options(&url, "fl-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "fl-a"))
+        .await
+        .unwrap();
     let ea = Election::start_with(
         &a,
         name.as_str(),
@@ -475,7 +486,9 @@ async fn a_preferred_node_whose_session_is_lost_while_it_waits_is_still_failed_b
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p = LockManager::connect(options(&url, "fl-p")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "fl-p"))
+        .await
+        .unwrap();
     let ep = Election::start_with(
         &p,
         name.as_str(),
@@ -528,7 +541,9 @@ async fn a_preferred_singleton_node_gets_the_child_back() {
         })
         .unwrap()
     };
-    let a = LockManager::connect(options(&url, "fs-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "fs-a"))
+        .await
+        .unwrap();
     let _sa = start(
         &a,
         "fs-a",
@@ -539,7 +554,9 @@ async fn a_preferred_singleton_node_gets_the_child_back() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p = LockManager::connect(options(&url, "fs-p")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "fs-p"))
+        .await
+        .unwrap();
     let _sp = start(&p, "fs-p", SingletonOptions::default().preferred(true));
     let t0 = Instant::now();
     while runs.lock().unwrap().len() < 2 {
@@ -592,14 +609,18 @@ async fn hand_over_then_shutdown_still_hands_over() {
     let (_listen, mut rx) = listener(&url).await;
     // Election.
     let name = unique_name("ho-then-stop");
-    let a = LockManager::connect(options(&url, "hx-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "hx-a"))
+        .await
+        .unwrap();
     let ea = Election::start(&a, name.as_str()).unwrap();
     let t0 = Instant::now();
     while !ea.leadership().is_leader() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let b = LockManager::connect(options(&url, "hx-b")).await.unwrap();
+    let b = LockManager::connect(unheld_options(&url, "hx-b"))
+        .await
+        .unwrap();
     let _eb = Election::start(&b, name.as_str()).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     ea.hand_over_to("hx-b");
@@ -623,7 +644,9 @@ async fn hand_over_then_shutdown_still_hands_over() {
         )
         .unwrap()
     };
-    let c = LockManager::connect(options(&url, "hx-c")).await.unwrap();
+    let c = LockManager::connect(unheld_options(&url, "hx-c"))
+        .await
+        .unwrap();
     let sc = start(&c);
     let t0 = Instant::now();
     while !sc.leadership().is_leader() {
@@ -661,8 +684,12 @@ async fn many_hand_overs_at_once_keep_the_session() {
     const N: usize = 400;
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
-    let a = LockManager::connect(options(&url, "hm-a")).await.unwrap();
-    let b = LockManager::connect(options(&url, "hm-b")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "hm-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect(unheld_options(&url, "hm-b"))
+        .await
+        .unwrap();
     let names: Vec<String> = (0..N).map(|i| unique_name(&format!("many-{i}"))).collect();
     let mut leases = Vec::new();
     for n in &names {
@@ -720,7 +747,9 @@ async fn a_stopped_preferred_election_is_not_failed_back_to() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let name = unique_name("r3-leak");
-    let a = LockManager::connect(options(&url, "r3-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "r3-a"))
+        .await
+        .unwrap();
     let ea = Election::start_with(
         &a,
         name.as_str(),
@@ -732,7 +761,9 @@ async fn a_stopped_preferred_election_is_not_failed_back_to() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p = LockManager::connect(options(&url, "r3-p")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "r3-p"))
+        .await
+        .unwrap();
     let ep = Election::start_with(
         &p,
         name.as_str(),
@@ -785,14 +816,18 @@ async fn two_preferred_nodes_do_not_hand_the_leadership_back_and_forth() {
     let preferred = ElectionOptions::default()
         .preferred(true)
         .fail_back_after(Duration::from_secs(1));
-    let p1 = LockManager::connect(options(&url, "tp-1")).await.unwrap();
+    let p1 = LockManager::connect(unheld_options(&url, "tp-1"))
+        .await
+        .unwrap();
     let e1 = Election::start_with(&p1, name.as_str(), preferred.clone()).unwrap();
     let t0 = Instant::now();
     while !e1.leadership().is_leader() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p2 = LockManager::connect(options(&url, "tp-2")).await.unwrap();
+    let p2 = LockManager::connect(unheld_options(&url, "tp-2"))
+        .await
+        .unwrap();
     let e2 = Election::start_with(&p2, name.as_str(), preferred).unwrap();
     let leaderships = Arc::new(Mutex::new(vec![
         ("tp-1".to_owned(), e1.leadership()),
@@ -839,7 +874,9 @@ async fn a_finished_one_shot_child_is_not_run_again_by_a_fail_back() {
         )
         .unwrap()
     };
-    let a = LockManager::connect(options(&url, "os-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "os-a"))
+        .await
+        .unwrap();
     let sa = start(
         &a,
         "os-a",
@@ -850,7 +887,9 @@ async fn a_finished_one_shot_child_is_not_run_again_by_a_fail_back() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p = LockManager::connect(options(&url, "os-p")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "os-p"))
+        .await
+        .unwrap();
     let _sp = start(&p, "os-p", SingletonOptions::default().preferred(true));
     // Several fail-back windows and look-ups.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -877,7 +916,9 @@ async fn a_preferred_node_whose_child_gave_up_is_not_failed_back_to_again_and_ag
     let url = pg.url();
     let name = unique_name("preferred-gave-up");
     let n_starts = Arc::new(AtomicU64::new(0));
-    let n = LockManager::connect(options(&url, "pg-n")).await.unwrap();
+    let n = LockManager::connect(unheld_options(&url, "pg-n"))
+        .await
+        .unwrap();
     let sn = {
         let n_starts = Arc::clone(&n_starts);
         Singleton::start(
@@ -899,7 +940,9 @@ async fn a_preferred_node_whose_child_gave_up_is_not_failed_back_to_again_and_ag
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p = LockManager::connect(options(&url, "pg-p")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "pg-p"))
+        .await
+        .unwrap();
     let sp = Singleton::start(
         &p,
         name.as_str(),
@@ -935,7 +978,9 @@ async fn a_finished_one_shot_child_is_not_run_again_on_its_node_after_a_session_
     let admin = chosen_tests::connect_admin(&url).await.unwrap();
     let name = unique_name("one-shot-lost");
     let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let a = LockManager::connect(options(&url, "ol-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "ol-a"))
+        .await
+        .unwrap();
     let sa = {
         let runs = Arc::clone(&runs);
         Singleton::start(
@@ -1005,14 +1050,18 @@ async fn a_preferred_node_whose_child_finished_does_not_take_a_running_child_fro
         })
         .unwrap()
     };
-    let p = LockManager::connect(options(&url, "r6-p")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "r6-p"))
+        .await
+        .unwrap();
     let sp = start(&p, "r6-p", SingletonOptions::default().preferred(true));
     let t0 = Instant::now();
     while sp.status().child != chosen_core::ChildState::Finished {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let n = LockManager::connect(options(&url, "r6-n")).await.unwrap();
+    let n = LockManager::connect(unheld_options(&url, "r6-n"))
+        .await
+        .unwrap();
     let sn = start(
         &n,
         "r6-n",
@@ -1058,7 +1107,9 @@ async fn a_step_down_of_a_finished_child_starts_it_again_on_the_next_holder() {
     let url = pg.url();
     let name = unique_name("step-down-finished");
     let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let a = LockManager::connect(options(&url, "r6-a")).await.unwrap();
+    let a = LockManager::connect(unheld_options(&url, "r6-a"))
+        .await
+        .unwrap();
     let sa = {
         let runs = Arc::clone(&runs);
         Singleton::start(
@@ -1095,7 +1146,9 @@ async fn a_preferred_node_gets_the_singleton_back_after_a_transient_give_up() {
     let pg = PgCluster::start().unwrap();
     let url = pg.url();
     let name = unique_name("transient-give-up");
-    let n = LockManager::connect(options(&url, "r6-tn")).await.unwrap();
+    let n = LockManager::connect(unheld_options(&url, "r6-tn"))
+        .await
+        .unwrap();
     let sn = Singleton::start(
         &n,
         name.as_str(),
@@ -1111,7 +1164,9 @@ async fn a_preferred_node_gets_the_singleton_back_after_a_transient_give_up() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let p = LockManager::connect(options(&url, "r6-tp")).await.unwrap();
+    let p = LockManager::connect(unheld_options(&url, "r6-tp"))
+        .await
+        .unwrap();
     let born = Instant::now();
     let sp = Singleton::start(
         &p,

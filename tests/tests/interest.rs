@@ -5,20 +5,18 @@
 //! statement, and a waiter whose interest take met another release's probe, register
 //! on their next try, and are announced to. An announcement from a backend the waiter
 //! never saw holding the key is only a cue to try soon, and a forged flood of them
-//! costs at most one more try statement per second.
+//! costs at most one more try statement per second. A flood of forged announcements
+//! revokes nothing and grants nothing held, and the holder a waiter saw is looked up
+//! right for every key shape.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockKey, LockManager, ManagerOptions, MetricsSink};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
+use chosen_core::{ConnectionState, LockKey, LockManager, MetricsSink};
+use chosen_tests::{PgCluster, connect_admin, eager_options, unique_name};
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node).poll_interval(Duration::from_millis(50))
-}
 
 /// A connection that LISTENs on the release channel; payloads arrive on the receiver.
 async fn listener(url: &str) -> (tokio_postgres::Client, mpsc::UnboundedReceiver<String>) {
@@ -66,12 +64,12 @@ async fn a_release_nobody_waits_for_announces_nothing() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let (_listen, mut rx) = listener(&pg.url()).await;
-    let a = LockManager::connect(options(&pg.url(), "quiet-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "quiet-a"))
         .await
         .unwrap();
     // Another manager waits for a different lock: its interest must not make every
     // release announce (unless the two share a bucket: pick one that does not).
-    let b = LockManager::connect(options(&pg.url(), "quiet-b"))
+    let b = LockManager::connect(eager_options(&pg.url(), "quiet-b"))
         .await
         .unwrap();
     let other = unique_name("quiet-other");
@@ -168,11 +166,11 @@ async fn shared_locks(admin: &tokio_postgres::Client, node: &str) -> i64 {
 async fn a_waiter_holds_interest_only_while_it_waits() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "interest-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "interest-a"))
         .await
         .unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "interest-b").poll_interval(Duration::from_secs(30)),
+        eager_options(&pg.url(), "interest-b").poll_interval(Duration::from_secs(30)),
     )
     .await
     .unwrap();
@@ -221,14 +219,15 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let name = unique_name("cue");
-    let a = LockManager::connect(options(&pg.url(), "cue-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "cue-a"))
         .await
         .unwrap();
     let lease_a = a.acquire(name.as_str()).await.unwrap();
-    let c =
-        LockManager::connect(options(&pg.url(), "cue-c").poll_interval(Duration::from_secs(30)))
-            .await
-            .unwrap();
+    let c = LockManager::connect(
+        eager_options(&pg.url(), "cue-c").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let c_waiting = tokio::spawn({
         let c = c.clone();
         let name = name.clone();
@@ -239,7 +238,7 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
         assert!(Instant::now() < deadline, "C never tried");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let b = LockManager::connect(options(&pg.url(), "cue-b"))
+    let b = LockManager::connect(eager_options(&pg.url(), "cue-b"))
         .await
         .unwrap();
     let b_waiting = tokio::spawn({
@@ -300,11 +299,11 @@ async fn a_release_by_a_holder_the_waiter_never_saw_is_a_cue() {
 async fn a_second_key_of_a_bucket_whose_first_key_was_won_is_still_announced() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "lw-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "lw-a"))
         .await
         .unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "lw-b")
+        eager_options(&pg.url(), "lw-b")
             .poll_interval(Duration::from_secs(30))
             .reconnect_backoff(Duration::from_millis(1000), Duration::from_millis(1000)),
     )
@@ -382,12 +381,14 @@ async fn a_waiter_whose_interest_take_failed_is_still_announced() {
     let pg = PgCluster::start().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let prober = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "ft-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "ft-a"))
         .await
         .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "ft-b").poll_interval(Duration::from_secs(30)))
-        .await
-        .unwrap();
+    let b = LockManager::connect(
+        eager_options(&pg.url(), "ft-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let y = unique_name("ft-y");
     let (ia, ib) = interest_key(bucket(a.key_for(&y)));
     let lease_y = a.acquire(y.as_str()).await.unwrap();
@@ -442,12 +443,12 @@ async fn a_forged_flood_costs_at_most_one_more_statement_per_second() {
     const N: usize = 40;
     let pg = PgCluster::start().unwrap();
     let forger = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "fl-a"))
+    let a = LockManager::connect(eager_options(&pg.url(), "fl-a"))
         .await
         .unwrap();
     let polls = Arc::new(Polls::default());
     let b = LockManager::connect(
-        options(&pg.url(), "fl-b")
+        eager_options(&pg.url(), "fl-b")
             .poll_interval(Duration::from_secs(30))
             .metrics(polls.clone()),
     )
@@ -489,5 +490,153 @@ async fn a_forged_flood_costs_at_most_one_more_statement_per_second() {
     drop(leases);
     for w in waits {
         w.abort();
+    }
+}
+
+/// §2.4: any role may `NOTIFY chosen_release`. A flood of them naming keys a manager
+/// waits for must not starve its heartbeat (revoking every lease it holds), nor hand it
+/// a lock another session holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_flood_revokes_nothing() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("flooded");
+    // The victim holds one lock and waits for twenty others.
+    let victim = LockManager::connect(chosen_tests::eager_options(&pg.url(), "flooded-victim"))
+        .await
+        .expect("manager connects");
+    let lease = victim.acquire(lock.as_str()).await.unwrap();
+    let other = LockManager::connect(chosen_tests::eager_options(&pg.url(), "key-holder"))
+        .await
+        .expect("manager connects");
+    let mut held = Vec::new();
+    let mut waits = Vec::new();
+    for i in 0..20 {
+        let name = format!("{lock}-{i}");
+        held.push(other.acquire(name.as_str()).await.unwrap());
+        let m = victim.clone();
+        waits.push(tokio::spawn(async move { m.acquire(name.as_str()).await }));
+    }
+    let tags: Vec<String> = held
+        .iter()
+        .map(|l| match l.key() {
+            chosen_core::LockKey::Pair(a, b) => format!("pair:{a}:{b}"),
+            chosen_core::LockKey::Int(k) => format!("int:{k}"),
+        })
+        .collect();
+    let flood_until = Instant::now() + Duration::from_secs(6);
+    let flooder = tokio::spawn({
+        let url = pg.url();
+        async move {
+            let client = connect_admin(&url).await.unwrap();
+            let mut sent = 0u64;
+            while Instant::now() < flood_until {
+                // Distinct payloads: the server folds identical ones within a transaction.
+                client
+                    .execute(
+                        "SELECT pg_notify('chosen_release', $1 || ',' || g::text) FROM generate_series(1, 1000) g",
+                        &[&tags.join(",")],
+                    )
+                    .await
+                    .unwrap();
+                sent += 1_000;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            sent
+        }
+    });
+    let mut checks = 0;
+    while Instant::now() < flood_until {
+        assert!(
+            lease.is_valid(),
+            "the victim's lease was revoked during the flood: {:?}",
+            lease.loss_reason()
+        );
+        assert!(
+            waits.iter().all(|w| !w.is_finished()),
+            "a forged announcement handed over a held lock"
+        );
+        checks += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sent = flooder.await.unwrap();
+    assert!(sent >= 50_000, "only {sent} notifications sent");
+    assert!(checks > 50);
+    assert!(lease.is_valid(), "{:?}", lease.loss_reason());
+    assert!(matches!(
+        victim.connection_status(),
+        ConnectionState::Connected { generation: 1, .. }
+    ));
+    for w in waits {
+        w.abort();
+    }
+    drop(held);
+    drop(lease);
+    victim.shutdown().await;
+    other.shutdown().await;
+}
+
+/// Release announcements are believed only from the backend a failed try saw holding the
+/// key: that look-up must be right for every key shape (negative halves, big keys), in
+/// the single-key and the batched statement, or hand-overs fall back to polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_are_verified_for_every_key_shape() {
+    use chosen_core::LockKey;
+    let pg = PgCluster::start().unwrap();
+    let shapes = [
+        vec![LockKey::Int(-5)],
+        vec![LockKey::Pair(-1, -2)],
+        vec![
+            LockKey::Int(i64::MIN + 7),
+            LockKey::Int(0x7fff_ffff_0000_0001),
+            LockKey::Pair(i32::MIN, 3),
+            LockKey::Pair(12, -12),
+        ],
+    ];
+    for keys in shapes {
+        let a = LockManager::connect(chosen_tests::eager_options(&pg.url(), "shape-holder"))
+            .await
+            .expect("manager connects");
+        let b = LockManager::connect(
+            chosen_tests::eager_options(&pg.url(), "shape-waiter")
+                .poll_interval(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+        let mut held = Vec::new();
+        for k in &keys {
+            held.push(a.acquire(*k).await.unwrap());
+        }
+        let waits: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                let b = b.clone();
+                let k = *k;
+                tokio::spawn(async move { b.acquire(k).await })
+            })
+            .collect();
+        // Let B's first (failed) try see the holders.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while b.locks().await.unwrap().len() < keys.len() {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t0 = Instant::now();
+        drop(held);
+        for w in waits {
+            let lease = tokio::time::timeout(Duration::from_secs(5), w)
+                .await
+                .expect("woken by the verified announcement, not the 30 s poll")
+                .unwrap()
+                .unwrap();
+            drop(lease);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "{keys:?}: hand-over took {:?}",
+            t0.elapsed()
+        );
+        a.shutdown().await;
+        b.shutdown().await;
     }
 }

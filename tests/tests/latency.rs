@@ -11,15 +11,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{
-    ConnectionState, Error, LockManager, LockState, ManagerOptions, SessionDownReason,
-};
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, unique_name};
-
-/// Default settings: only the node id is set.
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-}
+use chosen_core::{ConnectionState, Error, LockManager, LockState, SessionDownReason};
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, manager_options, unique_name};
 
 #[derive(Debug, Clone)]
 struct Interval {
@@ -102,10 +95,10 @@ async fn a_slow_leader_keeps_its_lease_below_the_bound_and_hands_over_cleanly_ab
     let proxy_a = FaultProxy::start(upstream).await.unwrap();
     let proxy_b = FaultProxy::start(upstream).await.unwrap();
     let name = unique_name("latency");
-    let a = LockManager::connect(options(&proxy_a.url(&pg.url(), port), "node-a"))
+    let a = LockManager::connect(manager_options(&proxy_a.url(&pg.url(), port), "node-a"))
         .await
         .unwrap();
-    let b = LockManager::connect(options(&proxy_b.url(&pg.url(), port), "node-b"))
+    let b = LockManager::connect(manager_options(&proxy_b.url(&pg.url(), port), "node-b"))
         .await
         .unwrap();
     let history = History::default();
@@ -220,7 +213,8 @@ async fn a_session_is_set_up_and_kept_over_a_slow_database() {
     proxy.set(ProxyMode::Latency(Duration::from_secs(1)));
     let t0 = Instant::now();
     let a = LockManager::connect(
-        options(&proxy.url(&pg.url(), port), "slow-connect").term_grant_delay(Duration::ZERO),
+        manager_options(&proxy.url(&pg.url(), port), "slow-connect")
+            .term_grant_delay(Duration::ZERO),
     )
     .await
     .unwrap();

@@ -1,19 +1,17 @@
 //! LockManager against a real PostgreSQL: contention, hand-over, FIFO, re-entrancy,
-//! many locks on one backend, keys, fencing tokens, cancellation, bad input.
+//! many locks on one backend, keys, fencing tokens (a batch's newer than every tenure
+//! before it), cancellation, bad input.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chosen_core::{
     ConnectionState, Error, LockKey, LockManager, LockRequest, LockState, ManagerOptions,
 };
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node).poll_interval(Duration::from_millis(50))
-}
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, eager_options, unique_name};
 
 async fn manager(url: &str, node: &str) -> LockManager {
-    LockManager::connect(options(url, node))
+    LockManager::connect(eager_options(url, node))
         .await
         .expect("manager connects")
 }
@@ -72,7 +70,7 @@ async fn release_hands_over_to_a_waiting_manager() {
     // A long poll interval: the hand-over must come from NOTIFY, not from polling.
     let waiting = std::sync::Arc::new(Waiting::default());
     let b = LockManager::connect(
-        options(&pg.url(), "handover-b")
+        eager_options(&pg.url(), "handover-b")
             .poll_interval(Duration::from_secs(30))
             .metrics(waiting.clone()),
     )
@@ -309,7 +307,7 @@ async fn keys_follow_the_documented_derivation() {
     }
 
     // And pg_locks shows a held named lock under exactly those columns.
-    let m = LockManager::connect(options(&pg.url(), "golden").namespace("billing"))
+    let m = LockManager::connect(eager_options(&pg.url(), "golden").namespace("billing"))
         .await
         .unwrap();
     let lease = m.acquire("nightly-report").await.unwrap();
@@ -407,7 +405,7 @@ async fn shutdown_releases_everything_and_fails_waiters() {
     // A long poll interval: B must be woken by the release announcement.
     let waiting = std::sync::Arc::new(Waiting::default());
     let b = LockManager::connect(
-        options(&pg.url(), "shutdown-b")
+        eager_options(&pg.url(), "shutdown-b")
             .poll_interval(Duration::from_secs(30))
             .metrics(waiting.clone()),
     )
@@ -471,7 +469,7 @@ async fn bad_input_gives_clear_errors() {
 
     // Nothing listens: a prompt, clear error.
     let started = Instant::now();
-    let err = LockManager::connect(options(
+    let err = LockManager::connect(eager_options(
         "postgres://postgres:pw@127.0.0.1:1/postgres",
         "nobody-home",
     ))
@@ -487,7 +485,7 @@ async fn bad_input_gives_clear_errors() {
     silent.set(ProxyMode::BlackHole);
     let started = Instant::now();
     let err = LockManager::connect(
-        options(
+        eager_options(
             &format!("postgres://postgres:pw@{}/postgres", silent.addr()),
             "unreachable",
         )
@@ -509,7 +507,7 @@ async fn bad_input_gives_clear_errors() {
 
     // Invalid options are rejected before any connection is tried.
     let err = LockManager::connect(
-        options("postgres://postgres:pw@127.0.0.1:1/postgres", "bad")
+        eager_options("postgres://postgres:pw@127.0.0.1:1/postgres", "bad")
             .server_release_after(Duration::from_secs(2)),
     )
     .await
@@ -531,7 +529,7 @@ async fn bad_input_gives_clear_errors() {
     let pg = PgCluster::start_local().unwrap();
     // Wrong password: an authentication error naming the user, not the password.
     let url = pg.url_with_password("not-the-password").unwrap();
-    let err = LockManager::connect(options(&url, "wrong-pw"))
+    let err = LockManager::connect(eager_options(&url, "wrong-pw"))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Authentication { .. }), "{err}");
@@ -566,7 +564,7 @@ async fn bad_input_gives_clear_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_per_manager_cap_is_a_clear_error() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "capped").max_locks(3))
+    let m = LockManager::connect(eager_options(&pg.url(), "capped").max_locks(3))
         .await
         .unwrap();
     let name = unique_name("cap");
@@ -654,10 +652,11 @@ async fn followers_learn_who_holds_a_lock() {
 async fn releasing_many_locks_wakes_a_waiter_on_all_of_them() {
     let pg = PgCluster::start().unwrap();
     let a = manager(&pg.url(), "bulk-a").await;
-    let b =
-        LockManager::connect(options(&pg.url(), "bulk-b").poll_interval(Duration::from_secs(60)))
-            .await
-            .unwrap();
+    let b = LockManager::connect(
+        eager_options(&pg.url(), "bulk-b").poll_interval(Duration::from_secs(60)),
+    )
+    .await
+    .unwrap();
     let prefix = unique_name("bulk");
     let names: Vec<String> = (0..500).map(|i| format!("{prefix}-{i}")).collect();
     let mut leases = Vec::new();
@@ -722,7 +721,7 @@ async fn waiting_locks_cost_one_statement_per_tick_however_many() {
     let holder = manager(&pg.url(), "tick-holder").await;
     let waiting = std::sync::Arc::new(Waiting::default());
     let waiter = LockManager::connect(
-        options(&pg.url(), "tick-waiter")
+        eager_options(&pg.url(), "tick-waiter")
             .poll_interval(Duration::from_millis(100))
             .metrics(waiting.clone()),
     )
@@ -757,4 +756,122 @@ async fn waiting_locks_cost_one_statement_per_tick_however_many() {
     assert!((10..=40).contains(&queries), "{queries} statements in 2 s");
     waits.abort_all();
     drop(leases);
+}
+
+/// §2.6: keys won in one batched statement share one fencing token. It must be assigned
+/// after every lock of the batch was taken, or a key locked late in the batch gets a
+/// token smaller than another node's tenure of it in between.
+///
+/// A current-thread runtime makes every request arrive before the manager's task looks,
+/// so they are tried in one statement; another session on its own thread takes and
+/// releases the batch's last key in a tight loop meanwhile.
+#[tokio::test(flavor = "current_thread")]
+async fn a_batch_token_is_newer_than_every_tenure_before_it() {
+    let pg = PgCluster::start().unwrap();
+    const KEYS: i32 = 4000;
+    let mut valid_rounds = 0;
+    for round in 0..16 {
+        let a = LockManager::connect(
+            // No term hold: the cluster just started, and the tries must race now.
+            eager_options(&pg.url(), &format!("batcher-{round}"))
+                .max_locks(KEYS as usize + 10)
+                .term_grant_delay(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+        // Raw keys in one class: the statement tries them in key order, the last last.
+        let class = 9000 + round;
+        let last = chosen_core::LockKey::Pair(class, KEYS - 1);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let started = Arc::new(std::sync::Barrier::new(2));
+        let spinner = std::thread::spawn({
+            let url = pg.url();
+            let stop = Arc::clone(&stop);
+            let started = Arc::clone(&started);
+            move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let client = connect_admin(&url).await.unwrap();
+                    started.wait();
+                    let mut tokens = Vec::new();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let row = client
+                            .query_one(
+                                "SELECT CASE WHEN pg_try_advisory_lock($1::int4, $2::int4) THEN pg_current_xact_id()::text::int8 END",
+                                &[&class, &(KEYS - 1)],
+                            )
+                            .await
+                            .unwrap();
+                        if let Some(t) = row.get::<_, Option<i64>>(0) {
+                            client
+                                .execute(
+                                    "SELECT pg_advisory_unlock($1::int4, $2::int4)",
+                                    &[&class, &(KEYS - 1)],
+                                )
+                                .await
+                                .unwrap();
+                            tokens.push(t as u64);
+                        }
+                    }
+                    tokens
+                })
+            }
+        });
+        started.wait();
+        let requests: Vec<_> = (0..KEYS)
+            .map(|k| {
+                let a = a.clone();
+                tokio::spawn(async move {
+                    a.try_acquire(
+                        chosen_core::LockRequest::from(chosen_core::LockKey::Pair(class, k))
+                            .eager_token(),
+                    )
+                    .await
+                })
+            })
+            .collect();
+        let mut leases = Vec::new();
+        for r in requests {
+            if let Some(lease) = r.await.unwrap().unwrap() {
+                leases.push(lease);
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let spun = spinner.join().unwrap();
+        let first = leases
+            .iter()
+            .find(|l| l.key() == chosen_core::LockKey::Pair(class, 0))
+            .and_then(chosen_core::Lease::known_fencing_token);
+        let won_last = leases
+            .iter()
+            .find(|l| l.key() == last)
+            .and_then(chosen_core::Lease::known_fencing_token);
+        eprintln!(
+            "round {round}: {} leases, first {first:?}, last {won_last:?}, {} tenures of the last key",
+            leases.len(),
+            spun.len()
+        );
+        if let (Some(first), Some(t)) = (first, won_last)
+            && first == t
+            && !spun.is_empty()
+        {
+            valid_rounds += 1;
+            let newest = spun.iter().max().copied().unwrap();
+            // The spinner's tokens are raw transaction ids; ours carry the timeline
+            // above them (see `FencingToken`).
+            assert!(
+                t.xact_id() > newest,
+                "round {round}: the batch token {t} is older than a tenure of the last key that ended before the batch took it ({newest})"
+            );
+        }
+        drop(leases);
+        a.shutdown().await;
+        if valid_rounds >= 10 {
+            break;
+        }
+    }
+    assert!(valid_rounds >= 1, "no round raced the batch");
 }

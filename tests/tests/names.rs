@@ -11,13 +11,7 @@ use chosen_core::{
     Election, ElectionOptions, Error, GroupOptions, LeaderContext, LockManager, ManagerOptions,
     SingletonGroup,
 };
-use chosen_tests::{PgCluster, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .term_grant_delay(Duration::ZERO)
-}
+use chosen_tests::{PgCluster, prompt_options, unique_name};
 
 fn reserved(result: Result<impl std::fmt::Debug, Error>) -> String {
     match result {
@@ -32,10 +26,10 @@ fn reserved(result: Result<impl std::fmt::Debug, Error>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_library_s_own_lock_names_are_refused_and_still_work_for_the_library() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "names-a"))
+    let m = LockManager::connect(prompt_options(&pg.url(), "names-a"))
         .await
         .unwrap();
-    let other = LockManager::connect(options(&pg.url(), "names-b"))
+    let other = LockManager::connect(prompt_options(&pg.url(), "names-b"))
         .await
         .unwrap();
     let name = unique_name("names-e");
@@ -101,7 +95,7 @@ async fn a_group_name_with_a_slash_is_refused() {
     // Group "a" member "b/member/c" and group "a/member/b" member "c" would share the
     // lock `chosen.group/a/member/b/member/c`.
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "names-g"))
+    let m = LockManager::connect(prompt_options(&pg.url(), "names-g"))
         .await
         .unwrap();
     let child = |_: String, _: LeaderContext| async { Ok::<(), std::io::Error>(()) };
@@ -126,7 +120,7 @@ async fn a_group_name_with_a_slash_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_member_still_runs() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "names-run"))
+    let m = LockManager::connect(prompt_options(&pg.url(), "names-run"))
         .await
         .unwrap();
     let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -201,15 +195,16 @@ impl Waiters {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manager_ending_while_disconnected_reports_no_waiters_left() {
     let mut pg = PgCluster::start().unwrap();
-    let holder = LockManager::connect(options(&pg.url(), "names-holder"))
+    let holder = LockManager::connect(prompt_options(&pg.url(), "names-holder"))
         .await
         .unwrap();
     let lock = unique_name("names-w");
     let lease = holder.acquire(lock.as_str()).await.unwrap();
     let waiters = Arc::new(Waiters::default());
-    let waiter = LockManager::connect(options(&pg.url(), "names-waiter").metrics(waiters.clone()))
-        .await
-        .unwrap();
+    let waiter =
+        LockManager::connect(prompt_options(&pg.url(), "names-waiter").metrics(waiters.clone()))
+            .await
+            .unwrap();
     let waiting = tokio::spawn({
         let waiter = waiter.clone();
         let lock = lock.clone();
@@ -256,10 +251,10 @@ async fn a_manager_ending_while_disconnected_reports_no_waiters_left() {
 async fn a_name_like_a_raw_key_s_is_refused_and_key_elections_still_fail_back() {
     use chosen_core::LockKey;
     let pg = PgCluster::start().unwrap();
-    let l = LockManager::connect(options(&pg.url(), "names-l"))
+    let l = LockManager::connect(prompt_options(&pg.url(), "names-l"))
         .await
         .unwrap();
-    let p = LockManager::connect(options(&pg.url(), "names-p"))
+    let p = LockManager::connect(prompt_options(&pg.url(), "names-p"))
         .await
         .unwrap();
     let key = LockKey::derive("names-test", &unique_name("k"));
@@ -331,7 +326,7 @@ async fn a_key_lease_does_not_share_its_fence_with_a_lock_named_like_it() {
     let pg = PgCluster::start().unwrap();
     let mut client = chosen_tests::connect_admin(&pg.url()).await.unwrap();
     fenced::install(&client).await.unwrap();
-    let m = LockManager::connect(options(&pg.url(), "names-f"))
+    let m = LockManager::connect(prompt_options(&pg.url(), "names-f"))
         .await
         .unwrap();
     let key = LockKey::derive("names-test", &unique_name("k"));

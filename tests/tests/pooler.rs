@@ -6,14 +6,8 @@
 
 use std::time::Duration;
 
-use chosen_core::{LockManager, ManagerOptions};
-use chosen_tests::{PgBouncer, PgCluster, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
-}
+use chosen_core::LockManager;
+use chosen_tests::{PgBouncer, PgCluster, connect_admin, fault_options, unique_name};
 
 /// A transaction pooler in front of `pg`, or `None` (test skipped) without pgbouncer.
 fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
@@ -46,7 +40,7 @@ async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_bac
         return;
     };
     let name = unique_name("pooled-lock");
-    let pooled = match LockManager::connect(options(&bouncer.url(), "pooled-a")).await {
+    let pooled = match LockManager::connect(fault_options(&bouncer.url(), "pooled-a")).await {
         Ok(m) => m,
         // Refused up front: that is the fix.
         Err(_) => return,
@@ -59,7 +53,7 @@ async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_bac
         .await
         .unwrap();
 
-    let direct = LockManager::connect(options(&pg.url(), "direct-b"))
+    let direct = LockManager::connect(fault_options(&pg.url(), "direct-b"))
         .await
         .unwrap();
     let other = direct.try_acquire(name.as_str()).await.unwrap();
@@ -87,7 +81,7 @@ async fn a_lock_released_behind_the_sessions_back_is_missed_even_when_another_ta
         return;
     };
     let name = unique_name("pooled-replaced");
-    let pooled = match LockManager::connect(options(&bouncer.url(), "pooled-c")).await {
+    let pooled = match LockManager::connect(fault_options(&bouncer.url(), "pooled-c")).await {
         Ok(m) => m,
         // Refused up front: nothing can release its locks behind its back.
         Err(_) => return,
@@ -97,7 +91,7 @@ async fn a_lock_released_behind_the_sessions_back_is_missed_even_when_another_ta
     app.batch_execute("SELECT pg_advisory_unlock_all(), pg_advisory_lock(424242)")
         .await
         .unwrap();
-    let direct = LockManager::connect(options(&pg.url(), "direct-d"))
+    let direct = LockManager::connect(fault_options(&pg.url(), "direct-d"))
         .await
         .unwrap();
     let other = direct.try_acquire(name.as_str()).await.unwrap();
@@ -134,7 +128,7 @@ async fn session_settings_do_not_leak_to_other_clients_of_a_pooler() {
         .await
         .unwrap()
         .get(0);
-    if let Ok(m) = LockManager::connect(options(&bouncer.url(), "pooled-settings")).await {
+    if let Ok(m) = LockManager::connect(fault_options(&bouncer.url(), "pooled-settings")).await {
         m.shutdown().await;
     }
     let after: String = app

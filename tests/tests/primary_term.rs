@@ -13,13 +13,7 @@
 use std::time::{Duration, Instant};
 
 use chosen_core::{FencingToken, LockManager, ManagerOptions};
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
-}
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, fault_options, unique_name};
 
 /// Waits until the server's current term is older than the grant delay, so the first
 /// grants of a test are not held back by the cluster's own start.
@@ -39,11 +33,11 @@ async fn a_partitioned_holder_fences_itself_before_a_restarted_server_grants() {
         .await
         .unwrap();
     let name = unique_name("term-partition");
-    let a_opts = options(&proxy.url(&pg.url(), port), "term-a");
+    let a_opts = fault_options(&proxy.url(&pg.url(), port), "term-a");
     let delay = a_opts.get_term_grant_delay();
     settle(&a_opts).await;
     let a = LockManager::connect(a_opts).await.unwrap();
-    let b = LockManager::connect(options(&pg.url(), "term-b"))
+    let b = LockManager::connect(fault_options(&pg.url(), "term-b"))
         .await
         .unwrap();
     let held = a.acquire(name.as_str()).await.unwrap();
@@ -107,11 +101,11 @@ async fn a_partitioned_holder_fences_itself_before_a_restarted_server_grants() {
 async fn a_plain_restart_hands_over_after_the_delay() {
     let mut pg = PgCluster::start_local().unwrap();
     let name = unique_name("term-plain");
-    let a_opts = options(&pg.url(), "plain-a");
+    let a_opts = fault_options(&pg.url(), "plain-a");
     let delay = a_opts.get_term_grant_delay();
     settle(&a_opts).await;
     let a = LockManager::connect(a_opts).await.unwrap();
-    let b = LockManager::connect(options(&pg.url(), "plain-b"))
+    let b = LockManager::connect(fault_options(&pg.url(), "plain-b"))
         .await
         .unwrap();
     let held = a.acquire(name.as_str()).await.unwrap();
@@ -157,7 +151,7 @@ async fn tokens_never_go_backwards_across_a_promotion() {
     // tokens that it therefore never receives.
     standby.stop("fast").unwrap();
     let a = LockManager::connect(
-        options(&primary.url(), "failover-a").term_grant_delay(Duration::ZERO),
+        fault_options(&primary.url(), "failover-a").term_grant_delay(Duration::ZERO),
     )
     .await
     .unwrap();
@@ -180,7 +174,7 @@ async fn tokens_never_go_backwards_across_a_promotion() {
     assert!(promoted);
 
     let t0 = Instant::now();
-    let b = LockManager::connect(options(&standby.url(), "failover-b"))
+    let b = LockManager::connect(fault_options(&standby.url(), "failover-b"))
         .await
         .unwrap();
     let mut after = Vec::new();
@@ -225,9 +219,10 @@ async fn tokens_never_go_backwards_across_a_crash() {
         .start()
         .unwrap();
     let name = unique_name("term-crash");
-    let a = LockManager::connect(options(&pg.url(), "crash-a").term_grant_delay(Duration::ZERO))
-        .await
-        .unwrap();
+    let a =
+        LockManager::connect(fault_options(&pg.url(), "crash-a").term_grant_delay(Duration::ZERO))
+            .await
+            .unwrap();
     for _ in 0..5 {
         a.acquire(name.as_str())
             .await
@@ -239,9 +234,10 @@ async fn tokens_never_go_backwards_across_a_crash() {
     let held = a.acquire(name.as_str()).await.unwrap();
     let old = held.fencing_token().await.unwrap();
     pg.restart("immediate").unwrap();
-    let b = LockManager::connect(options(&pg.url(), "crash-b").term_grant_delay(Duration::ZERO))
-        .await
-        .unwrap();
+    let b =
+        LockManager::connect(fault_options(&pg.url(), "crash-b").term_grant_delay(Duration::ZERO))
+            .await
+            .unwrap();
     let lease = b.acquire(name.as_str()).await.unwrap();
     let new = lease.fencing_token().await.unwrap();
     eprintln!("TERM crash: token before {old}, after {new}");
@@ -268,7 +264,7 @@ async fn a_partitioned_holder_fences_itself_before_a_promoted_standby_grants() {
         .await
         .unwrap();
     let name = unique_name("term-promotion");
-    let a_opts = options(&proxy.url(&primary.url(), primary_port), "promote-a");
+    let a_opts = fault_options(&proxy.url(&primary.url(), primary_port), "promote-a");
     let delay = a_opts.get_term_grant_delay();
     // Both hosts, the primary first; read-write targeting is the default for a
     // multi-host URL.
@@ -278,7 +274,7 @@ async fn a_partitioned_holder_fences_itself_before_a_promoted_standby_grants() {
     );
     settle(&a_opts).await;
     let a = LockManager::connect(a_opts).await.unwrap();
-    let b = LockManager::connect(options(&multi_host, "promote-b"))
+    let b = LockManager::connect(fault_options(&multi_host, "promote-b"))
         .await
         .unwrap();
     assert_eq!(server_of(&b), format!("127.0.0.1:{primary_port}"));
@@ -377,9 +373,11 @@ async fn a_win_does_not_wait_for_a_synchronous_standby() {
         .setting("synchronous_standby_names", "ghost")
         .start()
         .unwrap();
-    let a = LockManager::connect(options(&pg.url(), "syncrep-a").term_grant_delay(Duration::ZERO))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        fault_options(&pg.url(), "syncrep-a").term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
     let t0 = Instant::now();
     let got = tokio::time::timeout(
         Duration::from_secs(10),
@@ -401,7 +399,7 @@ async fn a_win_does_not_wait_for_a_synchronous_standby() {
 async fn try_acquire_answers_promptly_during_the_term_hold() {
     let pg = PgCluster::start_local().unwrap();
     // The cluster just started: its term is younger than the 6 s default delay.
-    let a = LockManager::connect(options(&pg.url(), "try-a"))
+    let a = LockManager::connect(fault_options(&pg.url(), "try-a"))
         .await
         .unwrap();
     let t0 = Instant::now();

@@ -7,14 +7,7 @@
 use std::time::{Duration, Instant};
 
 use chosen_core::{Error, LockManager, ManagerOptions, SessionDownReason};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
-        .term_grant_delay(Duration::ZERO)
-}
+use chosen_tests::{PgCluster, connect_admin, fault_options, unique_name};
 
 /// A role whose sessions are read-only (`default_transaction_read_only = on`) connected
 /// on a single-host URL, while a multi-host URL (read-write targeting) refused the same
@@ -56,9 +49,10 @@ async fn a_read_only_session_is_refused_at_connect() {
 async fn a_primary_made_read_only_revokes_its_leases() {
     let pg = PgCluster::start_local().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
-    let a = LockManager::connect(options(&pg.url(), "fenced-a"))
-        .await
-        .unwrap();
+    let a =
+        LockManager::connect(fault_options(&pg.url(), "fenced-a").term_grant_delay(Duration::ZERO))
+            .await
+            .unwrap();
     let lease = a.acquire(unique_name("read-only").as_str()).await.unwrap();
     let t0 = Instant::now();
     for sql in [
@@ -102,13 +96,16 @@ async fn a_waiter_wins_nothing_on_a_primary_made_read_only() {
     let pg = PgCluster::start_local().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let name = unique_name("read-only-waiter");
-    let a = LockManager::connect(options(&pg.url(), "fenced-holder"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        fault_options(&pg.url(), "fenced-holder").term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
     // The waiter's heartbeat is rare: its polls (every 100 ms), not its heartbeat,
     // are what meet the fence first.
     let b = LockManager::connect(
-        options(&pg.url(), "fenced-waiter")
+        fault_options(&pg.url(), "fenced-waiter")
+            .term_grant_delay(Duration::ZERO)
             .heartbeat_interval(Duration::from_secs(5))
             .lease_timeout(Duration::from_secs(12))
             .server_release_after(Duration::from_secs(30)),
@@ -162,7 +159,8 @@ async fn a_release_on_a_read_only_primary_writes_nothing() {
     let pg = PgCluster::start_local().unwrap();
     let admin = connect_admin(&pg.url()).await.unwrap();
     let slow = |node: &str| {
-        options(&pg.url(), node)
+        fault_options(&pg.url(), node)
+            .term_grant_delay(Duration::ZERO)
             .heartbeat_interval(Duration::from_secs(5))
             .lease_timeout(Duration::from_secs(12))
             .server_release_after(Duration::from_secs(30))

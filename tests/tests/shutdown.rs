@@ -1,22 +1,16 @@
 //! `LockManager::shutdown` alone stops what was started from it, in order: every
 //! singleton's child first, every election's contest, then the announced releases,
-//! then the session. Real clusters.
+//! then the session. A lock is released only once its lease is dropped (a waiting node
+//! cannot start while this node still works under the lease), or once the stop budget
+//! ran out, then without an announcement. Real clusters.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chosen_core::{
-    Election, Error, LeaderState, LockManager, ManagerOptions, Singleton, SingletonOptions,
-    SingletonState,
+    Election, Error, LeaderState, LockManager, Singleton, SingletonOptions, SingletonState,
 };
-use chosen_tests::{PgCluster, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .unwrap()
-        .node_id(node)
-        .poll_interval(Duration::from_millis(100))
-}
+use chosen_tests::{PgCluster, manager_options, unique_name};
 
 /// One moment of a child's life: (node, what, when).
 type Moment = (String, &'static str, Instant);
@@ -96,9 +90,11 @@ async fn manager_shutdown_alone_stops_children_then_releases_announced() {
     let single = unique_name("down-single");
     let elect = unique_name("down-elect");
     let lives = Lives::default();
-    let a = LockManager::connect(options(&pg.url(), "down-a"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        manager_options(&pg.url(), "down-a").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let a_singleton = lives.start(&a, &single, SingletonOptions::default());
     let a_election = Election::start(&a, elect.as_str()).unwrap();
     lives.wait("down-a", "started").await;
@@ -106,10 +102,13 @@ async fn manager_shutdown_alone_stops_children_then_releases_announced() {
     until("A leads the election", || a_leads.is_leader()).await;
 
     // B polls every 30 s: a take-over within 2 s can only come from the announcement.
-    let b =
-        LockManager::connect(options(&pg.url(), "down-b").poll_interval(Duration::from_secs(30)))
-            .await
-            .unwrap();
+    let b = LockManager::connect(
+        manager_options(&pg.url(), "down-b")
+            .poll_interval(Duration::from_millis(100))
+            .poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let b_singleton = lives.start(&b, &single, SingletonOptions::default());
     let b_election = Election::start(&b, elect.as_str()).unwrap();
     let (bs, be) = (b_singleton.leadership(), b_election.leadership());
@@ -204,9 +203,11 @@ async fn manager_shutdown_alone_stops_children_then_releases_announced() {
 async fn a_singleton_shut_down_first_then_the_manager() {
     let pg = PgCluster::start().unwrap();
     let lives = Lives::default();
-    let a = LockManager::connect(options(&pg.url(), "first-a"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        manager_options(&pg.url(), "first-a").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let singleton = lives.start(&a, &unique_name("first"), SingletonOptions::default());
     let election = Election::start(&a, unique_name("first-e").as_str()).unwrap();
     lives.wait("first-a", "started").await;
@@ -230,9 +231,13 @@ async fn a_singleton_shut_down_first_then_the_manager() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_that_was_given_up_on_is_still_waited_for() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "given-up").term_grant_delay(Duration::ZERO))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        manager_options(&pg.url(), "given-up")
+            .poll_interval(Duration::from_millis(100))
+            .term_grant_delay(Duration::ZERO),
+    )
+    .await
+    .unwrap();
     let done = Arc::new(Mutex::new(false));
     let s = {
         let done = Arc::clone(&done);
@@ -299,9 +304,11 @@ fn block_on<F: std::future::Future>(fut: F) -> F::Output {
 async fn a_shutdown_polled_outside_the_runtime_works() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("shutdown-outside");
-    let manager = LockManager::connect(options(&pg.url(), "so-a"))
-        .await
-        .unwrap();
+    let manager = LockManager::connect(
+        manager_options(&pg.url(), "so-a").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let singleton = Singleton::start(
         &manager,
         name.as_str(),
@@ -325,9 +332,11 @@ async fn a_shutdown_polled_outside_the_runtime_works() {
         .unwrap();
     assert!(finished, "the shutdown panicked outside the runtime");
     assert!(!singleton.leadership().is_leader());
-    let other = LockManager::connect(options(&pg.url(), "so-b"))
-        .await
-        .unwrap();
+    let other = LockManager::connect(
+        manager_options(&pg.url(), "so-b").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     assert!(other.holder(name.as_str()).await.unwrap().is_none());
     other.shutdown().await;
 }
@@ -340,13 +349,17 @@ async fn a_request_waiting_when_the_shutdown_begins_is_closed_not_granted() {
     let single = unique_name("f1-single");
     let lock = unique_name("f1-lock");
     let lives = Lives::default();
-    let other = LockManager::connect(options(&pg.url(), "f1-other"))
-        .await
-        .unwrap();
+    let other = LockManager::connect(
+        manager_options(&pg.url(), "f1-other").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let held = other.acquire(lock.as_str()).await.unwrap();
-    let m = LockManager::connect(options(&pg.url(), "f1-m"))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        manager_options(&pg.url(), "f1-m").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     // A child that takes 300 ms to stop: step 1 of the shutdown lasts that long.
     let _singleton = lives.start(&m, &single, SingletonOptions::default());
     lives.wait("f1-m", "started").await;
@@ -392,12 +405,16 @@ async fn a_request_whose_try_is_in_flight_when_the_shutdown_begins_is_closed_not
         .await
         .unwrap();
     let lock = unique_name("f1-inflight");
-    let other = LockManager::connect(options(&pg.url(), "f1b-other"))
-        .await
-        .unwrap();
+    let other = LockManager::connect(
+        manager_options(&pg.url(), "f1b-other").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let held = other.acquire(lock.as_str()).await.unwrap();
     let m = LockManager::connect(
-        options(&proxy.url(&pg.url(), port), "f1b-m").term_grant_delay(Duration::ZERO),
+        manager_options(&proxy.url(&pg.url(), port), "f1b-m")
+            .poll_interval(Duration::from_millis(100))
+            .term_grant_delay(Duration::ZERO),
     )
     .await
     .unwrap();
@@ -449,4 +466,112 @@ async fn a_request_whose_try_is_in_flight_when_the_shutdown_begins_is_closed_not
         "a request answered after the shutdown began must be Closed, got {granted}"
     );
     other.shutdown().await;
+}
+
+/// §2.2 (b): a graceful shutdown releases a lock only once its lease is dropped (a
+/// singleton drops it once its child has stopped), so a waiting node cannot start while
+/// this node still works under the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_only_after_the_lease_is_dropped() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("graceful-order");
+    let a = LockManager::connect(chosen_tests::eager_options(&pg.url(), "stopping-holder"))
+        .await
+        .expect("manager connects");
+    let lease = a.acquire(lock.as_str()).await.unwrap();
+    // The waiter polls every 30 s: only the release announcement can wake it.
+    let b = LockManager::connect(
+        chosen_tests::eager_options(&pg.url(), "patient-waiter")
+            .poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        let lock = lock.clone();
+        async move {
+            let lease = b.acquire(lock.as_str()).await.unwrap();
+            (Instant::now(), lease)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The holder's "child" notices the loss and takes 500 ms to stop.
+    let stopped = Arc::new(Mutex::new(None::<Instant>));
+    let child = tokio::spawn({
+        let stopped = Arc::clone(&stopped);
+        async move {
+            lease.lost().await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            *stopped.lock().unwrap() = Some(Instant::now());
+            drop(lease);
+        }
+    });
+    a.shutdown().await;
+    child.await.unwrap();
+    let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter is woken by the announcement, not its 30 s poll")
+        .unwrap();
+    let stopped = stopped.lock().unwrap().expect("the child stopped");
+    assert!(
+        acquired > stopped,
+        "the waiter held the lock {:?} before the old holder's work stopped",
+        stopped - acquired
+    );
+    assert!(
+        acquired - stopped < Duration::from_secs(2),
+        "hand-over took {:?} after the stop",
+        acquired - stopped
+    );
+    drop(lease_b);
+    b.shutdown().await;
+}
+
+/// §2.2 (b), the other half: a lease its owner never drops does not keep the lock past
+/// the stop budget; the shutdown then releases it anyway, without an announcement (its
+/// work may still run), so a waiter finds it free by polling and waits the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_kept_through_shutdown_is_released_after_the_stop_budget() {
+    let pg = PgCluster::start().unwrap();
+    let lock = unique_name("kept-lease");
+    let budget = Duration::from_millis(800);
+    let a = LockManager::connect(
+        chosen_tests::eager_options(&pg.url(), "keeping-holder").stop_budget(budget),
+    )
+    .await
+    .unwrap();
+    let lease = a.acquire(lock.as_str()).await.unwrap();
+    let b = LockManager::connect(
+        chosen_tests::eager_options(&pg.url(), "budget-waiter")
+            .poll_interval(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        let lock = lock.clone();
+        async move { b.acquire(lock.as_str()).await.map(|l| (Instant::now(), l)) }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    a.shutdown().await;
+    assert!(!lease.is_valid(), "revoked first");
+    let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter takes over")
+        .unwrap()
+        .unwrap();
+    let after = acquired - t0;
+    assert!(
+        after >= budget,
+        "released {after:?} after the shutdown began, before the budget"
+    );
+    assert!(
+        after < budget + Duration::from_secs(2),
+        "released {after:?} after the shutdown began"
+    );
+    drop(lease);
+    drop(lease_b);
+    b.shutdown().await;
 }

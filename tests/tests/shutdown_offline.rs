@@ -6,12 +6,8 @@
 use std::time::{Duration, Instant};
 
 use chosen_core::{ConnectionState, LockManager};
-use chosen_tests::{FaultProxy, ProxyMode};
+use chosen_tests::{FaultProxy, ProxyMode, manager_options};
 use chosen_tests::{PgCluster, unique_name};
-
-fn options(url: &str, node: &str) -> chosen_core::ManagerOptions {
-    chosen_tests::manager_options(url, node)
-}
 
 /// Lost (black hole), reconnecting (new connections hang for the connect timeout), a
 /// lease of the lost session still out: the shutdown waits for it only, then ends.
@@ -22,7 +18,7 @@ async fn a_shutdown_while_reconnecting_waits_only_for_the_lost_sessions_lease() 
     let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
         .await
         .unwrap();
-    let m = LockManager::connect(options(&proxy.url(&pg.url(), port), "offline-a"))
+    let m = LockManager::connect(manager_options(&proxy.url(&pg.url(), port), "offline-a"))
         .await
         .unwrap();
     let lease = m.acquire(unique_name("offline")).await.unwrap();
@@ -62,7 +58,7 @@ async fn a_shutdown_while_disconnected_gives_up_on_a_kept_lease_after_the_stop_b
     let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
         .await
         .unwrap();
-    let m = LockManager::connect(options(&proxy.url(&pg.url(), port), "offline-b"))
+    let m = LockManager::connect(manager_options(&proxy.url(&pg.url(), port), "offline-b"))
         .await
         .unwrap();
     let lease = m.acquire(unique_name("offline")).await.unwrap();
@@ -94,7 +90,7 @@ async fn a_shutdown_while_a_step_hangs_ends_within_its_bound() {
     let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
         .await
         .unwrap();
-    let m = LockManager::connect(options(&proxy.url(&pg.url(), port), "offline-c"))
+    let m = LockManager::connect(manager_options(&proxy.url(&pg.url(), port), "offline-c"))
         .await
         .unwrap();
     let lease = m.acquire(unique_name("offline")).await.unwrap();
@@ -124,7 +120,7 @@ async fn a_shutdown_racing_a_cut_connection_does_not_wait_for_the_database() {
         let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
             .await
             .unwrap();
-        let m = LockManager::connect(options(&proxy.url(&pg.url(), port), "offline-d"))
+        let m = LockManager::connect(manager_options(&proxy.url(&pg.url(), port), "offline-d"))
             .await
             .unwrap();
         let _ = m.try_acquire(unique_name("offline")).await;

@@ -8,17 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chosen_core::{
-    LeaderState, LockManager, ManagerOptions, RestartPolicy, Singleton, SingletonOptions,
-    SingletonState,
+    LeaderState, LockManager, RestartPolicy, Singleton, SingletonOptions, SingletonState,
 };
-use chosen_tests::{NodeProcess, PgCluster, connect_admin, example_binary, signal, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    ManagerOptions::from_url(url)
-        .unwrap()
-        .node_id(node)
-        .poll_interval(Duration::from_millis(100))
-}
+use chosen_tests::{
+    NodeProcess, PgCluster, connect_admin, manager_options, signal, test_binary, unique_name,
+};
 
 /// Records every child's life, across every singleton given to it: when it started and
 /// when its future was dropped (returned *or* aborted), from a drop guard.
@@ -117,9 +111,12 @@ async fn one_child_across_three_managers_and_takeovers() {
     let mut managers = Vec::new();
     let mut singletons = Vec::new();
     for i in 0..3 {
-        let m = LockManager::connect(options(&pg.url(), &format!("single-{i}")))
-            .await
-            .unwrap();
+        let m = LockManager::connect(
+            manager_options(&pg.url(), &format!("single-{i}"))
+                .poll_interval(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap();
         singletons.push(census.start(&m, &name, SingletonOptions::default()));
         managers.push(m);
     }
@@ -214,14 +211,18 @@ async fn a_graceful_hand_over_is_announced_not_polled() {
     // Followers poll every 30 s: a take-over under a second can only come from the
     // release announcement (NOTIFY).
     let slow = || SingletonOptions::default().poll_interval(Duration::from_secs(30));
-    let a = LockManager::connect(options(&pg.url(), "announced-a"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        manager_options(&pg.url(), "announced-a").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let leader = census.start(&a, &name, slow());
     census.wait_starts(1).await;
-    let b = LockManager::connect(options(&pg.url(), "announced-b"))
-        .await
-        .unwrap();
+    let b = LockManager::connect(
+        manager_options(&pg.url(), "announced-b").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let follower = census.start(&b, &name, slow());
     // B has tried once and lost (it follows, knowing A leads): now it sleeps for 30 s.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -242,9 +243,11 @@ async fn a_graceful_hand_over_is_announced_not_polled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_singletons_with_one_name_in_one_process_never_both_run() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "same-name"))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        manager_options(&pg.url(), "same-name").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let name = unique_name("same");
     let census = Census::default();
     let a = census.start(&m, &name, SingletonOptions::default());
@@ -277,9 +280,11 @@ async fn two_hundred_singletons_share_one_backend() {
     let pg = PgCluster::start().unwrap();
     let node = unique_name("many-singletons");
     let node = node[..node.len().min(60)].to_owned();
-    let m = LockManager::connect(options(&pg.url(), &node))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        manager_options(&pg.url(), &node).poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let census = Census::default();
     let prefix = unique_name("s");
     let singletons: Vec<_> = (0..200)
@@ -306,9 +311,11 @@ async fn two_hundred_singletons_share_one_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_child_that_ignores_cancellation_is_aborted_and_failures_restart() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "stubborn"))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        manager_options(&pg.url(), "stubborn").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let finished = Arc::new(AtomicU64::new(0));
     let runs = Arc::new(AtomicU64::new(0));
     // When the stubborn child's future was dropped (aborted), from a drop guard.
@@ -390,9 +397,11 @@ async fn a_child_that_ignores_cancellation_is_aborted_and_failures_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_timeout_beyond_the_stop_budget_is_rejected() {
     let pg = PgCluster::start().unwrap();
-    let m = LockManager::connect(options(&pg.url(), "budget"))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        manager_options(&pg.url(), "budget").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let err = Singleton::start(
         &m,
         "x",
@@ -520,7 +529,7 @@ async fn node_processes_take_over_after_sigkill_and_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_rejects_bad_flags_with_one_line() {
-    let bin = example_binary("node").unwrap();
+    let bin = test_binary("node").unwrap();
     for (args, url) in [
         (vec!["--node-id", "x"], Some("postgres://u@127.0.0.1:1/db")),
         (
@@ -622,12 +631,18 @@ async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool
 async fn a_panicking_metrics_sink_ends_leadership_before_another_node_leads() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("sink-panics");
-    let a = LockManager::connect(options(&pg.url(), "sink-a").metrics(Arc::new(PanicsOnRunning)))
-        .await
-        .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "sink-b"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        manager_options(&pg.url(), "sink-a")
+            .poll_interval(Duration::from_millis(100))
+            .metrics(Arc::new(PanicsOnRunning)),
+    )
+    .await
+    .unwrap();
+    let b = LockManager::connect(
+        manager_options(&pg.url(), "sink-b").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let (children_a, children_b) = (Children::default(), Children::default());
     let single_a =
         Singleton::start(&a, &name, SingletonOptions::default(), children_a.child()).unwrap();
@@ -683,12 +698,16 @@ async fn a_panicking_metrics_sink_ends_leadership_before_another_node_leads() {
 async fn a_factory_that_panics_is_a_child_failure_not_a_lost_supervisor() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("factory-panics");
-    let a = LockManager::connect(options(&pg.url(), "factory-a"))
-        .await
-        .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "factory-b"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        manager_options(&pg.url(), "factory-a").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    let b = LockManager::connect(
+        manager_options(&pg.url(), "factory-b").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let calls = Arc::new(AtomicU64::new(0));
     let children_a = Children::default();
     let single_a = Singleton::start(&a, &name, SingletonOptions::default(), {
@@ -750,12 +769,16 @@ async fn a_task_dropped_with_its_runtime_ends_leadership() {
     let pg = PgCluster::start().unwrap();
     for kind in ["election", "singleton"] {
         let name = unique_name(kind);
-        let a = LockManager::connect(options(&pg.url(), "rt-a"))
-            .await
-            .unwrap();
-        let b = LockManager::connect(options(&pg.url(), "rt-b"))
-            .await
-            .unwrap();
+        let a = LockManager::connect(
+            manager_options(&pg.url(), "rt-a").poll_interval(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap();
+        let b = LockManager::connect(
+            manager_options(&pg.url(), "rt-b").poll_interval(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap();
         let doomed = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -821,7 +844,11 @@ async fn a_leader_whose_child_cannot_start_gives_the_lock_to_another_node() {
     let url = pg.url();
     let name = unique_name("cannot-start");
     let started_on_b = Arc::new(AtomicU64::new(0));
-    let a = LockManager::connect(options(&url, "cs-a")).await.unwrap();
+    let a = LockManager::connect(
+        manager_options(&url, "cs-a").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let sa = Singleton::start(
         &a,
         name.as_str(),
@@ -837,7 +864,11 @@ async fn a_leader_whose_child_cannot_start_gives_the_lock_to_another_node() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let b = LockManager::connect(options(&url, "cs-b")).await.unwrap();
+    let b = LockManager::connect(
+        manager_options(&url, "cs-b").poll_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
     let _sb = Singleton::start(&b, name.as_str(), SingletonOptions::default(), {
         let started_on_b = Arc::clone(&started_on_b);
         move |ctx| {

@@ -7,15 +7,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{Election, LockManager, ManagerOptions, Singleton, SingletonOptions};
-use chosen_tests::{PgCluster, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        // Only the release announcement can explain a hand-over within a second.
-        .poll_interval(Duration::from_secs(30))
-        .term_grant_delay(Duration::ZERO)
-}
+use chosen_core::{Election, LockManager, Singleton, SingletonOptions};
+use chosen_tests::{PgCluster, unheld_options, unique_name};
 
 /// (node, started, stopped) per child run.
 type Runs = Arc<Mutex<Vec<(&'static str, Instant, Option<Instant>)>>>;
@@ -37,12 +30,16 @@ async fn wait_leader(e: &Election, limit: Duration) -> Duration {
 async fn an_election_steps_down_to_the_waiting_node() {
     let pg = PgCluster::start().unwrap();
     let name = unique_name("step-down");
-    let a = LockManager::connect(options(&pg.url(), "sd-a"))
-        .await
-        .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "sd-b"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        unheld_options(&pg.url(), "sd-a").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let b = LockManager::connect(
+        unheld_options(&pg.url(), "sd-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let ea = Election::start(&a, name.as_str()).unwrap();
     wait_leader(&ea, Duration::from_secs(10)).await;
     let eb = Election::start(&b, name.as_str()).unwrap();
@@ -101,12 +98,16 @@ async fn a_singleton_steps_down_and_its_child_stops_first() {
         )
         .unwrap()
     };
-    let a = LockManager::connect(options(&pg.url(), "sds-a"))
-        .await
-        .unwrap();
-    let b = LockManager::connect(options(&pg.url(), "sds-b"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        unheld_options(&pg.url(), "sds-a").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let b = LockManager::connect(
+        unheld_options(&pg.url(), "sds-b").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let sa = start(&a, "sds-a");
     let t0 = Instant::now();
     while !sa.leadership().is_leader() {
@@ -144,9 +145,11 @@ async fn a_singleton_steps_down_and_its_child_stops_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stepping_down_alone_takes_the_lock_back() {
     let pg = PgCluster::start().unwrap();
-    let a = LockManager::connect(options(&pg.url(), "sd-alone"))
-        .await
-        .unwrap();
+    let a = LockManager::connect(
+        unheld_options(&pg.url(), "sd-alone").poll_interval(Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
     let e = Election::start(&a, unique_name("step-down-alone").as_str()).unwrap();
     wait_leader(&e, Duration::from_secs(10)).await;
     e.step_down();

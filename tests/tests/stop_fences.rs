@@ -4,18 +4,14 @@
 //! colliding with the stopping holder's take does not keep it from fencing, one
 //! contested fence does not unfence the other keys of its batch, a waiting take does
 //! not starve the heartbeat of a tight session, and the take's `lock_timeout` stays in
-//! its statement.
+//! its statement. A holder whose session the server ended keeps its stop fence until its
+//! work stopped.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockKey, LockManager, ManagerOptions};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(50))
-        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
-}
+use chosen_core::{LockKey, LockManager};
+use chosen_tests::{PgCluster, connect_admin, fast_options, unique_name};
 
 fn fence_of(m: &LockManager, lock: &str) -> (i32, i32) {
     let LockKey::Pair(ka, kb) = m.key_for(lock) else {
@@ -53,12 +49,12 @@ async fn a_fence_probe_does_not_keep_a_stopping_holder_from_fencing() {
     let admin = connect_admin(&pg.url()).await.unwrap();
     let prober = connect_admin(&pg.url()).await.unwrap();
     let lock = unique_name("probe-collision");
-    let a = LockManager::connect(options(&pg.url(), "probe-a"))
+    let a = LockManager::connect(fast_options(&pg.url(), "probe-a"))
         .await
         .unwrap();
     let lease = a.acquire(lock.as_str()).await.unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "probe-b").takeover_grace(Duration::from_millis(300)),
+        fast_options(&pg.url(), "probe-b").takeover_grace(Duration::from_millis(300)),
     )
     .await
     .unwrap();
@@ -120,12 +116,12 @@ async fn an_exclusive_fence_probe_only_delays_a_stopping_holders_take() {
     let admin = connect_admin(&pg.url()).await.unwrap();
     let prober = connect_admin(&pg.url()).await.unwrap();
     let lock = unique_name("probe-exclusive");
-    let a = LockManager::connect(options(&pg.url(), "probe-xa"))
+    let a = LockManager::connect(fast_options(&pg.url(), "probe-xa"))
         .await
         .unwrap();
     let lease = a.acquire(lock.as_str()).await.unwrap();
     let b = LockManager::connect(
-        options(&pg.url(), "probe-xb").takeover_grace(Duration::from_millis(100)),
+        fast_options(&pg.url(), "probe-xb").takeover_grace(Duration::from_millis(100)),
     )
     .await
     .unwrap();
@@ -226,7 +222,7 @@ async fn a_blocked_fence_does_not_unfence_the_other_keys_of_its_batch() {
     let outsider = connect_admin(&pg.url()).await.unwrap();
     let x = unique_name("batch-x");
     let y = unique_name("batch-y");
-    let a = LockManager::connect(options(&pg.url(), "batch-a"))
+    let a = LockManager::connect(fast_options(&pg.url(), "batch-a"))
         .await
         .unwrap();
     let lease_x = a.acquire(x.as_str()).await.unwrap();
@@ -234,7 +230,7 @@ async fn a_blocked_fence_does_not_unfence_the_other_keys_of_its_batch() {
     // A grace long enough for A to reconnect and fence on a loaded machine (what is
     // tested here is that a blocked fence does not undo the others, not the grace).
     let b = LockManager::connect(
-        options(&pg.url(), "batch-b").takeover_grace(Duration::from_millis(500)),
+        fast_options(&pg.url(), "batch-b").takeover_grace(Duration::from_millis(500)),
     )
     .await
     .unwrap();
@@ -281,7 +277,7 @@ async fn a_waiting_fence_take_does_not_starve_the_heartbeat_of_a_tight_session()
     let x = unique_name("starve-x");
     let z = unique_name("starve-z");
     let a = LockManager::connect(
-        options(&pg.url(), "starve-a")
+        fast_options(&pg.url(), "starve-a")
             .heartbeat_interval(Duration::from_millis(150))
             .lease_timeout(Duration::from_millis(300))
             .takeover_grace(Duration::from_millis(100))
@@ -386,4 +382,75 @@ async fn the_fence_lock_timeout_stays_in_its_statement() {
         .unwrap()
         .get(0);
     assert_eq!(held, 1);
+}
+
+/// §2.2 (a): when the *server* ends a holder's session, the holder learns of it at
+/// once but its work takes a while to stop. The holder reconnects and keeps the key's
+/// stop fence until its lease is dropped; the node that takes over waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_holder_stops_its_work_before_another_node_starts() {
+    let pg = PgCluster::start().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    for round in 0..3 {
+        let lock = unique_name("terminated-stopping");
+        let node = format!("terminated-holder-{round}");
+        let a = LockManager::connect(chosen_tests::eager_options(&pg.url(), &node))
+            .await
+            .expect("manager connects");
+        let lease = a.acquire(lock.as_str()).await.unwrap();
+        // The fence protects an old holder that reconnects within the grace; this
+        // machine runs many tests at once, so give it a margin (the default is 100 ms).
+        let b = LockManager::connect(
+            chosen_tests::eager_options(&pg.url(), &format!("eager-waiter-{round}"))
+                .takeover_grace(Duration::from_millis(500)),
+        )
+        .await
+        .unwrap();
+        let waiting = tokio::spawn({
+            let b = b.clone();
+            let lock = lock.clone();
+            async move { b.acquire(lock.as_str()).await.map(|l| (Instant::now(), l)) }
+        });
+        // B has seen the lock held.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let stopped = Arc::new(Mutex::new(None::<Instant>));
+        let child = tokio::spawn({
+            let stopped = Arc::clone(&stopped);
+            async move {
+                lease.lost().await;
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
+                *stopped.lock().unwrap() = Some(Instant::now());
+                drop(lease);
+            }
+        });
+        let killed: i64 = admin
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+                &[&node],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(killed, 1);
+        child.await.unwrap();
+        let (acquired, lease_b) = tokio::time::timeout(Duration::from_secs(15), waiting)
+            .await
+            .expect("B takes over")
+            .unwrap()
+            .unwrap();
+        let stopped = stopped.lock().unwrap().expect("the child stopped");
+        assert!(
+            acquired > stopped,
+            "round {round}: B held the lock {:?} before A's work stopped",
+            stopped - acquired
+        );
+        assert!(
+            acquired - stopped < Duration::from_secs(2),
+            "round {round}: B took over {:?} after A's work stopped",
+            acquired - stopped
+        );
+        drop(lease_b);
+        b.shutdown().await;
+        a.shutdown().await;
+    }
 }

@@ -7,17 +7,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chosen_core::{LockManager, ManagerOptions};
-use chosen_tests::{PgCluster, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(50))
-        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
-}
+use chosen_core::LockManager;
+use chosen_tests::{PgCluster, connect_admin, fast_options, unique_name};
 
 async fn manager(url: &str, node: &str) -> LockManager {
-    LockManager::connect(options(url, node))
+    LockManager::connect(fast_options(url, node))
         .await
         .expect("manager connects")
 }
@@ -65,16 +59,17 @@ async fn a_takeover_abandoned_at_shutdown_does_not_announce_the_key_free() {
     let lease = a.acquire(lock.as_str()).await.unwrap();
     // B takes the key over; a generous grace, as this machine runs many tests at once.
     let b = LockManager::connect(
-        options(&pg.url(), "abandon-b").takeover_grace(Duration::from_millis(500)),
+        fast_options(&pg.url(), "abandon-b").takeover_grace(Duration::from_millis(500)),
     )
     .await
     .unwrap();
     // C polls slowly: after its first try only an announcement makes it try again
     // before A's work has stopped.
-    let c =
-        LockManager::connect(options(&pg.url(), "abandon-c").poll_interval(Duration::from_secs(3)))
-            .await
-            .unwrap();
+    let c = LockManager::connect(
+        fast_options(&pg.url(), "abandon-c").poll_interval(Duration::from_secs(3)),
+    )
+    .await
+    .unwrap();
     let b_waiting = tokio::spawn({
         let b = b.clone();
         let lock = lock.clone();

@@ -8,15 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use chosen_core::{ConnectionState, Error, LockManager, ManagerOptions, SessionDownReason};
-use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, unique_name};
-
-fn options(url: &str, node: &str) -> ManagerOptions {
-    chosen_tests::manager_options(url, node)
-        .poll_interval(Duration::from_millis(100))
-        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300))
-        .term_grant_delay(Duration::ZERO)
-}
+use chosen_core::{ConnectionState, Error, LockManager, SessionDownReason};
+use chosen_tests::{FaultProxy, PgCluster, ProxyMode, connect_admin, prompt_options, unique_name};
 
 /// `pg_upgrade`, a logical cutover or a dump and restore start a cluster on timeline 1
 /// again, so tokens would go backwards; the token epoch raises the high bits above the
@@ -24,16 +17,23 @@ fn options(url: &str, node: &str) -> ManagerOptions {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_epoch_raises_the_high_bits() {
     let pg = PgCluster::start().unwrap();
-    let plain = LockManager::connect(options(&pg.url(), "epoch-0"))
-        .await
-        .unwrap();
+    let plain = LockManager::connect(
+        prompt_options(&pg.url(), "epoch-0")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
     let name = unique_name("epoch");
     let lease = plain.acquire(name.as_str()).await.unwrap();
     let before = lease.fencing_token().await.unwrap();
     lease.release().await.unwrap();
-    let raised = LockManager::connect(options(&pg.url(), "epoch-3").token_epoch(3))
-        .await
-        .unwrap();
+    let raised = LockManager::connect(
+        prompt_options(&pg.url(), "epoch-3")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300))
+            .token_epoch(3),
+    )
+    .await
+    .unwrap();
     let after = raised
         .acquire(name.as_str())
         .await
@@ -44,14 +44,22 @@ async fn the_token_epoch_raises_the_high_bits() {
     assert_eq!(after.timeline(), before.timeline() + 3);
     assert!(after > before);
 
-    let err = LockManager::connect(options(&pg.url(), "epoch-big").token_epoch(40_000))
-        .await
-        .expect_err("refused");
+    let err = LockManager::connect(
+        prompt_options(&pg.url(), "epoch-big")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300))
+            .token_epoch(40_000),
+    )
+    .await
+    .expect_err("refused");
     assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
     assert!(err.to_string().contains("token_epoch"), "{err}");
-    let err = LockManager::connect(options(&pg.url(), "epoch-edge").token_epoch(32_767))
-        .await
-        .expect_err("timeline + epoch too large");
+    let err = LockManager::connect(
+        prompt_options(&pg.url(), "epoch-edge")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300))
+            .token_epoch(32_767),
+    )
+    .await
+    .expect_err("timeline + epoch too large");
     assert!(err.to_string().contains("token_epoch 32767"), "{err}");
 }
 
@@ -76,9 +84,12 @@ async fn a_cutover_to_a_cluster_with_smaller_ids_is_refused_until_its_epoch_is_r
     let proxy = FaultProxy::start(([127, 0, 0, 1], old_port).into())
         .await
         .unwrap();
-    let m = LockManager::connect(options(&proxy.url(&old.url(), old_port), "cutover"))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        prompt_options(&proxy.url(&old.url(), old_port), "cutover")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
     let name = unique_name("cutover");
     let lease = m.acquire(name.as_str()).await.unwrap();
     let old_token = lease.fencing_token().await.unwrap();
@@ -133,9 +144,12 @@ async fn a_cutover_to_a_cluster_with_smaller_ids_is_refused_until_its_epoch_is_r
         .batch_execute("ALTER DATABASE postgres SET chosen.token_epoch = 'many'")
         .await
         .unwrap();
-    let err = LockManager::connect(options(&new.url(), "bad-epoch"))
-        .await
-        .expect_err("refused");
+    let err = LockManager::connect(
+        prompt_options(&new.url(), "bad-epoch")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300)),
+    )
+    .await
+    .expect_err("refused");
     assert!(err.to_string().contains("chosen.token_epoch"), "{err}");
 }
 
@@ -153,9 +167,12 @@ async fn another_cluster_needs_higher_high_bits_whatever_its_ids() {
     let proxy = FaultProxy::start(([127, 0, 0, 1], old_port).into())
         .await
         .unwrap();
-    let m = LockManager::connect(options(&proxy.url(&old.url(), old_port), "other-cluster"))
-        .await
-        .unwrap();
+    let m = LockManager::connect(
+        prompt_options(&proxy.url(&old.url(), old_port), "other-cluster")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
     let name = unique_name("other-cluster");
     let lease = m.acquire(name.as_str()).await.unwrap();
     let old_token = lease.fencing_token().await.unwrap();

@@ -29,7 +29,6 @@
 //! replayed). The closing figure is at least 300 ticks:
 //!
 //! ```text
-//! cargo build -p chosen-examples --examples
 //! CHOSEN_WITNESS_TICKS=300 cargo test -p chosen-tests --test witness -- --nocapture
 //! ```
 
@@ -40,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chosen_tests::{
-    FaultProxy, PgCluster, ProxyMode, connect_admin, example_binary, shifted_clock_env, signal,
+    FaultProxy, PgCluster, ProxyMode, connect_admin, shifted_clock_env, signal, test_binary,
     unique_name,
 };
 use tokio_postgres::Client;
@@ -86,7 +85,7 @@ fn spawn(
     misfire: &str,
     lines: &Arc<Mutex<Vec<String>>>,
 ) -> Node {
-    let mut child = Command::new(example_binary("cron_node").unwrap())
+    let mut child = Command::new(test_binary("cron_node").unwrap())
         .args(["--node-id", id, "--job", job, "--misfire", misfire])
         .args(["--think-ms", &THINK_MS.to_string(), "--detached-writes"])
         .envs(clock.iter().map(|(k, v)| (k, v)))

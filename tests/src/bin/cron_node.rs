@@ -3,7 +3,7 @@
 //! transaction, and every run is reported as a JSON line on stdout.
 //!
 //! ```text
-//! DATABASE_URL=postgres://... cargo run --example cron_node -- \
+//! DATABASE_URL=postgres://... cargo run -p chosen-tests --bin cron_node -- \
 //!     --node-id ID --job NAME [--misfire skip|catchup] [--think-ms N] [--detached-writes]
 //! ```
 //!

@@ -2,7 +2,7 @@
 //! as a JSON line on stdout. The fault-injection suite runs several of these.
 //!
 //! ```text
-//! DATABASE_URL=postgres://... cargo run --release --example node -- \
+//! DATABASE_URL=postgres://... cargo run --release -p chosen-tests --bin node -- \
 //!     --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] \
 //!     [--group-flap-leaves N] [--ineligible] [--preferred] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
@@ -26,9 +26,6 @@ use chosen_core::{
     ConnectionState, GroupOptions, LeaderContext, LeaderState, LockManager, ManagerOptions,
     PrometheusMetrics, Singleton, SingletonGroup, SingletonOptions,
 };
-
-#[path = "common/mod.rs"]
-mod common;
 
 struct Args {
     node_id: String,
@@ -333,7 +330,7 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(addr) = args.metrics {
         let registry = prometheus::Registry::new();
         options = options.metrics(Arc::new(PrometheusMetrics::register(&registry)?));
-        let bound = common::serve_metrics(registry, addr).await?;
+        let bound = serve_metrics(registry, addr).await?;
         events.emit("metrics", &[("addr", Field::Str(bound.to_string()))]);
     }
     // A node started while the database is down or restarting waits for it, as a
@@ -577,4 +574,31 @@ async fn wait_for_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// Serves `GET /metrics` (Prometheus text format) for `registry` on `addr`; returns
+/// the bound address (pass port 0 for any free port).
+async fn serve_metrics(
+    registry: prometheus::Registry,
+    addr: std::net::SocketAddr,
+) -> std::io::Result<std::net::SocketAddr> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut body = Vec::new();
+                let encoder = prometheus::TextEncoder::new();
+                let _ = prometheus::Encoder::encode(&encoder, &registry.gather(), &mut body);
+                (
+                    [(axum::http::header::CONTENT_TYPE, prometheus::TEXT_FORMAT)],
+                    body,
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(bound)
 }
