@@ -120,6 +120,19 @@ impl Observed {
             changed,
         }
     }
+
+    /// Notes an observation made `now` of the lock held by this node's own id (a former
+    /// session of this node): held, so no leaderless time, but no leader either (the
+    /// leader's succession is judged by the next observation of another holder or of
+    /// nobody, not by a session of this node that is already over).
+    fn see_held_here(&mut self, now: tokio::time::Instant) -> Seen {
+        let leaderless = self.last.is_none().then_some(Duration::ZERO);
+        self.last = Some((now, false));
+        Seen {
+            leaderless,
+            changed: false,
+        }
+    }
 }
 
 impl fmt::Debug for Leadership {
@@ -233,9 +246,14 @@ impl Leadership {
     /// process, or a replica misconfigured with the same id), but the lock is held: the
     /// metrics see it held, not leaderless.
     pub(crate) fn set_following_holder(&self, holder: Option<String>) {
-        let seen = holder.clone();
-        self.follow(holder.filter(|h| *h != self.inner.node_id));
-        self.observe(seen.as_deref(), false);
+        if holder.as_deref() == Some(self.inner.node_id.as_str()) {
+            self.follow(None);
+            self.report(|o, now| o.see_held_here(now));
+        } else {
+            let seen = holder.clone();
+            self.follow(holder);
+            self.observe(seen.as_deref(), false);
+        }
     }
 
     fn follow(&self, leader: Option<String>) {
@@ -266,15 +284,22 @@ impl Leadership {
 
     /// Reports an observation of the leader to the metrics sink, if there is one.
     fn observe(&self, leader: Option<&str>, free_before: bool) {
+        self.report(|o, now| o.see(now, leader, free_before));
+    }
+
+    /// Notes an observation with `see` and reports what it adds to the sink, if any.
+    fn report(&self, see: impl FnOnce(&mut Observed, tokio::time::Instant) -> Seen) {
         let Some(m) = self.inner.metrics.as_deref() else {
             return;
         };
-        let seen = self
-            .inner
-            .observed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .see(tokio::time::Instant::now(), leader, free_before);
+        let seen = see(
+            &mut self
+                .inner
+                .observed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+            tokio::time::Instant::now(),
+        );
         let (node, lock) = (self.inner.node_id.as_str(), self.inner.name.as_str());
         if let Some(leaderless) = seen.leaderless {
             m.leaderless(node, lock, leaderless);
@@ -743,5 +768,25 @@ mod tests {
         }
         assert_eq!(leadership.leader(), None);
         assert_eq!(*sink.0.lock().unwrap(), ["leaderless me job 0"]);
+    }
+
+    /// A node that led, lost its session and finds its former session still holding
+    /// the lock, then another node taking it: one change of hands, not two.
+    #[tokio::test(start_paused = true)]
+    async fn a_former_session_of_this_node_is_not_a_new_term() {
+        let sink = Arc::new(Recorder::default());
+        let leadership = Leadership::new("job", Some("chosen"), "me", Some(sink.clone()));
+        let (lease, _rx, _generation) = Lease::for_tests();
+        leadership.set_leading(&lease);
+        leadership.set_following(None);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        leadership.set_following_holder(Some("me".to_owned()));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        leadership.set_following_holder(Some("b".to_owned()));
+        assert_eq!(leadership.leader().as_deref(), Some("b"));
+        assert_eq!(
+            *sink.0.lock().unwrap(),
+            ["leaderless me job 0", "changed me job"]
+        );
     }
 }
