@@ -221,6 +221,9 @@ impl Leadership {
     }
 
     pub(crate) fn set_leading(&self, lease: &Lease) {
+        // Before publishing: code woken by the change sees the metrics that go with it
+        // (sinks are called inline and must be cheap, see `MetricsSink`).
+        self.observe(Some(&self.inner.node_id), true);
         self.inner.tx.send_replace(Snapshot {
             state: LeaderState::Leading {
                 token: lease.eager_token(),
@@ -228,16 +231,13 @@ impl Leadership {
             },
             validity: Some(lease.validity()),
         });
-        // After publishing: a slow metrics sink never delays the state.
-        self.observe(Some(&self.inner.node_id), true);
     }
 
     /// Following `leader` (`None`: nobody leads, as this node just found at the end of
     /// its own term). Every call is an observation for the metrics, a repeated one too.
     pub(crate) fn set_following(&self, leader: Option<String>) {
-        let seen = leader.clone();
+        self.observe(leader.as_deref(), false);
         self.follow(leader);
-        self.observe(seen.as_deref(), false);
     }
 
     /// Following after a look-up found `holder` holding the lock (`None`: nobody).
@@ -247,12 +247,11 @@ impl Leadership {
     /// metrics see it held, not leaderless.
     pub(crate) fn set_following_holder(&self, holder: Option<String>) {
         if holder.as_deref() == Some(self.inner.node_id.as_str()) {
-            self.follow(None);
             self.report(|o, now| o.see_held_here(now));
+            self.follow(None);
         } else {
-            let seen = holder.clone();
+            self.observe(holder.as_deref(), false);
             self.follow(holder);
-            self.observe(seen.as_deref(), false);
         }
     }
 
