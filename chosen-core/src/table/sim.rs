@@ -3612,7 +3612,8 @@ impl Sim {
     // ---- the checks -----------------------------------------------------------------------
 
     /// Acting or running segments of a run: `(from, to, stale)`, the part after a freeze
-    /// during which the server ended the session being stale.
+    /// during which the server ended the session being stale (for running segments,
+    /// also after a freeze before whose end another client released its locks).
     fn segments(&self, r: &Run, acting: bool) -> Vec<(T, T, bool)> {
         let end = if acting { r.acting_end } else { r.drop_at }.unwrap_or(self.now);
         if acting {
@@ -3632,9 +3633,10 @@ impl Sim {
             };
         }
         // Running: a frozen process runs nothing, so every freeze is cut out. After a
-        // freeze in which, or before which, the run lost its lock unheard (the server
-        // ended its session; another client released its session's locks, gap (e),
-        // which is as good as an end for its holder), the rest of the run is stale.
+        // freeze in which, or before which, the run lost its lock (the server ended its
+        // session during the freeze; another client released its session's locks, gap
+        // (e), which is as good as an end for its holder, and whose bound `judge_pair`
+        // then checks), the rest of the run is stale.
         let mut out = Vec::new();
         let (mut from, mut stale) = (r.grant_at, false);
         for f in self
@@ -3655,6 +3657,15 @@ impl Sim {
             out.push((from, end, stale));
         }
         out
+    }
+
+    /// Another client released the locks of `r`'s session while the run was out.
+    fn discarded_in(&self, r: &Run) -> bool {
+        let end = r.drop_at.unwrap_or(self.now);
+        self.server
+            .discarded
+            .iter()
+            .any(|(pid, at)| *pid == r.pid && *at >= r.grant_at && *at < end)
     }
 
     /// The process of `r` was frozen at some time in `[from, to)` while its run was out.
@@ -3902,11 +3913,13 @@ impl Sim {
         let (xs, ys) = (self.segments(x, false), self.segments(y, false));
         let mut stale_ok = false;
         let mut fresh_overlap = false;
+        let mut x_stale = false;
         for a in &xs {
             for b in &ys {
                 if !overlap(*a, *b) {
                     continue;
                 }
+                x_stale |= a.2;
                 match (a.2, b.2) {
                     (false, false) => fresh_overlap = true,
                     (true, false) | (false, true) => {
@@ -3939,6 +3952,13 @@ impl Sim {
         }
         if stale_ok {
             self.stats.gap_a += 1;
+        }
+        // Stale after its locks were released behind its back: its session lived on, so
+        // only the lock guard stopped it, and gap (e)'s bound must hold as well, which
+        // the fresh overlaps below may not reach.
+        if x_stale && self.discarded_in(x) {
+            self.within_gap_c(x, y.origin.1)
+                .map_err(|why| format!("{}: {why}", label(xi, x)))?;
         }
         if !fresh_overlap {
             return Ok(());
