@@ -27,6 +27,10 @@ use chosen_core::{
     PrometheusMetrics, Singleton, SingletonGroup, SingletonOptions,
 };
 
+// The examples' metrics endpoint, shared (this fixture was an example once).
+#[path = "../../../examples/common/mod.rs"]
+mod common;
+
 struct Args {
     node_id: String,
     singletons: Vec<String>,
@@ -330,7 +334,7 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(addr) = args.metrics {
         let registry = prometheus::Registry::new();
         options = options.metrics(Arc::new(PrometheusMetrics::register(&registry)?));
-        let bound = serve_metrics(registry, addr).await?;
+        let bound = common::serve_metrics(registry, addr).await?;
         events.emit("metrics", &[("addr", Field::Str(bound.to_string()))]);
     }
     // A node started while the database is down or restarting waits for it, as a
@@ -574,31 +578,4 @@ async fn wait_for_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-}
-
-/// Serves `GET /metrics` (Prometheus text format) for `registry` on `addr`; returns
-/// the bound address (pass port 0 for any free port).
-async fn serve_metrics(
-    registry: prometheus::Registry,
-    addr: std::net::SocketAddr,
-) -> std::io::Result<std::net::SocketAddr> {
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let registry = registry.clone();
-            async move {
-                let mut body = Vec::new();
-                let encoder = prometheus::TextEncoder::new();
-                let _ = prometheus::Encoder::encode(&encoder, &registry.gather(), &mut body);
-                (
-                    [(axum::http::header::CONTENT_TYPE, prometheus::TEXT_FORMAT)],
-                    body,
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Ok(bound)
 }
