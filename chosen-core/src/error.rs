@@ -300,6 +300,11 @@ mod tests {
             SessionDownReason::PoolerDetected {
                 detail: "the session carried another client's settings".into(),
             },
+            SessionDownReason::AdvisoryLocksUnsafe {
+                detail:
+                    "a key this session (pid 10) held was granted to a second session (pid 11) too"
+                        .into(),
+            },
             SessionDownReason::ServerTooOld { version: 130_010 },
             SessionDownReason::ConnectFailed {
                 message: "connection refused".into(),

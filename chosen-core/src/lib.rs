@@ -7,6 +7,7 @@ mod command;
 mod election;
 mod engine;
 mod error;
+mod exclusion;
 mod fault;
 mod group;
 // Public as a module: its docs (the guarantee, the SQL) are the reference for fenced

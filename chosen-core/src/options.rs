@@ -88,6 +88,8 @@ pub struct ManagerOptions {
     pub(crate) term_grant_delay: Option<Duration>,
     pub(crate) token_epoch: u16,
     pub(crate) eligible: bool,
+    /// The exclusion self-test runs on each new server (off only in tests).
+    pub(crate) exclusion_self_test: bool,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -114,6 +116,7 @@ impl fmt::Debug for ManagerOptions {
             .field("term_grant_delay", &self.get_term_grant_delay())
             .field("token_epoch", &self.token_epoch)
             .field("eligible", &self.eligible)
+            .field("exclusion_self_test", &self.exclusion_self_test)
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -158,6 +161,7 @@ impl ManagerOptions {
             term_grant_delay: None,
             token_epoch: 0,
             eligible: true,
+            exclusion_self_test: true,
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -279,6 +283,18 @@ impl ManagerOptions {
     #[must_use]
     pub fn eligible(mut self, eligible: bool) -> Self {
         self.eligible = eligible;
+        self
+    }
+
+    /// Skips the self-test that proves, on each new server, that an advisory lock taken
+    /// by the session is refused to another session (what makes a transaction pooler or
+    /// a stub refused at connect). For tests only: they use it to put a node where the
+    /// self-test would refuse it and check what the heartbeat sees there.
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    #[must_use]
+    pub fn without_exclusion_self_test(mut self) -> Self {
+        self.exclusion_self_test = false;
         self
     }
 

@@ -87,6 +87,15 @@ pub enum SessionDownReason {
         /// What was observed.
         detail: String,
     },
+    /// The server's advisory locks do not keep a key to the session that took it: a
+    /// key held by this session was granted to another one too, or a free key was
+    /// refused, or lost a moment after it was taken (a stub, an engine without real
+    /// session advisory locks, a proxy that answers for the server). Found by the
+    /// self-test every new server gets; see "Where chosen runs" in the README.
+    AdvisoryLocksUnsafe {
+        /// What the self-test saw.
+        detail: String,
+    },
     /// The server is older than the minimum supported version.
     ServerTooOld {
         /// `server_version_num` of the server.
@@ -114,6 +123,7 @@ impl SessionDownReason {
             Self::ServerReadOnly => "server_read_only",
             Self::BackendChanged { .. } => "backend_changed",
             Self::PoolerDetected { .. } => "pooler_detected",
+            Self::AdvisoryLocksUnsafe { .. } => "advisory_locks_unsafe",
             Self::ServerTooOld { .. } => "server_too_old",
             Self::ConnectFailed { .. } => "connect_failed",
             Self::Shutdown => "shutdown",
@@ -142,6 +152,10 @@ impl fmt::Display for SessionDownReason {
             Self::PoolerDetected { detail } => write!(
                 f,
                 "a transaction pooler seems to be in between ({detail}); connect directly or in session mode",
+            ),
+            Self::AdvisoryLocksUnsafe { detail } => write!(
+                f,
+                "the server's advisory locks do not exclude ({detail}); use PostgreSQL itself, directly or through a session-mode pooler",
             ),
             Self::ServerTooOld { version } => write!(
                 f,

@@ -12,7 +12,7 @@ use chosen_core::{
     ConnectionState, Error, FencingToken, LockManager, MetricsSink, SessionDownReason,
 };
 use chosen_tests::{
-    FaultProxy, PgBouncer, PgCluster, ProxyMode, connect_admin, fault_options, signal, unique_name,
+    FaultProxy, PgCluster, ProxyMode, connect_admin, fault_options, signal, unique_name,
 };
 
 #[derive(Debug, Clone)]
@@ -611,41 +611,6 @@ async fn hot_standby_is_refused_and_multi_host_urls_pick_the_primary() {
         .expect("granted once the new term's hold ends")
         .unwrap();
     assert!(lease.is_valid());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transaction_pooler_is_refused() {
-    let pg = PgCluster::start_local().unwrap();
-    let bouncer = match PgBouncer::start(&pg, "transaction", 1) {
-        Ok(b) => b,
-        // Outside CI a developer without pgbouncer may skip this, loudly; in CI
-        // (`.ci/run` installs it) a missing pgbouncer fails.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !chosen_tests::in_ci() => {
-            eprintln!("SKIPPED transaction_pooler_is_refused: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
-    };
-    // The first client gets a fresh backend and takes a lock on it...
-    let first = LockManager::connect(fault_options(&bouncer.url(), "pooled-1"))
-        .await
-        .unwrap();
-    let name = unique_name("pooled");
-    let lease = first.acquire(name.as_str()).await.unwrap();
-    // ...a second client through the same pool lands on that backend and is refused
-    // instead of being granted the held lock re-entrantly.
-    let err = LockManager::connect(fault_options(&bouncer.url(), "pooled-2"))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Refused(SessionDownReason::PoolerDetected { .. })
-        ),
-        "{err}"
-    );
-    assert!(err.to_string().contains("pooler"), "{err}");
-    drop(lease);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

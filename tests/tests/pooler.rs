@@ -1,17 +1,19 @@
-//! A transaction pooler (pgbouncer, transaction mode) between a node and the server,
-//! against real servers: either the node is refused at connect, or a lock it holds
-//! through the pooler is not dropped behind its lease's back by another client of the
-//! pool; and the node's session settings do not leak to the pool's other clients.
+//! Poolers between a node and the server, against real servers (PgBouncer): a
+//! transaction pooler is refused at connect by the exclusion self-test, and leaves
+//! nothing of the node on its backends; a session pooler is not; and where a pooler
+//! shares the backend anyway (the self-test turned off, as a server that changes after
+//! it passed), the heartbeat sees the locks released behind the session's back.
 //! Skipped without pgbouncer outside CI.
 
 use std::time::Duration;
 
-use chosen_core::LockManager;
+use chosen_core::{Error, LockManager, SessionDownReason};
 use chosen_tests::{PgBouncer, PgCluster, connect_admin, fault_options, unique_name};
 
-/// A transaction pooler in front of `pg`, or `None` (test skipped) without pgbouncer.
-fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
-    match PgBouncer::start(pg, "transaction", 1) {
+/// A pooler in `mode` with `size` backends in front of `pg`, or `None` (test skipped)
+/// without pgbouncer.
+fn bouncer_in(pg: &PgCluster, mode: &str, size: u32, test: &str) -> Option<PgBouncer> {
+    match PgBouncer::start(pg, mode, size) {
         Ok(b) => Some(b),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             // In CI nothing skips: .ci/run installs pgbouncer.
@@ -26,13 +28,77 @@ fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
     }
 }
 
-/// The pooler check refuses only a *second* chosen client that lands on a backend
-/// already marked. The first client behind a transaction pooler is accepted and holds
-/// its locks on a backend the pooler also hands to every other client of the pool; any
-/// of them can drop those locks (`pg_advisory_unlock_all()`, or `DISCARD ALL`, which
-/// some drivers and poolers send on check-out) and chosen never notices: the heartbeat
-/// checks the pid and the marker, not the locks. Another node then acquires while the
-/// first lease stays valid, indefinitely.
+/// A transaction pooler with one backend in front of `pg`.
+fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
+    bouncer_in(pg, "transaction", 1, test)
+}
+
+/// The advisory locks held on the server, by anyone.
+async fn advisory_locks(pg: &PgCluster) -> i64 {
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// The first client of a transaction pooler, with one backend or several, is refused
+/// at connect: a key its session took was granted to a second connection, served by
+/// the same backend, or its own statements moved to another backend. Nothing of it
+/// stays on the pool's backends: no advisory lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_pooler_is_refused_at_connect() {
+    let pg = PgCluster::start_local().unwrap();
+    for size in [1, 4] {
+        let Some(bouncer) = bouncer_in(&pg, "transaction", size, "transaction_pooler") else {
+            return;
+        };
+        let err = LockManager::connect(fault_options(&bouncer.url(), "pooled"))
+            .await
+            .expect_err("a transaction pooler is refused");
+        assert!(
+            matches!(
+                err,
+                Error::Refused(SessionDownReason::PoolerDetected { .. })
+            ),
+            "{size} backends: {err}"
+        );
+        assert!(err.to_string().contains("pooler"), "{err}");
+        eprintln!("{size} backends: {err}");
+        assert_eq!(advisory_locks(&pg).await, 0, "{size} backends: {err}");
+    }
+}
+
+/// A session pooler gives each client a backend of its own for as long as it is
+/// connected: the self-test passes, and the node holds locks through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_pooler_is_accepted() {
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer_in(&pg, "session", 4, "session_pooler") else {
+        return;
+    };
+    let m = LockManager::connect(fault_options(&bouncer.url(), "session-pooled"))
+        .await
+        .expect("a session pooler is accepted");
+    let lease = m
+        .acquire(unique_name("session-pooled").as_str())
+        .await
+        .unwrap();
+    assert!(lease.is_valid());
+    lease.release().await.unwrap();
+    m.shutdown().await;
+}
+
+/// Behind a transaction pooler (the self-test off, as for a server that changed after
+/// it passed), the node holds its locks on a backend the pooler also hands to every
+/// other client of the pool; any of them can drop those locks
+/// (`pg_advisory_unlock_all()`, or `DISCARD ALL`, which some drivers and poolers send
+/// on check-out). The heartbeat checks which locks the session holds, so the lease
+/// ends before another node can hold the lock with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_back() {
     let pg = PgCluster::start_local().unwrap();
@@ -40,11 +106,11 @@ async fn a_lock_held_through_a_transaction_pooler_is_not_released_behind_its_bac
         return;
     };
     let name = unique_name("pooled-lock");
-    let pooled = match LockManager::connect(fault_options(&bouncer.url(), "pooled-a")).await {
-        Ok(m) => m,
-        // Refused up front: that is the fix.
-        Err(_) => return,
-    };
+    let pooled = LockManager::connect(
+        fault_options(&bouncer.url(), "pooled-a").without_exclusion_self_test(),
+    )
+    .await
+    .unwrap();
     let lease = pooled.acquire(name.as_str()).await.unwrap();
 
     // Another client of the same pool (an application that uses advisory locks itself).
@@ -81,11 +147,11 @@ async fn a_lock_released_behind_the_sessions_back_is_missed_even_when_another_ta
         return;
     };
     let name = unique_name("pooled-replaced");
-    let pooled = match LockManager::connect(fault_options(&bouncer.url(), "pooled-c")).await {
-        Ok(m) => m,
-        // Refused up front: nothing can release its locks behind its back.
-        Err(_) => return,
-    };
+    let pooled = LockManager::connect(
+        fault_options(&bouncer.url(), "pooled-c").without_exclusion_self_test(),
+    )
+    .await
+    .unwrap();
     let lease = pooled.acquire(name.as_str()).await.unwrap();
     let app = connect_admin(&bouncer.url()).await.unwrap();
     app.batch_execute("SELECT pg_advisory_unlock_all(), pg_advisory_lock(424242)")

@@ -1,7 +1,7 @@
 //! Opening a session: connect, prove that the server is a writable primary that the
 //! session is alone on, set the session up, prepare the statements, and read the term.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -18,6 +18,7 @@ use crate::fault::error_text;
 use crate::generation::Generation;
 use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
+use crate::task::AbortOnDrop;
 use crate::token::FencingToken;
 
 /// Reads the server's current term (see [`TERM_SQL`]).
@@ -149,8 +150,13 @@ pub(super) const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 WHERE CASE WHEN
 /// [`TRANSACTION_TIMEOUT_OFF_LOCAL`] for the whole session.
 pub(super) const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', false) IS NULL END;";
 
-/// Opens and proves a new session.
-pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
+/// Opens and proves a new session; `proven` is the identity of the last server the
+/// exclusion self-test passed on (see [`crate::exclusion`]).
+pub(crate) async fn connect(
+    options: &ManagerOptions,
+    generation: u64,
+    proven: &Mutex<Option<String>>,
+) -> Result<Session> {
     let timeout = options.connect_timeout * (options.pg.get_hosts().len().max(1) as u32 + 1);
     let attempt = async {
         // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
@@ -163,7 +169,7 @@ pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result
         // the connect timeout.
         let mut tries = 1;
         loop {
-            match connect_inner(options, generation).await {
+            match connect_inner(options, generation, proven).await {
                 Err(e) if tries < 3 && cut_short_by_dba_settings(&e) => {
                     warn!(error = %e, "the new lock session was cut short, likely by a very short statement_timeout or idle_session_timeout set for the role or database; connecting again (consider ALTER ROLE ... RESET for this role)");
                     tries += 1;
@@ -195,35 +201,178 @@ pub(super) fn cut_short_by_dba_settings(error: &Error) -> bool {
     }
 }
 
-pub(super) async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Session> {
-    let config = options.session_config();
-    let connect_error = |source: tokio_postgres::Error| {
-        let auth = matches!(
-            source.code(),
-            Some(c) if *c == SqlState::INVALID_PASSWORD
-                || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
-        );
-        if auth {
-            Error::Authentication {
-                user: options.pg.get_user().unwrap_or_default().to_owned(),
-                target: options.target_description(),
-                source,
-            }
-        } else {
-            Error::Connect {
-                target: options.target_description(),
-                source,
-            }
+/// A failed connection attempt as the error a caller sees.
+fn connect_error(options: &ManagerOptions, source: tokio_postgres::Error) -> Error {
+    let auth = matches!(
+        source.code(),
+        Some(c) if *c == SqlState::INVALID_PASSWORD
+            || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+    );
+    if auth {
+        Error::Authentication {
+            user: options.pg.get_user().unwrap_or_default().to_owned(),
+            target: options.target_description(),
+            source,
         }
-    };
+    } else {
+        Error::Connect {
+            target: options.target_description(),
+            source,
+        }
+    }
+}
+
+pub(super) async fn connect_inner(
+    options: &ManagerOptions,
+    generation: u64,
+    proven: &Mutex<Option<String>>,
+) -> Result<Session> {
+    let config = options.session_config();
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
-        let (client, connection) = config.connect(tls).await.map_err(connect_error)?;
-        return prove(options, generation, client, connection).await;
+        let (client, connection) = config
+            .connect(tls)
+            .await
+            .map_err(|e| connect_error(options, e))?;
+        return prove(options, generation, proven, client, connection).await;
     }
-    let (client, connection) = config.connect(NoTls).await.map_err(connect_error)?;
-    prove(options, generation, client, connection).await
+    let (client, connection) = config
+        .connect(NoTls)
+        .await
+        .map_err(|e| connect_error(options, e))?;
+    prove(options, generation, proven, client, connection).await
+}
+
+/// A second connection to the session's target, for the exclusion self-test: its
+/// client, and its connection's task (aborted, closing it, when dropped).
+async fn second_connection(options: &ManagerOptions) -> Result<(Client, AbortOnDrop)> {
+    let config = options.session_config();
+    #[cfg(feature = "rustls")]
+    if let Some(tls) = &options.tls {
+        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
+        let (client, connection) = config
+            .connect(tls)
+            .await
+            .map_err(|e| connect_error(options, e))?;
+        let task = tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        return Ok((client, AbortOnDrop::new(task)));
+    }
+    let (client, connection) = config
+        .connect(NoTls)
+        .await
+        .map_err(|e| connect_error(options, e))?;
+    let task = tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok((client, AbortOnDrop::new(task)))
+}
+
+/// The rows of a simple-query answer.
+fn rows(messages: &[tokio_postgres::SimpleQueryMessage]) -> Vec<&tokio_postgres::SimpleQueryRow> {
+    messages
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A statement of the self-test in a transaction of its own, with the DBA's timeouts
+/// overridden for it alone (as the probe's): nothing of it stays on the backend.
+fn local_transaction(options: &ManagerOptions, statement: &str) -> String {
+    format!(
+        "BEGIN; SET LOCAL statement_timeout = {}; {TRANSACTION_TIMEOUT_OFF_LOCAL} SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {statement}; COMMIT;",
+        options.lease_timeout.as_millis()
+    )
+}
+
+/// An advisory-lock function the server does not have (an engine that lacks them, a
+/// proxy that refuses them): its locks cannot be trusted.
+fn without_advisory_locks(error: &tokio_postgres::Error) -> Option<Error> {
+    let code = error.code()?;
+    (*code == SqlState::UNDEFINED_FUNCTION || *code == SqlState::FEATURE_NOT_SUPPORTED).then(|| {
+        Error::Refused(SessionDownReason::AdvisoryLocksUnsafe {
+            detail: format!(
+                "the server has no session advisory locks: {}",
+                error_text(error)
+            ),
+        })
+    })
+}
+
+/// Steps 2 and 3 of the exclusion self-test (see [`crate::exclusion`]), once the
+/// session (backend `ours`) took `key` (or was refused it: `took`); the verdict, after
+/// both connections released what they were granted.
+async fn test_exclusion(
+    options: &ManagerOptions,
+    client: &Client,
+    ours: i32,
+    took: bool,
+    (k1, k2): (i32, i32),
+) -> Result<()> {
+    let database =
+        |e: tokio_postgres::Error| without_advisory_locks(&e).unwrap_or_else(|| Error::database(e));
+    // The session is idle now, as between any two of its statements: a pooler has
+    // given its backend back to the pool.
+    let (other, granted) = {
+        let (second, _task) = second_connection(options).await?;
+        let messages = second
+            .simple_query(&local_transaction(
+                options,
+                &format!("SELECT pg_backend_pid(), pg_try_advisory_lock({k1}, {k2})"),
+            ))
+            .await
+            .map_err(database)?;
+        let answer = rows(&messages).first().map(|row| {
+            (
+                row.get(0).and_then(|p| p.parse::<i32>().ok()).unwrap_or(0),
+                row.get(1) == Some("t"),
+            )
+        });
+        let Some((other, granted)) = answer else {
+            return Err(Error::Protocol {
+                message: "the server answered the exclusion self-test with no row".to_owned(),
+            });
+        };
+        if granted {
+            // Given back before the connection closes: behind a pooler the backend
+            // (perhaps ours) outlives it.
+            let _ = second
+                .simple_query(&format!("SELECT pg_advisory_unlock({k1}, {k2})"))
+                .await;
+        }
+        (other, granted)
+    };
+    let messages = client
+        .simple_query(&local_transaction(
+            options,
+            &format!("SELECT pg_backend_pid(), pg_advisory_unlock({k1}, {k2})"),
+        ))
+        .await
+        .map_err(database)?;
+    let Some((after, released)) = rows(&messages).first().map(|row| {
+        (
+            row.get(0).and_then(|p| p.parse::<i32>().ok()).unwrap_or(0),
+            row.get(1) == Some("t"),
+        )
+    }) else {
+        return Err(Error::Protocol {
+            message: "the server answered the exclusion self-test with no row".to_owned(),
+        });
+    };
+    crate::exclusion::judge(&crate::exclusion::Seen {
+        ours,
+        took,
+        other,
+        other_granted: granted,
+        after,
+        released,
+    })
+    .map_err(Error::Refused)
 }
 
 /// Drives the connection on its own task and proves the session is one we may hold
@@ -231,6 +380,7 @@ pub(super) async fn connect_inner(options: &ManagerOptions, generation: u64) -> 
 pub(super) async fn prove<S, T>(
     options: &ManagerOptions,
     generation: u64,
+    proven: &Mutex<Option<String>>,
     client: Client,
     mut connection: tokio_postgres::Connection<S, T>,
 ) -> Result<Session>
@@ -260,29 +410,43 @@ where
         let _ = events_tx.send(ConnEvent::Closed(end));
     });
     // From here on, dropping `guard` (on any error) closes the connection.
-    let guard = crate::task::AbortOnDrop::new(conn_task);
+    let guard = AbortOnDrop::new(conn_task);
     // A DBA's statement_timeout could cancel even the probe: override it in the same
     // round trip, as early as a `SET LOCAL` can be (it still covers the `BEGIN` and the
     // `SET` itself; `connect` tries once more if one of them is cancelled; these
     // settings exist on every server version). Only for this
     // transaction: a backend that turns out not to be ours alone (a pooler's) keeps
-    // nothing of ours.
+    // nothing of ours. With it, step 1 of the exclusion self-test, unless the server
+    // is the one the last session passed it on (its identity unchanged): the session
+    // takes a key of its own.
+    let marker = new_marker(options, generation);
+    let probe_key = crate::exclusion::probe_key(&marker);
+    let last_proven = proven
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+        .unwrap_or_default();
+    let take = if options.exclusion_self_test {
+        format!(
+            "CASE WHEN {SERVER_IDENTITY_SQL} = '{last_proven}' THEN NULL ELSE pg_try_advisory_lock({}, {}) END",
+            probe_key.0, probe_key.1
+        )
+    } else {
+        "NULL".to_owned()
+    };
     let messages = client
-        .simple_query(&format!(
-            "BEGIN; SET LOCAL statement_timeout = {}; {TRANSACTION_TIMEOUT_OFF_LOCAL} SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; {PROBE_SQL}; COMMIT;",
-            options.lease_timeout.as_millis()
+        .simple_query(&local_transaction(
+            options,
+            &format!("{PROBE_SQL}; SELECT {SERVER_IDENTITY_SQL}, {take}"),
         ))
         .await
-        .map_err(Error::database)?;
-    let row = messages
-        .iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
-            _ => None,
-        })
-        .ok_or_else(|| Error::Protocol {
+        .map_err(|e| without_advisory_locks(&e).unwrap_or_else(|| Error::database(e)))?;
+    let rows = rows(&messages);
+    let (Some(row), Some(exclusion)) = (rows.first(), rows.get(1)) else {
+        return Err(Error::Protocol {
             message: "the server answered the session probe with no row".to_owned(),
-        })?;
+        });
+    };
     let field = |i: usize| row.get(i).unwrap_or_default();
     let version: i32 = field(0).parse().unwrap_or(0);
     let backend_pid: i32 = field(1).parse().unwrap_or(0);
@@ -315,7 +479,14 @@ where
             ),
         }));
     }
-    let marker = new_marker(options, generation);
+    // Steps 2 and 3 on a server not proven yet (`took` is NULL on one proven).
+    let identity = exclusion.get(0).unwrap_or_default().to_owned();
+    if let Some(took) = exclusion.get(1) {
+        test_exclusion(options, &client, backend_pid, took == "t", probe_key).await?;
+        *proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(identity);
+    }
     let setup = format!(
         "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
         setup_sql(options)

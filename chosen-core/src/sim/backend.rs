@@ -25,6 +25,7 @@ use crate::backend::{
 };
 use crate::engine::{Done, Term};
 use crate::error::{Error, Result};
+use crate::exclusion::{Seen, judge};
 use crate::fault::Fault;
 use crate::generation::Generation;
 use crate::info::HolderInfo;
@@ -33,6 +34,26 @@ use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
 use crate::table::Plan;
 use crate::token::FencingToken;
+
+/// How a simulated server, or a proxy in front of it, fails to keep an advisory lock
+/// to the one session that took it (what the exclusion self-test must catch).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Lie {
+    /// It keeps them as PostgreSQL does.
+    #[default]
+    Not,
+    /// A transaction pooler with one backend: every connection is served by it.
+    SharesBackends,
+    /// A transaction pooler with many backends: each statement runs on the one free
+    /// at the time, rarely the same twice.
+    SwapsBackends,
+    /// A stub that grants every key to everyone.
+    GrantsEverything,
+    /// A stub that refuses every key.
+    RefusesEverything,
+    /// The lock is gone right after it was taken (taken for the transaction only).
+    ForgetsLocks,
+}
 
 /// A simulated server shared by the nodes of one run.
 #[derive(Debug)]
@@ -66,6 +87,8 @@ struct Inner {
     cut: std::collections::BTreeSet<String>,
     /// When a statement last failed with its session intact.
     last_failure: Option<Instant>,
+    /// How it keeps advisory locks.
+    lie: Lie,
 }
 
 #[derive(Debug)]
@@ -104,6 +127,7 @@ impl SimServer {
                 cut: std::collections::BTreeSet::new(),
                 last_failure: None,
                 terminated: BTreeMap::new(),
+                lie: Lie::Not,
             }),
             healed: tokio::sync::Notify::new(),
         })
@@ -133,6 +157,43 @@ impl SimServer {
     }
 
     /// The live backends of node `node_id`.
+    /// From now on, the server keeps advisory locks as `lie` says.
+    pub(crate) fn lie(&self, lie: Lie) {
+        self.lock().lie = lie;
+    }
+
+    /// What the exclusion self-test's three steps see from session `pid` (see
+    /// [`crate::exclusion`]), run at one instant: the key is the session's own, so
+    /// nothing else is held under it, and both connections release what they took.
+    fn test_exclusion(&self, pid: i32) -> Seen {
+        let mut inner = self.lock();
+        let lie = inner.lie;
+        let mut fresh = || {
+            inner.model.next_pid += 1;
+            inner.model.next_pid
+        };
+        let other = if lie == Lie::SharesBackends {
+            pid
+        } else {
+            fresh()
+        };
+        let after = if lie == Lie::SwapsBackends {
+            fresh()
+        } else {
+            pid
+        };
+        let took = lie != Lie::RefusesEverything;
+        Seen {
+            ours: pid,
+            took,
+            other,
+            // Re-entrantly on the same backend.
+            other_granted: (other == pid && took) || lie == Lie::GrantsEverything,
+            after,
+            released: took && after == pid && lie != Lie::ForgetsLocks,
+        }
+    }
+
     pub(crate) fn backends_of(&self, node_id: &str) -> Vec<i32> {
         let inner = self.lock();
         inner
@@ -438,6 +499,8 @@ pub(crate) struct SimBackend {
     seed: u64,
     /// The node's process died: it connects no more.
     dead: AtomicBool,
+    /// The identity of the last server the exclusion self-test passed on.
+    proven: Mutex<Option<String>>,
 }
 
 impl SimBackend {
@@ -446,6 +509,7 @@ impl SimBackend {
             server,
             seed,
             dead: AtomicBool::new(false),
+            proven: Mutex::new(None),
         }
     }
 
@@ -528,6 +592,22 @@ impl Backend for SimBackend {
                 }
             };
             tokio::time::sleep(down).await;
+            // The exclusion self-test, once per server (as the PostgreSQL backend runs
+            // it), in no time of its own.
+            let mut proven = self
+                .proven
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if options.exclusion_self_test && proven.as_deref() != Some(connected.identity.as_str())
+            {
+                if let Err(reason) = judge(&self.server.test_exclusion(connected.pid)) {
+                    drop(proven);
+                    self.server.close(connected.pid);
+                    return Err(Error::Refused(reason));
+                }
+                *proven = Some(connected.identity.clone());
+            }
+            drop(proven);
             let term = Term {
                 timeline: connected.high,
                 age: connected.term_age.map(Duration::from_micros),
@@ -902,6 +982,70 @@ mod tests {
             granted >= lost + Duration::from_secs(2),
             "granted {granted:?}, the holder lost at {lost:?}, its stop budget is 2 s"
         );
+    }
+
+    /// The exclusion self-test against servers (or proxies) that only pretend to keep
+    /// an advisory lock to one session: each is refused at connect, with the reason
+    /// that names what it does, and leaves no backend behind; an honest one is not.
+    #[tokio::test(start_paused = true)]
+    async fn a_server_that_does_not_keep_a_lock_to_one_session_is_refused_at_connect() {
+        let cases = [
+            (Lie::SharesBackends, "pooler_detected"),
+            (Lie::SwapsBackends, "pooler_detected"),
+            (Lie::GrantsEverything, "advisory_locks_unsafe"),
+            (Lie::RefusesEverything, "advisory_locks_unsafe"),
+            (Lie::ForgetsLocks, "advisory_locks_unsafe"),
+        ];
+        for (lie, label) in cases {
+            let server = SimServer::new(5);
+            server.lie(lie);
+            let options = ManagerOptions::from_url("postgres://sim@localhost/sim")
+                .expect("BUG: static URL parses")
+                .node_id("liar");
+            let refused = LockManager::connect_with(
+                options,
+                Arc::new(SimBackend::new(Arc::clone(&server), 1)),
+            )
+            .await
+            .err();
+            match &refused {
+                Some(Error::Refused(reason)) if reason.label() == label => {}
+                other => panic!("{lie:?}: refused as {label} expected, got {other:?}"),
+            }
+            assert!(server.backends_of("liar").is_empty(), "{lie:?}");
+        }
+        let server = SimServer::new(5);
+        let honest = manager(&server, "honest", 1).await;
+        honest
+            .acquire("job")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        honest.shutdown().await;
+    }
+
+    /// The self-test runs once per server: a proven server that starts lying under the
+    /// same identity is not tested again (the heartbeat's check of the session's locks
+    /// is what sees it then), while a new term of the server is.
+    #[tokio::test(start_paused = true)]
+    async fn the_exclusion_self_test_runs_once_per_server() {
+        let server = SimServer::new(9);
+        let backend = SimBackend::new(Arc::clone(&server), 1);
+        let options = ManagerOptions::from_url("postgres://sim@localhost/sim")
+            .expect("BUG: static URL parses")
+            .node_id("n");
+        let first = backend.connect(&options, 1).await.expect("honest");
+        server.lie(Lie::GrantsEverything);
+        let again = backend.connect(&options, 2).await.expect("already proven");
+        drop((first, again));
+        server.restart(Duration::from_millis(500), None);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        match backend.connect(&options, 3).await.err() {
+            Some(Error::Refused(SessionDownReason::AdvisoryLocksUnsafe { .. })) => {}
+            other => panic!("a new term is tested again: {other:?}"),
+        }
     }
 
     /// One seed, one history: the same run twice takes the same virtual times and

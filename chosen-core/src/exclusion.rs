@@ -1,0 +1,165 @@
+//! The exclusion self-test: before a new session's advisory locks are trusted, a key
+//! taken on it must be refused to a second session.
+//!
+//! Some servers and proxies answer the advisory-lock functions without keeping the
+//! lock to the session that took it: a transaction pooler (PgBouncer
+//! `pool_mode=transaction`, Supavisor's transaction port, RDS Proxy without pinning)
+//! hands the backend that holds it to its other clients; a PostgreSQL-compatible engine
+//! may lack the functions, answer them with a stub, or grant one key twice. The
+//! self-test asks the question chosen's safety rests on, on the server itself:
+//!
+//! 1. the new session takes a key of its own (one no other session uses), and goes
+//!    idle, as between any two of its statements;
+//! 2. a second, short-lived connection to the same target tries the key, and reports
+//!    its backend;
+//! 3. the session releases the key, and reports its backend.
+//!
+//! The key must have been granted to the session, refused to the second connection,
+//! and still held by the session afterwards, on the same backend, and the second
+//! connection must have had a backend of its own. [`judge`] decides from what the
+//! three steps saw; each backend (PostgreSQL, the simulated server) gathers it.
+
+use crate::key::LockKey;
+use crate::status::SessionDownReason;
+
+/// The key namespace of the self-test's keys (reserved, see
+/// [`RESERVED_PREFIX`](crate::names::RESERVED_PREFIX)): no lock of a user is one of
+/// them.
+const PROBE_NAMESPACE: &str = "chosen.exclusion-probe";
+
+/// The key (`pg_try_advisory_lock(key1, key2)`) session `marker`, unique to the
+/// session, takes for the self-test.
+pub(crate) fn probe_key(marker: &str) -> (i32, i32) {
+    match LockKey::derive(PROBE_NAMESPACE, marker) {
+        LockKey::Pair(key1, key2) => (key1, key2),
+        // `derive` answers pairs only.
+        LockKey::Int(key) => ((key >> 32) as i32, key as i32),
+    }
+}
+
+/// What the self-test's three steps saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Seen {
+    /// The session's backend when it took the key, and whether it was granted.
+    pub(crate) ours: i32,
+    pub(crate) took: bool,
+    /// The second connection's backend, and whether the key was granted to it.
+    pub(crate) other: i32,
+    pub(crate) other_granted: bool,
+    /// The session's backend when it released the key, and whether it still held it.
+    pub(crate) after: i32,
+    pub(crate) released: bool,
+}
+
+/// Whether the server kept the key to the session alone: `Ok`, or why its advisory
+/// locks cannot be trusted.
+pub(crate) fn judge(seen: &Seen) -> Result<(), SessionDownReason> {
+    let pooler = |detail: String| Err(SessionDownReason::PoolerDetected { detail });
+    if seen.other == seen.ours || seen.other == seen.after {
+        return pooler(format!(
+            "a second connection was served by this session's backend (pid {}): the connections share backends",
+            seen.other
+        ));
+    }
+    if seen.after != seen.ours {
+        return pooler(format!(
+            "this session's statements ran on backend {} and then on {}: its backend is swapped between statements",
+            seen.ours, seen.after
+        ));
+    }
+    let unsafe_locks = |detail: String| Err(SessionDownReason::AdvisoryLocksUnsafe { detail });
+    if seen.other_granted {
+        return unsafe_locks(format!(
+            "a key this session (pid {}) held was granted to a second session (pid {}) too",
+            seen.ours, seen.other
+        ));
+    }
+    if !seen.took {
+        return unsafe_locks(format!(
+            "a free key was refused to this session (pid {}), which asked first",
+            seen.ours
+        ));
+    }
+    if !seen.released {
+        return unsafe_locks(format!(
+            "the key this session (pid {}) took was no longer held by it a moment later",
+            seen.ours
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HONEST: Seen = Seen {
+        ours: 10,
+        took: true,
+        other: 11,
+        other_granted: false,
+        after: 10,
+        released: true,
+    };
+
+    #[test]
+    fn a_server_that_keeps_the_key_to_its_session_passes() {
+        assert_eq!(judge(&HONEST), Ok(()));
+    }
+
+    #[test]
+    fn every_way_of_not_excluding_is_refused() {
+        let pooler = |r: Result<(), SessionDownReason>| {
+            matches!(r, Err(SessionDownReason::PoolerDetected { .. }))
+        };
+        let unsafe_locks = |r: Result<(), SessionDownReason>| {
+            matches!(r, Err(SessionDownReason::AdvisoryLocksUnsafe { .. }))
+        };
+        // A transaction pooler with one backend: the second client is served by it,
+        // and re-entrantly granted the key.
+        assert!(pooler(judge(&Seen {
+            other: 10,
+            other_granted: true,
+            ..HONEST
+        })));
+        // The second client lands on the backend our next statement runs on.
+        assert!(pooler(judge(&Seen {
+            other: 12,
+            after: 12,
+            released: false,
+            ..HONEST
+        })));
+        // Our statements move between backends.
+        assert!(pooler(judge(&Seen {
+            after: 12,
+            released: false,
+            ..HONEST
+        })));
+        // A stub that grants everything, or an engine that grants one key twice.
+        assert!(unsafe_locks(judge(&Seen {
+            other_granted: true,
+            ..HONEST
+        })));
+        // A stub that refuses everything.
+        assert!(unsafe_locks(judge(&Seen {
+            took: false,
+            ..HONEST
+        })));
+        // A lock lost as soon as it was taken (a transaction-scoped one answered as a
+        // session's).
+        assert!(unsafe_locks(judge(&Seen {
+            released: false,
+            ..HONEST
+        })));
+    }
+
+    #[test]
+    fn the_probe_key_is_unique_to_the_session_and_no_lock_of_a_user() {
+        assert_ne!(probe_key("a.1.1.ff"), probe_key("a.1.1.fe"));
+        let (key1, key2) = probe_key("a.1.1.ff");
+        assert_ne!(
+            LockKey::Pair(key1, key2),
+            LockKey::derive(crate::key::DEFAULT_NAMESPACE, "a.1.1.ff")
+        );
+    }
+}
