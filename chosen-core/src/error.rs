@@ -208,6 +208,16 @@ pub enum Error {
         "the fencing token could not be issued (the statement failed; the lease is still held): try again"
     )]
     TokenNotIssued,
+
+    /// The application's connection pool gave no connection (an `Observer`, feature `deadpool`,
+    /// reads through it): it is exhausted, or cannot connect.
+    #[error(
+        "the connection pool gave no connection: {message}; check the pool's size and the server"
+    )]
+    Pool {
+        /// What the pool reported.
+        message: String,
+    },
 }
 
 impl Error {
@@ -251,7 +261,8 @@ impl Error {
             | Self::ConnectTimeout { .. }
             | Self::NotConnected(_)
             | Self::FenceConflict { .. }
-            | Self::TokenNotIssued => true,
+            | Self::TokenNotIssued
+            | Self::Pool { .. } => true,
             Self::Database(e) => e.is_closed(),
             Self::Fence { source, .. } => source.is_closed(),
             // A standby may be promoted in a moment, a fenced primary opened again.
@@ -301,9 +312,7 @@ mod tests {
                 detail: "the session carried another client's settings".into(),
             },
             SessionDownReason::AdvisoryLocksUnsafe {
-                detail:
-                    "a key this session (pid 10) held was granted to a second session (pid 11) too"
-                        .into(),
+                detail: "a key held by pid 10 was also granted to pid 11".into(),
             },
             SessionDownReason::ServerTooOld { version: 130_010 },
             SessionDownReason::ConnectFailed {
@@ -335,6 +344,9 @@ mod tests {
             Error::TokenOutOfRange(FencingToken::new(u64::MAX)),
             Error::InvalidTableName("\"a.b.c\": too many dots".into()),
             Error::TokenNotIssued,
+            Error::Pool {
+                message: "timed out waiting for a connection".into(),
+            },
         ];
         for reason in reasons {
             errors.push(Error::Refused(reason.clone()));

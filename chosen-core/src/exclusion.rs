@@ -57,32 +57,29 @@ pub(crate) fn judge(seen: &Seen) -> Result<(), SessionDownReason> {
     let pooler = |detail: String| Err(SessionDownReason::PoolerDetected { detail });
     if seen.other == seen.ours || seen.other == seen.after {
         return pooler(format!(
-            "a second connection was served by this session's backend (pid {}): the connections share backends",
+            "a second connection got this session's backend (pid {})",
             seen.other
         ));
     }
     if seen.after != seen.ours {
         return pooler(format!(
-            "this session's statements ran on backend {} and then on {}: its backend is swapped between statements",
+            "this session's backend changed from pid {} to {}",
             seen.ours, seen.after
         ));
     }
     let unsafe_locks = |detail: String| Err(SessionDownReason::AdvisoryLocksUnsafe { detail });
     if seen.other_granted {
         return unsafe_locks(format!(
-            "a key this session (pid {}) held was granted to a second session (pid {}) too",
+            "a key held by pid {} was also granted to pid {}",
             seen.ours, seen.other
         ));
     }
     if !seen.took {
-        return unsafe_locks(format!(
-            "a free key was refused to this session (pid {}), which asked first",
-            seen.ours
-        ));
+        return unsafe_locks(format!("a free key was refused to pid {}", seen.ours));
     }
     if !seen.released {
         return unsafe_locks(format!(
-            "the key this session (pid {}) took was no longer held by it a moment later",
+            "a key taken by pid {} was gone a moment later",
             seen.ours
         ));
     }

@@ -255,6 +255,13 @@ impl Leadership {
         }
     }
 
+    /// Following, with the leader unknown (a look-up failed): no observation for the
+    /// metrics.
+    #[cfg(feature = "deadpool")]
+    pub(crate) fn set_unknown(&self) {
+        self.follow(None);
+    }
+
     fn follow(&self, leader: Option<String>) {
         self.inner.tx.send_if_modified(|snap| {
             let next = LeaderState::Following { leader };

@@ -23,6 +23,8 @@ mod manager;
 mod maps;
 mod metrics;
 mod names;
+#[cfg(feature = "deadpool")]
+mod observer;
 mod options;
 mod pg;
 mod shared;
@@ -52,6 +54,9 @@ pub use metrics::OtelMetrics;
 #[cfg(feature = "prometheus")]
 #[cfg_attr(docsrs, doc(cfg(feature = "prometheus")))]
 pub use metrics::PrometheusMetrics;
+#[cfg(feature = "deadpool")]
+#[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
+pub use observer::{Observer, ObserverOptions};
 pub use options::ManagerOptions;
 pub use singleton::{
     ChildError, ChildState, LeaderContext, RestartPolicy, Singleton, SingletonOptions,

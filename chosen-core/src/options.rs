@@ -860,7 +860,7 @@ impl ManagerOptions {
     }
 }
 
-fn default_node_id() -> String {
+pub(crate) fn default_node_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())

@@ -155,7 +155,7 @@ impl fmt::Display for SessionDownReason {
             ),
             Self::AdvisoryLocksUnsafe { detail } => write!(
                 f,
-                "the server's advisory locks do not exclude ({detail}); use PostgreSQL itself, directly or through a session-mode pooler",
+                "the server's advisory locks do not exclude ({detail}); use PostgreSQL directly or through a session-mode pooler",
             ),
             Self::ServerTooOld { version } => write!(
                 f,
