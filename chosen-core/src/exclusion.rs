@@ -8,16 +8,23 @@
 //! may lack the functions, answer them with a stub, or grant one key twice. The
 //! self-test asks the question chosen's safety rests on, on the server itself:
 //!
-//! 1. the new session takes a key of its own (one no other session uses), and goes
-//!    idle, as between any two of its statements;
-//! 2. a second, short-lived connection to the same target tries the key, and reports
-//!    its backend;
-//! 3. the session releases the key, and reports its backend.
+//! 1. the new session takes a key of its own (one no other session uses) and listens
+//!    on a channel of its own, and goes idle, as between any two of its statements;
+//! 2. a second, short-lived connection to the same target (opened alongside the
+//!    session's) tries the key, reports its backend and server, and sends a
+//!    notification on the session's channel;
+//! 3. the notification must reach the session while it is idle (only a backend bound
+//!    to the session's own connection sends it then: a transaction pooler holds it on
+//!    an idle pooled backend, whatever its pool size, its scheduling or a balancer in
+//!    front of several of them); then the session releases the key, and reports its
+//!    backend.
 //!
 //! The key must have been granted to the session, refused to the second connection,
-//! and still held by the session afterwards, on the same backend, and the second
-//! connection must have had a backend of its own. [`judge`] decides from what the
-//! three steps saw; each backend (PostgreSQL, the simulated server) gathers it.
+//! and still held by the session afterwards, on the same backend; the second
+//! connection must have reached the same server with a backend of its own. [`judge`]
+//! decides from what the three steps saw; each backend (PostgreSQL, the simulated
+//! server) gathers it. It runs on every new session: a path that changes (a pooler
+//! put in between, a moved address) is seen at the next connect.
 
 use crate::key::LockKey;
 use crate::status::SessionDownReason;
@@ -43,9 +50,13 @@ pub(crate) struct Seen {
     /// The session's backend when it took the key, and whether it was granted.
     pub(crate) ours: i32,
     pub(crate) took: bool,
-    /// The second connection's backend, and whether the key was granted to it.
+    /// The second connection's backend, whether the key was granted to it, and
+    /// whether it reached the session's server.
     pub(crate) other: i32,
     pub(crate) other_granted: bool,
+    pub(crate) same_server: bool,
+    /// The second connection's notification reached the idle session.
+    pub(crate) notified: bool,
     /// The session's backend when it released the key, and whether it still held it.
     pub(crate) after: i32,
     pub(crate) released: bool,
@@ -55,6 +66,12 @@ pub(crate) struct Seen {
 /// locks cannot be trusted.
 pub(crate) fn judge(seen: &Seen) -> Result<(), SessionDownReason> {
     let pooler = |detail: String| Err(SessionDownReason::PoolerDetected { detail });
+    let unsafe_locks = |detail: String| Err(SessionDownReason::AdvisoryLocksUnsafe { detail });
+    if !seen.same_server {
+        return unsafe_locks(
+            "a second connection to the same target reached another server".to_owned(),
+        );
+    }
     if seen.other == seen.ours || seen.other == seen.after {
         return pooler(format!(
             "a second connection got this session's backend (pid {})",
@@ -67,15 +84,20 @@ pub(crate) fn judge(seen: &Seen) -> Result<(), SessionDownReason> {
             seen.ours, seen.after
         ));
     }
-    let unsafe_locks = |detail: String| Err(SessionDownReason::AdvisoryLocksUnsafe { detail });
+    if !seen.notified {
+        return pooler(format!(
+            "a notification to this session's backend (pid {}) did not reach it while idle",
+            seen.ours
+        ));
+    }
+    if !seen.took {
+        return unsafe_locks(format!("a free key was refused to pid {}", seen.ours));
+    }
     if seen.other_granted {
         return unsafe_locks(format!(
             "a key held by pid {} was also granted to pid {}",
             seen.ours, seen.other
         ));
-    }
-    if !seen.took {
-        return unsafe_locks(format!("a free key was refused to pid {}", seen.ours));
     }
     if !seen.released {
         return unsafe_locks(format!(
@@ -95,6 +117,8 @@ mod tests {
         took: true,
         other: 11,
         other_granted: false,
+        same_server: true,
+        notified: true,
         after: 10,
         released: true,
     };
@@ -132,6 +156,31 @@ mod tests {
             released: false,
             ..HONEST
         })));
+        // Transaction poolers behind a balancer: the second connection lands in
+        // another pool, the session's statements stay on one backend, but nothing
+        // reaches the session while it is idle.
+        assert!(pooler(judge(&Seen {
+            notified: false,
+            ..HONEST
+        })));
+        // A balancer over several servers.
+        assert!(unsafe_locks(judge(&Seen {
+            same_server: false,
+            ..HONEST
+        })));
+        // A stub that refuses the session and grants the second connection: named
+        // for the refusal.
+        assert_eq!(
+            judge(&Seen {
+                took: false,
+                other_granted: true,
+                released: false,
+                ..HONEST
+            }),
+            Err(SessionDownReason::AdvisoryLocksUnsafe {
+                detail: "a free key was refused to pid 10".to_owned()
+            })
+        );
         // A stub that grants everything, or an engine that grants one key twice.
         assert!(unsafe_locks(judge(&Seen {
             other_granted: true,

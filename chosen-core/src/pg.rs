@@ -111,11 +111,8 @@ impl Link for PgLink {
 }
 
 /// PostgreSQL, the backend that ships: [`connect()`].
-#[derive(Debug, Default)]
-pub(crate) struct PgBackend {
-    /// The identity of the last server the exclusion self-test passed on.
-    proven: std::sync::Mutex<Option<String>>,
-}
+#[derive(Debug)]
+pub(crate) struct PgBackend;
 
 impl Backend for PgBackend {
     fn connect<'a>(
@@ -123,7 +120,7 @@ impl Backend for PgBackend {
         options: &'a ManagerOptions,
         generation: u64,
     ) -> BoxFuture<'a, Result<Session>> {
-        Box::pin(connect(options, generation, &self.proven))
+        Box::pin(connect(options, generation))
     }
 }
 

@@ -456,20 +456,36 @@ fn revoke_reason(generation: &Generation) -> SessionDownReason {
 }
 
 /// Aborts its task when dropped, unless [`disarm`](Self::disarm)ed first.
-pub(crate) struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+pub(crate) struct AbortOnDrop<T = ()>(Option<tokio::task::JoinHandle<T>>);
 
 impl AbortOnDrop {
     pub(crate) fn new(task: tokio::task::JoinHandle<()>) -> Self {
         Self(Some(task))
     }
+}
+
+impl<T> AbortOnDrop<T> {
+    /// A task whose output is awaited with [`join`](Self::join).
+    pub(crate) fn with_output(task: tokio::task::JoinHandle<T>) -> Self {
+        Self(Some(task))
+    }
 
     /// The task, no longer aborted on drop.
-    pub(crate) fn disarm(mut self) -> tokio::task::JoinHandle<()> {
+    pub(crate) fn disarm(mut self) -> tokio::task::JoinHandle<T> {
         self.0.take().expect("BUG: disarmed twice")
+    }
+
+    /// The task's output (aborted if this future is dropped first).
+    pub(crate) async fn join(mut self) -> Result<T, tokio::task::JoinError> {
+        // `disarm` consumes `self`: a handle is always here.
+        match self.0.as_mut() {
+            Some(task) => task.await,
+            None => std::future::pending().await,
+        }
     }
 }
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         if let Some(task) = &self.0 {
             task.abort();

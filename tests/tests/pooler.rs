@@ -73,6 +73,81 @@ async fn a_transaction_pooler_is_refused_at_connect() {
     }
 }
 
+/// A round-robin TCP balancer on loopback in front of `upstreams`: each accepted
+/// connection goes to the next one. Stops when dropped.
+struct Balancer {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Balancer {
+    async fn start(upstreams: Vec<u16>) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            for next in (0..upstreams.len()).cycle() {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    return;
+                };
+                let upstream = upstreams[next];
+                tokio::spawn(async move {
+                    if let Ok(mut server) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        Self { port, task }
+    }
+}
+
+impl Drop for Balancer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Two transaction poolers (one backend each) behind a round-robin balancer: the
+/// self-test's second connection lands in the other pool, and the session's statements
+/// stay on its own backend, so backends alone would not tell; but a notification to
+/// the session's backend cannot reach it while it is idle, and it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_poolers_behind_a_balancer_are_refused_at_connect() {
+    let pg = PgCluster::start_local().unwrap();
+    let (Some(one), Some(two)) = (
+        bouncer_in(&pg, "transaction", 1, "balanced_poolers"),
+        bouncer_in(&pg, "transaction", 1, "balanced_poolers"),
+    ) else {
+        return;
+    };
+    let port = |url: String| -> u16 {
+        let config: tokio_postgres::Config = url.parse().unwrap();
+        config.get_ports()[0]
+    };
+    let balancer = Balancer::start(vec![port(one.url()), port(two.url())]).await;
+    let url = one.url().replace(
+        &format!(":{}/", port(one.url())),
+        &format!(":{}/", balancer.port),
+    );
+    assert_ne!(url, one.url());
+    for _ in 0..3 {
+        let err = LockManager::connect(fault_options(&url, "balanced"))
+            .await
+            .expect_err("poolers behind a balancer are refused");
+        assert!(
+            matches!(
+                err,
+                Error::Refused(SessionDownReason::PoolerDetected { .. })
+            ),
+            "{err}"
+        );
+        eprintln!("balanced: {err}");
+    }
+    assert_eq!(advisory_locks(&pg).await, 0);
+}
+
 /// A session pooler gives each client a backend of its own for as long as it is
 /// connected: the self-test passes, and the node holds locks through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

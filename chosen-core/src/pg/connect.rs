@@ -1,7 +1,7 @@
 //! Opening a session: connect, prove that the server is a writable primary that the
 //! session is alone on, set the session up, prepare the statements, and read the term.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -150,13 +150,8 @@ pub(super) const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 WHERE CASE WHEN
 /// [`TRANSACTION_TIMEOUT_OFF_LOCAL`] for the whole session.
 pub(super) const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', false) IS NULL END;";
 
-/// Opens and proves a new session; `proven` is the identity of the last server the
-/// exclusion self-test passed on (see [`crate::exclusion`]).
-pub(crate) async fn connect(
-    options: &ManagerOptions,
-    generation: u64,
-    proven: &Mutex<Option<String>>,
-) -> Result<Session> {
+/// Opens and proves a new session.
+pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
     let timeout = options.connect_timeout * (options.pg.get_hosts().len().max(1) as u32 + 1);
     let attempt = async {
         // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
@@ -169,7 +164,7 @@ pub(crate) async fn connect(
         // the connect timeout.
         let mut tries = 1;
         loop {
-            match connect_inner(options, generation, proven).await {
+            match connect_inner(options, generation).await {
                 Err(e) if tries < 3 && cut_short_by_dba_settings(&e) => {
                     warn!(error = %e, "the new lock session was cut short, likely by a very short statement_timeout or idle_session_timeout set for the role or database; connecting again (consider ALTER ROLE ... RESET for this role)");
                     tries += 1;
@@ -222,12 +217,17 @@ fn connect_error(options: &ManagerOptions, source: tokio_postgres::Error) -> Err
     }
 }
 
-pub(super) async fn connect_inner(
-    options: &ManagerOptions,
-    generation: u64,
-    proven: &Mutex<Option<String>>,
-) -> Result<Session> {
+pub(super) async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Session> {
     let config = options.session_config();
+    // The exclusion self-test's second connection, opened alongside the session's (so
+    // that the session is not left idle while it connects, and a multi-host URL is not
+    // walked twice in a row).
+    let second = options.exclusion_self_test.then(|| {
+        let options = options.clone();
+        AbortOnDrop::with_output(tokio::spawn(
+            async move { second_connection(&options).await },
+        ))
+    });
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
@@ -235,13 +235,13 @@ pub(super) async fn connect_inner(
             .connect(tls)
             .await
             .map_err(|e| connect_error(options, e))?;
-        return prove(options, generation, proven, client, connection).await;
+        return prove(options, generation, second, client, connection).await;
     }
     let (client, connection) = config
         .connect(NoTls)
         .await
         .map_err(|e| connect_error(options, e))?;
-    prove(options, generation, proven, client, connection).await
+    prove(options, generation, second, client, connection).await
 }
 
 /// A second connection to the session's target, for the exclusion self-test: its
@@ -281,6 +281,11 @@ fn rows(messages: &[tokio_postgres::SimpleQueryMessage]) -> Vec<&tokio_postgres:
         .collect()
 }
 
+/// Column `i` of `row`, `None` when it is NULL or missing (never a panic on a short row).
+fn column(row: &tokio_postgres::SimpleQueryRow, i: usize) -> Option<&str> {
+    row.try_get(i).ok().flatten()
+}
+
 /// A statement of the self-test in a transaction of its own, with the DBA's timeouts
 /// overridden for it alone (as the probe's): nothing of it stays on the backend.
 fn local_transaction(options: &ManagerOptions, statement: &str) -> String {
@@ -294,46 +299,106 @@ fn local_transaction(options: &ManagerOptions, statement: &str) -> String {
 /// proxy that refuses them): its locks cannot be trusted.
 fn without_advisory_locks(error: &tokio_postgres::Error) -> Option<Error> {
     let code = error.code()?;
-    (*code == SqlState::UNDEFINED_FUNCTION || *code == SqlState::FEATURE_NOT_SUPPORTED).then(|| {
-        Error::Refused(SessionDownReason::AdvisoryLocksUnsafe {
-            detail: format!(
-                "the server has no session advisory locks: {}",
-                error_text(error)
-            ),
+    let about_advisory_locks = error
+        .as_db_error()
+        .is_some_and(|e| e.message().contains("advisory"));
+    ((*code == SqlState::UNDEFINED_FUNCTION || *code == SqlState::FEATURE_NOT_SUPPORTED)
+        && about_advisory_locks)
+        .then(|| {
+            Error::Refused(SessionDownReason::AdvisoryLocksUnsafe {
+                detail: format!(
+                    "the server has no session advisory locks: {}",
+                    error_text(error)
+                ),
+            })
         })
+}
+
+/// The self-test's channel: unique to the session (its key), a plain identifier.
+fn probe_channel((k1, k2): (i32, i32)) -> String {
+    format!("chosen_probe_{:08x}{:08x}", k1 as u32, k2 as u32)
+}
+
+/// How long the self-test waits for its notification to reach the idle session: a
+/// round trip, generously (an honest server sends it as the second connection commits).
+fn notification_wait(options: &ManagerOptions) -> std::time::Duration {
+    options.lease_timeout.min(options.connect_timeout)
+}
+
+/// The second connection's failure, said as what the self-test needs.
+fn second_connection_failed(error: &Error) -> Error {
+    Error::NotConnected(SessionDownReason::ConnectFailed {
+        message: format!(
+            "the exclusion self-test needs one more connection for a moment and got none ({error}); allow one more connection per node connecting (role CONNECTION LIMIT, max_connections, a pooler's pool size)"
+        ),
     })
 }
 
 /// Steps 2 and 3 of the exclusion self-test (see [`crate::exclusion`]), once the
-/// session (backend `ours`) took `key` (or was refused it: `took`); the verdict, after
-/// both connections released what they were granted.
+/// session (backend `ours`, on server `identity`) took `key` (or was refused it:
+/// `took`) and listens on its channel; the verdict, after both connections released
+/// what they were granted.
+#[allow(clippy::too_many_arguments)]
 async fn test_exclusion(
     options: &ManagerOptions,
     client: &Client,
+    events: &mut mpsc::UnboundedReceiver<ConnEvent>,
+    second: AbortOnDrop<Result<(Client, AbortOnDrop)>>,
     ours: i32,
+    identity: &str,
     took: bool,
-    (k1, k2): (i32, i32),
+    key: (i32, i32),
 ) -> Result<()> {
+    let (k1, k2) = key;
+    let channel = probe_channel(key);
+    let payload = format!("{k1}.{k2}");
     let database =
         |e: tokio_postgres::Error| without_advisory_locks(&e).unwrap_or_else(|| Error::database(e));
-    // The session is idle now, as between any two of its statements: a pooler has
-    // given its backend back to the pool.
-    let (other, granted) = {
-        let (second, _task) = second_connection(options).await?;
-        let messages = second
-            .simple_query(&local_transaction(
+    // Step 2: the session is idle now, as between any two of its statements (a
+    // transaction pooler has given its backend back to the pool).
+    let (other, granted, same_server) = {
+        let wait = options.connect_timeout;
+        let (second, _task) = match tokio::time::timeout(wait, second.join()).await {
+            Ok(Ok(Ok(opened))) => opened,
+            Ok(Ok(Err(e))) => return Err(second_connection_failed(&e)),
+            Ok(Err(panicked)) => {
+                return Err(Error::Protocol {
+                    message: format!("the self-test's second connection failed: {panicked}"),
+                });
+            }
+            Err(_) => {
+                return Err(second_connection_failed(&Error::ConnectTimeout {
+                    target: options.target_description(),
+                    after: wait,
+                }));
+            }
+        };
+        let answer = tokio::time::timeout(
+            wait,
+            second.simple_query(&local_transaction(
                 options,
-                &format!("SELECT pg_backend_pid(), pg_try_advisory_lock({k1}, {k2})"),
-            ))
-            .await
-            .map_err(database)?;
-        let answer = rows(&messages).first().map(|row| {
+                &format!(
+                    "SELECT pg_backend_pid(), pg_try_advisory_lock({k1}, {k2}), {SERVER_IDENTITY_SQL}; NOTIFY {channel}, '{payload}'"
+                ),
+            )),
+        )
+        .await
+        .map_err(|_| {
+            second_connection_failed(&Error::ConnectTimeout {
+                target: options.target_description(),
+                after: wait,
+            })
+        })?
+        .map_err(database)?;
+        let Some((other, granted, other_server)) = rows(&answer).first().map(|row| {
             (
-                row.get(0).and_then(|p| p.parse::<i32>().ok()).unwrap_or(0),
-                row.get(1) == Some("t"),
+                column(row, 0)
+                    .and_then(|p| p.parse::<i32>().ok())
+                    .unwrap_or(0),
+                column(row, 1) == Some("t"),
+                column(row, 2).unwrap_or_default().to_owned(),
             )
-        });
-        let Some((other, granted)) = answer else {
+        }) else {
             return Err(Error::Protocol {
                 message: "the server answered the exclusion self-test with no row".to_owned(),
             });
@@ -342,33 +407,76 @@ async fn test_exclusion(
             // Given back before the connection closes: behind a pooler the backend
             // (perhaps ours) outlives it.
             let _ = second
-                .simple_query(&format!("SELECT pg_advisory_unlock({k1}, {k2})"))
+                .simple_query(&local_transaction(
+                    options,
+                    &format!("SELECT pg_advisory_unlock({k1}, {k2})"),
+                ))
                 .await;
         }
-        (other, granted)
+        (other, granted, other_server == identity)
     };
-    let messages = client
-        .simple_query(&local_transaction(
-            options,
-            &format!("SELECT pg_backend_pid(), pg_advisory_unlock({k1}, {k2})"),
-        ))
-        .await
-        .map_err(database)?;
-    let Some((after, released)) = rows(&messages).first().map(|row| {
-        (
-            row.get(0).and_then(|p| p.parse::<i32>().ok()).unwrap_or(0),
-            row.get(1) == Some("t"),
-        )
-    }) else {
-        return Err(Error::Protocol {
-            message: "the server answered the exclusion self-test with no row".to_owned(),
-        });
+    // The notification must reach the session while it is idle: only a backend bound
+    // to the session's own connection delivers it then.
+    let notified = {
+        let deadline = tokio::time::Instant::now() + notification_wait(options);
+        loop {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Ok(Some(ConnEvent::Notification { payload: p, .. })) if p == payload => {
+                    break true;
+                }
+                Ok(Some(ConnEvent::Notification { .. })) => {}
+                Ok(Some(ConnEvent::Closed(message))) => {
+                    return Err(Error::NotConnected(SessionDownReason::ConnectionLost {
+                        message,
+                    }));
+                }
+                Ok(None) => {
+                    return Err(Error::NotConnected(SessionDownReason::ConnectionLost {
+                        message: "the connection closed during the exclusion self-test".to_owned(),
+                    }));
+                }
+                Err(_) => break false,
+            }
+        }
     };
+    // Step 3, until the key is released (behind a pooler the statement may land on
+    // another backend than the one holding it: a few tries leave nothing behind).
+    let mut first = None;
+    for _ in 0..4 {
+        let messages = client
+            .simple_query(&local_transaction(
+                options,
+                &format!(
+                    "SELECT pg_backend_pid(), pg_advisory_unlock({k1}, {k2}); UNLISTEN {channel}"
+                ),
+            ))
+            .await
+            .map_err(database)?;
+        let Some((after, released)) = rows(&messages).first().map(|row| {
+            (
+                column(row, 0)
+                    .and_then(|p| p.parse::<i32>().ok())
+                    .unwrap_or(0),
+                column(row, 1) == Some("t"),
+            )
+        }) else {
+            return Err(Error::Protocol {
+                message: "the server answered the exclusion self-test with no row".to_owned(),
+            });
+        };
+        first.get_or_insert((after, released));
+        if released || !took {
+            break;
+        }
+    }
+    let (after, released) = first.unwrap_or((0, false));
     crate::exclusion::judge(&crate::exclusion::Seen {
         ours,
         took,
         other,
         other_granted: granted,
+        same_server,
+        notified,
         after,
         released,
     })
@@ -380,7 +488,7 @@ async fn test_exclusion(
 pub(super) async fn prove<S, T>(
     options: &ManagerOptions,
     generation: u64,
-    proven: &Mutex<Option<String>>,
+    second: Option<AbortOnDrop<Result<(Client, AbortOnDrop)>>>,
     client: Client,
     mut connection: tokio_postgres::Connection<S, T>,
 ) -> Result<Session>
@@ -388,7 +496,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (events_tx, events) = mpsc::unbounded_channel();
+    let (events_tx, mut events) = mpsc::unbounded_channel();
     let conn_task = tokio::spawn(async move {
         let end = loop {
             match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
@@ -416,28 +524,29 @@ where
     // `SET` itself; `connect` tries once more if one of them is cancelled; these
     // settings exist on every server version). Only for this
     // transaction: a backend that turns out not to be ours alone (a pooler's) keeps
-    // nothing of ours. With it, step 1 of the exclusion self-test, unless the server
-    // is the one the last session passed it on (its identity unchanged): the session
-    // takes a key of its own.
+    // nothing of ours. With it, step 1 of the exclusion self-test: on a backend that
+    // passes the probe's checks (so that a refused one keeps no key of ours), the
+    // session takes a key of its own, and listens on a channel of its own.
     let marker = new_marker(options, generation);
     let probe_key = crate::exclusion::probe_key(&marker);
-    let last_proven = proven
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone()
-        .unwrap_or_default();
-    let take = if options.exclusion_self_test {
+    let step_one = if second.is_some() {
         format!(
-            "CASE WHEN {SERVER_IDENTITY_SQL} = '{last_proven}' THEN NULL ELSE pg_try_advisory_lock({}, {}) END",
-            probe_key.0, probe_key.1
+            "SELECT CASE WHEN current_setting('server_version_num')::int4 >= {MIN_SERVER_VERSION} \
+                  AND NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off' \
+                  AND coalesce(current_setting('{MARKER_SETTING}', true), '') = '' \
+                  AND NOT EXISTS (SELECT 1 FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()) \
+             THEN pg_try_advisory_lock({}, {}) END, {SERVER_IDENTITY_SQL}; LISTEN {}",
+            probe_key.0,
+            probe_key.1,
+            probe_channel(probe_key)
         )
     } else {
-        "NULL".to_owned()
+        "SELECT NULL::bool, NULL::text".to_owned()
     };
     let messages = client
         .simple_query(&local_transaction(
             options,
-            &format!("{PROBE_SQL}; SELECT {SERVER_IDENTITY_SQL}, {take}"),
+            &format!("{PROBE_SQL}; {step_one}"),
         ))
         .await
         .map_err(|e| without_advisory_locks(&e).unwrap_or_else(|| Error::database(e)))?;
@@ -447,7 +556,7 @@ where
             message: "the server answered the session probe with no row".to_owned(),
         });
     };
-    let field = |i: usize| row.get(i).unwrap_or_default();
+    let field = |i: usize| column(row, i).unwrap_or_default();
     let version: i32 = field(0).parse().unwrap_or(0);
     let backend_pid: i32 = field(1).parse().unwrap_or(0);
     let in_recovery = field(2) == "t";
@@ -479,13 +588,19 @@ where
             ),
         }));
     }
-    // Steps 2 and 3 on a server not proven yet (`took` is NULL on one proven).
-    let identity = exclusion.get(0).unwrap_or_default().to_owned();
-    if let Some(took) = exclusion.get(1) {
-        test_exclusion(options, &client, backend_pid, took == "t", probe_key).await?;
-        *proven
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(identity);
+    // Steps 2 and 3.
+    if let Some(second) = second {
+        test_exclusion(
+            options,
+            &client,
+            &mut events,
+            second,
+            backend_pid,
+            column(exclusion, 1).unwrap_or_default(),
+            column(exclusion, 0) == Some("t"),
+            probe_key,
+        )
+        .await?;
     }
     let setup = format!(
         "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",

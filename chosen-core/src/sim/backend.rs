@@ -47,6 +47,12 @@ pub(crate) enum Lie {
     /// A transaction pooler with many backends: each statement runs on the one free
     /// at the time, rarely the same twice.
     SwapsBackends,
+    /// Transaction poolers, one backend each, behind a balancer: the second connection
+    /// lands in another pool, the session's statements stay on its backend, but what
+    /// the server sends that backend while the session is idle never reaches it.
+    BalancedPoolers,
+    /// A balancer over several servers: the second connection reaches another one.
+    BalancedServers,
     /// A stub that grants every key to everyone.
     GrantsEverything,
     /// A stub that refuses every key.
@@ -156,7 +162,6 @@ impl SimServer {
         self.lock().model.backends.contains_key(&pid)
     }
 
-    /// The live backends of node `node_id`.
     /// From now on, the server keeps advisory locks as `lie` says.
     pub(crate) fn lie(&self, lie: Lie) {
         self.lock().lie = lie;
@@ -183,9 +188,15 @@ impl SimServer {
             pid
         };
         let took = lie != Lie::RefusesEverything;
+        let pooled = matches!(
+            lie,
+            Lie::SharesBackends | Lie::SwapsBackends | Lie::BalancedPoolers
+        );
         Seen {
             ours: pid,
             took,
+            same_server: lie != Lie::BalancedServers,
+            notified: !pooled && lie != Lie::BalancedServers,
             other,
             // Re-entrantly on the same backend.
             other_granted: (other == pid && took) || lie == Lie::GrantsEverything,
@@ -194,6 +205,7 @@ impl SimServer {
         }
     }
 
+    /// The live backends of node `node_id`.
     pub(crate) fn backends_of(&self, node_id: &str) -> Vec<i32> {
         let inner = self.lock();
         inner
@@ -499,8 +511,6 @@ pub(crate) struct SimBackend {
     seed: u64,
     /// The node's process died: it connects no more.
     dead: AtomicBool,
-    /// The identity of the last server the exclusion self-test passed on.
-    proven: Mutex<Option<String>>,
 }
 
 impl SimBackend {
@@ -509,7 +519,6 @@ impl SimBackend {
             server,
             seed,
             dead: AtomicBool::new(false),
-            proven: Mutex::new(None),
         }
     }
 
@@ -592,22 +601,14 @@ impl Backend for SimBackend {
                 }
             };
             tokio::time::sleep(down).await;
-            // The exclusion self-test, once per server (as the PostgreSQL backend runs
-            // it), in no time of its own.
-            let mut proven = self
-                .proven
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if options.exclusion_self_test && proven.as_deref() != Some(connected.identity.as_str())
+            // The exclusion self-test, on every new session (as the PostgreSQL backend
+            // runs it), in no time of its own.
+            if options.exclusion_self_test
+                && let Err(reason) = judge(&self.server.test_exclusion(connected.pid))
             {
-                if let Err(reason) = judge(&self.server.test_exclusion(connected.pid)) {
-                    drop(proven);
-                    self.server.close(connected.pid);
-                    return Err(Error::Refused(reason));
-                }
-                *proven = Some(connected.identity.clone());
+                self.server.close(connected.pid);
+                return Err(Error::Refused(reason));
             }
-            drop(proven);
             let term = Term {
                 timeline: connected.high,
                 age: connected.term_age.map(Duration::from_micros),
@@ -992,6 +993,8 @@ mod tests {
         let cases = [
             (Lie::SharesBackends, "pooler_detected"),
             (Lie::SwapsBackends, "pooler_detected"),
+            (Lie::BalancedPoolers, "pooler_detected"),
+            (Lie::BalancedServers, "advisory_locks_unsafe"),
             (Lie::GrantsEverything, "advisory_locks_unsafe"),
             (Lie::RefusesEverything, "advisory_locks_unsafe"),
             (Lie::ForgetsLocks, "advisory_locks_unsafe"),
@@ -1026,26 +1029,22 @@ mod tests {
         honest.shutdown().await;
     }
 
-    /// The self-test runs once per server: a proven server that starts lying under the
-    /// same identity is not tested again (the heartbeat's check of the session's locks
-    /// is what sees it then), while a new term of the server is.
+    /// The self-test runs on every new session: a server that starts lying after an
+    /// honest connect is refused at the next.
     #[tokio::test(start_paused = true)]
-    async fn the_exclusion_self_test_runs_once_per_server() {
+    async fn the_exclusion_self_test_runs_on_every_new_session() {
         let server = SimServer::new(9);
         let backend = SimBackend::new(Arc::clone(&server), 1);
         let options = ManagerOptions::from_url("postgres://sim@localhost/sim")
             .expect("BUG: static URL parses")
             .node_id("n");
         let first = backend.connect(&options, 1).await.expect("honest");
-        server.lie(Lie::GrantsEverything);
-        let again = backend.connect(&options, 2).await.expect("already proven");
-        drop((first, again));
-        server.restart(Duration::from_millis(500), None);
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        match backend.connect(&options, 3).await.err() {
-            Some(Error::Refused(SessionDownReason::AdvisoryLocksUnsafe { .. })) => {}
-            other => panic!("a new term is tested again: {other:?}"),
+        server.lie(Lie::BalancedPoolers);
+        match backend.connect(&options, 2).await.err() {
+            Some(Error::Refused(SessionDownReason::PoolerDetected { .. })) => {}
+            other => panic!("the next session is tested again: {other:?}"),
         }
+        drop(first);
     }
 
     /// One seed, one history: the same run twice takes the same virtual times and
