@@ -209,11 +209,10 @@ pub enum Error {
     )]
     TokenNotIssued,
 
-    /// The application's connection pool gave no connection (an `Observer`, feature `deadpool`,
-    /// reads through it): it is exhausted, or cannot connect.
-    #[error(
-        "the connection pool gave no connection: {message}; check the pool's size and the server"
-    )]
+    /// A read through the application's connection pool (an `Observer`, feature
+    /// `deadpool`) failed: the pool gave no connection (exhausted, or it cannot
+    /// connect), no answer came within the read timeout, or the pool reaches a standby.
+    #[error("the read through the connection pool failed: {message}")]
     Pool {
         /// What the pool reported.
         message: String,
@@ -345,7 +344,9 @@ mod tests {
             Error::InvalidTableName("\"a.b.c\": too many dots".into()),
             Error::TokenNotIssued,
             Error::Pool {
-                message: "timed out waiting for a connection".into(),
+                message:
+                    "no connection: timed out waiting for one; check the pool's size and the server"
+                        .into(),
             },
         ];
         for reason in reasons {

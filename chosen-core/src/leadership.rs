@@ -44,7 +44,9 @@ struct Snapshot {
 /// at the moment of the call, so it turns `false` as soon as the lease can no longer be
 /// trusted, even before the election task has noticed.
 ///
-/// Get one from an [`Election`](crate::Election) or a [`Singleton`](crate::Singleton).
+/// Get one from an [`Election`](crate::Election) or a [`Singleton`](crate::Singleton),
+/// or (feature `deadpool`) a follower-only one from an `Observer`, which reads who
+/// leads through the application's pool.
 #[derive(Clone)]
 pub struct Leadership {
     inner: Arc<Inner>,
@@ -118,6 +120,17 @@ impl Observed {
         Seen {
             leaderless,
             changed,
+        }
+    }
+
+    /// Notes that the leader could not be read: what follows is not measured from the
+    /// last observation (nothing is known of the time between).
+    #[cfg(feature = "deadpool")]
+    fn see_unknown(&mut self) -> Seen {
+        self.last = None;
+        Seen {
+            leaderless: None,
+            changed: false,
         }
     }
 
@@ -257,9 +270,17 @@ impl Leadership {
 
     /// Following, with the leader unknown (a look-up failed): no observation for the
     /// metrics.
+    /// The time until the next observation is not counted as leaderless.
     #[cfg(feature = "deadpool")]
     pub(crate) fn set_unknown(&self) {
+        self.report(|o, _| o.see_unknown());
         self.follow(None);
+    }
+
+    /// How many handles of this leadership exist (the observer keeps one).
+    #[cfg(feature = "deadpool")]
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
     }
 
     fn follow(&self, leader: Option<String>) {

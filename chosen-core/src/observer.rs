@@ -24,6 +24,7 @@ pub struct ObserverOptions {
     namespace: String,
     node_id: String,
     poll_interval: Duration,
+    read_timeout: Duration,
     metrics: Option<Arc<dyn MetricsSink>>,
 }
 
@@ -33,6 +34,7 @@ impl std::fmt::Debug for ObserverOptions {
             .field("namespace", &self.namespace)
             .field("node_id", &self.node_id)
             .field("poll_interval", &self.poll_interval)
+            .field("read_timeout", &self.read_timeout)
             .field("metrics", &self.metrics.is_some())
             .finish()
     }
@@ -42,8 +44,9 @@ impl Default for ObserverOptions {
     fn default() -> Self {
         Self {
             namespace: DEFAULT_NAMESPACE.to_owned(),
-            node_id: crate::options::default_node_id(),
+            node_id: format!("{}-observer", crate::options::default_node_id()),
             poll_interval: Duration::from_secs(1),
+            read_timeout: Duration::from_secs(5),
             metrics: None,
         }
     }
@@ -58,19 +61,54 @@ impl ObserverOptions {
         self
     }
 
-    /// The observer's own id, as its metrics label it (default `<hostname>-<pid>`).
+    /// The observer's own id, as its metrics label it (default
+    /// `<hostname>-<pid>-observer`, apart from a manager's default in the same process).
     #[must_use]
     pub fn node_id(mut self, node_id: impl Into<String>) -> Self {
         self.node_id = node_id.into();
         self
     }
 
-    /// How often the holders are read (default 1 s; at least 10 ms). A change of
+    /// How often the holders are read (default 1 s; 10 ms to an hour). A change of
     /// leader is seen within it.
     #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
         self
+    }
+
+    /// How long one read may take, the wait for a connection of the pool included
+    /// (default 5 s; at least 10 ms): past it, the read failed, and the observer shows
+    /// nobody leading until a read succeeds (a black-holed connection or an exhausted
+    /// pool never leaves a stale leader showing).
+    #[must_use]
+    pub fn read_timeout(mut self, timeout: Duration) -> Self {
+        self.read_timeout = timeout;
+        self
+    }
+
+    /// The namespace (see [`namespace`](Self::namespace)).
+    #[must_use]
+    pub fn get_namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The observer's id (see [`node_id`](Self::node_id)).
+    #[must_use]
+    pub fn get_node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The poll interval (see [`poll_interval`](Self::poll_interval)).
+    #[must_use]
+    pub fn get_poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// The read timeout (see [`read_timeout`](Self::read_timeout)).
+    #[must_use]
+    pub fn get_read_timeout(&self) -> Duration {
+        self.read_timeout
     }
 
     /// Reports what the observer sees (the seconds without a leader and the changes of
@@ -146,28 +184,35 @@ impl Observer {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] when the options are out of range (a namespace that is
-    /// empty or reserved, a poll interval below 10 ms) or this is called outside a
-    /// tokio runtime.
+    /// [`Error::InvalidConfig`] when the options are out of range (a reserved
+    /// namespace, a poll interval outside 10 ms to an hour, a read timeout below
+    /// 10 ms) or this is called outside a tokio runtime.
     pub fn new(pool: deadpool_postgres::Pool, options: ObserverOptions) -> Result<Self> {
-        if options.namespace.is_empty()
-            || options.namespace.contains('\0')
-            || options.namespace.starts_with(RESERVED_PREFIX)
-        {
+        if options.namespace.contains('\0') || options.namespace.starts_with(RESERVED_PREFIX) {
             return Err(Error::config(
                 "ObserverOptions::namespace",
                 format!(
-                    "namespace {:?} is empty, contains a NUL character or begins with {RESERVED_PREFIX:?} (reserved); use the namespace of the managers that hold the locks",
+                    "namespace {:?} contains a NUL character or begins with {RESERVED_PREFIX:?} (reserved); use the namespace of the managers that hold the locks",
                     options.namespace
                 ),
             ));
         }
-        if options.poll_interval < Duration::from_millis(10) {
+        let range = Duration::from_millis(10)..=Duration::from_secs(3600);
+        if !range.contains(&options.poll_interval) {
             return Err(Error::config(
                 "ObserverOptions::poll_interval",
                 format!(
-                    "poll_interval {:?} is below 10ms; poll less often",
+                    "poll_interval {:?} is outside 10ms..=1h; pick one in that range",
                     options.poll_interval
+                ),
+            ));
+        }
+        if options.read_timeout < Duration::from_millis(10) {
+            return Err(Error::config(
+                "ObserverOptions::read_timeout",
+                format!(
+                    "read_timeout {:?} is below 10ms; allow a read more time",
+                    options.read_timeout
                 ),
             ));
         }
@@ -190,8 +235,15 @@ impl Observer {
         })
     }
 
-    /// Who leads `name`, kept up to date from now on (every poll interval) for as long
-    /// as the observer lives. Watching a name twice gives the same handle.
+    /// Who leads `name`, kept up to date from now on (every poll interval) while the
+    /// observer lives and a clone of the handle is kept; when the last clone of the
+    /// observer is dropped, the handle turns [`Stopped`](crate::LeaderState::Stopped).
+    /// Watching a name twice gives the same handle, at no cost.
+    ///
+    /// The handle only ever *follows*: its [`is_leader`](Leadership::is_leader) is
+    /// always `false`, its [`fencing_token`](Leadership::fencing_token) `None`, and its
+    /// [`wait_leading`](Leadership::wait_leading) never ends. Use it to find the
+    /// leader, never to decide that this process may act: only a lease does.
     ///
     /// # Errors
     ///
@@ -200,19 +252,19 @@ impl Observer {
     pub fn watch(&self, name: &str) -> Result<Leadership> {
         validate_lock_name(name, false)?;
         let key = LockKey::derive(&self.shared.options.namespace, name);
-        let leadership = self
-            .shared
-            .watched()
-            .entry(key)
-            .or_insert_with(|| {
-                Leadership::new(
-                    name,
-                    Some(&self.shared.options.namespace),
-                    &self.shared.options.node_id,
-                    self.shared.options.metrics.clone(),
-                )
-            })
-            .clone();
+        let mut watched = self.shared.watched();
+        if let Some(leadership) = watched.get(&key) {
+            return Ok(leadership.clone());
+        }
+        let leadership = Leadership::new(
+            name,
+            Some(&self.shared.options.namespace),
+            &self.shared.options.node_id,
+            self.shared.options.metrics.clone(),
+        );
+        watched.insert(key, leadership.clone());
+        drop(watched);
+        // Its first reading is not a poll away.
         self.shared.wake.notify_one();
         Ok(leadership)
     }
@@ -223,15 +275,28 @@ impl Observer {
     /// # Errors
     ///
     /// [`Error::InvalidName`] for a bad name; [`Error::Pool`] when the pool gives no
-    /// connection; [`Error::Database`] when the statement fails;
-    /// [`Error::Refused`] when the pool's server is a standby.
+    /// connection, the read takes longer than the read timeout, or the pool's server is
+    /// a standby; [`Error::Database`] when the statement fails.
     pub async fn holders(&self, names: &[&str]) -> Result<Vec<Option<HolderInfo>>> {
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut keys = Vec::with_capacity(names.len());
         for name in names {
             validate_lock_name(name, false)?;
             keys.push(LockKey::derive(&self.shared.options.namespace, name));
         }
-        read_holders(&self.shared.pool, &keys).await
+        read_holders(&self.shared.pool, self.shared.options.read_timeout, &keys).await
+    }
+}
+
+impl Drop for Shared {
+    /// The polling has ended (the last clone of the observer is gone): the handles it
+    /// kept up to date say so.
+    fn drop(&mut self) {
+        for leadership in self.watched().values() {
+            leadership.set_stopped();
+        }
     }
 }
 
@@ -240,18 +305,28 @@ impl Observer {
 async fn poll(s: Arc<Shared>) {
     let mut failing = false;
     loop {
-        let watched: Vec<(LockKey, Leadership)> =
-            s.watched().iter().map(|(k, l)| (*k, l.clone())).collect();
+        let watched: Vec<(LockKey, Leadership)> = {
+            let mut watched = s.watched();
+            // A name nobody keeps a handle of any more is read no more.
+            watched.retain(|_, l| l.handles() > 1);
+            watched.iter().map(|(k, l)| (*k, l.clone())).collect()
+        };
         if !watched.is_empty() {
             let keys: Vec<LockKey> = watched.iter().map(|(k, _)| *k).collect();
-            match read_holders(&s.pool, &keys).await {
+            match read_holders(&s.pool, s.options.read_timeout, &keys).await {
                 Ok(holders) => {
                     if failing {
                         debug!("the observer reads the holders again");
                         failing = false;
                     }
                     for ((_, leadership), holder) in watched.iter().zip(holders) {
-                        leadership.set_following(holder.map(|h| h.node_id));
+                        match holder {
+                            None => leadership.set_following(None),
+                            // Held by a session whose name the server did not show
+                            // (it just ended, or another role's): no leader to name.
+                            Some(h) if h.node_id.is_empty() => leadership.set_unknown(),
+                            Some(h) => leadership.set_following(Some(h.node_id)),
+                        }
                     }
                 }
                 Err(e) => {
@@ -265,6 +340,7 @@ async fn poll(s: Arc<Shared>) {
                 }
             }
         }
+        drop(watched);
         tokio::select! {
             () = tokio::time::sleep(s.options.poll_interval) => {}
             () = s.wake.notified() => {}
@@ -272,21 +348,32 @@ async fn poll(s: Arc<Shared>) {
     }
 }
 
-/// Who holds each of `keys` exclusively, in one statement on a connection of `pool`.
+/// Who holds each of `keys` exclusively, in one statement on a connection of `pool`,
+/// within `timeout` (the wait for the connection included).
 async fn read_holders(
     pool: &deadpool_postgres::Pool,
+    timeout: Duration,
     keys: &[LockKey],
 ) -> Result<Vec<Option<HolderInfo>>> {
-    let client = pool.get().await.map_err(|e| Error::Pool {
-        message: e.to_string(),
-    })?;
-    // A simple query with the keys inlined (numbers only): no prepared statement, which
-    // a transaction pooler may not carry between its backends.
-    let messages = client
-        .simple_query(&holders_sql(keys))
+    let read = async {
+        let client = pool.get().await.map_err(|e| Error::Pool {
+            message: format!("no connection: {e}"),
+        })?;
+        // A simple query with the keys inlined (numbers only): no prepared statement,
+        // which a transaction pooler may not carry between its backends.
+        let messages = client
+            .simple_query(&holders_sql(keys))
+            .await
+            .map_err(Error::database)?;
+        parse_holders(&messages, keys.len())
+    };
+    tokio::time::timeout(timeout, read)
         .await
-        .map_err(Error::database)?;
-    parse_holders(&messages, keys.len())
+        .unwrap_or_else(|_| {
+            Err(Error::Pool {
+                message: format!("no answer within the read timeout of {timeout:?}"),
+            })
+        })
 }
 
 /// The statement [`read_holders`] runs: a first row (`i = 0`) saying whether the
@@ -302,9 +389,9 @@ fn holders_sql(keys: &[LockKey]) -> String {
         subids.push(s.to_string());
     }
     format!(
-        "SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::float8 \
+        "SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
          UNION ALL \
-         SELECT k.i, a.application_name, l.pid, host(a.client_addr), extract(epoch FROM a.backend_start)::float8 \
+         SELECT k.i, a.application_name, l.pid, host(a.client_addr), (extract(epoch FROM a.backend_start) * 1000000)::int8 \
          FROM unnest('{{{}}}'::int8[], '{{{}}}'::int8[], '{{{}}}'::int2[]) WITH ORDINALITY AS k(classid, objid, objsubid, i) \
          JOIN pg_locks l \
            ON l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' AND l.pid IS NOT NULL \
@@ -344,19 +431,18 @@ fn parse_holders(
                 client_addr: row.get(3).map(str::to_owned),
                 session_start: row
                     .get(4)
-                    .and_then(|s| s.parse::<f64>().ok())
-                    .filter(|s| s.is_finite() && *s >= 0.0)
-                    .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(s)),
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us)),
             });
         }
     }
     match standby {
         Some(false) => Ok(out),
-        Some(true) => Err(Error::Refused(
-            crate::status::SessionDownReason::ServerInRecovery,
-        )),
+        Some(true) => Err(Error::Pool {
+            message: "its server is a standby, whose lock table does not show the primary's locks; point the pool at the primary".to_owned(),
+        }),
         None => Err(Error::Protocol {
-            message: "the server answered the holders query with no header row".to_owned(),
+            message: "the server answered the holders query with no header row; is a proxy rewriting queries?".to_owned(),
         }),
     }
 }

@@ -111,8 +111,46 @@ async fn an_observer_follows_the_leaders_through_a_transaction_pooler() {
         .unwrap()
         .get(0);
     assert_eq!(own, 0);
+    assert!(observer.holders(&[]).await.unwrap().is_empty());
+
+    // Dropping the observer stops its handles: they say so, rather than keep showing a
+    // leader nobody checks any more.
+    drop(observer);
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while l1.state() != LeaderState::Stopped {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the handles of a dropped observer are stopped");
     drop((on_a, on_b, also_on_b));
     b.shutdown().await;
+}
+
+/// The observer cannot read any more (the server is gone): within the read timeout
+/// and a poll it shows nobody leading, never the last leader it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_that_cannot_read_stops_showing_the_last_leader() {
+    let mut pg = PgCluster::start_local().unwrap();
+    let name = unique_name("observed-gone");
+    let a = LockManager::connect(fault_options(&pg.url(), "gone-a"))
+        .await
+        .unwrap();
+    let election = Election::start(&a, name.as_str()).unwrap();
+    election.leadership().wait_leading().await;
+    let observer = Observer::new(
+        pool(&pg.url()),
+        ObserverOptions::default()
+            .poll_interval(Duration::from_millis(50))
+            .read_timeout(Duration::from_millis(500)),
+    )
+    .unwrap();
+    let l = observer.watch(&name).unwrap();
+    until_leader(&l, Some("gone-a")).await;
+    pg.stop("immediate").unwrap();
+    until_leader(&l, None).await;
+    drop(election);
+    a.shutdown().await;
 }
 
 /// A pool that cannot connect: the observer shows nobody leading (it cannot tell),
