@@ -67,6 +67,12 @@ pub(crate) struct Seen {
 pub(crate) fn judge(seen: &Seen) -> Result<(), SessionDownReason> {
     let pooler = |detail: String| Err(SessionDownReason::PoolerDetected { detail });
     let unsafe_locks = |detail: String| Err(SessionDownReason::AdvisoryLocksUnsafe { detail });
+    if seen.ours <= 0 || seen.other <= 0 || seen.after <= 0 {
+        return unsafe_locks(format!(
+            "the server answered no backend pid (got {}, {} and {})",
+            seen.ours, seen.other, seen.after
+        ));
+    }
     if !seen.same_server {
         return unsafe_locks(
             "a second connection to the same target reached another server".to_owned(),
@@ -161,6 +167,12 @@ mod tests {
         // reaches the session while it is idle.
         assert!(pooler(judge(&Seen {
             notified: false,
+            ..HONEST
+        })));
+        // A stub that answers no pid.
+        assert!(unsafe_locks(judge(&Seen {
+            ours: 0,
+            after: 0,
             ..HONEST
         })));
         // A balancer over several servers.

@@ -355,25 +355,26 @@ async fn read_holders(
     timeout: Duration,
     keys: &[LockKey],
 ) -> Result<Vec<Option<HolderInfo>>> {
-    let read = async {
-        let client = pool.get().await.map_err(|e| Error::Pool {
-            message: format!("no connection: {e}"),
-        })?;
-        // A simple query with the keys inlined (numbers only): no prepared statement,
-        // which a transaction pooler may not carry between its backends.
-        let messages = client
-            .simple_query(&holders_sql(keys))
-            .await
-            .map_err(Error::database)?;
-        parse_holders(&messages, keys.len())
+    let no_connection = |message: String| Error::Pool {
+        message: format!("no connection: {message}"),
     };
-    tokio::time::timeout(timeout, read)
+    let client = tokio::time::timeout(timeout, pool.get())
         .await
-        .unwrap_or_else(|_| {
+        .map_err(|_| no_connection(format!("none within the read timeout of {timeout:?}")))?
+        .map_err(|e| no_connection(e.to_string()))?;
+    // A simple query with the keys inlined (numbers only): no prepared statement, which
+    // a transaction pooler may not carry between its backends.
+    match tokio::time::timeout(timeout, client.simple_query(&holders_sql(keys))).await {
+        Ok(answer) => parse_holders(&answer.map_err(Error::database)?, keys.len()),
+        Err(_) => {
+            // Not given back to the application's pool with a statement in flight
+            // (a black-holed connection would stall its next user): closed.
+            drop(deadpool_postgres::Object::take(client));
             Err(Error::Pool {
                 message: format!("no answer within the read timeout of {timeout:?}"),
             })
-        })
+        }
+    }
 }
 
 /// The statement [`read_holders`] runs: a first row (`i = 0`) saying whether the
@@ -414,11 +415,16 @@ fn parse_holders(
         let tokio_postgres::SimpleQueryMessage::Row(row) = message else {
             continue;
         };
-        let Some(i) = row.get(0).and_then(|i| i.parse::<usize>().ok()) else {
+        let Some(i) = row
+            .try_get(0)
+            .ok()
+            .flatten()
+            .and_then(|i| i.parse::<usize>().ok())
+        else {
             continue;
         };
         if i == 0 {
-            standby = Some(row.get(1) == Some("true"));
+            standby = Some(row.try_get(1).ok().flatten() == Some("true"));
             continue;
         }
         let Some(entry) = out.get_mut(i - 1) else {
@@ -426,11 +432,18 @@ fn parse_holders(
         };
         if entry.is_none() {
             *entry = Some(HolderInfo {
-                node_id: row.get(1).unwrap_or_default().to_owned(),
-                backend_pid: row.get(2).and_then(|p| p.parse().ok()).unwrap_or(0),
-                client_addr: row.get(3).map(str::to_owned),
+                node_id: row.try_get(1).ok().flatten().unwrap_or_default().to_owned(),
+                backend_pid: row
+                    .try_get(2)
+                    .ok()
+                    .flatten()
+                    .and_then(|p| p.parse().ok())
+                    .unwrap_or(0),
+                client_addr: row.try_get(3).ok().flatten().map(str::to_owned),
                 session_start: row
-                    .get(4)
+                    .try_get(4)
+                    .ok()
+                    .flatten()
                     .and_then(|s| s.parse::<u64>().ok())
                     .map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us)),
             });

@@ -38,11 +38,11 @@ pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
             message: "the server answered the term query with no row".to_owned(),
         });
     };
-    let timeline: i64 = row.get(0).and_then(|t| t.parse().ok()).unwrap_or(0);
+    let timeline: i64 = column(row, 0).and_then(|t| t.parse().ok()).unwrap_or(0);
     // The larger of the option and the server's own setting: a DBA sets it on the new
     // cluster alone (`ALTER DATABASE ... SET chosen.token_epoch = N`) before it takes
     // connections, and every node picks it up as it reconnects.
-    let server_epoch = match row.get(3).map(str::trim).filter(|e| !e.is_empty()) {
+    let server_epoch = match column(row, 3).map(str::trim).filter(|e| !e.is_empty()) {
         None => 0,
         Some(text) => match text.parse::<u16>() {
             Ok(e) if e < (1 << 15) - 1 => e,
@@ -73,16 +73,15 @@ pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
             ),
         }));
     };
-    if privilege.get(0) != Some("t") {
+    if column(privilege, 0) != Some("t") {
         return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: "this role may not execute pg_logical_emit_message, which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text, boolean) TO the role on PostgreSQL 17 and newer, (boolean, text, text) before 17 (PostgreSQL grants it to PUBLIC by default)".to_owned(),
         }));
     }
-    let age = row
-        .get(1)
+    let age = column(row, 1)
         .and_then(|ms| ms.parse::<u64>().ok())
         .map(std::time::Duration::from_millis);
-    let Some(next_xid) = row.get(4).and_then(|x| x.parse::<u64>().ok()) else {
+    let Some(next_xid) = column(row, 4).and_then(|x| x.parse::<u64>().ok()) else {
         return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: "the server answered no next transaction id".to_owned(),
         }));
@@ -90,9 +89,9 @@ pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
     Ok(Term {
         timeline,
         age,
-        identity: row.get(2).unwrap_or_default().to_owned(),
+        identity: column(row, 2).unwrap_or_default().to_owned(),
         first_token: FencingToken::from_parts(timeline, next_xid),
-        system_id: row.get(5).unwrap_or_default().to_owned(),
+        system_id: column(row, 5).unwrap_or_default().to_owned(),
         read_at,
     })
 }
@@ -349,6 +348,55 @@ async fn test_exclusion(
     took: bool,
     key: (i32, i32),
 ) -> Result<()> {
+    let outcome = exclusion_steps(options, client, events, second, ours, identity, took, key).await;
+    if outcome.is_err() {
+        // Refused or failed after step 1: behind a pooler the backend outlives the
+        // connection, so what the session took there is given back (best effort).
+        clean_up_probe(options, client, key).await;
+    }
+    outcome
+}
+
+/// Gives back the self-test's key and channel on the session, a few tries, each
+/// bounded: nothing of a refused session stays on a pooled backend.
+async fn clean_up_probe(options: &ManagerOptions, client: &Client, key: (i32, i32)) {
+    let (k1, k2) = key;
+    let statement = local_transaction(
+        options,
+        &format!(
+            "SELECT pg_advisory_unlock({k1}, {k2}); UNLISTEN {}",
+            probe_channel(key)
+        ),
+    );
+    for _ in 0..3 {
+        match tokio::time::timeout(notification_wait(options), client.simple_query(&statement))
+            .await
+        {
+            Ok(Ok(messages)) => {
+                if rows(&messages)
+                    .first()
+                    .is_none_or(|row| column(row, 0) != Some("t"))
+                {
+                    break;
+                }
+            }
+            _ => break,
+        }
+    }
+}
+
+/// The self-test's steps 2 and 3 (see [`test_exclusion`]).
+#[allow(clippy::too_many_arguments)]
+async fn exclusion_steps(
+    options: &ManagerOptions,
+    client: &Client,
+    events: &mut mpsc::UnboundedReceiver<ConnEvent>,
+    second: AbortOnDrop<Result<(Client, AbortOnDrop)>>,
+    ours: i32,
+    identity: &str,
+    took: bool,
+    key: (i32, i32),
+) -> Result<()> {
     let (k1, k2) = key;
     let channel = probe_channel(key);
     let payload = format!("{k1}.{k2}");
@@ -378,7 +426,7 @@ async fn test_exclusion(
             second.simple_query(&local_transaction(
                 options,
                 &format!(
-                    "SELECT pg_backend_pid(), pg_try_advisory_lock({k1}, {k2}), {SERVER_IDENTITY_SQL}; NOTIFY {channel}, '{payload}'"
+                    "SELECT pg_backend_pid(), pg_try_advisory_xact_lock({k1}, {k2}), {SERVER_IDENTITY_SQL}; NOTIFY {channel}, '{payload}'"
                 ),
             )),
         )
@@ -389,7 +437,16 @@ async fn test_exclusion(
                 after: wait,
             })
         })?
-        .map_err(database)?;
+        .map_err(|e| {
+            if e.is_closed() {
+                // Cut short (a DBA's idle_session_timeout): `connect` tries again.
+                Error::NotConnected(SessionDownReason::ConnectionLost {
+                    message: error_text(&e),
+                })
+            } else {
+                database(e)
+            }
+        })?;
         let Some((other, granted, other_server)) = rows(&answer).first().map(|row| {
             (
                 column(row, 0)
@@ -403,17 +460,12 @@ async fn test_exclusion(
                 message: "the server answered the exclusion self-test with no row".to_owned(),
             });
         };
-        if granted {
-            // Given back before the connection closes: behind a pooler the backend
-            // (perhaps ours) outlives it.
-            let _ = second
-                .simple_query(&local_transaction(
-                    options,
-                    &format!("SELECT pg_advisory_unlock({k1}, {k2})"),
-                ))
-                .await;
-        }
-        (other, granted, other_server == identity)
+        // (A transaction-level try: whatever it was granted ends with its commit.)
+        (
+            other,
+            granted,
+            !identity.is_empty() && other_server == identity,
+        )
     };
     // The notification must reach the session while it is idle: only a backend bound
     // to the session's own connection delivers it then.
@@ -421,7 +473,9 @@ async fn test_exclusion(
         let deadline = tokio::time::Instant::now() + notification_wait(options);
         loop {
             match tokio::time::timeout_at(deadline, events.recv()).await {
-                Ok(Some(ConnEvent::Notification { payload: p, .. })) if p == payload => {
+                Ok(Some(ConnEvent::Notification {
+                    payload: p, sender, ..
+                })) if p == payload && sender == other => {
                     break true;
                 }
                 Ok(Some(ConnEvent::Notification { .. })) => {}
@@ -566,17 +620,14 @@ where
     // The server's address as it sees this connection (empty over a Unix socket).
     let server = field(6).to_owned();
     let read_only = field(7) == "on";
-    if version < MIN_SERVER_VERSION {
-        return Err(Error::Refused(SessionDownReason::ServerTooOld { version }));
-    }
-    if in_recovery {
-        return Err(Error::Refused(SessionDownReason::ServerInRecovery));
-    }
-    if read_only {
-        return Err(Error::Refused(SessionDownReason::ServerReadOnly));
-    }
-    if !found_marker.is_empty() || advisory_locks > 0 {
-        return Err(Error::Refused(SessionDownReason::PoolerDetected {
+    let refused = if version < MIN_SERVER_VERSION {
+        Some(SessionDownReason::ServerTooOld { version })
+    } else if in_recovery {
+        Some(SessionDownReason::ServerInRecovery)
+    } else if read_only {
+        Some(SessionDownReason::ServerReadOnly)
+    } else if !found_marker.is_empty() || advisory_locks > 0 {
+        Some(SessionDownReason::PoolerDetected {
             detail: format!(
                 "the new session's backend (pid {backend_pid}) already carries another session's state ({} advisory locks{})",
                 advisory_locks,
@@ -586,7 +637,16 @@ where
                     ", another chosen marker"
                 }
             ),
-        }));
+        })
+    } else {
+        None
+    };
+    if let Some(reason) = refused {
+        if second.is_some() {
+            // The key was not taken there, but the channel is listened to.
+            clean_up_probe(options, &client, probe_key).await;
+        }
+        return Err(Error::Refused(reason));
     }
     // Steps 2 and 3.
     if let Some(second) = second {
