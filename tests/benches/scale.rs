@@ -63,7 +63,7 @@ async fn contenders(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<
     let mut elections = Vec::with_capacity(n);
     // Connected in batches: each new manager proves the server with a second
     // connection for a moment, which must fit under max_connections too.
-    for batch in (0..n).collect::<Vec<_>>().chunks(50) {
+    for batch in (0..n).collect::<Vec<_>>().chunks(20) {
         let connecting: Vec<_> = batch
             .iter()
             .map(|i| {
@@ -71,7 +71,17 @@ async fn contenders(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<
                     o.node_id(format!("scale-{i}"))
                         .term_grant_delay(Duration::ZERO)
                 });
-                tokio::spawn(async move { LockManager::connect(options?).await })
+                tokio::spawn(async move {
+                    let options = options?;
+                    // A loaded machine may time a connect out: tried again, a few times.
+                    let mut tries = 0;
+                    loop {
+                        match LockManager::connect(options.clone()).await {
+                            Err(e) if tries < 3 && e.is_transient() => tries += 1,
+                            other => break other,
+                        }
+                    }
+                })
             })
             .collect();
         for m in connecting {
