@@ -243,7 +243,7 @@ impl LockManager {
     /// * [`Error::Protocol`]: the server answered a probe in a way chosen does not
     ///   expect (something between rewrites the conversation).
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
-        Self::connect_with(options, Arc::new(pg::PgBackend)).await
+        Self::connect_with(options, Arc::new(pg::PgBackend::default())).await
     }
 
     /// [`connect`](Self::connect) to the sessions of `backend` (PostgreSQL's, or a

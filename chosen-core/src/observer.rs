@@ -358,13 +358,15 @@ async fn read_holders(
     let no_connection = |message: String| Error::Pool {
         message: format!("no connection: {message}"),
     };
-    let client = tokio::time::timeout(timeout, pool.get())
+    // One deadline for the wait for a connection and the statement together.
+    let deadline = tokio::time::Instant::now() + timeout;
+    let client = tokio::time::timeout_at(deadline, pool.get())
         .await
         .map_err(|_| no_connection(format!("none within the read timeout of {timeout:?}")))?
         .map_err(|e| no_connection(e.to_string()))?;
     // A simple query with the keys inlined (numbers only): no prepared statement, which
     // a transaction pooler may not carry between its backends.
-    match tokio::time::timeout(timeout, client.simple_query(&holders_sql(keys))).await {
+    match tokio::time::timeout_at(deadline, client.simple_query(&holders_sql(keys))).await {
         Ok(answer) => parse_holders(&answer.map_err(Error::database)?, keys.len()),
         Err(_) => {
             // Not given back to the application's pool with a statement in flight

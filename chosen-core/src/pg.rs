@@ -111,8 +111,11 @@ impl Link for PgLink {
 }
 
 /// PostgreSQL, the backend that ships: [`connect()`].
-#[derive(Debug)]
-pub(crate) struct PgBackend;
+#[derive(Debug, Default)]
+pub(crate) struct PgBackend {
+    /// The identity of the server the exclusion self-test last passed on.
+    proven: std::sync::Mutex<Option<String>>,
+}
 
 impl Backend for PgBackend {
     fn connect<'a>(
@@ -120,7 +123,7 @@ impl Backend for PgBackend {
         options: &'a ManagerOptions,
         generation: u64,
     ) -> BoxFuture<'a, Result<Session>> {
-        Box::pin(connect(options, generation))
+        Box::pin(connect(options, generation, &self.proven))
     }
 }
 

@@ -1,7 +1,7 @@
 //! Opening a session: connect, prove that the server is a writable primary that the
 //! session is alone on, set the session up, prepare the statements, and read the term.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -149,8 +149,13 @@ pub(super) const TRANSACTION_TIMEOUT_OFF_LOCAL: &str = "SELECT 1 WHERE CASE WHEN
 /// [`TRANSACTION_TIMEOUT_OFF_LOCAL`] for the whole session.
 pub(super) const TRANSACTION_TIMEOUT_OFF_SESSION: &str = "SELECT 1 WHERE CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false ELSE set_config('transaction_timeout', '0', false) IS NULL END;";
 
-/// Opens and proves a new session.
-pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result<Session> {
+/// Opens and proves a new session; `proven` is the identity of the server the
+/// exclusion self-test last passed on (see [`crate::exclusion`]).
+pub(crate) async fn connect(
+    options: &ManagerOptions,
+    generation: u64,
+    proven: &Mutex<Option<String>>,
+) -> Result<Session> {
     let timeout = options.connect_timeout * (options.pg.get_hosts().len().max(1) as u32 + 1);
     let attempt = async {
         // A DBA's statement_timeout (e.g. a role default of a millisecond) applies to
@@ -163,7 +168,7 @@ pub(crate) async fn connect(options: &ManagerOptions, generation: u64) -> Result
         // the connect timeout.
         let mut tries = 1;
         loop {
-            match connect_inner(options, generation).await {
+            match connect_inner(options, generation, proven).await {
                 Err(e) if tries < 3 && cut_short_by_dba_settings(&e) => {
                     warn!(error = %e, "the new lock session was cut short, likely by a very short statement_timeout or idle_session_timeout set for the role or database; connecting again (consider ALTER ROLE ... RESET for this role)");
                     tries += 1;
@@ -216,17 +221,21 @@ fn connect_error(options: &ManagerOptions, source: tokio_postgres::Error) -> Err
     }
 }
 
-pub(super) async fn connect_inner(options: &ManagerOptions, generation: u64) -> Result<Session> {
+pub(super) async fn connect_inner(
+    options: &ManagerOptions,
+    generation: u64,
+    proven: &Mutex<Option<String>>,
+) -> Result<Session> {
     let config = options.session_config();
     // The exclusion self-test's second connection, opened alongside the session's (so
     // that the session is not left idle while it connects, and a multi-host URL is not
-    // walked twice in a row).
-    let second = options.exclusion_self_test.then(|| {
-        let options = options.clone();
-        AbortOnDrop::with_output(tokio::spawn(
-            async move { second_connection(&options).await },
-        ))
-    });
+    // walked twice in a row) when no server was proven yet. A reconnect to the proven
+    // server runs no test, and stays as fast as the stop fences need it.
+    let cached = proven
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let second = (options.exclusion_self_test && cached.is_none()).then(|| open_second(options));
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
@@ -234,13 +243,37 @@ pub(super) async fn connect_inner(options: &ManagerOptions, generation: u64) -> 
             .connect(tls)
             .await
             .map_err(|e| connect_error(options, e))?;
-        return prove(options, generation, second, client, connection).await;
+        return prove(
+            options,
+            generation,
+            (proven, cached),
+            second,
+            client,
+            connection,
+        )
+        .await;
     }
     let (client, connection) = config
         .connect(NoTls)
         .await
         .map_err(|e| connect_error(options, e))?;
-    prove(options, generation, second, client, connection).await
+    prove(
+        options,
+        generation,
+        (proven, cached),
+        second,
+        client,
+        connection,
+    )
+    .await
+}
+
+/// The self-test's second connection, opening on its own task.
+fn open_second(options: &ManagerOptions) -> AbortOnDrop<Result<(Client, AbortOnDrop)>> {
+    let options = options.clone();
+    AbortOnDrop::with_output(tokio::spawn(
+        async move { second_connection(&options).await },
+    ))
 }
 
 /// A second connection to the session's target, for the exclusion self-test: its
@@ -361,25 +394,33 @@ async fn test_exclusion(
 /// bounded: nothing of a refused session stays on a pooled backend.
 async fn clean_up_probe(options: &ManagerOptions, client: &Client, key: (i32, i32)) {
     let (k1, k2) = key;
-    let statement = local_transaction(
-        options,
-        &format!(
-            "SELECT pg_advisory_unlock({k1}, {k2}); UNLISTEN {}",
-            probe_channel(key)
-        ),
+    // `ROLLBACK` first: a statement that failed may have left a transaction open
+    // (outside one it is only a warning).
+    let statement = format!(
+        "ROLLBACK; {}",
+        local_transaction(
+            options,
+            &format!(
+                "SELECT pg_advisory_unlock({k1}, {k2}); UNLISTEN {}",
+                probe_channel(key)
+            ),
+        )
     );
+    // Until the key is given back: behind a pooler a statement may land on a backend
+    // that does not hold it (a key never taken is tried three times, harmlessly).
     for _ in 0..3 {
         match tokio::time::timeout(notification_wait(options), client.simple_query(&statement))
             .await
         {
-            Ok(Ok(messages)) => {
+            Ok(Ok(messages))
                 if rows(&messages)
                     .first()
-                    .is_none_or(|row| column(row, 0) != Some("t"))
-                {
-                    break;
-                }
+                    .is_some_and(|row| column(row, 0) == Some("t")) =>
+            {
+                break;
             }
+            Ok(Ok(_)) => {}
+            // The session is gone (a direct server frees everything then) or stalled.
             _ => break,
         }
     }
@@ -438,8 +479,12 @@ async fn exclusion_steps(
             })
         })?
         .map_err(|e| {
-            if e.is_closed() {
-                // Cut short (a DBA's idle_session_timeout): `connect` tries again.
+            // Cut short (a DBA's idle_session_timeout, transaction_timeout or
+            // statement_timeout on the second connection): `connect` tries again.
+            let cut = e.is_closed()
+                || e.code()
+                    .is_some_and(|c| matches!(c.code(), "57P05" | "25P04" | "57014"));
+            if cut {
                 Error::NotConnected(SessionDownReason::ConnectionLost {
                     message: error_text(&e),
                 })
@@ -542,6 +587,7 @@ async fn exclusion_steps(
 pub(super) async fn prove<S, T>(
     options: &ManagerOptions,
     generation: u64,
+    (proven, cached): (&Mutex<Option<String>>, Option<String>),
     second: Option<AbortOnDrop<Result<(Client, AbortOnDrop)>>>,
     client: Client,
     mut connection: tokio_postgres::Connection<S, T>,
@@ -583,29 +629,51 @@ where
     // session takes a key of its own, and listens on a channel of its own.
     let marker = new_marker(options, generation);
     let probe_key = crate::exclusion::probe_key(&marker);
-    let step_one = if second.is_some() {
+    let testing = options.exclusion_self_test;
+    // Inlined only as the digest it must be.
+    let cached = cached
+        .filter(|c| c.len() == 64 && c.bytes().all(|b| b.is_ascii_hexdigit()))
+        .unwrap_or_default();
+    let step_one = if testing {
         format!(
             "SELECT CASE WHEN current_setting('server_version_num')::int4 >= {MIN_SERVER_VERSION} \
                   AND NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off' \
                   AND coalesce(current_setting('{MARKER_SETTING}', true), '') = '' \
                   AND NOT EXISTS (SELECT 1 FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()) \
-             THEN pg_try_advisory_lock({}, {}) END, {SERVER_IDENTITY_SQL}; LISTEN {}",
+                  AND {SERVER_IDENTITY_SQL} <> '{cached}' \
+             THEN pg_try_advisory_lock({}, {}) END, {SERVER_IDENTITY_SQL}{}",
             probe_key.0,
             probe_key.1,
-            probe_channel(probe_key)
+            if second.is_some() {
+                format!("; LISTEN {}", probe_channel(probe_key))
+            } else {
+                String::new()
+            }
         )
     } else {
         "SELECT NULL::bool, NULL::text".to_owned()
     };
-    let messages = client
+    let answer = client
         .simple_query(&local_transaction(
             options,
             &format!("{PROBE_SQL}; {step_one}"),
         ))
-        .await
-        .map_err(|e| without_advisory_locks(&e).unwrap_or_else(|| Error::database(e)))?;
+        .await;
+    let messages = match answer {
+        Ok(messages) => messages,
+        Err(e) => {
+            // A session-level key taken in a transaction that then failed stays held.
+            if testing && !e.is_closed() {
+                clean_up_probe(options, &client, probe_key).await;
+            }
+            return Err(without_advisory_locks(&e).unwrap_or_else(|| Error::database(e)));
+        }
+    };
     let rows = rows(&messages);
     let (Some(row), Some(exclusion)) = (rows.first(), rows.get(1)) else {
+        if testing {
+            clean_up_probe(options, &client, probe_key).await;
+        }
         return Err(Error::Protocol {
             message: "the server answered the session probe with no row".to_owned(),
         });
@@ -642,25 +710,49 @@ where
         None
     };
     if let Some(reason) = refused {
-        if second.is_some() {
-            // The key was not taken there, but the channel is listened to.
+        if testing {
+            // The key was not taken there, but the channel may be listened to.
             clean_up_probe(options, &client, probe_key).await;
         }
         return Err(Error::Refused(reason));
     }
-    // Steps 2 and 3.
-    if let Some(second) = second {
-        test_exclusion(
+    // Steps 2 and 3, on a server other than the one last proven.
+    let identity = column(exclusion, 1).unwrap_or_default().to_owned();
+    if testing && (cached.is_empty() || identity != cached) {
+        let second = match second {
+            Some(second) => second,
+            None => {
+                // A new server since the last test: the channel, and the second
+                // connection, now.
+                let listen = client
+                    .simple_query(&local_transaction(
+                        options,
+                        &format!("LISTEN {}", probe_channel(probe_key)),
+                    ))
+                    .await;
+                if let Err(e) = listen {
+                    clean_up_probe(options, &client, probe_key).await;
+                    return Err(Error::database(e));
+                }
+                open_second(options)
+            }
+        };
+        let tested = test_exclusion(
             options,
             &client,
             &mut events,
             second,
             backend_pid,
-            column(exclusion, 1).unwrap_or_default(),
+            &identity,
             column(exclusion, 0) == Some("t"),
             probe_key,
         )
-        .await?;
+        .await;
+        *proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            tested.is_ok().then_some(identity);
+        tested?;
     }
     let setup = format!(
         "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
