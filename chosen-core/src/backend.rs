@@ -60,6 +60,10 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn seed(&self) -> Option<u64> {
         None
     }
+
+    /// A session on the proven server was found sharing or swapping its backend (a
+    /// pooler put in between): the next session proves the server again.
+    fn forget_proven(&self) {}
 }
 
 /// One open session's statements.

@@ -23,8 +23,10 @@
 //! and still held by the session afterwards, on the same backend; the second
 //! connection must have reached the same server with a backend of its own. [`judge`]
 //! decides from what the three steps saw; each backend (PostgreSQL, the simulated
-//! server) gathers it. It runs on every new session: a path that changes (a pooler
-//! put in between, a moved address) is seen at the next connect.
+//! server) gathers it. A manager runs it once per server identity (the server's
+//! address, database and start, and the client's address as the server sees it), and
+//! again after a session found its backend shared or swapped, so that a reconnect to
+//! the proven server stays as fast as the stop fences need.
 
 use crate::key::LockKey;
 use crate::status::SessionDownReason;

@@ -125,6 +125,13 @@ impl Backend for PgBackend {
     ) -> BoxFuture<'a, Result<Session>> {
         Box::pin(connect(options, generation, &self.proven))
     }
+
+    fn forget_proven(&self) {
+        *self
+            .proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
 }
 
 /// What the heartbeat task needs of the session.

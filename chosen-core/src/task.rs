@@ -251,8 +251,15 @@ impl Driver {
                 // Kept open until the next session fences what is still stopping (the
                 // engine's rule 6), unless its connection is closed already, or it is a
                 // pooler's (nothing of it is ours).
-                let may_keep =
-                    !s.is_closed() && !matches!(reason, SessionDownReason::PoolerDetected { .. });
+                let pooled = matches!(
+                    reason,
+                    SessionDownReason::PoolerDetected { .. }
+                        | SessionDownReason::BackendChanged { .. }
+                );
+                if pooled {
+                    self.backend.forget_proven();
+                }
+                let may_keep = !s.is_closed() && !pooled;
                 match self.end_generation(&generation, reason.clone(), may_keep) {
                     Some(until) => self.retire(s, until),
                     None => drop(s),

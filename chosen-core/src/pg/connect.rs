@@ -229,13 +229,13 @@ pub(super) async fn connect_inner(
     let config = options.session_config();
     // The exclusion self-test's second connection, opened alongside the session's (so
     // that the session is not left idle while it connects, and a multi-host URL is not
-    // walked twice in a row) when no server was proven yet. A reconnect to the proven
-    // server runs no test, and stays as fast as the stop fences need it.
+    // walked twice in a row); closed unused on a reconnect to the proven server, which
+    // runs no test and stays as fast as the stop fences need it.
     let cached = proven
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
-    let second = (options.exclusion_self_test && cached.is_none()).then(|| open_second(options));
+    let second = options.exclusion_self_test.then(|| open_second(options));
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
@@ -640,18 +640,14 @@ where
                   AND NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off' \
                   AND coalesce(current_setting('{MARKER_SETTING}', true), '') = '' \
                   AND NOT EXISTS (SELECT 1 FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()) \
-                  AND {SERVER_IDENTITY_SQL} <> '{cached}' \
-             THEN pg_try_advisory_lock({}, {}) END, {SERVER_IDENTITY_SQL}{}",
+                  AND {PROVEN_IDENTITY_SQL} <> '{cached}' \
+             THEN pg_try_advisory_lock({}, {}) END, {SERVER_IDENTITY_SQL}, {PROVEN_IDENTITY_SQL}; LISTEN {}",
             probe_key.0,
             probe_key.1,
-            if second.is_some() {
-                format!("; LISTEN {}", probe_channel(probe_key))
-            } else {
-                String::new()
-            }
+            probe_channel(probe_key)
         )
     } else {
-        "SELECT NULL::bool, NULL::text".to_owned()
+        "SELECT NULL::bool, NULL::text, NULL::text".to_owned()
     };
     let answer = client
         .simple_query(&local_transaction(
@@ -710,6 +706,10 @@ where
         None
     };
     if let Some(reason) = refused {
+        // Refused: whatever was proven of this server is not trusted any more.
+        *proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
         if testing {
             // The key was not taken there, but the channel may be listened to.
             clean_up_probe(options, &client, probe_key).await;
@@ -718,25 +718,8 @@ where
     }
     // Steps 2 and 3, on a server other than the one last proven.
     let identity = column(exclusion, 1).unwrap_or_default().to_owned();
-    if testing && (cached.is_empty() || identity != cached) {
-        let second = match second {
-            Some(second) => second,
-            None => {
-                // A new server since the last test: the channel, and the second
-                // connection, now.
-                let listen = client
-                    .simple_query(&local_transaction(
-                        options,
-                        &format!("LISTEN {}", probe_channel(probe_key)),
-                    ))
-                    .await;
-                if let Err(e) = listen {
-                    clean_up_probe(options, &client, probe_key).await;
-                    return Err(Error::database(e));
-                }
-                open_second(options)
-            }
-        };
+    let remembered = column(exclusion, 2).unwrap_or_default().to_owned();
+    if let Some(second) = second.filter(|_| cached.is_empty() || remembered != cached) {
         let tested = test_exclusion(
             options,
             &client,
@@ -751,11 +734,17 @@ where
         *proven
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) =
-            tested.is_ok().then_some(identity);
+            tested.is_ok().then_some(remembered);
         tested?;
     }
+    // (The self-test's channel, listened to by the probe, is not kept.)
+    let unlisten = if testing {
+        format!(" UNLISTEN {};", probe_channel(probe_key))
+    } else {
+        String::new()
+    };
     let setup = format!(
-        "{} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
+        "{}{unlisten} SELECT set_config('{MARKER_SETTING}', '{marker}', false);",
         setup_sql(options)
     );
     // The settings, the term and the prepared statements in one round trip: a slow

@@ -20,11 +20,14 @@ pub(crate) const MARKER_SETTING: &str = "chosen.session";
 pub(super) const PROBE_SQL: &str = "SELECT current_setting('server_version_num')::int4, pg_backend_pid(), pg_is_in_recovery(), coalesce(current_setting('chosen.session', true), ''), (SELECT count(*) FROM pg_lock_status() l WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid()), (SELECT oid FROM pg_database WHERE datname = current_database())::int8, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), ''), current_setting('transaction_read_only')";
 
 /// What tells one server (and the database on it) from another, for the exclusion
-/// self-test: its address as it sees the connection, the database, when the server
-/// started, and the client's address as the server sees it (a pooler put in between
-/// connects from its own). A hex digest, so that it can be inlined in SQL. The test
-/// runs again whenever it changes, and its two connections must agree on it.
-pub(super) const SERVER_IDENTITY_SQL: &str = "encode(sha256(convert_to(coalesce(host(inet_server_addr()) || ':' || inet_server_port(), '') || '/' || current_database() || '/' || pg_postmaster_start_time()::text || '/' || coalesce(host(inet_client_addr()), ''), 'UTF8')), 'hex')";
+/// self-test, whose two connections must agree on it: its address as it sees the
+/// connection, the database, and when the server started. A hex digest, so that it can
+/// be inlined in SQL.
+pub(super) const SERVER_IDENTITY_SQL: &str = "encode(sha256(convert_to(coalesce(host(inet_server_addr()) || ':' || inet_server_port(), '') || '/' || current_database() || '/' || pg_postmaster_start_time()::text, 'UTF8')), 'hex')";
+
+/// What the self-test is remembered by: the server's identity and the client's address
+/// as the server sees it (a pooler put in between connects from its own). A hex digest.
+pub(super) const PROVEN_IDENTITY_SQL: &str = "encode(sha256(convert_to(coalesce(host(inet_server_addr()) || ':' || inet_server_port(), '') || '/' || current_database() || '/' || pg_postmaster_start_time()::text || '/' || coalesce(host(inet_client_addr()), ''), 'UTF8')), 'hex')";
 
 /// Proves the session: the same backend, writable, still marked as ours, and which
 /// advisory locks it holds (one the manager holds missing means something released it

@@ -651,6 +651,13 @@ impl Backend for SimBackend {
     fn seed(&self) -> Option<u64> {
         Some(self.seed)
     }
+
+    fn forget_proven(&self) {
+        *self
+            .proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
 }
 
 /// One session on a [`SimServer`].
