@@ -27,6 +27,8 @@ mod names;
 mod observer;
 mod options;
 mod pg;
+#[cfg(feature = "deadpool")]
+mod rows;
 mod shared;
 #[cfg(test)]
 mod sim;
@@ -58,6 +60,12 @@ pub use metrics::PrometheusMetrics;
 #[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
 pub use observer::{Observer, ObserverOptions};
 pub use options::ManagerOptions;
+/// The tables and the sequence of the lease-row mode
+/// ([`LockManager::connect_pooled`]), for a migration: a manager creates them when they
+/// are missing and its role may, and otherwise says to run this.
+#[cfg(feature = "deadpool")]
+#[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
+pub const LEASE_TABLES_SQL: &str = rows::TABLES_SQL;
 pub use singleton::{
     ChildError, ChildState, LeaderContext, RestartPolicy, Singleton, SingletonOptions,
     SingletonState, SingletonStatus,

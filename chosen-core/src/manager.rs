@@ -243,7 +243,61 @@ impl LockManager {
     /// * [`Error::Protocol`]: the server answered a probe in a way chosen does not
     ///   expect (something between rewrites the conversation).
     pub async fn connect(options: ManagerOptions) -> Result<Self> {
+        if options.pooled {
+            return Err(Error::config(
+                "ManagerOptions::pooled",
+                "these options name no server (they were made for the lease-row mode): pass them to LockManager::connect_pooled with a pool, or make them with ManagerOptions::from_url".to_owned(),
+            ));
+        }
         Self::connect_with(options, Arc::new(pg::PgBackend::default())).await
+    }
+
+    /// Validates `options` and starts a manager in the *lease-row mode*: its locks are
+    /// rows of a table (`chosen_lease`), taken, renewed and released with ordinary
+    /// statements on connections of `pool`, so that it runs where session advisory
+    /// locks cannot: through a transaction pooler (PgBouncer `pool_mode=transaction`,
+    /// Supavisor, RDS Proxy) and without a connection of its own. The API and the
+    /// guarantees are the same; what differs:
+    ///
+    /// * a crashed holder's locks are free `server_release_after` after its last
+    ///   renewal (the rows expire by the database's clock), not when the server sees
+    ///   its connection end;
+    /// * a graceful release is not announced: waiters find it at their next poll;
+    /// * the database's wall clock decides expiry, so a step forward of it by more
+    ///   than [`safety_margin`](ManagerOptions::safety_margin) can end a lease early;
+    /// * every node of a namespace must use the same mode (a row and an advisory lock
+    ///   of the same name do not exclude each other).
+    ///
+    /// The tables are created when missing, if the pool's role may (else run
+    /// [`LEASE_TABLES_SQL`](crate::LEASE_TABLES_SQL) as a migration). The pool must
+    /// reach the primary, and have a connection free now and then: a renewal that
+    /// gets none within `lease_timeout` ends the session. Any connection settings in
+    /// `options` are not used.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: deadpool_postgres::Pool) -> chosen_core::Result<()> {
+    /// use chosen_core::{LockManager, ManagerOptions};
+    ///
+    /// let manager = LockManager::connect_pooled(pool, ManagerOptions::pooled()).await?;
+    /// let lease = manager.acquire("nightly-report").await?;
+    /// assert!(lease.is_valid());
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`]; [`Error::Pool`] when the pool gives no connection;
+    /// [`Error::ConnectTimeout`]; [`Error::Refused`] for a standby, a read-only
+    /// server, or tables that are missing and may not be created.
+    #[cfg(feature = "deadpool")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
+    pub async fn connect_pooled(
+        pool: deadpool_postgres::Pool,
+        mut options: ManagerOptions,
+    ) -> Result<Self> {
+        options.pooled = true;
+        Self::connect_with(options, Arc::new(crate::rows::RowsBackend::new(pool))).await
     }
 
     /// [`connect`](Self::connect) to the sessions of `backend` (PostgreSQL's, or a

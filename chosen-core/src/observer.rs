@@ -363,7 +363,7 @@ async fn read_holders(
     let client = tokio::time::timeout_at(deadline, pool.get())
         .await
         .map_err(|_| no_connection(format!("none within the read timeout of {timeout:?}")))?
-        .map_err(|e| no_connection(e.to_string()))?;
+        .map_err(|e| no_connection(crate::rows::pool_error_text(&e)))?;
     // A simple query with the keys inlined (numbers only): no prepared statement, which
     // a transaction pooler may not carry between its backends.
     match tokio::time::timeout_at(deadline, client.simple_query(&holders_sql(keys))).await {

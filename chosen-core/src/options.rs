@@ -90,6 +90,9 @@ pub struct ManagerOptions {
     pub(crate) eligible: bool,
     /// The exclusion self-test runs on each new server (off only in tests).
     pub(crate) exclusion_self_test: bool,
+    /// Made for the lease-row mode ([`ManagerOptions::pooled`]): no connection
+    /// settings of its own.
+    pub(crate) pooled: bool,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -117,6 +120,7 @@ impl fmt::Debug for ManagerOptions {
             .field("token_epoch", &self.token_epoch)
             .field("eligible", &self.eligible)
             .field("exclusion_self_test", &self.exclusion_self_test)
+            .field("pooled", &self.pooled)
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -162,6 +166,7 @@ impl ManagerOptions {
             token_epoch: 0,
             eligible: true,
             exclusion_self_test: true,
+            pooled: false,
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -238,6 +243,26 @@ impl ManagerOptions {
         {
             false
         }
+    }
+
+    /// Options for the lease-row mode ([`LockManager::connect_pooled`]): no connection
+    /// settings, since every statement runs on a connection of the application's pool.
+    /// Adjust the timings as for any manager.
+    ///
+    /// ```
+    /// use chosen_core::ManagerOptions;
+    ///
+    /// let options = ManagerOptions::pooled().node_id("worker-1");
+    /// options.validate()?;
+    /// # Ok::<(), chosen_core::Error>(())
+    /// ```
+    ///
+    /// [`LockManager::connect_pooled`]: crate::LockManager::connect_pooled
+    #[must_use]
+    pub fn pooled() -> Self {
+        let mut options = Self::from_pg_config(tokio_postgres::Config::new());
+        options.pooled = true;
+        options
     }
 
     /// Options from a `deadpool_postgres::Config` (the settings only: the lock
@@ -639,14 +664,14 @@ impl ManagerOptions {
                 ),
             );
         }
-        if self.pg.get_hosts().is_empty() {
+        if !self.pooled && self.pg.get_hosts().is_empty() {
             return bad(
                 "connection settings: host",
                 "the connection settings name no host; add host=... or a host to the URL"
                     .to_owned(),
             );
         }
-        if self.pg.get_user().is_none() {
+        if !self.pooled && self.pg.get_user().is_none() {
             return bad(
                 "connection settings: user",
                 "the connection settings name no user; add user=... or a user to the URL"

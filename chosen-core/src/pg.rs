@@ -24,9 +24,9 @@ use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
 use crate::table::Plan;
 
-pub(crate) use connect::connect;
 #[cfg(test)]
 pub(crate) use connect::tcp_user_timeout;
+pub(crate) use connect::{connect, read_term};
 #[cfg(test)]
 pub(crate) use sql::{ANNOUNCEMENTS_PER_NOTIFY, UNLOCK_SQL_FOR_TESTS};
 #[cfg(feature = "test-util")]

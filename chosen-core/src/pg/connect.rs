@@ -21,8 +21,9 @@ use crate::status::SessionDownReason;
 use crate::task::AbortOnDrop;
 use crate::token::FencingToken;
 
-/// Reads the server's current term (see [`TERM_SQL`]).
-pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
+/// Reads the server's current term (see [`TERM_SQL`]); with `emits`, checks that the
+/// role may write the token's WAL record (the lease-row mode writes none).
+pub(crate) async fn read_term(client: &Client, epoch: u16, emits: bool) -> Result<Term> {
     // With it, in the same round trip: may this role write the token's WAL record?
     let messages = client
         .simple_query(&format!("{TERM_SQL}; {EMIT_PRIVILEGE_SQL}"))
@@ -73,7 +74,7 @@ pub(super) async fn read_term(client: &Client, epoch: u16) -> Result<Term> {
             ),
         }));
     };
-    if column(privilege, 0) != Some("t") {
+    if emits && column(privilege, 0) != Some("t") {
         return Err(Error::Refused(SessionDownReason::ConnectFailed {
             message: "this role may not execute pg_logical_emit_message, which makes fencing tokens durable: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text, boolean) TO the role on PostgreSQL 17 and newer, (boolean, text, text) before 17 (PostgreSQL grants it to PUBLIC by default)".to_owned(),
         }));
@@ -758,7 +759,7 @@ where
     let ((), term, stmts) = tokio::try_join!(
         biased;
         async { client.batch_execute(&setup).await.map_err(Error::database) },
-        read_term(&client, options.token_epoch),
+        read_term(&client, options.token_epoch, true),
         async { Statements::prepare(&client).await.map_err(Error::database) },
     )?;
     let link = PgLink {

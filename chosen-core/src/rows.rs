@@ -1,0 +1,656 @@
+//! The lease-row mode: locks are rows of a table (`chosen_lease`), taken, renewed and
+//! released with ordinary statements on any connection of the application's pool, so
+//! that it works through transaction poolers and needs no connection of its own.
+//!
+//! A *session* here is a holder id (random, with the time it began) instead of a
+//! backend: its locks are the rows carrying it. The server releases them when they
+//! expire by its clock, `server_release_after` after the last renewal's transaction
+//! began; the client trusts them until the renewal's send time plus `lease_timeout`,
+//! which [`ManagerOptions::validate`] keeps below it with room for the work to stop
+//! (`lease_timeout + stop_budget + safety_margin < server_release_after`), the same
+//! invariant as the advisory-lock mode's. So a node that cannot renew stops before any
+//! other can take its rows over, as long as the two clocks run at about the same rate
+//! and the server's wall clock does not step forward by more than the safety margin.
+//!
+//! Every plan is one transaction, sent as one simple query (see [`sql::Batch`]):
+//! nothing prepared has to survive between two transactions of a pooler, and the
+//! statements of a plan commit together or not at all. The batches of one session run
+//! one at a time, in the order sent (a fair lock), which is the order the engine
+//! expects answers in; any error ends the session (its rows are deleted when the link
+//! is dropped, or expire), since after an error nobody knows what committed.
+//!
+//! Tokens come from a sequence (`chosen_lease_token`) drawn after every row of the
+//! batch was taken, with the server's timeline in the high bits as in the other mode:
+//! a later tenure of a key draws after the earlier one's rows were committed, so its
+//! token is larger.
+
+mod sql;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::Pool;
+use tokio::sync::mpsc;
+use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
+use tracing::{debug, warn};
+
+use crate::backend::{
+    Backend, BoxFuture, ConnEvent, HeartbeatLink, HolderAnswer, Link, Opened, Session,
+};
+use crate::engine::Done;
+use crate::error::{Error, Result};
+use crate::fault::{Fault, classify, error_text};
+use crate::generation::Generation;
+use crate::info::HolderInfo;
+use crate::key::{LockKey, SessionLock};
+use crate::options::ManagerOptions;
+use crate::status::SessionDownReason;
+use crate::table::{Backend as Holder, FenceCheck, Plan, TryOutcome};
+use crate::token::FencingToken;
+
+pub(crate) use sql::TABLES_SQL;
+use sql::{Batch, Me};
+
+/// Locks as rows, on connections of `pool`.
+#[derive(Debug)]
+pub(crate) struct RowsBackend {
+    pool: Pool,
+}
+
+impl RowsBackend {
+    pub(crate) fn new(pool: Pool) -> Self {
+        Self { pool }
+    }
+}
+
+impl Backend for RowsBackend {
+    fn connect<'a>(
+        &'a self,
+        options: &'a ManagerOptions,
+        generation: u64,
+    ) -> BoxFuture<'a, Result<Session>> {
+        Box::pin(open(self.pool.clone(), options, generation))
+    }
+}
+
+/// What every statement of a session needs.
+struct Inner {
+    pool: Pool,
+    me: Me,
+    node_id: String,
+    /// The server's identity (see [`sql::SERVER_SQL`]) the session began on.
+    server: String,
+    /// `server_release_after`, in milliseconds: how long a row lives past its renewal.
+    ttl_ms: u128,
+    /// `lease_timeout`: how long one batch may take, the wait for a connection included.
+    timeout: Duration,
+    timeline: u16,
+    /// Batches run one at a time, in the order sent (tokio's mutex is fair).
+    turn: tokio::sync::Mutex<()>,
+}
+
+/// A lease-row session.
+struct RowsLink {
+    inner: Arc<Inner>,
+    /// Kept so that the events channel stays open: a pool has no session to end.
+    _events: mpsc::UnboundedSender<ConnEvent>,
+}
+
+impl Drop for RowsLink {
+    fn drop(&mut self) {
+        // The server does not end anything here: delete the session's rows, so that
+        // the next holder need not wait for them to expire (best effort; they expire
+        // anyway). The manager drops a session only once nothing of it is trusted.
+        let inner = Arc::clone(&self.inner);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let mut batch = Batch::new(&inner.server, inner.timeout.as_millis());
+                batch.release_all(inner.me);
+                if let Err(e) = inner.run(&batch.sql).await {
+                    debug!(error = ?e, holder = inner.me.holder, "could not delete the rows of an ended lease session; they expire");
+                }
+            });
+        }
+    }
+}
+
+/// Opens a session: checks the server and the tables (creating them when missing and
+/// allowed), reads the term, and draws a holder id.
+async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<Session> {
+    let deadline = tokio::time::Instant::now() + options.connect_timeout;
+    let client = tokio::time::timeout_at(deadline, pool.get())
+        .await
+        .map_err(|_| Error::ConnectTimeout {
+            target: "the application's pool".to_owned(),
+            after: options.connect_timeout,
+        })?
+        .map_err(|e| Error::Pool {
+            message: format!("no connection from the pool: {}", pool_error_text(&e)),
+        })?;
+    let work = async {
+        ensure_tables(&client).await?;
+        let proven_at = crate::clock::now();
+        let term = crate::pg::read_term(&client, options.token_epoch, false).await?;
+        let answer = client
+            .simple_query(&sql::open_sql())
+            .await
+            .map_err(Error::database)?;
+        Ok::<_, Error>((proven_at, term, answer))
+    };
+    let (proven_at, mut term, answer) = match tokio::time::timeout_at(deadline, work).await {
+        Ok(done) => done?,
+        Err(_) => {
+            drop(deadpool_postgres::Object::take(client));
+            return Err(Error::ConnectTimeout {
+                target: "the application's pool".to_owned(),
+                after: options.connect_timeout,
+            });
+        }
+    };
+    let row = rows(&answer).next().ok_or_else(|| Error::Protocol {
+        message: "the server answered the lease session's probe with no row".to_owned(),
+    })?;
+    let server = column(row, 0).unwrap_or_default().to_owned();
+    let address = column(row, 1).unwrap_or_default().to_owned();
+    if column(row, 2) != Some("f") {
+        return Err(Error::Refused(SessionDownReason::ServerInRecovery));
+    }
+    if column(row, 3) != Some("off") {
+        return Err(Error::Refused(SessionDownReason::ServerReadOnly));
+    }
+    let last = column(row, 4)
+        .and_then(|t| t.parse::<i64>().ok())
+        .ok_or_else(|| Error::Protocol {
+            message: "the server answered no last token".to_owned(),
+        })?;
+    // The first token this session can draw (the term's own counts transaction ids,
+    // which this mode does not use).
+    term.first_token =
+        FencingToken::from_parts(term.timeline, u64::try_from(last.max(0)).unwrap_or(0) + 1);
+    let me = Me {
+        holder: random_holder(&options.node_id, generation),
+        start: micros_since_epoch(SystemTime::now()),
+    };
+    let (events, receiver) = mpsc::unbounded_channel();
+    let inner = Arc::new(Inner {
+        pool,
+        me,
+        node_id: options.node_id.clone(),
+        server,
+        ttl_ms: options.server_release_after.as_millis(),
+        timeout: options.lease_timeout,
+        timeline: term.timeline,
+        turn: tokio::sync::Mutex::new(()),
+    });
+    debug!(holder = me.holder, "lease session opened");
+    Ok(Session::new(
+        Box::new(RowsLink {
+            inner,
+            _events: events,
+        }),
+        Opened {
+            backend_pid: me.holder,
+            server: address,
+            generation: Generation::new(generation),
+            events: receiver,
+            proven_at,
+            term,
+        },
+    ))
+}
+
+/// Creates the tables when they are missing: racing nodes may both try, which the
+/// second one's `IF NOT EXISTS` or a unique violation in the catalog tells.
+async fn ensure_tables(client: &tokio_postgres::Client) -> Result<()> {
+    let exists =
+        |answer: &[SimpleQueryMessage]| rows(answer).next().and_then(|r| column(r, 0)) == Some("t");
+    let answer = client
+        .simple_query(sql::TABLES_EXIST_SQL)
+        .await
+        .map_err(Error::database)?;
+    if exists(&answer) {
+        return Ok(());
+    }
+    if let Err(e) = client.batch_execute(TABLES_SQL).await {
+        let again = client
+            .simple_query(sql::TABLES_EXIST_SQL)
+            .await
+            .map_err(Error::database)?;
+        if !exists(&again) {
+            return Err(Error::Refused(SessionDownReason::ConnectFailed {
+                message: format!(
+                    "the lease tables (chosen_lease, chosen_lease_fence, chosen_lease_token) are missing and could not be created ({}): run chosen_core::LEASE_TABLES_SQL as a migration, or grant this role CREATE on the schema",
+                    error_text(&e)
+                ),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// A holder id: random, positive (the hash of a fresh random state, the node and the
+/// generation).
+fn random_holder(node_id: &str, generation: u64) -> i32 {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    node_id.hash(&mut hasher);
+    generation.hash(&mut hasher);
+    std::process::id().hash(&mut hasher);
+    let id = (hasher.finish() & 0x7fff_ffff) as i32;
+    id.max(1)
+}
+
+/// A pool's error with the database's own message (tokio-postgres' Display of a
+/// database error is only "db error").
+pub(crate) fn pool_error_text(error: &deadpool_postgres::PoolError) -> String {
+    match error {
+        deadpool_postgres::PoolError::Backend(e) => error_text(e),
+        other => other.to_string(),
+    }
+}
+
+fn micros_since_epoch(at: SystemTime) -> i64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+fn rows(answer: &[SimpleQueryMessage]) -> impl Iterator<Item = &SimpleQueryRow> {
+    answer.iter().filter_map(|m| match m {
+        SimpleQueryMessage::Row(row) => Some(row),
+        _ => None,
+    })
+}
+
+fn column(row: &SimpleQueryRow, i: usize) -> Option<&str> {
+    row.try_get(i).ok().flatten()
+}
+
+fn number<T: std::str::FromStr>(row: &SimpleQueryRow, i: usize) -> Option<T> {
+    column(row, i).and_then(|t| t.parse().ok())
+}
+
+/// Rows of `answer` tagged `tag` (the first column).
+fn tagged<'a>(
+    answer: &'a [SimpleQueryMessage],
+    tag: &'a str,
+) -> impl Iterator<Item = &'a SimpleQueryRow> + 'a {
+    rows(answer).filter(move |r| column(r, 0) == Some(tag))
+}
+
+/// A 1-based index column as a position in a list of `len`.
+fn index(row: &SimpleQueryRow, i: usize, len: usize) -> Option<usize> {
+    number::<i64>(row, i)
+        .and_then(|i| usize::try_from(i.checked_sub(1)?).ok())
+        .filter(|i| *i < len)
+}
+
+fn lost(message: String) -> Fault {
+    Fault::Lost(SessionDownReason::ConnectionLost { message })
+}
+
+impl Inner {
+    /// Runs one batch on a connection of the pool, after the batches sent before it,
+    /// within the lease timeout (the wait for the connection included). Any failure
+    /// ends the session: what committed is not known.
+    async fn run(&self, batch: &str) -> Result<Vec<SimpleQueryMessage>, Fault> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let _turn = tokio::time::timeout_at(deadline, self.turn.lock())
+            .await
+            .map_err(|_| lost("an earlier statement of the lease session is still running past the lease timeout".to_owned()))?;
+        let client = tokio::time::timeout_at(deadline, self.pool.get())
+            .await
+            .map_err(|_| {
+                lost(format!(
+                    "the pool gave no connection within the lease timeout of {:?} (raise the pool's size: the lease session needs one now and then)",
+                    self.timeout
+                ))
+            })?
+            .map_err(|e| {
+                lost(format!(
+                    "the pool gave no connection: {}",
+                    pool_error_text(&e)
+                ))
+            })?;
+        match tokio::time::timeout_at(deadline, client.simple_query(batch)).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(e)) => Err(self.failed(e)),
+            Err(_) => {
+                // Not given back with a statement in flight.
+                drop(deadpool_postgres::Object::take(client));
+                Err(lost(format!(
+                    "a lease statement got no answer within the lease timeout of {:?}",
+                    self.timeout
+                )))
+            }
+        }
+    }
+
+    fn failed(&self, e: tokio_postgres::Error) -> Fault {
+        if error_text(&e).contains(sql::SERVER_CHANGED) {
+            return lost(
+                "the pool's connection reached another server than the session's (a restart, a failover, another database): a new session reads its term"
+                    .to_owned(),
+            );
+        }
+        match classify(e) {
+            Fault::Lost(reason) => Fault::Lost(reason),
+            Fault::Query(e) => lost(format!("a lease statement failed: {}", error_text(&e))),
+        }
+    }
+
+    fn issue(&self, value: i64) -> FencingToken {
+        FencingToken::from_parts(self.timeline, u64::try_from(value).unwrap_or(0))
+    }
+
+    fn batch(&self) -> Batch {
+        Batch::new(&self.server, self.timeout.as_millis())
+    }
+}
+
+impl Link for RowsLink {
+    fn perform<'a>(
+        &'a self,
+        plan: &'a Plan,
+    ) -> BoxFuture<'a, Result<(Done, Option<tokio_postgres::Error>), Fault>> {
+        Box::pin(async move { Ok((self.inner.perform(plan).await?, None)) })
+    }
+
+    fn holders<'a>(
+        &'a self,
+        keys: &'a [LockKey],
+    ) -> BoxFuture<'a, Result<Vec<HolderAnswer>, Fault>> {
+        Box::pin(async move {
+            let answer = self.inner.read(&sql::holders_sql(keys)).await?;
+            let mut out: Vec<HolderAnswer> = keys.iter().map(|_| Ok(None)).collect();
+            for row in tagged(&answer, "h") {
+                if let Some(at) = index(row, 1, keys.len()) {
+                    out[at] = Ok(Some(holder_info(row, 2)));
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    fn cluster(&self) -> BoxFuture<'_, Result<Vec<(LockKey, HolderInfo)>, Fault>> {
+        Box::pin(async move {
+            let answer = self.inner.read(sql::CLUSTER_SQL).await?;
+            Ok(tagged(&answer, "h")
+                .filter_map(|row| {
+                    let key = sql::key_of(number(row, 1)?, number(row, 2)?)?;
+                    Some((key, holder_info(row, 3)))
+                })
+                .collect())
+        })
+    }
+
+    fn reset(&self) -> BoxFuture<'_, Result<(), Fault>> {
+        Box::pin(async move {
+            let mut batch = self.inner.batch();
+            batch.release_all(self.inner.me);
+            self.inner.run(&batch.sql).await.map(|_| ())
+        })
+    }
+
+    fn heartbeat_link(&self) -> Box<dyn HeartbeatLink> {
+        Box::new(RowsHeartbeat {
+            inner: Arc::clone(&self.inner),
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// A holder as a row shows it, from column `at` on: node id, holder id, start.
+fn holder_info(row: &SimpleQueryRow, at: usize) -> HolderInfo {
+    HolderInfo {
+        node_id: column(row, at).unwrap_or_default().to_owned(),
+        backend_pid: number(row, at + 1).unwrap_or(0),
+        client_addr: None,
+        session_start: number::<u64>(row, at + 2)
+            .map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us)),
+    }
+}
+
+impl Inner {
+    /// A read: any connection, no turn to wait for, within the lease timeout.
+    async fn read(&self, statement: &str) -> Result<Vec<SimpleQueryMessage>, Fault> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let client = tokio::time::timeout_at(deadline, self.pool.get())
+            .await
+            .map_err(|_| Fault::Query(tokio_postgres_timeout_error()))?
+            .map_err(|_| Fault::Query(tokio_postgres_timeout_error()))?;
+        match tokio::time::timeout_at(deadline, client.simple_query(statement)).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(e)) => Err(Fault::Query(e)),
+            Err(_) => {
+                drop(deadpool_postgres::Object::take(client));
+                Err(Fault::Query(tokio_postgres_timeout_error()))
+            }
+        }
+    }
+
+    /// Carries out a plan in one transaction.
+    async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
+        let me = self.me;
+        let mut batch = self.batch();
+        let unlock: Vec<LockKey> = plan
+            .unlock
+            .iter()
+            .chain(&plan.unlock_quiet)
+            .copied()
+            .collect();
+        if !unlock.is_empty() {
+            batch.unlock(me, &unlock);
+        }
+        if !plan.unfence.is_empty() {
+            batch.unfence(me, &plan.unfence);
+        }
+        let mut token_keys: Vec<LockKey> = plan
+            .token_for
+            .iter()
+            .chain(&plan.token_read)
+            .copied()
+            .collect();
+        token_keys.sort_unstable();
+        token_keys.dedup();
+        if !token_keys.is_empty() {
+            batch.token(me, &token_keys);
+        }
+        let tries = &plan.try_keys;
+        if !tries.is_empty() {
+            batch.try_keys(me, &self.node_id, self.ttl_ms, tries);
+            let fences: Vec<(LockKey, i64)> =
+                tries.iter().map(|k| (*k, sql::fence_column(*k))).collect();
+            batch.tokens_for_wins(me, &fences);
+        }
+        if !plan.fence.is_empty() {
+            batch.fence(me, &self.node_id, self.ttl_ms, &plan.fence);
+        }
+        if !plan.check.is_empty() {
+            batch.check(me, &plan.check);
+        }
+        let answer = self.run(&batch.sql).await?;
+
+        // Releases: every key must have been the session's.
+        let unlocked = tagged(&answer, "u").count();
+        if unlocked != unlock.len() {
+            return Err(lost(format!(
+                "the server says this session held {unlocked} of the {} leases it released: a row expired and was taken, or was deleted behind its back",
+                unlock.len()
+            )));
+        }
+        let unfenced = tagged(&answer, "v").count();
+        if unfenced != plan.unfence.len() {
+            return Err(lost(format!(
+                "the server says this session held {unfenced} of the {} stop fences it released",
+                plan.unfence.len()
+            )));
+        }
+        let token = if token_keys.is_empty() {
+            None
+        } else {
+            let issued: Vec<i64> = tagged(&answer, "t").filter_map(|r| number(r, 2)).collect();
+            if issued.len() != token_keys.len() {
+                return Err(lost(format!(
+                    "the session holds {} of the {} leases it draws a token for: a row expired or was deleted behind its back",
+                    issued.len(),
+                    token_keys.len()
+                )));
+            }
+            issued.first().map(|t| self.issue(*t))
+        };
+        let tried = if tries.is_empty() {
+            Vec::new()
+        } else {
+            self.tried(&answer, tries)?
+        };
+        let seen_held = tagged(&answer, "k")
+            .filter(|r| column(r, 2) == Some("t") && column(r, 3) == Some("t"))
+            .filter_map(|r| index(r, 1, tries.len()).map(|i| tries[i]))
+            .collect();
+        let fenced = if plan.fence.is_empty() {
+            Vec::new()
+        } else {
+            let taken: std::collections::HashSet<i64> =
+                tagged(&answer, "f").filter_map(|r| number(r, 1)).collect();
+            plan.fence
+                .iter()
+                .map(|k| (*k, taken.contains(&sql::fence_column(*k))))
+                .collect()
+        };
+        let checked = if plan.check.is_empty() {
+            Vec::new()
+        } else {
+            let mut out: Vec<(LockKey, FenceCheck)> = plan
+                .check
+                .iter()
+                .map(|k| (*k, FenceCheck::Failed))
+                .collect();
+            for row in tagged(&answer, "c") {
+                if let Some(at) = index(row, 1, out.len()) {
+                    out[at].1 = match number::<i32>(row, 2) {
+                        None => FenceCheck::Clear,
+                        Some(by) => FenceCheck::Held { by: Some(by) },
+                    };
+                }
+            }
+            out
+        };
+        Ok(Done {
+            token,
+            tried: Ok(tried),
+            registered: Vec::new(),
+            seen_held,
+            senders: Vec::new(),
+            fenced,
+            checked,
+        })
+    }
+
+    /// The try's answers: `k` rows per key, `w` rows per key won (with its token and
+    /// the holder of its stop fence).
+    fn tried(
+        &self,
+        answer: &[SimpleQueryMessage],
+        keys: &[LockKey],
+    ) -> Result<Vec<(LockKey, TryOutcome)>, Fault> {
+        let mut out: Vec<(LockKey, TryOutcome)> =
+            keys.iter().map(|k| (*k, TryOutcome::Failed)).collect();
+        let mut won = 0;
+        for row in tagged(answer, "k") {
+            let Some(at) = index(row, 1, keys.len()) else {
+                continue;
+            };
+            out[at].1 = if column(row, 2) == Some("t") {
+                won += 1;
+                TryOutcome::Won(None)
+            } else {
+                TryOutcome::Held {
+                    by: number::<i32>(row, 4).map(|pid| Holder {
+                        pid,
+                        start: number(row, 5),
+                    }),
+                }
+            };
+        }
+        let mut tokens = 0;
+        for row in tagged(answer, "w") {
+            let (Some(form), Some(k)) = (number::<i16>(row, 1), number::<i64>(row, 2)) else {
+                continue;
+            };
+            let Some(key) = sql::key_of(form, k) else {
+                continue;
+            };
+            let Some(entry) = out.iter_mut().find(|(o, _)| *o == key) else {
+                continue;
+            };
+            let token = number::<i64>(row, 3).map(|t| self.issue(t));
+            if token.is_none() {
+                continue;
+            }
+            tokens += 1;
+            entry.1 = match number::<i32>(row, 4) {
+                Some(by) => TryOutcome::WonFenced {
+                    token,
+                    by: Some(by),
+                },
+                None => TryOutcome::Won(token),
+            };
+        }
+        if out.iter().any(|(_, o)| matches!(o, TryOutcome::Failed)) || tokens != won {
+            return Err(lost(format!(
+                "the try statement answered {won} keys won and {tokens} tokens for {} keys",
+                keys.len()
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// A timeout of a read, as a query error (the caller answers it per key).
+fn tokio_postgres_timeout_error() -> tokio_postgres::Error {
+    // tokio-postgres makes its errors itself only; its timeout error is the one it
+    // lends to pools for a connection or a statement that did not come in time.
+    tokio_postgres::Error::__private_api_timeout()
+}
+
+/// The heartbeat of a lease session: renews every row.
+struct RowsHeartbeat {
+    inner: Arc<Inner>,
+}
+
+impl HeartbeatLink for RowsHeartbeat {
+    fn heartbeat(&self) -> BoxFuture<'_, Result<Vec<SessionLock>, SessionDownReason>> {
+        Box::pin(async move {
+            let mut batch = self.inner.batch();
+            batch.renew(self.inner.me, self.inner.ttl_ms);
+            let answer = match self.inner.run(&batch.sql).await {
+                Ok(answer) => answer,
+                Err(Fault::Lost(reason)) => return Err(reason),
+                Err(Fault::Query(e)) => {
+                    return Err(SessionDownReason::ConnectionLost {
+                        message: format!("heartbeat failed: {}", error_text(&e)),
+                    });
+                }
+            };
+            let mut locks = Vec::new();
+            for row in rows(&answer) {
+                let exclusive = match column(row, 0) {
+                    Some("l") => true,
+                    Some("s") => false,
+                    _ => continue,
+                };
+                let (Some(form), Some(k)) = (number::<i16>(row, 1), number::<i64>(row, 2)) else {
+                    warn!("a lease heartbeat answered an odd row");
+                    continue;
+                };
+                if let Some(key) = sql::key_of(form, k) {
+                    locks.push(SessionLock { key, exclusive });
+                }
+            }
+            Ok(locks)
+        })
+    }
+}

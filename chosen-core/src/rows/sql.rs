@@ -1,0 +1,330 @@
+//! The lease-row statements, with their design notes. Every value is inlined (numbers,
+//! and text as hex), so that each batch is one simple-protocol query: no prepared
+//! statement has to survive between two transactions of a transaction pooler.
+
+use std::fmt::Write as _;
+
+use crate::key::LockKey;
+
+/// The tables and the sequence the lease-row mode keeps its locks in (see
+/// [`LEASE_TABLES_SQL`](crate::LEASE_TABLES_SQL)).
+pub(crate) const TABLES_SQL: &str = "
+CREATE TABLE IF NOT EXISTS chosen_lease (
+    form int2 NOT NULL,
+    key int8 NOT NULL,
+    holder int4 NOT NULL,
+    holder_start int8 NOT NULL,
+    node_id text NOT NULL,
+    token int8 NOT NULL,
+    taken_at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (form, key)
+);
+CREATE INDEX IF NOT EXISTS chosen_lease_holder ON chosen_lease (holder, holder_start);
+CREATE TABLE IF NOT EXISTS chosen_lease_fence (
+    key int8 NOT NULL,
+    holder int4 NOT NULL,
+    holder_start int8 NOT NULL,
+    node_id text NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (key, holder, holder_start)
+);
+CREATE INDEX IF NOT EXISTS chosen_lease_fence_holder ON chosen_lease_fence (holder, holder_start);
+CREATE SEQUENCE IF NOT EXISTS chosen_lease_token;
+";
+
+/// Are the tables there (and may this role use them)?
+pub(super) const TABLES_EXIST_SQL: &str = "SELECT to_regclass('chosen_lease') IS NOT NULL AND to_regclass('chosen_lease_fence') IS NOT NULL AND to_regclass('chosen_lease_token') IS NOT NULL";
+
+/// What tells the server a session began on from any other (another server, the same
+/// one restarted, promoted or moved to another timeline, another database): every
+/// batch checks it first, so that a pool whose connections moved to another server (a
+/// failover behind a DNS name, a restart) ends the session instead of issuing tokens
+/// of the old term's timeline there. A hex digest, so that it can be inlined.
+pub(super) const SERVER_SQL: &str = "encode(sha256(convert_to(current_database() || '/' || pg_postmaster_start_time()::text || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || (SELECT system_identifier FROM pg_control_system())::text, 'UTF8')), 'hex')";
+
+/// What the connect reads besides the term: the server identity, where the pool
+/// connects (for the status), and the last token issued.
+pub(super) fn open_sql() -> String {
+    format!(
+        "SELECT {SERVER_SQL}, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), ''), pg_is_in_recovery(), current_setting('transaction_read_only'), (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM chosen_lease_token)::text"
+    )
+}
+
+/// The marker the guard's failure carries (see [`Batch::new`]).
+pub(super) const SERVER_CHANGED: &str = "chosen-lease-server-changed";
+
+/// The identity of one session: the holder id and when it began (microseconds since
+/// the Unix epoch); ids are random, the pair is unique.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Me {
+    pub(super) holder: i32,
+    pub(super) start: i64,
+}
+
+impl Me {
+    fn matches(self, table: &str) -> String {
+        format!(
+            "{table}.holder = {} AND {table}.holder_start = {}",
+            self.holder, self.start
+        )
+    }
+}
+
+/// A key's `(form, key)` columns: a pair of int4 packs into one int8 (form 2), an int8
+/// key is itself (form 1), as in `pg_locks`' `objsubid`.
+pub(super) fn columns(key: LockKey) -> (i16, i64) {
+    match key {
+        LockKey::Pair(a, b) => (2, (i64::from(a) << 32) | i64::from(b as u32)),
+        LockKey::Int(k) => (1, k),
+    }
+}
+
+/// The key of a row's columns (`None` for a form chosen never writes).
+pub(super) fn key_of(form: i16, key: i64) -> Option<LockKey> {
+    match form {
+        2 => Some(LockKey::Pair((key >> 32) as i32, key as i32)),
+        1 => Some(LockKey::Int(key)),
+        _ => None,
+    }
+}
+
+/// `ARRAY[...]::<ty>[]` of `values`.
+fn array<T: std::fmt::Display>(values: impl IntoIterator<Item = T>, ty: &str) -> String {
+    let mut out = String::from("ARRAY[");
+    for (i, v) in values.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{v}");
+    }
+    let _ = write!(out, "]::{ty}[]");
+    out
+}
+
+/// `unnest(forms, keys) WITH ORDINALITY AS k(form, key, i)` of `keys`.
+fn keys_table(keys: &[LockKey]) -> String {
+    let cols: Vec<(i16, i64)> = keys.iter().map(|k| columns(*k)).collect();
+    format!(
+        "unnest({}, {}) WITH ORDINALITY AS k(form, key, i)",
+        array(cols.iter().map(|c| c.0), "int2"),
+        array(cols.iter().map(|c| c.1), "int8"),
+    )
+}
+
+/// A stop fence's packed key (fences are always two-int4 keys).
+pub(super) fn fence_column(key: LockKey) -> i64 {
+    columns(key.stop_fence()).1
+}
+
+/// Text inlined as hex, so that nothing in it can end the literal.
+pub(super) fn text_literal(text: &str) -> String {
+    let mut hex = String::with_capacity(text.len() * 2);
+    for b in text.as_bytes() {
+        let _ = write!(hex, "{b:02x}");
+    }
+    format!("convert_from(decode('{hex}', 'hex'), 'UTF8')")
+}
+
+/// One transaction of statements, sent as one simple query (PostgreSQL runs a
+/// multi-statement query as one implicit transaction: all of it commits, or none).
+/// Every statement's rows begin with a one-letter tag, which is how the answers are
+/// told apart.
+pub(super) struct Batch {
+    pub(super) sql: String,
+}
+
+impl Batch {
+    /// A batch that first proves it runs on the session's server, writable, with the
+    /// session's timeouts: `statement_timeout` per statement, no wait for a row lock
+    /// longer than that either, and a commit that waits for the local WAL flush (a
+    /// token the server forgets in a crash could be issued again).
+    pub(super) fn new(server: &str, statement_ms: u128) -> Self {
+        Self {
+            sql: format!(
+                "SELECT 'g', CASE WHEN {SERVER_SQL} = '{server}' THEN 1 ELSE ('{SERVER_CHANGED}:' || {SERVER_SQL})::int4 END, set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true), set_config('idle_in_transaction_session_timeout', '0', true);"
+            ),
+        }
+    }
+
+    fn push(&mut self, statement: &str) {
+        self.sql.push('\n');
+        self.sql.push_str(statement);
+        self.sql.push(';');
+    }
+
+    /// Deletes the session's rows of `keys`; answers `u` with each key deleted.
+    pub(super) fn unlock(&mut self, me: Me, keys: &[LockKey]) {
+        self.push(&format!(
+            "DELETE FROM chosen_lease l USING {} WHERE l.form = k.form AND l.key = k.key AND {} RETURNING 'u', k.i",
+            keys_table(keys),
+            me.matches("l")
+        ));
+    }
+
+    /// Deletes the session's stop fences of `keys`; answers `v` with each one deleted.
+    pub(super) fn unfence(&mut self, me: Me, keys: &[LockKey]) {
+        self.push(&format!(
+            "DELETE FROM chosen_lease_fence f USING unnest({}) WITH ORDINALITY AS k(key, i) WHERE f.key = k.key AND {} RETURNING 'v', k.i",
+            array(keys.iter().map(|k| fence_column(*k)), "int8"),
+            me.matches("f")
+        ));
+    }
+
+    /// A fresh token, from the sequence, for keys the session holds (their rows locked
+    /// in key order first, so that they cannot be taken meanwhile): answers `t` with
+    /// each key and the token.
+    pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
+        self.push(&format!(
+            "WITH m AS (SELECT l.form, l.key, k.i FROM chosen_lease l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l), \
+             t AS MATERIALIZED (SELECT nextval('chosen_lease_token') AS v WHERE (SELECT count(*) FROM m) > 0) \
+             UPDATE chosen_lease l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
+            keys_table(keys),
+            me.matches("l")
+        ));
+    }
+
+    /// Tries `keys`: a key with no row, or whose row expired by the server's clock, is
+    /// taken (inserted, or its row overwritten), in key order; a key whose row is live
+    /// is not. Rows that look live are not even locked: a failed try writes nothing.
+    /// The new rows carry token 0 until [`Batch::tokens_for_wins`], which runs after
+    /// every row of the batch is taken. Answers `k` per key: its index, whether it was
+    /// won, whether a row was there before (an expired one: a takeover), and for a key
+    /// not won the live holder the statement saw (id, start).
+    pub(super) fn try_keys(&mut self, me: Me, node: &str, ttl_ms: u128, keys: &[LockKey]) {
+        self.push(&format!(
+            "WITH k AS (SELECT * FROM {}), \
+             won AS (INSERT INTO chosen_lease AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
+                 SELECT k.form, k.key, {}, {}, {}, 0, now(), now() + interval '{ttl_ms} milliseconds' FROM k \
+                 WHERE NOT EXISTS (SELECT 1 FROM chosen_lease c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now()) \
+                 ORDER BY k.form, k.key \
+                 ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
+                 WHERE l.expires_at <= now() \
+                 RETURNING l.form, l.key) \
+             SELECT 'k', k.i, w.key IS NOT NULL, c.key IS NOT NULL, \
+                    CASE WHEN w.key IS NULL AND c.expires_at > now() THEN c.holder END, \
+                    CASE WHEN w.key IS NULL AND c.expires_at > now() THEN c.holder_start END \
+             FROM k LEFT JOIN won w ON w.form = k.form AND w.key = k.key \
+                    LEFT JOIN chosen_lease c ON c.form = k.form AND c.key = k.key",
+            keys_table(keys),
+            me.holder,
+            me.start,
+            text_literal(node),
+        ));
+    }
+
+    /// One token for every key the try just won (the rows it wrote with token 0),
+    /// drawn after all of them were taken: a token drawn before a later key of the
+    /// batch was taken could be below the token of a tenure of that key in between.
+    /// And for a key won, who holds its stop fence (an earlier holder still stopping).
+    /// Answers `w` per key won: its columns, the token, and the fence's holder.
+    pub(super) fn tokens_for_wins(&mut self, me: Me, fences: &[(LockKey, i64)]) {
+        let (keys, fence_keys): (Vec<(i16, i64)>, Vec<i64>) =
+            fences.iter().map(|(k, f)| (columns(*k), *f)).unzip();
+        self.push(&format!(
+            "WITH t AS MATERIALIZED (SELECT nextval('chosen_lease_token') AS v WHERE EXISTS (SELECT 1 FROM chosen_lease l WHERE {} AND l.token = 0)), \
+             f AS (SELECT * FROM unnest({}, {}, {}) AS f(form, key, fence)), \
+             u AS (UPDATE chosen_lease l SET token = t.v FROM t WHERE {} AND l.token = 0 RETURNING l.form, l.key, l.token) \
+             SELECT 'w', u.form, u.key, u.token, \
+                    (SELECT fe.holder FROM chosen_lease_fence fe WHERE fe.key = f.fence AND fe.expires_at > now() AND NOT ({}) LIMIT 1) \
+             FROM u LEFT JOIN f ON f.form = u.form AND f.key = u.key",
+            me.matches("l"),
+            array(keys.iter().map(|c| c.0), "int2"),
+            array(keys.iter().map(|c| c.1), "int8"),
+            array(fence_keys.iter(), "int8"),
+            me.matches("l"),
+            me.matches("fe"),
+        ));
+    }
+
+    /// Takes (or renews) the session's stop fences of `keys`; answers `f` per fence.
+    pub(super) fn fence(&mut self, me: Me, node: &str, ttl_ms: u128, keys: &[LockKey]) {
+        self.push(&format!(
+            "INSERT INTO chosen_lease_fence AS f (key, holder, holder_start, node_id, expires_at) \
+             SELECT k.key, {}, {}, {}, now() + interval '{ttl_ms} milliseconds' FROM unnest({}) AS k(key) ORDER BY k.key \
+             ON CONFLICT (key, holder, holder_start) DO UPDATE SET expires_at = excluded.expires_at \
+             RETURNING 'f', f.key",
+            me.holder,
+            me.start,
+            text_literal(node),
+            array(keys.iter().map(|k| fence_column(*k)), "int8"),
+        ));
+    }
+
+    /// Who else holds a live stop fence of each of `keys`; answers `c` per key.
+    pub(super) fn check(&mut self, me: Me, keys: &[LockKey]) {
+        self.push(&format!(
+            "SELECT 'c', k.i, (SELECT fe.holder FROM chosen_lease_fence fe WHERE fe.key = k.key AND fe.expires_at > now() AND NOT ({}) LIMIT 1) \
+             FROM unnest({}) WITH ORDINALITY AS k(key, i)",
+            me.matches("fe"),
+            array(keys.iter().map(|k| fence_column(*k)), "int8"),
+        ));
+    }
+
+    /// Renews every live row of the session, leases and fences, to the server's clock
+    /// now plus the TTL; the rows are locked in key order first (as a try locks them),
+    /// and a row already expired is not renewed (someone may be taking it). Answers
+    /// `l` per lease and `s` per fence renewed.
+    pub(super) fn renew(&mut self, me: Me, ttl_ms: u128) {
+        self.push(&format!(
+            "WITH m AS (SELECT l.form, l.key FROM chosen_lease l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE), \
+             r AS (UPDATE chosen_lease l SET expires_at = now() + interval '{ttl_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key RETURNING l.form, l.key), \
+             s AS (UPDATE chosen_lease_fence f SET expires_at = now() + interval '{ttl_ms} milliseconds' WHERE {} AND f.expires_at > now() RETURNING f.key) \
+             SELECT 'l', r.form, r.key FROM r UNION ALL SELECT 's', 2, s.key FROM s",
+            me.matches("l"),
+            me.matches("f"),
+        ));
+    }
+
+    /// Deletes every row of the session.
+    pub(super) fn release_all(&mut self, me: Me) {
+        self.push(&format!(
+            "DELETE FROM chosen_lease l WHERE {}",
+            me.matches("l")
+        ));
+        self.push(&format!(
+            "DELETE FROM chosen_lease_fence f WHERE {}",
+            me.matches("f")
+        ));
+    }
+}
+
+/// Who holds each of `keys` (live rows only); answers `h` per key held.
+pub(super) fn holders_sql(keys: &[LockKey]) -> String {
+    format!(
+        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN chosen_lease l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+        keys_table(keys)
+    )
+}
+
+/// Every live lease row.
+pub(super) const CLUSTER_SQL: &str = "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM chosen_lease l WHERE l.expires_at > now() ORDER BY l.form, l.key";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_form_round_trips_through_its_columns() {
+        for key in [
+            LockKey::Pair(0, 0),
+            LockKey::Pair(-1, -1),
+            LockKey::Pair(i32::MIN, i32::MAX),
+            LockKey::Pair(i32::MAX, i32::MIN),
+            LockKey::Int(0),
+            LockKey::Int(i64::MIN),
+            LockKey::Int(i64::MAX),
+        ] {
+            let (form, k) = columns(key);
+            assert_eq!(key_of(form, k), Some(key));
+        }
+        assert_eq!(key_of(3, 1), None);
+    }
+
+    #[test]
+    fn text_is_inlined_as_hex_only() {
+        let lit = text_literal("a'; DROP TABLE x; --");
+        assert!(!lit[..lit.len() - 1].contains(';'));
+        assert_eq!(lit.matches('\'').count(), 4);
+    }
+}

@@ -1,0 +1,217 @@
+//! The lease-row mode against real servers, through PgBouncer in transaction mode
+//! (where session advisory locks are refused): rows exclude, renew, hand over with
+//! larger tokens, and are taken over only once they expired by the server's clock.
+
+use std::time::{Duration, Instant};
+
+use chosen_core::{Error, LockManager, ManagerOptions};
+use chosen_tests::{PgBouncer, PgCluster, connect_admin, in_ci, unique_name};
+use deadpool_postgres::Pool;
+
+fn pool(url: &str, size: usize) -> Pool {
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(size)
+    .build()
+    .unwrap()
+}
+
+/// Fast timings for tests: a heartbeat every 100 ms, leases trusted 400 ms past a
+/// renewal's send, rows living 1.6 s past it.
+fn options(node: &str) -> ManagerOptions {
+    ManagerOptions::pooled()
+        .node_id(node)
+        .heartbeat_interval(Duration::from_millis(100))
+        .lease_timeout(Duration::from_millis(400))
+        .stop_budget(Duration::from_millis(500))
+        .safety_margin(Duration::from_millis(200))
+        .server_release_after(Duration::from_millis(1600))
+        .poll_interval(Duration::from_millis(50))
+        .term_grant_delay(Duration::ZERO)
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+}
+
+fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
+    match PgBouncer::start(pg, "transaction", 2) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !in_ci() => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Two managers on pools through a transaction pooler: one holds a name, the other
+/// cannot take it while the holder renews it (for several lifetimes of a row), sees
+/// who holds it, and takes it at its next poll once it is released, with a larger
+/// token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_rows_exclude_renew_and_hand_over_through_a_transaction_pooler() {
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer(
+        &pg,
+        "lease_rows_exclude_renew_and_hand_over_through_a_transaction_pooler",
+    ) else {
+        return;
+    };
+    let name = unique_name("rows");
+    let a = LockManager::connect_pooled(pool(&bouncer.url(), 2), options("rows-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect_pooled(pool(&bouncer.url(), 2), options("rows-b"))
+        .await
+        .unwrap();
+    let lease = a.acquire(name.as_str()).await.unwrap();
+    let first = lease.fencing_token().await.unwrap();
+    // Past two lifetimes of a row: the heartbeat renews it.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert!(lease.is_valid(), "the renewed lease is still valid");
+    assert!(b.try_acquire(name.as_str()).await.unwrap().is_none());
+    let holder = b.holder(name.as_str()).await.unwrap().expect("a holder");
+    assert_eq!(holder.node_id, "rows-a");
+
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        let name = name.clone();
+        async move { b.acquire(name.as_str()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = Instant::now();
+    lease.release().await.unwrap();
+    let taken = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the waiter takes the released name")
+        .unwrap()
+        .unwrap();
+    let hand_over = released.elapsed();
+    let second = taken.fencing_token().await.unwrap();
+    assert!(second > first, "{second:?} after {first:?}");
+    assert!(hand_over < Duration::from_secs(2), "{hand_over:?}");
+    eprintln!(
+        "LEASE ROWS hand-over through PgBouncer: {} ms",
+        hand_over.as_millis()
+    );
+    drop(taken);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A holder that stops renewing (its manager's task gone, as in a crash) keeps its
+/// row until the row expires by the server's clock: no other node takes it before,
+/// and one takes it soon after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_is_not_renewed_is_taken_over_only_once_it_expired() {
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer(
+        &pg,
+        "a_row_that_is_not_renewed_is_taken_over_only_once_it_expired",
+    ) else {
+        return;
+    };
+    let name = unique_name("rows-expire");
+    let b = LockManager::connect_pooled(pool(&bouncer.url(), 2), options("rows-b"))
+        .await
+        .unwrap();
+    // A's manager lives on a runtime of its own, dropped whole to stop it dead: no
+    // release, no renewal, no deletion of its rows.
+    let url = bouncer.url();
+    let held = name.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let a_thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let a = LockManager::connect_pooled(pool(&url, 2), options("rows-a"))
+                .await
+                .unwrap();
+            let lease = a.acquire(held.as_str()).await.unwrap();
+            // A crash: neither the lease nor the manager gets to say goodbye.
+            #[allow(clippy::mem_forget)]
+            {
+                std::mem::forget(lease);
+                std::mem::forget(a);
+            }
+        });
+        tx.send(Instant::now()).unwrap();
+        // Dropping the runtime drops every task without running any further.
+        drop(runtime);
+    });
+    let stopped = tokio::task::spawn_blocking(move || rx.recv().unwrap())
+        .await
+        .unwrap();
+    a_thread.join().unwrap();
+    let taken = tokio::time::timeout(Duration::from_secs(10), b.acquire(name.as_str()))
+        .await
+        .expect("B takes the expired row")
+        .unwrap();
+    let after = stopped.elapsed();
+    // The row lives server_release_after (1.6 s) past its last renewal, which was at
+    // most a heartbeat (100 ms) before A stopped.
+    assert!(
+        after >= Duration::from_millis(1400),
+        "taken {after:?} after A stopped"
+    );
+    assert!(
+        after < Duration::from_secs(4),
+        "taken {after:?} after A stopped"
+    );
+    eprintln!(
+        "LEASE ROWS takeover of an unrenewed row: {} ms",
+        after.as_millis()
+    );
+    drop(taken);
+    b.shutdown().await;
+}
+
+/// Bad input: options made for a pool cannot open a session of their own, and a pool
+/// that cannot connect is a clear error, not a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_row_mode_says_what_is_wrong() {
+    let Err(error) = LockManager::connect(ManagerOptions::pooled()).await else {
+        panic!("pooled options name no server");
+    };
+    assert!(error.to_string().contains("connect_pooled"), "{error}");
+    let dead = pool("postgres://nobody@127.0.0.1:1/none", 1);
+    let started = Instant::now();
+    let Err(error) = LockManager::connect_pooled(
+        dead,
+        options("rows-dead").connect_timeout(Duration::from_secs(2)),
+    )
+    .await
+    else {
+        panic!("no server");
+    };
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        matches!(error, Error::Pool { .. } | Error::ConnectTimeout { .. }),
+        "{error:?}"
+    );
+    // A role that may not create the tables is told to run the migration.
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .batch_execute(
+            "CREATE ROLE rows_reader LOGIN PASSWORD 'rows-secret'; REVOKE CREATE ON SCHEMA public FROM PUBLIC; REVOKE CREATE ON SCHEMA public FROM rows_reader;",
+        )
+        .await
+        .unwrap();
+    let mut config: tokio_postgres::Config = pg.url().parse().unwrap();
+    config.user("rows_reader").password("rows-secret");
+    let limited = Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(1)
+    .build()
+    .unwrap();
+    let Err(error) = LockManager::connect_pooled(limited, options("rows-limited")).await else {
+        panic!("no tables");
+    };
+    assert!(error.to_string().contains("LEASE_TABLES_SQL"), "{error}");
+}
