@@ -806,6 +806,12 @@ impl PgBouncer {
         Ok(Self { port, dir, child })
     }
 
+    /// The port PgBouncer listens on (loopback).
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The superuser's URL through PgBouncer.
     #[must_use]
     pub fn url(&self) -> String {

@@ -50,6 +50,10 @@ pub struct NemesisConfig {
     pub seed: u64,
     /// The nodes' `server_release_after` and `lease_timeout` (their defaults).
     pub timing: Timing,
+    /// The nodes hold lease rows (`node --lease-rows`) on pools through a PgBouncer in
+    /// transaction mode in front of the local cluster, each node's pool behind its own
+    /// proxy (see [`Deck::lease_rows`]).
+    pub lease_rows: bool,
 }
 
 impl NemesisConfig {
@@ -72,6 +76,7 @@ impl NemesisConfig {
             duration: Duration::from_secs(num("CHOSEN_NEMESIS_SECS", 60)),
             seed: num("CHOSEN_NEMESIS_SEED", clock_seed),
             timing: Timing::default(),
+            lease_rows: num("CHOSEN_NEMESIS_LEASE_ROWS", 0) != 0,
         }
     }
 }
@@ -139,6 +144,45 @@ impl Deck {
         if let Err(why) = may_terminate {
             deck.kinds.retain(|k| *k != "terminate_backend");
             deck.left_out.push(("terminate_backend", why.clone()));
+        }
+        deck
+    }
+
+    /// The kinds for nodes holding lease rows through a transaction pooler: the
+    /// process faults and black holes. Left out: cuts (a pool opens a new connection
+    /// and the session goes on: no loss to check), `terminate_backend` (no session of
+    /// its own to end), latency (the pooler's queue adds its own), and the server
+    /// faults (the pooler in front is not restarted or moved with the server yet).
+    #[must_use]
+    pub fn lease_rows() -> Self {
+        let kinds = [
+            "sigkill",
+            "sigstop_short",
+            "sigstop_long",
+            "blackhole",
+            "sigterm",
+        ];
+        let mut deck = Self::full();
+        deck.kinds.retain(|k| kinds.contains(k));
+        let why = [
+            (
+                "cut",
+                "a pool opens a new connection and the session goes on",
+            ),
+            (
+                "terminate_backend",
+                "a lease session has no backend of its own",
+            ),
+            ("latency", "not yet judged through the pooler's queue"),
+        ];
+        for (kind, reason) in why {
+            deck.left_out.push((kind, reason.to_owned()));
+        }
+        for kind in LOCAL_ONLY_KINDS {
+            deck.left_out.push((
+                kind,
+                "the pooler in front is not restarted or moved with the server yet".to_owned(),
+            ));
         }
         deck
     }
@@ -227,6 +271,7 @@ struct Node {
 struct Spec {
     names: Vec<String>,
     group_members: usize,
+    lease_rows: bool,
 }
 
 /// The name of the group every node runs (its members are `nem-0` ..).
@@ -250,7 +295,31 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         (c.url(), c.port())
     };
     // Where the proxies forward to, and the deck: everything against a local cluster.
+    // Lease rows: through a transaction pooler in front of the local cluster, which
+    // the proxies forward to (its URL's port is the one they replace).
+    let bouncer = match (config.lease_rows, port) {
+        (true, Some(_)) => {
+            let c = cluster.lock().expect("cluster lock");
+            Some(crate::PgBouncer::start(&c, "transaction", 8)?)
+        }
+        (true, None) => {
+            return Err(io::Error::other(
+                "the lease-row nemesis needs a local cluster (it starts a PgBouncer in front of it); unset DATABASE_URL",
+            ));
+        }
+        (false, _) => None,
+    };
+    let port = match &bouncer {
+        Some(b) => {
+            direct_url = b.url();
+            Some(b.port())
+        }
+        None => port,
+    };
     let (upstream, deck) = match port {
+        Some(port) if bouncer.is_some() => {
+            (SocketAddr::from(([127, 0, 0, 1], port)), Deck::lease_rows())
+        }
         Some(port) => (SocketAddr::from(([127, 0, 0, 1], port)), Deck::full()),
         None => {
             let upstream = server_address(&direct_url).await?;
@@ -272,6 +341,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     let singletons = Spec {
         names: (0..config.singletons).map(|i| format!("s{i}")).collect(),
         group_members: config.group_members,
+        lease_rows: config.lease_rows,
     };
     // Every name that must be held: the singletons and the group's members.
     let all_held = config.singletons + config.group_members;
@@ -813,6 +883,9 @@ fn spawn(
     cmd.args(["--node-id", &node.id, "--poll-ms", "200", "--tick-ms", "50"]);
     for s in &singletons.names {
         cmd.args(["--singleton", s]);
+    }
+    if singletons.lease_rows {
+        cmd.arg("--lease-rows");
     }
     if singletons.group_members > 0 {
         // Faults make nodes leave all the time: freezing moves for that would make the

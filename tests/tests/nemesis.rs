@@ -20,12 +20,51 @@ use chosen_tests::nemesis::{NemesisConfig, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_never_finds_two_holders() {
-    let config = NemesisConfig::from_env();
+    judge(&NemesisConfig::from_env()).await;
+}
+
+/// The lease-row mode through a transaction pooler (PgBouncer): nodes killed, frozen
+/// past the rows' lifetime, black-holed and stopped gracefully; the checker's verdict
+/// and the takeover times, per fault kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_row_nemesis_never_finds_two_holders() {
+    let mut config = NemesisConfig::from_env();
+    if std::env::var_os("DATABASE_URL").is_some() {
+        eprintln!(
+            "SKIPPED lease_row_nemesis_never_finds_two_holders: it starts its own pooler in front of a local cluster"
+        );
+        return;
+    }
+    config.lease_rows = true;
+    config.nodes = 3;
+    config.singletons = 4;
+    config.group_members = 0;
+    config.duration = config.duration.min(Duration::from_secs(30));
+    judge(&config).await;
+}
+
+async fn judge(config: &NemesisConfig) {
+    let config = config.clone();
     eprintln!(
         "nemesis: seed {} ({} nodes, {} singletons, {:?}); replay with CHOSEN_NEMESIS_SEED={}",
         config.seed, config.nodes, config.singletons, config.duration, config.seed
     );
     let report = run(&config).await.expect("the nemesis runs");
+    let mode = if config.lease_rows {
+        "lease rows"
+    } else {
+        "advisory locks"
+    };
+    for (kind, times) in &report.verdict.takeovers {
+        let mut ms: Vec<u128> = times.iter().map(Duration::as_millis).collect();
+        ms.sort_unstable();
+        eprintln!(
+            "nemesis ({mode}): {kind}: {} takeovers, median {} ms, max {} ms",
+            ms.len(),
+            ms.get(ms.len() / 2).copied().unwrap_or(0),
+            ms.last().copied().unwrap_or(0)
+        );
+    }
     let verdict = &report.verdict;
     eprintln!(
         "nemesis: {} faults injected (seed {})\n{verdict}",

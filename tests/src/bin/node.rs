@@ -4,7 +4,7 @@
 //! ```text
 //! DATABASE_URL=postgres://... cargo run --release -p chosen-tests --bin node -- \
 //!     --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M] \
-//!     [--group-flap-leaves N] [--ineligible] [--preferred] \
+//!     [--group-flap-leaves N] [--ineligible] [--preferred] [--lease-rows] \
 //!     [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N]
 //!     [--metrics ADDR]
 //! ```
@@ -48,6 +48,9 @@ struct Args {
     poll: Option<Duration>,
     tick: Duration,
     metrics: Option<std::net::SocketAddr>,
+    /// Holds its locks as lease rows on a pool of `DATABASE_URL`
+    /// (`LockManager::connect_pooled`).
+    lease_rows: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -64,6 +67,7 @@ fn parse_args() -> Result<Args, String> {
         poll: None,
         tick: Duration::from_millis(50),
         metrics: None,
+        lease_rows: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -79,6 +83,7 @@ fn parse_args() -> Result<Args, String> {
             "--node-id" => args.node_id = value()?,
             "--ineligible" => args.ineligible = true,
             "--preferred" => args.preferred = true,
+            "--lease-rows" => args.lease_rows = true,
             "--singleton" => args.singletons.push(value()?),
             "--group" => {
                 let name = value()?;
@@ -116,7 +121,7 @@ fn parse_args() -> Result<Args, String> {
                 })?);
             }
             "-h" | "--help" => {
-                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M [--group-flap-leaves N]] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] (DATABASE_URL must be set)".to_owned());
+                return Err("usage: node --node-id ID --singleton NAME [--singleton NAME ...] [--group NAME --members M [--group-flap-leaves N]] [--heartbeat-ms N] [--lease-timeout-ms N] [--server-release-ms N] [--poll-ms N] [--tick-ms N] [--metrics ADDR] [--lease-rows] (DATABASE_URL must be set)".to_owned());
             }
             other => return Err(format!("unknown flag {other:?}; see --help")),
         }
@@ -300,10 +305,26 @@ async fn main() -> ExitCode {
     }
 }
 
+/// A pool of `url` for the lease-row mode: four connections, as an application's.
+fn pool(url: &str) -> Result<deadpool_postgres::Pool, Box<dyn std::error::Error>> {
+    let config: tokio_postgres::Config = url.parse()?;
+    Ok(
+        deadpool_postgres::Pool::builder(deadpool_postgres::Manager::new(
+            config,
+            tokio_postgres::NoTls,
+        ))
+        .max_size(4)
+        .build()?,
+    )
+}
+
 fn options(args: &Args, url: &str) -> chosen_core::Result<ManagerOptions> {
-    let mut o = ManagerOptions::from_url(url)?
-        .node_id(&args.node_id)
-        .eligible(!args.ineligible);
+    let base = if args.lease_rows {
+        ManagerOptions::pooled()
+    } else {
+        ManagerOptions::from_url(url)?
+    };
+    let mut o = base.node_id(&args.node_id).eligible(!args.ineligible);
     if let Some(h) = args.heartbeat {
         o = o.heartbeat_interval(h);
     }
@@ -344,7 +365,12 @@ async fn run(args: Args, url: &str) -> Result<(), Box<dyn std::error::Error>> {
         let mut delay = Duration::from_millis(100);
         let give_up = std::time::Instant::now() + Duration::from_secs(60);
         loop {
-            match LockManager::connect(options.clone()).await {
+            let connected = if args.lease_rows {
+                LockManager::connect_pooled(pool(url)?, options.clone()).await
+            } else {
+                LockManager::connect(options.clone()).await
+            };
+            match connected {
                 Ok(manager) => break manager,
                 Err(e) if e.is_transient() && std::time::Instant::now() < give_up => {
                     events.emit("connect_retry", &[("error", Field::Str(e.to_string()))]);
