@@ -25,6 +25,7 @@ pub struct ObserverOptions {
     node_id: String,
     poll_interval: Duration,
     read_timeout: Duration,
+    lease_rows: bool,
     metrics: Option<Arc<dyn MetricsSink>>,
 }
 
@@ -35,6 +36,7 @@ impl std::fmt::Debug for ObserverOptions {
             .field("node_id", &self.node_id)
             .field("poll_interval", &self.poll_interval)
             .field("read_timeout", &self.read_timeout)
+            .field("lease_rows", &self.lease_rows)
             .field("metrics", &self.metrics.is_some())
             .finish()
     }
@@ -47,6 +49,7 @@ impl Default for ObserverOptions {
             node_id: format!("{}-observer", crate::options::default_node_id()),
             poll_interval: Duration::from_secs(1),
             read_timeout: Duration::from_secs(5),
+            lease_rows: false,
             metrics: None,
         }
     }
@@ -85,6 +88,21 @@ impl ObserverOptions {
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = timeout;
         self
+    }
+
+    /// Reads the holders of the lease-row mode (managers made with
+    /// [`LockManager::connect_pooled`](crate::LockManager::connect_pooled)): their live
+    /// rows of `chosen_lease`, instead of the server's advisory locks (default: off).
+    #[must_use]
+    pub fn lease_rows(mut self, lease_rows: bool) -> Self {
+        self.lease_rows = lease_rows;
+        self
+    }
+
+    /// Whether the lease rows are read (see [`lease_rows`](Self::lease_rows)).
+    #[must_use]
+    pub fn get_lease_rows(&self) -> bool {
+        self.lease_rows
     }
 
     /// The namespace (see [`namespace`](Self::namespace)).
@@ -286,7 +304,7 @@ impl Observer {
             validate_lock_name(name, false)?;
             keys.push(LockKey::derive(&self.shared.options.namespace, name));
         }
-        read_holders(&self.shared.pool, self.shared.options.read_timeout, &keys).await
+        read_holders(&self.shared.pool, &self.shared.options, &keys).await
     }
 }
 
@@ -313,7 +331,7 @@ async fn poll(s: Arc<Shared>) {
         };
         if !watched.is_empty() {
             let keys: Vec<LockKey> = watched.iter().map(|(k, _)| *k).collect();
-            match read_holders(&s.pool, s.options.read_timeout, &keys).await {
+            match read_holders(&s.pool, &s.options, &keys).await {
                 Ok(holders) => {
                     if failing {
                         debug!("the observer reads the holders again");
@@ -352,9 +370,15 @@ async fn poll(s: Arc<Shared>) {
 /// within `timeout` (the wait for the connection included).
 async fn read_holders(
     pool: &deadpool_postgres::Pool,
-    timeout: Duration,
+    options: &ObserverOptions,
     keys: &[LockKey],
 ) -> Result<Vec<Option<HolderInfo>>> {
+    let timeout = options.read_timeout;
+    let statement = if options.lease_rows {
+        crate::rows::observer_sql(keys)
+    } else {
+        holders_sql(keys)
+    };
     let no_connection = |message: String| Error::Pool {
         message: format!("no connection: {message}"),
     };
@@ -366,7 +390,7 @@ async fn read_holders(
         .map_err(|e| no_connection(crate::rows::pool_error_text(&e)))?;
     // A simple query with the keys inlined (numbers only): no prepared statement, which
     // a transaction pooler may not carry between its backends.
-    match tokio::time::timeout_at(deadline, client.simple_query(&holders_sql(keys))).await {
+    match tokio::time::timeout_at(deadline, client.simple_query(&statement)).await {
         Ok(answer) => parse_holders(&answer.map_err(Error::database)?, keys.len()),
         Err(_) => {
             // Not given back to the application's pool with a statement in flight

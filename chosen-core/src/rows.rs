@@ -48,8 +48,8 @@ use crate::status::SessionDownReason;
 use crate::table::{Backend as Holder, FenceCheck, Plan, TryOutcome};
 use crate::token::FencingToken;
 
-pub(crate) use sql::TABLES_SQL;
 use sql::{Batch, Me};
+pub(crate) use sql::{TABLES_SQL, observer_sql};
 
 /// Locks as rows, on connections of `pool`.
 #[derive(Debug)]

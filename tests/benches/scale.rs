@@ -59,6 +59,7 @@ async fn steady(admin: &tokio_postgres::Client) -> Res<(f64, i64)> {
 
 /// `n` managers, each in the election; the statements and connections once one leads.
 async fn contenders(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<(f64, i64)> {
+    let before = connections(admin).await?;
     let mut managers = Vec::with_capacity(n);
     let mut elections = Vec::with_capacity(n);
     // Connected in batches: each new manager proves the server with a second
@@ -95,12 +96,85 @@ async fn contenders(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<
         assert!(t0.elapsed() < Duration::from_secs(60), "nobody leads");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let measured = steady(admin).await?;
+    let (rate, after) = steady(admin).await?;
     drop(elections);
     for m in managers {
         m.shutdown().await;
     }
-    Ok(measured)
+    settle(admin, before).await?;
+    Ok((rate, after - before))
+}
+
+/// `n` managers in the lease-row mode, each on a pool of its own (one connection)
+/// through a PgBouncer in transaction mode with 10 server connections, each in the
+/// election; the statements and the server's connections once one leads.
+async fn lease_contenders(
+    pg: &PgCluster,
+    admin: &tokio_postgres::Client,
+    n: usize,
+) -> Res<(f64, i64)> {
+    let before = connections(admin).await?;
+    let bouncer = chosen_tests::PgBouncer::start(pg, "transaction", 10)?;
+    let config: tokio_postgres::Config = bouncer.url().parse()?;
+    let mut managers = Vec::with_capacity(n);
+    let mut elections = Vec::with_capacity(n);
+    for batch in (0..n).collect::<Vec<_>>().chunks(20) {
+        let connecting: Vec<_> = batch
+            .iter()
+            .map(|i| {
+                let pool = Pool::builder(deadpool_postgres::Manager::new(
+                    config.clone(),
+                    tokio_postgres::NoTls,
+                ))
+                .max_size(1)
+                .build();
+                let options = ManagerOptions::pooled()
+                    .node_id(format!("scale-rows-{i}"))
+                    .term_grant_delay(Duration::ZERO);
+                tokio::spawn(async move {
+                    let pool = pool?;
+                    let mut tries = 0;
+                    loop {
+                        match LockManager::connect_pooled(pool.clone(), options.clone()).await {
+                            Err(e) if tries < 3 && e.is_transient() => tries += 1,
+                            other => {
+                                break other
+                                    .map_err(Box::<dyn std::error::Error + Send + Sync>::from);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for m in connecting {
+            let m = m.await??;
+            elections.push(Election::start(&m, ELECTION)?);
+            managers.push(m);
+        }
+    }
+    let t0 = Instant::now();
+    while !elections.iter().any(|e| e.leadership().is_leader()) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "nobody leads");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (rate, after) = steady(admin).await?;
+    drop(elections);
+    for m in managers {
+        m.shutdown().await;
+    }
+    // The pooler's server connections end with it.
+    drop(bouncer);
+    settle(admin, before).await?;
+    Ok((rate, after - before))
+}
+
+/// Waits (at most 5 s) until the server is back to `connections` client backends.
+async fn settle(admin: &tokio_postgres::Client, count: i64) -> Res<()> {
+    let t0 = Instant::now();
+    while connections(admin).await? > count && t0.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 /// `n` observers on one shared pool of 4, each watching the election (held by one
@@ -173,6 +247,11 @@ async fn main() -> Res<()> {
     );
     println!("| fleet | connections | statements/s | per member |\n|---|---|---|---|");
     for &n in &sizes {
+        let (rate, conns) = lease_contenders(&pg, &admin, n).await?;
+        println!(
+            "| {n} contenders in the lease-row mode (a `LockManager::connect_pooled` each, through PgBouncer in transaction mode, 10 server connections) | {conns} | {rate:.0} | {:.2} |",
+            rate / n as f64
+        );
         let (rate, conns) = contenders(&url, &admin, n).await?;
         println!(
             "| {n} contenders (a `LockManager` each, one election) | {conns} | {rate:.0} | {:.2} |",

@@ -759,7 +759,7 @@ impl PgBouncer {
         fs::write(
             dir.join("pgbouncer.ini"),
             format!(
-                "[databases]\n* = host=127.0.0.1 port={}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\nauth_type = plain\nauth_file = {}\npool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 100\nignore_startup_parameters = extra_float_digits,options\nlogfile = {}\npidfile =\n",
+                "[databases]\n* = host=127.0.0.1 port={}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\nauth_type = plain\nauth_file = {}\npool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 2000\nignore_startup_parameters = extra_float_digits,options\nlogfile = {}\npidfile =\n",
                 local.port,
                 dir.join("userlist.txt").display(),
                 dir.join("pgbouncer.log").display(),

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use chosen_core::{Error, LockManager, ManagerOptions};
+use chosen_core::{Error, Leadership, LockManager, ManagerOptions, Observer, ObserverOptions};
 use chosen_tests::{PgBouncer, PgCluster, connect_admin, in_ci, unique_name};
 use deadpool_postgres::Pool;
 
@@ -34,6 +34,19 @@ fn options(node: &str) -> ManagerOptions {
         .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
 }
 
+/// Waits (at most 10 s) until `leadership` names `leader`.
+async fn until_leader(leadership: &Leadership, leader: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while leadership.leader().as_deref() != Some(leader) {
+        assert!(
+            Instant::now() < deadline,
+            "the observer shows {:?}, not {leader}",
+            leadership.leader()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
     match PgBouncer::start(pg, "transaction", 2) {
         Ok(b) => Some(b),
@@ -48,7 +61,7 @@ fn bouncer(pg: &PgCluster, test: &str) -> Option<PgBouncer> {
 /// Two managers on pools through a transaction pooler: one holds a name, the other
 /// cannot take it while the holder renews it (for several lifetimes of a row), sees
 /// who holds it, and takes it at its next poll once it is released, with a larger
-/// token.
+/// token; an observer reading the rows follows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_rows_exclude_renew_and_hand_over_through_a_transaction_pooler() {
     let pg = PgCluster::start_local().unwrap();
@@ -73,6 +86,16 @@ async fn lease_rows_exclude_renew_and_hand_over_through_a_transaction_pooler() {
     assert!(b.try_acquire(name.as_str()).await.unwrap().is_none());
     let holder = b.holder(name.as_str()).await.unwrap().expect("a holder");
     assert_eq!(holder.node_id, "rows-a");
+    let observer = Observer::new(
+        pool(&bouncer.url(), 1),
+        ObserverOptions::default()
+            .node_id("rows-observer")
+            .poll_interval(Duration::from_millis(50))
+            .lease_rows(true),
+    )
+    .unwrap();
+    let seen = observer.watch(&name).unwrap();
+    until_leader(&seen, "rows-a").await;
 
     let waiting = tokio::spawn({
         let b = b.clone();

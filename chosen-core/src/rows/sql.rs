@@ -297,6 +297,17 @@ pub(super) fn holders_sql(keys: &[LockKey]) -> String {
     )
 }
 
+/// An observer's read (see `observer::holders_sql`, whose columns it answers): the
+/// server's role first, then each key's live row.
+pub(crate) fn observer_sql(keys: &[LockKey]) -> String {
+    format!(
+        "SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
+         UNION ALL \
+         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN chosen_lease l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+        keys_table(keys)
+    )
+}
+
 /// Every live lease row.
 pub(super) const CLUSTER_SQL: &str = "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM chosen_lease l WHERE l.expires_at > now() ORDER BY l.form, l.key";
 
