@@ -64,6 +64,14 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// A session on the proven server was found sharing or swapping its backend (a
     /// pooler put in between): the next session proves the server again.
     fn forget_proven(&self) {}
+
+    /// Its sessions hold rows, not a backend's advisory locks (the lease-row mode): a
+    /// session found missing a lock is not a pooler's, and is retired as any lost
+    /// session (what it still holds stays until the next session fences the work still
+    /// stopping).
+    fn holds_rows(&self) -> bool {
+        false
+    }
 }
 
 /// One open session's statements.

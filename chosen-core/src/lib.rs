@@ -60,12 +60,21 @@ pub use metrics::PrometheusMetrics;
 #[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
 pub use observer::{Observer, ObserverOptions};
 pub use options::ManagerOptions;
-/// The tables and the sequence of the lease-row mode
-/// ([`LockManager::connect_pooled`]), for a migration: a manager creates them when they
-/// are missing and its role may, and otherwise says to run this.
+/// The tables of the lease-row mode ([`LockManager::connect_pooled`]) in `schema`
+/// (`public` unless [`ManagerOptions::lease_schema`] says otherwise), for a migration:
+/// a manager creates them when they are missing and its role may, and otherwise says to
+/// run this. `schema` must be a plain identifier (letters, digits, `_`).
+///
+/// ```
+/// let sql = chosen_core::lease_tables_sql("public");
+/// assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"public\".chosen_lease ("));
+/// ```
 #[cfg(feature = "deadpool")]
 #[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
-pub const LEASE_TABLES_SQL: &str = rows::TABLES_SQL;
+#[must_use]
+pub fn lease_tables_sql(schema: &str) -> String {
+    rows::tables_sql(schema)
+}
 pub use singleton::{
     ChildError, ChildState, LeaderContext, RestartPolicy, Singleton, SingletonOptions,
     SingletonState, SingletonStatus,

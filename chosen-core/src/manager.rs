@@ -265,14 +265,20 @@ impl LockManager {
     /// * a graceful release is not announced: waiters find it at their next poll;
     /// * the database's wall clock decides expiry, so a step forward of it by more
     ///   than [`safety_margin`](ManagerOptions::safety_margin) can end a lease early;
-    /// * every node of a namespace must use the same mode (a row and an advisory lock
-    ///   of the same name do not exclude each other).
+    /// * every node of a namespace must use the same mode and schema;
+    /// * [`HolderInfo::backend_pid`](crate::HolderInfo::backend_pid) and the status's
+    ///   backend pid carry the session's holder id (random), not a server process.
     ///
-    /// The tables are created when missing, if the pool's role may (else run
-    /// [`LEASE_TABLES_SQL`](crate::LEASE_TABLES_SQL) as a migration). The pool must
-    /// reach the primary, and have a connection free now and then: a renewal that
-    /// gets none within `lease_timeout` ends the session. Any connection settings in
-    /// `options` are not used.
+    /// The tables live in [`ManagerOptions::lease_schema`] (`public` by default) and
+    /// are created when missing, if the pool's role may (else run
+    /// [`lease_tables_sql`](crate::lease_tables_sql) as a migration). The pool must
+    /// reach the primary. The session keeps one connection of the pool between its
+    /// statements (through a transaction pooler that holds no server connection), so
+    /// that an application using every other one cannot starve the renewals; it takes
+    /// a new one when that one breaks. Any connection settings in `options` are not
+    /// used. A key an advisory-lock session holds is not taken as a row, but an
+    /// advisory-lock manager does not see rows: switch a fleet's mode with every node
+    /// of the old mode stopped.
     ///
     /// ```no_run
     /// # async fn run(pool: deadpool_postgres::Pool) -> chosen_core::Result<()> {

@@ -26,6 +26,7 @@ pub struct ObserverOptions {
     poll_interval: Duration,
     read_timeout: Duration,
     lease_rows: bool,
+    lease_schema: String,
     metrics: Option<Arc<dyn MetricsSink>>,
 }
 
@@ -37,6 +38,7 @@ impl std::fmt::Debug for ObserverOptions {
             .field("poll_interval", &self.poll_interval)
             .field("read_timeout", &self.read_timeout)
             .field("lease_rows", &self.lease_rows)
+            .field("lease_schema", &self.lease_schema)
             .field("metrics", &self.metrics.is_some())
             .finish()
     }
@@ -50,6 +52,7 @@ impl Default for ObserverOptions {
             poll_interval: Duration::from_secs(1),
             read_timeout: Duration::from_secs(5),
             lease_rows: false,
+            lease_schema: "public".to_owned(),
             metrics: None,
         }
     }
@@ -96,6 +99,14 @@ impl ObserverOptions {
     #[must_use]
     pub fn lease_rows(mut self, lease_rows: bool) -> Self {
         self.lease_rows = lease_rows;
+        self
+    }
+
+    /// The schema of the lease rows (default `public`; see
+    /// [`ManagerOptions::lease_schema`](crate::ManagerOptions::lease_schema)).
+    #[must_use]
+    pub fn lease_schema(mut self, schema: impl Into<String>) -> Self {
+        self.lease_schema = schema.into();
         self
     }
 
@@ -231,6 +242,15 @@ impl Observer {
                 format!(
                     "read_timeout {:?} is below 10ms; allow a read more time",
                     options.read_timeout
+                ),
+            ));
+        }
+        if !crate::options::is_plain_identifier(&options.lease_schema) {
+            return Err(Error::config(
+                "ObserverOptions::lease_schema",
+                format!(
+                    "lease_schema {:?} is not a plain identifier: use a letter or _, then letters, digits or _, at most 63 bytes",
+                    options.lease_schema
                 ),
             ));
         }
@@ -375,7 +395,7 @@ async fn read_holders(
 ) -> Result<Vec<Option<HolderInfo>>> {
     let timeout = options.read_timeout;
     let statement = if options.lease_rows {
-        crate::rows::observer_sql(keys)
+        crate::rows::observer_sql(&options.lease_schema, keys)
     } else {
         holders_sql(keys)
     };

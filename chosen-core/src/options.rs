@@ -93,6 +93,8 @@ pub struct ManagerOptions {
     /// Made for the lease-row mode ([`ManagerOptions::pooled`]): no connection
     /// settings of its own.
     pub(crate) pooled: bool,
+    /// The schema of the lease-row tables.
+    pub(crate) lease_schema: String,
     #[cfg(feature = "rustls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub(crate) metrics: Option<std::sync::Arc<dyn crate::MetricsSink>>,
@@ -121,6 +123,7 @@ impl fmt::Debug for ManagerOptions {
             .field("eligible", &self.eligible)
             .field("exclusion_self_test", &self.exclusion_self_test)
             .field("pooled", &self.pooled)
+            .field("lease_schema", &self.lease_schema)
             .field("tls", &self.uses_tls())
             .field("metrics", &self.metrics.is_some())
             .finish()
@@ -167,6 +170,7 @@ impl ManagerOptions {
             eligible: true,
             exclusion_self_test: true,
             pooled: false,
+            lease_schema: "public".to_owned(),
             #[cfg(feature = "rustls")]
             tls: None,
             metrics: None,
@@ -263,6 +267,22 @@ impl ManagerOptions {
         let mut options = Self::from_pg_config(tokio_postgres::Config::new());
         options.pooled = true;
         options
+    }
+
+    /// The schema the lease-row mode keeps its tables in (default `public`): every
+    /// node of a fleet must name the same one, whatever its role's own schemas or
+    /// `search_path` (a plain identifier: a letter or `_`, then letters, digits or `_`,
+    /// at most 63 bytes).
+    #[must_use]
+    pub fn lease_schema(mut self, schema: impl Into<String>) -> Self {
+        self.lease_schema = schema.into();
+        self
+    }
+
+    /// The schema of the lease-row tables (see [`lease_schema`](Self::lease_schema)).
+    #[must_use]
+    pub fn get_lease_schema(&self) -> &str {
+        &self.lease_schema
     }
 
     /// Options from a `deadpool_postgres::Config` (the settings only: the lock
@@ -664,6 +684,15 @@ impl ManagerOptions {
                 ),
             );
         }
+        if !is_plain_identifier(&self.lease_schema) {
+            return bad(
+                "ManagerOptions::lease_schema",
+                format!(
+                    "lease_schema {:?} is not a plain identifier: use a letter or _, then letters, digits or _, at most 63 bytes",
+                    self.lease_schema
+                ),
+            );
+        }
         if !self.pooled && self.pg.get_hosts().is_empty() {
             return bad(
                 "connection settings: host",
@@ -883,6 +912,17 @@ impl ManagerOptions {
         }
         out.join(", ")
     }
+}
+
+/// A schema name chosen inlines in SQL: ASCII letters, digits and `_`, not starting
+/// with a digit, 1 to 63 bytes.
+pub(crate) fn is_plain_identifier(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    (1..=63).contains(&bytes.len())
+        && !bytes[0].is_ascii_digit()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || *b == b'_')
 }
 
 pub(crate) fn default_node_id() -> String {

@@ -29,7 +29,7 @@ mod sql;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use deadpool_postgres::Pool;
+use deadpool_postgres::{Object, Pool};
 use tokio::sync::mpsc;
 use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 use tracing::{debug, warn};
@@ -48,8 +48,8 @@ use crate::status::SessionDownReason;
 use crate::table::{Backend as Holder, FenceCheck, Plan, TryOutcome};
 use crate::token::FencingToken;
 
-use sql::{Batch, Me};
-pub(crate) use sql::{TABLES_SQL, observer_sql};
+use sql::{Batch, Me, Names};
+pub(crate) use sql::{observer_sql, tables_sql};
 
 /// Locks as rows, on connections of `pool`.
 #[derive(Debug)]
@@ -71,11 +71,16 @@ impl Backend for RowsBackend {
     ) -> BoxFuture<'a, Result<Session>> {
         Box::pin(open(self.pool.clone(), options, generation))
     }
+
+    fn holds_rows(&self) -> bool {
+        true
+    }
 }
 
 /// What every statement of a session needs.
 struct Inner {
     pool: Pool,
+    names: Names,
     me: Me,
     node_id: String,
     /// The server's identity (see [`sql::SERVER_SQL`]) the session began on.
@@ -85,8 +90,38 @@ struct Inner {
     /// `lease_timeout`: how long one batch may take, the wait for a connection included.
     timeout: Duration,
     timeline: u16,
-    /// Batches run one at a time, in the order sent (tokio's mutex is fair).
-    turn: tokio::sync::Mutex<()>,
+    /// The session's connection of the pool, kept between batches (so that an
+    /// application holding every other connection cannot starve the renewals;
+    /// through a transaction pooler it holds no server connection between them).
+    /// Batches run one at a time, in the order sent (tokio's mutex is fair); a batch
+    /// takes the connection out while it runs, and one abandoned mid-statement closes
+    /// it (see [`Checkout`]).
+    conn: tokio::sync::Mutex<Option<Object>>,
+}
+
+/// A connection of the pool in use: given back to where it came from when its answer
+/// arrived ([`Checkout::done`]); closed, not given back, when dropped before (a
+/// statement may still run on it: its next user would wait behind it).
+struct Checkout(Option<Object>);
+
+impl Checkout {
+    fn client(&self) -> &Object {
+        self.0
+            .as_ref()
+            .expect("BUG: a checkout is used only before done")
+    }
+
+    fn done(mut self) -> Object {
+        self.0.take().expect("BUG: a checkout is done once")
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(Object::take(object));
+        }
+    }
 }
 
 /// A lease-row session.
@@ -100,11 +135,13 @@ impl Drop for RowsLink {
     fn drop(&mut self) {
         // The server does not end anything here: delete the session's rows, so that
         // the next holder need not wait for them to expire (best effort; they expire
-        // anyway). The manager drops a session only once nothing of it is trusted.
+        // anyway). The manager drops a session only once nothing of it is trusted any
+        // more and its stopping work is fenced by the next session (a lost lease-row
+        // session is always retired, see `Backend::holds_rows`).
         let inner = Arc::clone(&self.inner);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                let mut batch = Batch::new(&inner.server, inner.timeout.as_millis());
+                let mut batch = inner.batch();
                 batch.release_all(inner.me);
                 if let Err(e) = inner.run(&batch.sql).await {
                     debug!(error = ?e, holder = inner.me.holder, "could not delete the rows of an ended lease session; they expire");
@@ -114,59 +151,76 @@ impl Drop for RowsLink {
     }
 }
 
-/// Opens a session: checks the server and the tables (creating them when missing and
-/// allowed), reads the term, and draws a holder id.
+/// Opens a session: checks that the pool reaches a writable primary and that the
+/// tables are there and writable (creating them when missing and allowed), reads the
+/// term, and draws a holder id. The connection it used becomes the session's.
 async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<Session> {
     let deadline = tokio::time::Instant::now() + options.connect_timeout;
-    let client = tokio::time::timeout_at(deadline, pool.get())
-        .await
-        .map_err(|_| Error::ConnectTimeout {
-            target: "the application's pool".to_owned(),
-            after: options.connect_timeout,
-        })?
-        .map_err(|e| Error::Pool {
-            message: format!("no connection from the pool: {}", pool_error_text(&e)),
-        })?;
+    let timed_out = || Error::ConnectTimeout {
+        target: "the application's pool".to_owned(),
+        after: options.connect_timeout,
+    };
+    let client = Checkout(Some(
+        tokio::time::timeout_at(deadline, pool.get())
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|e| Error::Pool {
+                message: format!("no connection from the pool: {}", pool_error_text(&e)),
+            })?,
+    ));
+    let names = Names::new(&options.lease_schema);
     let work = async {
-        ensure_tables(&client).await?;
-        let proven_at = crate::clock::now();
-        let term = crate::pg::read_term(&client, options.token_epoch, false).await?;
-        let answer = client
-            .simple_query(&sql::open_sql())
+        let role = client
+            .client()
+            .simple_query(sql::ROLE_SQL)
             .await
             .map_err(Error::database)?;
+        let row = rows(&role).next().ok_or_else(|| Error::Protocol {
+            message: "the server answered the lease session's probe with no row".to_owned(),
+        })?;
+        if column(row, 0) != Some("f") {
+            return Err(Error::Refused(SessionDownReason::ServerInRecovery));
+        }
+        if column(row, 1) != Some("off") {
+            return Err(Error::Refused(SessionDownReason::ServerReadOnly));
+        }
+        ensure_tables(client.client(), &options.lease_schema, &names).await?;
+        let proven_at = crate::clock::now();
+        let term = crate::pg::read_term(client.client(), options.token_epoch, false).await?;
+        let answer = client
+            .client()
+            .simple_query(&sql::open_sql(&names))
+            .await
+            .map_err(Error::database)?;
+        if let Err(e) = client.client().batch_execute(&sql::sweep_sql(&names)).await {
+            debug!(error = %error_text(&e), "could not sweep long-expired lease rows");
+        }
         Ok::<_, Error>((proven_at, term, answer))
     };
-    let (proven_at, mut term, answer) = match tokio::time::timeout_at(deadline, work).await {
-        Ok(done) => done?,
-        Err(_) => {
-            drop(deadpool_postgres::Object::take(client));
-            return Err(Error::ConnectTimeout {
-                target: "the application's pool".to_owned(),
-                after: options.connect_timeout,
-            });
-        }
-    };
+    let (proven_at, mut term, answer) = tokio::time::timeout_at(deadline, work)
+        .await
+        .map_err(|_| timed_out())??;
     let row = rows(&answer).next().ok_or_else(|| Error::Protocol {
         message: "the server answered the lease session's probe with no row".to_owned(),
     })?;
     let server = column(row, 0).unwrap_or_default().to_owned();
     let address = column(row, 1).unwrap_or_default().to_owned();
-    if column(row, 2) != Some("f") {
-        return Err(Error::Refused(SessionDownReason::ServerInRecovery));
-    }
-    if column(row, 3) != Some("off") {
-        return Err(Error::Refused(SessionDownReason::ServerReadOnly));
-    }
-    let last = column(row, 4)
-        .and_then(|t| t.parse::<i64>().ok())
+    let first = column(row, 2)
+        .and_then(|t| t.parse::<u64>().ok())
         .ok_or_else(|| Error::Protocol {
-            message: "the server answered no last token".to_owned(),
+            message: "the server answered no token counter".to_owned(),
         })?;
-    // The first token this session can draw (the term's own counts transaction ids,
-    // which this mode does not use).
-    term.first_token =
-        FencingToken::from_parts(term.timeline, u64::try_from(last.max(0)).unwrap_or(0) + 1);
+    if first >= 1 << 48 {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
+            message: format!(
+                "the lease token counter ({}.chosen_lease_counter) is at {first}, past the 48 bits a token carries: set it back to 0 on a new timeline or token epoch (ManagerOptions::token_epoch)",
+                options.lease_schema
+            ),
+        }));
+    }
+    // The first token this session can draw (the term's own counts transaction ids;
+    // this mode's counter is at least as high).
+    term.first_token = FencingToken::from_parts(term.timeline, first);
     let me = Me {
         holder: random_holder(&options.node_id, generation),
         start: micros_since_epoch(SystemTime::now()),
@@ -174,13 +228,14 @@ async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<S
     let (events, receiver) = mpsc::unbounded_channel();
     let inner = Arc::new(Inner {
         pool,
+        names,
         me,
         node_id: options.node_id.clone(),
         server,
         ttl_ms: options.server_release_after.as_millis(),
         timeout: options.lease_timeout,
         timeline: term.timeline,
-        turn: tokio::sync::Mutex::new(()),
+        conn: tokio::sync::Mutex::new(Some(client.done())),
     });
     debug!(holder = me.holder, "lease session opened");
     Ok(Session::new(
@@ -199,31 +254,41 @@ async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<S
     ))
 }
 
-/// Creates the tables when they are missing: racing nodes may both try, which the
-/// second one's `IF NOT EXISTS` or a unique violation in the catalog tells.
-async fn ensure_tables(client: &tokio_postgres::Client) -> Result<()> {
-    let exists =
-        |answer: &[SimpleQueryMessage]| rows(answer).next().and_then(|r| column(r, 0)) == Some("t");
-    let answer = client
-        .simple_query(sql::TABLES_EXIST_SQL)
-        .await
-        .map_err(Error::database)?;
-    if exists(&answer) {
-        return Ok(());
-    }
-    if let Err(e) = client.batch_execute(TABLES_SQL).await {
-        let again = client
-            .simple_query(sql::TABLES_EXIST_SQL)
-            .await
-            .map_err(Error::database)?;
-        if !exists(&again) {
+/// Creates the tables when they are missing (racing nodes may both try: the second
+/// one's `IF NOT EXISTS` or a unique violation in the catalog tells), and checks that
+/// this role may read and write them.
+async fn ensure_tables(client: &tokio_postgres::Client, schema: &str, names: &Names) -> Result<()> {
+    let usable = |answer: &[SimpleQueryMessage]| {
+        let row = rows(answer).next();
+        (
+            row.and_then(|r| column(r, 0)) == Some("t"),
+            row.and_then(|r| column(r, 1)) == Some("t"),
+        )
+    };
+    let check = sql::tables_usable_sql(names);
+    let answer = client.simple_query(&check).await.map_err(Error::database)?;
+    let (mut exist, mut writable) = usable(&answer);
+    if !exist {
+        let created = client.batch_execute(&sql::tables_sql(schema)).await;
+        let again = client.simple_query(&check).await.map_err(Error::database)?;
+        (exist, writable) = usable(&again);
+        if !exist {
+            let why = created
+                .err()
+                .map_or_else(String::new, |e| format!(" ({})", error_text(&e)));
             return Err(Error::Refused(SessionDownReason::ConnectFailed {
                 message: format!(
-                    "the lease tables (chosen_lease, chosen_lease_fence, chosen_lease_token) are missing and could not be created ({}): run chosen_core::LEASE_TABLES_SQL as a migration, or grant this role CREATE on the schema",
-                    error_text(&e)
+                    "the lease tables ({schema}.chosen_lease, chosen_lease_fence, chosen_lease_counter) are missing and could not be created{why}: run chosen_core::lease_tables_sql({schema:?}) as a migration, or grant this role CREATE on the schema"
                 ),
             }));
         }
+    }
+    if !writable {
+        return Err(Error::Refused(SessionDownReason::ConnectFailed {
+            message: format!(
+                "this role may not write the lease tables: GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.chosen_lease, {schema}.chosen_lease_fence TO it, and SELECT, UPDATE ON {schema}.chosen_lease_counter"
+            ),
+        }));
     }
     Ok(())
 }
@@ -289,39 +354,49 @@ fn lost(message: String) -> Fault {
 }
 
 impl Inner {
-    /// Runs one batch on a connection of the pool, after the batches sent before it,
-    /// within the lease timeout (the wait for the connection included). Any failure
-    /// ends the session: what committed is not known.
+    /// Runs one batch on the session's connection (a new one of the pool when it has
+    /// none), after the batches sent before it, within the lease timeout (the wait for
+    /// the connection included). Any failure ends the session: what committed is not
+    /// known.
     async fn run(&self, batch: &str) -> Result<Vec<SimpleQueryMessage>, Fault> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let _turn = tokio::time::timeout_at(deadline, self.turn.lock())
+        let mut slot = tokio::time::timeout_at(deadline, self.conn.lock())
             .await
             .map_err(|_| lost("an earlier statement of the lease session is still running past the lease timeout".to_owned()))?;
-        let client = tokio::time::timeout_at(deadline, self.pool.get())
-            .await
-            .map_err(|_| {
-                lost(format!(
-                    "the pool gave no connection within the lease timeout of {:?} (raise the pool's size: the lease session needs one now and then)",
-                    self.timeout
-                ))
-            })?
-            .map_err(|e| {
-                lost(format!(
-                    "the pool gave no connection: {}",
-                    pool_error_text(&e)
-                ))
-            })?;
-        match tokio::time::timeout_at(deadline, client.simple_query(batch)).await {
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(e)) => Err(self.failed(e)),
-            Err(_) => {
-                // Not given back with a statement in flight.
-                drop(deadpool_postgres::Object::take(client));
-                Err(lost(format!(
-                    "a lease statement got no answer within the lease timeout of {:?}",
-                    self.timeout
-                )))
+        let object = match slot.take().filter(|c| !c.is_closed()) {
+            Some(object) => object,
+            None => tokio::time::timeout_at(deadline, self.pool.get())
+                .await
+                .map_err(|_| {
+                    lost(format!(
+                        "the pool gave no connection within the lease timeout of {:?}",
+                        self.timeout
+                    ))
+                })?
+                .map_err(|e| {
+                    lost(format!(
+                        "the pool gave no connection: {}",
+                        pool_error_text(&e)
+                    ))
+                })?,
+        };
+        let client = Checkout(Some(object));
+        match tokio::time::timeout_at(deadline, client.client().simple_query(batch)).await {
+            Ok(Ok(answer)) => {
+                *slot = Some(client.done());
+                Ok(answer)
             }
+            Ok(Err(e)) => {
+                if !e.is_closed() {
+                    *slot = Some(client.done());
+                }
+                Err(self.failed(e))
+            }
+            // Closed by the checkout, not given back with a statement in flight.
+            Err(_) => Err(lost(format!(
+                "a lease statement got no answer within the lease timeout of {:?}",
+                self.timeout
+            ))),
         }
     }
 
@@ -343,7 +418,7 @@ impl Inner {
     }
 
     fn batch(&self) -> Batch {
-        Batch::new(&self.server, self.timeout.as_millis())
+        Batch::new(&self.names, &self.server, self.timeout.as_millis())
     }
 }
 
@@ -360,7 +435,10 @@ impl Link for RowsLink {
         keys: &'a [LockKey],
     ) -> BoxFuture<'a, Result<Vec<HolderAnswer>, Fault>> {
         Box::pin(async move {
-            let answer = self.inner.read(&sql::holders_sql(keys)).await?;
+            let answer = self
+                .inner
+                .read(&sql::holders_sql(&self.inner.names, keys))
+                .await?;
             let mut out: Vec<HolderAnswer> = keys.iter().map(|_| Ok(None)).collect();
             for row in tagged(&answer, "h") {
                 if let Some(at) = index(row, 1, keys.len()) {
@@ -373,7 +451,10 @@ impl Link for RowsLink {
 
     fn cluster(&self) -> BoxFuture<'_, Result<Vec<(LockKey, HolderInfo)>, Fault>> {
         Box::pin(async move {
-            let answer = self.inner.read(sql::CLUSTER_SQL).await?;
+            let answer = self
+                .inner
+                .read(&sql::cluster_sql(&self.inner.names))
+                .await?;
             Ok(tagged(&answer, "h")
                 .filter_map(|row| {
                     let key = sql::key_of(number(row, 1)?, number(row, 2)?)?;
@@ -414,20 +495,25 @@ fn holder_info(row: &SimpleQueryRow, at: usize) -> HolderInfo {
 }
 
 impl Inner {
-    /// A read: any connection, no turn to wait for, within the lease timeout.
+    /// A read: any connection of the pool, no turn to wait for, within the lease
+    /// timeout.
     async fn read(&self, statement: &str) -> Result<Vec<SimpleQueryMessage>, Fault> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let client = tokio::time::timeout_at(deadline, self.pool.get())
+        let object = tokio::time::timeout_at(deadline, self.pool.get())
             .await
-            .map_err(|_| Fault::Query(tokio_postgres_timeout_error()))?
-            .map_err(|_| Fault::Query(tokio_postgres_timeout_error()))?;
-        match tokio::time::timeout_at(deadline, client.simple_query(statement)).await {
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(e)) => Err(Fault::Query(e)),
-            Err(_) => {
-                drop(deadpool_postgres::Object::take(client));
-                Err(Fault::Query(tokio_postgres_timeout_error()))
+            .map_err(|_| Fault::Query(timeout_error()))?
+            .map_err(|e| match e {
+                deadpool_postgres::PoolError::Backend(e) => Fault::Query(e),
+                _ => Fault::Query(timeout_error()),
+            })?;
+        let client = Checkout(Some(object));
+        match tokio::time::timeout_at(deadline, client.client().simple_query(statement)).await {
+            Ok(Ok(answer)) => {
+                drop(client.done());
+                Ok(answer)
             }
+            Ok(Err(e)) => Err(Fault::Query(e)),
+            Err(_) => Err(Fault::Query(timeout_error())),
         }
     }
 
@@ -609,8 +695,9 @@ impl Inner {
     }
 }
 
-/// A timeout of a read, as a query error (the caller answers it per key).
-fn tokio_postgres_timeout_error() -> tokio_postgres::Error {
+/// A read that got no connection or no answer in time, as a query error (the caller
+/// answers it per key).
+fn timeout_error() -> tokio_postgres::Error {
     // tokio-postgres makes its errors itself only; its timeout error is the one it
     // lends to pools for a connection or a statement that did not come in time.
     tokio_postgres::Error::__private_api_timeout()

@@ -251,11 +251,12 @@ impl Driver {
                 // Kept open until the next session fences what is still stopping (the
                 // engine's rule 6), unless its connection is closed already, or it is a
                 // pooler's (nothing of it is ours).
-                let pooled = matches!(
-                    reason,
-                    SessionDownReason::PoolerDetected { .. }
-                        | SessionDownReason::BackendChanged { .. }
-                );
+                let pooled = !self.backend.holds_rows()
+                    && matches!(
+                        reason,
+                        SessionDownReason::PoolerDetected { .. }
+                            | SessionDownReason::BackendChanged { .. }
+                    );
                 if pooled {
                     self.backend.forget_proven();
                 }

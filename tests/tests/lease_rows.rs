@@ -236,5 +236,165 @@ async fn the_lease_row_mode_says_what_is_wrong() {
     let Err(error) = LockManager::connect_pooled(limited, options("rows-limited")).await else {
         panic!("no tables");
     };
-    assert!(error.to_string().contains("LEASE_TABLES_SQL"), "{error}");
+    assert!(error.to_string().contains("lease_tables_sql"), "{error}");
+    // A role that may read the tables but not write them is told at connect.
+    admin
+        .batch_execute(&chosen_core::lease_tables_sql("public"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(
+            "GRANT SELECT ON chosen_lease, chosen_lease_fence, chosen_lease_counter TO rows_reader",
+        )
+        .await
+        .unwrap();
+    let mut config: tokio_postgres::Config = pg.url().parse().unwrap();
+    config.user("rows_reader").password("rows-secret");
+    let reader = Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(1)
+    .build()
+    .unwrap();
+    let Err(error) = LockManager::connect_pooled(reader, options("rows-reader")).await else {
+        panic!("a role that may not write the tables");
+    };
+    assert!(
+        error.to_string().contains("GRANT SELECT, INSERT"),
+        "{error}"
+    );
+    // A schema that is not a plain identifier.
+    let Err(error) = LockManager::connect_pooled(
+        pool(&pg.url(), 1),
+        options("rows-schema").lease_schema("x\"; DROP TABLE y; --"),
+    )
+    .await
+    else {
+        panic!("a bad schema");
+    };
+    assert!(matches!(error, Error::InvalidConfig { .. }), "{error:?}");
+    // A standby.
+    let standby = pg.start_standby().unwrap();
+    let Err(error) =
+        LockManager::connect_pooled(pool(&standby.url(), 1), options("rows-standby")).await
+    else {
+        panic!("a standby");
+    };
+    assert!(
+        matches!(
+            error,
+            Error::Refused(chosen_core::SessionDownReason::ServerInRecovery)
+        ),
+        "{error:?}"
+    );
+}
+
+/// Nodes whose connections search other schemas first (a role's own schema with tables
+/// of the same names, an application's `search_path`) still share the one schema the
+/// options name: the name stays exclusive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_node_uses_the_named_schema_whatever_its_search_path() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA decoy; {}",
+            chosen_core::lease_tables_sql("decoy")
+        ))
+        .await
+        .unwrap();
+    let mut config: tokio_postgres::Config = pg.url().parse().unwrap();
+    config.options("-c search_path=decoy,public");
+    let decoyed = Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(2)
+    .build()
+    .unwrap();
+    let name = unique_name("rows-schema");
+    let a = LockManager::connect_pooled(decoyed, options("rows-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect_pooled(pool(&pg.url(), 2), options("rows-b"))
+        .await
+        .unwrap();
+    let held = a.acquire(name.as_str()).await.unwrap();
+    assert!(b.try_acquire(name.as_str()).await.unwrap().is_none());
+    let rows: i64 = admin
+        .query_one("SELECT count(*) FROM decoy.chosen_lease", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0, "nothing was written to the decoy schema");
+    drop(held);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A fleet that moves from advisory locks to lease rows on the same server: a key an
+/// advisory-lock session holds is not taken as a row, and the first row token is above
+/// every token the advisory-lock mode issued there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_rows_respect_advisory_holders_and_their_tokens() {
+    let pg = PgCluster::start_local().unwrap();
+    let name = unique_name("rows-modes");
+    let advisory = LockManager::connect(chosen_tests::unheld_options(&pg.url(), "advisory"))
+        .await
+        .unwrap();
+    // Burn transaction ids, so that advisory tokens are far above a fresh counter.
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    for _ in 0..50 {
+        admin
+            .batch_execute("SELECT pg_current_xact_id()")
+            .await
+            .unwrap();
+    }
+    let lease = advisory.acquire(name.as_str()).await.unwrap();
+    let advisory_token = lease.fencing_token().await.unwrap();
+    let rows = LockManager::connect_pooled(pool(&pg.url(), 2), options("rows"))
+        .await
+        .unwrap();
+    assert!(
+        rows.try_acquire(name.as_str()).await.unwrap().is_none(),
+        "a key held as an advisory lock is not taken as a row"
+    );
+    drop(lease);
+    advisory.shutdown().await;
+    let taken = tokio::time::timeout(Duration::from_secs(5), rows.acquire(name.as_str()))
+        .await
+        .expect("taken once the advisory holder is gone")
+        .unwrap();
+    let row_token = taken.fencing_token().await.unwrap();
+    assert!(
+        row_token > advisory_token,
+        "{row_token:?} after {advisory_token:?}"
+    );
+    drop(taken);
+    rows.shutdown().await;
+}
+
+/// The session keeps a connection of the pool for itself: an application that holds
+/// every other connection does not starve its renewals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_holding_the_rest_of_the_pool_does_not_end_the_lease() {
+    let pg = PgCluster::start_local().unwrap();
+    let shared = pool(&pg.url(), 2);
+    let manager = LockManager::connect_pooled(shared.clone(), options("rows-starved"))
+        .await
+        .unwrap();
+    let lease = manager
+        .acquire(unique_name("rows-starved").as_str())
+        .await
+        .unwrap();
+    let taken = shared.get().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        lease.is_valid(),
+        "renewed while the application holds the rest"
+    );
+    drop(taken);
+    drop(lease);
+    manager.shutdown().await;
 }

@@ -6,10 +6,18 @@ use std::fmt::Write as _;
 
 use crate::key::LockKey;
 
-/// The tables and the sequence the lease-row mode keeps its locks in (see
-/// [`LEASE_TABLES_SQL`](crate::LEASE_TABLES_SQL)).
-pub(crate) const TABLES_SQL: &str = "
-CREATE TABLE IF NOT EXISTS chosen_lease (
+/// The tables of the lease-row mode in `schema` (see
+/// [`lease_tables_sql`](crate::lease_tables_sql)): the leases, the stop fences, and the
+/// one-row counter tokens are drawn from.
+pub(crate) fn tables_sql(schema: &str) -> String {
+    let Names {
+        lease,
+        fence,
+        counter,
+    } = Names::new(schema);
+    format!(
+        "
+CREATE TABLE IF NOT EXISTS {lease} (
     form int2 NOT NULL,
     key int8 NOT NULL,
     holder int4 NOT NULL,
@@ -20,8 +28,8 @@ CREATE TABLE IF NOT EXISTS chosen_lease (
     expires_at timestamptz NOT NULL,
     PRIMARY KEY (form, key)
 );
-CREATE INDEX IF NOT EXISTS chosen_lease_holder ON chosen_lease (holder, holder_start);
-CREATE TABLE IF NOT EXISTS chosen_lease_fence (
+CREATE INDEX IF NOT EXISTS chosen_lease_holder ON {lease} (holder, holder_start);
+CREATE TABLE IF NOT EXISTS {fence} (
     key int8 NOT NULL,
     holder int4 NOT NULL,
     holder_start int8 NOT NULL,
@@ -29,27 +37,100 @@ CREATE TABLE IF NOT EXISTS chosen_lease_fence (
     expires_at timestamptz NOT NULL,
     PRIMARY KEY (key, holder, holder_start)
 );
-CREATE INDEX IF NOT EXISTS chosen_lease_fence_holder ON chosen_lease_fence (holder, holder_start);
-CREATE SEQUENCE IF NOT EXISTS chosen_lease_token;
-";
+CREATE INDEX IF NOT EXISTS chosen_lease_fence_holder ON {fence} (holder, holder_start);
+CREATE TABLE IF NOT EXISTS {counter} (
+    one bool PRIMARY KEY DEFAULT true CHECK (one),
+    v int8 NOT NULL
+);
+INSERT INTO {counter} (one, v) VALUES (true, 0) ON CONFLICT DO NOTHING;
+"
+    )
+}
 
-/// Are the tables there (and may this role use them)?
-pub(super) const TABLES_EXIST_SQL: &str = "SELECT to_regclass('chosen_lease') IS NOT NULL AND to_regclass('chosen_lease_fence') IS NOT NULL AND to_regclass('chosen_lease_token') IS NOT NULL";
+/// The schema-qualified names of the lease-row tables, quoted.
+#[derive(Clone, Debug)]
+pub(crate) struct Names {
+    pub(crate) lease: String,
+    pub(crate) fence: String,
+    pub(crate) counter: String,
+}
+
+impl Names {
+    /// The names in `schema`, which [`ManagerOptions::validate`](crate::ManagerOptions::validate)
+    /// has checked to be a plain identifier (no quote in it).
+    pub(crate) fn new(schema: &str) -> Self {
+        Self {
+            lease: format!("\"{schema}\".chosen_lease"),
+            fence: format!("\"{schema}\".chosen_lease_fence"),
+            counter: format!("\"{schema}\".chosen_lease_counter"),
+        }
+    }
+}
+
+/// Are the tables there, and may this role read and write them? One row: the tables
+/// exist (`t`/`f`), then whether every privilege needed is granted (`t`/`f`; NULL when
+/// a table is missing).
+pub(super) fn tables_usable_sql(names: &Names) -> String {
+    let Names {
+        lease,
+        fence,
+        counter,
+    } = names;
+    // `has_table_privilege` with a list is true when *any* of them is held: one call
+    // per privilege.
+    let may = |table: &str, privileges: &[&str]| {
+        privileges
+            .iter()
+            .map(|p| format!("has_table_privilege(to_regclass('{table}'), '{p}')"))
+            .collect::<Vec<_>>()
+            .join(" AND ")
+    };
+    let write = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+    format!(
+        "SELECT to_regclass('{lease}') IS NOT NULL AND to_regclass('{fence}') IS NOT NULL AND to_regclass('{counter}') IS NOT NULL, \
+         CASE WHEN to_regclass('{lease}') IS NOT NULL AND to_regclass('{fence}') IS NOT NULL AND to_regclass('{counter}') IS NOT NULL THEN \
+             {} AND {} AND {} END",
+        may(lease, &write),
+        may(fence, &write),
+        may(counter, &["SELECT", "UPDATE"]),
+    )
+}
+
+/// Deletes rows that expired more than an hour ago (a crashed holder's, a name used
+/// once), a thousand of each table at most: run as a session opens, so that the tables
+/// do not grow with names nobody takes again.
+pub(super) fn sweep_sql(names: &Names) -> String {
+    let Names { lease, fence, .. } = names;
+    format!(
+        "DELETE FROM {lease} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {lease} WHERE expires_at < now() - interval '1 hour' LIMIT 1000)); \
+         DELETE FROM {fence} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {fence} WHERE expires_at < now() - interval '1 hour' LIMIT 1000))"
+    )
+}
 
 /// What tells the server a session began on from any other (another server, the same
 /// one restarted, promoted or moved to another timeline, another database): every
 /// batch checks it first, so that a pool whose connections moved to another server (a
 /// failover behind a DNS name, a restart) ends the session instead of issuing tokens
 /// of the old term's timeline there. A hex digest, so that it can be inlined.
-pub(super) const SERVER_SQL: &str = "encode(sha256(convert_to(current_database() || '/' || pg_postmaster_start_time()::text || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || (SELECT system_identifier FROM pg_control_system())::text, 'UTF8')), 'hex')";
+/// (Numbers only: a connection's `TimeZone` or `DateStyle` must not change it.)
+pub(super) const SERVER_SQL: &str = "encode(sha256(convert_to(current_database() || '/' || extract(epoch FROM pg_postmaster_start_time())::text || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || (SELECT system_identifier FROM pg_control_system())::text, 'UTF8')), 'hex')";
 
 /// What the connect reads besides the term: the server identity, where the pool
-/// connects (for the status), and the last token issued.
-pub(super) fn open_sql() -> String {
+/// connects (for the status), and the least token the session can draw.
+pub(super) fn open_sql(names: &Names) -> String {
+    let counter = &names.counter;
     format!(
-        "SELECT {SERVER_SQL}, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), ''), pg_is_in_recovery(), current_setting('transaction_read_only'), (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM chosen_lease_token)::text"
+        "SELECT {SERVER_SQL}, coalesce(host(inet_server_addr()) || ':' || inet_server_port(), ''), (SELECT greatest(c.v + 1, {XMAX_SQL}) FROM {counter} c)::text"
     )
 }
+
+/// Above every transaction id assigned before the statement's snapshot: the tokens of
+/// the advisory-lock mode issued before on this server are below it.
+const XMAX_SQL: &str = "pg_snapshot_xmax(pg_current_snapshot())::text::int8";
+
+/// Is the server a writable primary? Asked first: the term query fails on a standby.
+pub(super) const ROLE_SQL: &str =
+    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')";
 
 /// The marker the guard's failure carries (see [`Batch::new`]).
 pub(super) const SERVER_CHANGED: &str = "chosen-lease-server-changed";
@@ -132,6 +213,7 @@ pub(super) fn text_literal(text: &str) -> String {
 /// told apart.
 pub(super) struct Batch {
     pub(super) sql: String,
+    names: Names,
 }
 
 impl Batch {
@@ -139,11 +221,15 @@ impl Batch {
     /// session's timeouts: `statement_timeout` per statement, no wait for a row lock
     /// longer than that either, and a commit that waits for the local WAL flush (a
     /// token the server forgets in a crash could be issued again).
-    pub(super) fn new(server: &str, statement_ms: u128) -> Self {
+    /// The `search_path` is pinned for the batch (the application may set its own on a
+    /// pooled connection): the tables are named with their schema, and functions
+    /// resolve in `pg_catalog`.
+    pub(super) fn new(names: &Names, server: &str, statement_ms: u128) -> Self {
         Self {
             sql: format!(
-                "SELECT 'g', CASE WHEN {SERVER_SQL} = '{server}' THEN 1 ELSE ('{SERVER_CHANGED}:' || {SERVER_SQL})::int4 END, set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true), set_config('idle_in_transaction_session_timeout', '0', true);"
+                "SELECT 'g', CASE WHEN {SERVER_SQL} = '{server}' THEN 1 ELSE ('{SERVER_CHANGED}:' || {SERVER_SQL})::int4 END, set_config('search_path', 'pg_catalog', true), set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true), set_config('idle_in_transaction_session_timeout', '0', true);"
             ),
+            names: names.clone(),
         }
     }
 
@@ -155,8 +241,9 @@ impl Batch {
 
     /// Deletes the session's rows of `keys`; answers `u` with each key deleted.
     pub(super) fn unlock(&mut self, me: Me, keys: &[LockKey]) {
+        let lease = &self.names.lease;
         self.push(&format!(
-            "DELETE FROM chosen_lease l USING {} WHERE l.form = k.form AND l.key = k.key AND {} RETURNING 'u', k.i",
+            "DELETE FROM {lease} l USING {} WHERE l.form = k.form AND l.key = k.key AND {} RETURNING 'u', k.i",
             keys_table(keys),
             me.matches("l")
         ));
@@ -164,21 +251,23 @@ impl Batch {
 
     /// Deletes the session's stop fences of `keys`; answers `v` with each one deleted.
     pub(super) fn unfence(&mut self, me: Me, keys: &[LockKey]) {
+        let fence = &self.names.fence;
         self.push(&format!(
-            "DELETE FROM chosen_lease_fence f USING unnest({}) WITH ORDINALITY AS k(key, i) WHERE f.key = k.key AND {} RETURNING 'v', k.i",
+            "DELETE FROM {fence} f USING unnest({}) WITH ORDINALITY AS k(key, i) WHERE f.key = k.key AND {} RETURNING 'v', k.i",
             array(keys.iter().map(|k| fence_column(*k)), "int8"),
             me.matches("f")
         ));
     }
 
-    /// A fresh token, from the sequence, for keys the session holds (their rows locked
+    /// A fresh token, from the counter, for keys the session holds (their rows locked
     /// in key order first, so that they cannot be taken meanwhile): answers `t` with
     /// each key and the token.
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
+        let Names { lease, counter, .. } = &self.names;
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key, k.i FROM chosen_lease l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l), \
-             t AS MATERIALIZED (SELECT nextval('chosen_lease_token') AS v WHERE (SELECT count(*) FROM m) > 0) \
-             UPDATE chosen_lease l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
+            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l), \
+             t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE (SELECT count(*) FROM m) > 0 RETURNING c.v) \
+             UPDATE {lease} l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
             keys_table(keys),
             me.matches("l")
         ));
@@ -192,11 +281,14 @@ impl Batch {
     /// won, whether a row was there before (an expired one: a takeover), and for a key
     /// not won the live holder the statement saw (id, start).
     pub(super) fn try_keys(&mut self, me: Me, node: &str, ttl_ms: u128, keys: &[LockKey]) {
+        let lease = &self.names.lease;
         self.push(&format!(
             "WITH k AS (SELECT * FROM {}), \
-             won AS (INSERT INTO chosen_lease AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
+             won AS (INSERT INTO {lease} AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
                  SELECT k.form, k.key, {}, {}, {}, 0, now(), now() + interval '{ttl_ms} milliseconds' FROM k \
-                 WHERE NOT EXISTS (SELECT 1 FROM chosen_lease c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now()) \
+                 WHERE NOT EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now()) \
+                   AND CASE WHEN k.form = 2 THEN pg_try_advisory_xact_lock((k.key >> 32)::int4, ((k.key << 32) >> 32)::int4) \
+                            ELSE pg_try_advisory_xact_lock(k.key) END \
                  ORDER BY k.form, k.key \
                  ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
                  WHERE l.expires_at <= now() \
@@ -205,7 +297,7 @@ impl Batch {
                     CASE WHEN w.key IS NULL AND c.expires_at > now() THEN c.holder END, \
                     CASE WHEN w.key IS NULL AND c.expires_at > now() THEN c.holder_start END \
              FROM k LEFT JOIN won w ON w.form = k.form AND w.key = k.key \
-                    LEFT JOIN chosen_lease c ON c.form = k.form AND c.key = k.key",
+                    LEFT JOIN {lease} c ON c.form = k.form AND c.key = k.key",
             keys_table(keys),
             me.holder,
             me.start,
@@ -213,7 +305,10 @@ impl Batch {
         ));
     }
 
-    /// One token for every key the try just won (the rows it wrote with token 0),
+    /// One token for every key the try just won (the rows it wrote with token 0), drawn
+    /// from the one-row counter (its row lock orders the draws of the whole fleet, and
+    /// a draw is above every transaction id assigned before it: above the tokens of the
+    /// advisory-lock mode on this server),
     /// drawn after all of them were taken: a token drawn before a later key of the
     /// batch was taken could be below the token of a tenure of that key in between.
     /// And for a key won, who holds its stop fence (an earlier holder still stopping).
@@ -221,12 +316,17 @@ impl Batch {
     pub(super) fn tokens_for_wins(&mut self, me: Me, fences: &[(LockKey, i64)]) {
         let (keys, fence_keys): (Vec<(i16, i64)>, Vec<i64>) =
             fences.iter().map(|(k, f)| (columns(*k), *f)).unzip();
+        let Names {
+            lease,
+            fence,
+            counter,
+        } = &self.names;
         self.push(&format!(
-            "WITH t AS MATERIALIZED (SELECT nextval('chosen_lease_token') AS v WHERE EXISTS (SELECT 1 FROM chosen_lease l WHERE {} AND l.token = 0)), \
+            "WITH t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE EXISTS (SELECT 1 FROM {lease} l WHERE {} AND l.token = 0) RETURNING c.v), \
              f AS (SELECT * FROM unnest({}, {}, {}) AS f(form, key, fence)), \
-             u AS (UPDATE chosen_lease l SET token = t.v FROM t WHERE {} AND l.token = 0 RETURNING l.form, l.key, l.token) \
+             u AS (UPDATE {lease} l SET token = t.v FROM t WHERE {} AND l.token = 0 RETURNING l.form, l.key, l.token) \
              SELECT 'w', u.form, u.key, u.token, \
-                    (SELECT fe.holder FROM chosen_lease_fence fe WHERE fe.key = f.fence AND fe.expires_at > now() AND NOT ({}) LIMIT 1) \
+                    (SELECT fe.holder FROM {fence} fe WHERE fe.key = f.fence AND fe.expires_at > now() AND NOT ({}) LIMIT 1) \
              FROM u LEFT JOIN f ON f.form = u.form AND f.key = u.key",
             me.matches("l"),
             array(keys.iter().map(|c| c.0), "int2"),
@@ -239,8 +339,9 @@ impl Batch {
 
     /// Takes (or renews) the session's stop fences of `keys`; answers `f` per fence.
     pub(super) fn fence(&mut self, me: Me, node: &str, ttl_ms: u128, keys: &[LockKey]) {
+        let fence = &self.names.fence;
         self.push(&format!(
-            "INSERT INTO chosen_lease_fence AS f (key, holder, holder_start, node_id, expires_at) \
+            "INSERT INTO {fence} AS f (key, holder, holder_start, node_id, expires_at) \
              SELECT k.key, {}, {}, {}, now() + interval '{ttl_ms} milliseconds' FROM unnest({}) AS k(key) ORDER BY k.key \
              ON CONFLICT (key, holder, holder_start) DO UPDATE SET expires_at = excluded.expires_at \
              RETURNING 'f', f.key",
@@ -253,8 +354,9 @@ impl Batch {
 
     /// Who else holds a live stop fence of each of `keys`; answers `c` per key.
     pub(super) fn check(&mut self, me: Me, keys: &[LockKey]) {
+        let fence = &self.names.fence;
         self.push(&format!(
-            "SELECT 'c', k.i, (SELECT fe.holder FROM chosen_lease_fence fe WHERE fe.key = k.key AND fe.expires_at > now() AND NOT ({}) LIMIT 1) \
+            "SELECT 'c', k.i, (SELECT fe.holder FROM {fence} fe WHERE fe.key = k.key AND fe.expires_at > now() AND NOT ({}) LIMIT 1) \
              FROM unnest({}) WITH ORDINALITY AS k(key, i)",
             me.matches("fe"),
             array(keys.iter().map(|k| fence_column(*k)), "int8"),
@@ -266,10 +368,11 @@ impl Batch {
     /// and a row already expired is not renewed (someone may be taking it). Answers
     /// `l` per lease and `s` per fence renewed.
     pub(super) fn renew(&mut self, me: Me, ttl_ms: u128) {
+        let Names { lease, fence, .. } = &self.names;
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key FROM chosen_lease l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE), \
-             r AS (UPDATE chosen_lease l SET expires_at = now() + interval '{ttl_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key RETURNING l.form, l.key), \
-             s AS (UPDATE chosen_lease_fence f SET expires_at = now() + interval '{ttl_ms} milliseconds' WHERE {} AND f.expires_at > now() RETURNING f.key) \
+            "WITH m AS (SELECT l.form, l.key FROM {lease} l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE), \
+             r AS (UPDATE {lease} l SET expires_at = now() + interval '{ttl_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key RETURNING l.form, l.key), \
+             s AS (UPDATE {fence} f SET expires_at = now() + interval '{ttl_ms} milliseconds' WHERE {} AND f.expires_at > now() RETURNING f.key) \
              SELECT 'l', r.form, r.key FROM r UNION ALL SELECT 's', 2, s.key FROM s",
             me.matches("l"),
             me.matches("f"),
@@ -278,38 +381,43 @@ impl Batch {
 
     /// Deletes every row of the session.
     pub(super) fn release_all(&mut self, me: Me) {
-        self.push(&format!(
-            "DELETE FROM chosen_lease l WHERE {}",
-            me.matches("l")
-        ));
-        self.push(&format!(
-            "DELETE FROM chosen_lease_fence f WHERE {}",
-            me.matches("f")
-        ));
+        let Names { lease, fence, .. } = &self.names;
+        let (l, f) = (me.matches("l"), me.matches("f"));
+        let leases = format!("DELETE FROM {lease} l WHERE {l}");
+        let fences = format!("DELETE FROM {fence} f WHERE {f}");
+        self.push(&leases);
+        self.push(&fences);
     }
 }
 
 /// Who holds each of `keys` (live rows only); answers `h` per key held.
-pub(super) fn holders_sql(keys: &[LockKey]) -> String {
+pub(super) fn holders_sql(names: &Names, keys: &[LockKey]) -> String {
+    let lease = &names.lease;
     format!(
-        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN chosen_lease l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
         keys_table(keys)
     )
 }
 
 /// An observer's read (see `observer::holders_sql`, whose columns it answers): the
 /// server's role first, then each key's live row.
-pub(crate) fn observer_sql(keys: &[LockKey]) -> String {
+pub(crate) fn observer_sql(schema: &str, keys: &[LockKey]) -> String {
+    let lease = Names::new(schema).lease;
     format!(
         "SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
          UNION ALL \
-         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN chosen_lease l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
         keys_table(keys)
     )
 }
 
 /// Every live lease row.
-pub(super) const CLUSTER_SQL: &str = "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM chosen_lease l WHERE l.expires_at > now() ORDER BY l.form, l.key";
+pub(super) fn cluster_sql(names: &Names) -> String {
+    let lease = &names.lease;
+    format!(
+        "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM {lease} l WHERE l.expires_at > now() ORDER BY l.form, l.key"
+    )
+}
 
 #[cfg(test)]
 mod tests {
