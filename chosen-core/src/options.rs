@@ -262,6 +262,8 @@ impl ManagerOptions {
     /// ```
     ///
     /// [`LockManager::connect_pooled`]: crate::LockManager::connect_pooled
+    #[cfg(feature = "deadpool")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "deadpool")))]
     #[must_use]
     pub fn pooled() -> Self {
         let mut options = Self::from_pg_config(tokio_postgres::Config::new());
