@@ -24,11 +24,11 @@ use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
 use crate::table::Plan;
 
-#[cfg(test)]
-pub(crate) use connect::tcp_user_timeout;
 pub(crate) use connect::connect;
 #[cfg(feature = "deadpool")]
 pub(crate) use connect::read_term;
+#[cfg(test)]
+pub(crate) use connect::tcp_user_timeout;
 #[cfg(test)]
 pub(crate) use sql::{ANNOUNCEMENTS_PER_NOTIFY, UNLOCK_SQL_FOR_TESTS};
 #[cfg(feature = "test-util")]

@@ -228,15 +228,16 @@ pub(super) async fn connect_inner(
     proven: &Mutex<Option<String>>,
 ) -> Result<Session> {
     let config = options.session_config();
-    // The exclusion self-test's second connection, opened alongside the session's (so
-    // that the session is not left idle while it connects, and a multi-host URL is not
-    // walked twice in a row); closed unused on a reconnect to the proven server, which
-    // runs no test and stays as fast as the stop fences need it.
+    // The exclusion self-test's second connection: opened alongside the session's when
+    // no server is proven yet (so that the session is not left idle while it connects,
+    // and a multi-host URL is not walked twice in a row); on a reconnect, only once the
+    // probe found another server than the proven one, so that the reconnect the stop
+    // fences need fast races for no second connection slot.
     let cached = proven
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
-    let second = options.exclusion_self_test.then(|| open_second(options));
+    let second = (options.exclusion_self_test && cached.is_none()).then(|| open_second(options));
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
@@ -720,7 +721,8 @@ where
     // Steps 2 and 3, on a server other than the one last proven.
     let identity = column(exclusion, 1).unwrap_or_default().to_owned();
     let remembered = column(exclusion, 2).unwrap_or_default().to_owned();
-    if let Some(second) = second.filter(|_| cached.is_empty() || remembered != cached) {
+    if testing && (cached.is_empty() || remembered != cached) {
+        let second = second.unwrap_or_else(|| open_second(options));
         let tested = test_exclusion(
             options,
             &client,
