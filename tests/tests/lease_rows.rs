@@ -19,16 +19,16 @@ fn pool(url: &str, size: usize) -> Pool {
     .unwrap()
 }
 
-/// Fast timings for tests: a heartbeat every 100 ms, leases trusted 400 ms past a
-/// renewal's send, rows living 1.6 s past it.
+/// Fast timings for tests, with room for a loaded machine: a heartbeat every 200 ms,
+/// leases trusted 1 s past a renewal's send, rows living 2 s past it.
 fn options(node: &str) -> ManagerOptions {
     ManagerOptions::pooled()
         .node_id(node)
-        .heartbeat_interval(Duration::from_millis(100))
-        .lease_timeout(Duration::from_millis(400))
+        .heartbeat_interval(Duration::from_millis(200))
+        .lease_timeout(Duration::from_millis(1000))
         .stop_budget(Duration::from_millis(500))
         .safety_margin(Duration::from_millis(200))
-        .server_release_after(Duration::from_millis(1600))
+        .server_release_after(Duration::from_millis(2000))
         .poll_interval(Duration::from_millis(50))
         .term_grant_delay(Duration::ZERO)
         .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
@@ -81,7 +81,7 @@ async fn lease_rows_exclude_renew_and_hand_over_through_a_transaction_pooler() {
     let lease = a.acquire(name.as_str()).await.unwrap();
     let first = lease.fencing_token().await.unwrap();
     // Past two lifetimes of a row: the heartbeat renews it.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
     assert!(lease.is_valid(), "the renewed lease is still valid");
     assert!(b.try_acquire(name.as_str()).await.unwrap().is_none());
     let holder = b.holder(name.as_str()).await.unwrap().expect("a holder");
