@@ -107,6 +107,12 @@ pub(crate) trait HeartbeatLink: Send + Sync + 'static {
     /// Proves the session is still this one and writable; answers the advisory locks
     /// it holds (those of a form the manager never takes left out).
     fn heartbeat(&self) -> BoxFuture<'_, Result<Vec<SessionLock>, SessionDownReason>>;
+
+    /// Why the session is lost, in this backend's words: the heartbeat's verdicts
+    /// speak of a backend's advisory locks (a lock missing is another client's doing).
+    fn explain(&self, reason: SessionDownReason) -> SessionDownReason {
+        reason
+    }
 }
 
 /// An open, proven session: its statements, and what the task needs to know of it.

@@ -97,7 +97,7 @@ pub(crate) async fn run(
                             );
                         }
                     }
-                    Verdict::Revoke(reason) => return revoke(reason),
+                    Verdict::Revoke(reason) => return revoke(session.explain(reason)),
                     Verdict::Unjudged { rtt } => {
                         warn!(node_id = %shared.options.node_id, rtt_ms = rtt.as_millis() as u64, "heartbeat answered after more lock releases than are remembered (the heartbeat task was starved): it renews nothing");
                     }

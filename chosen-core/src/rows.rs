@@ -709,6 +709,15 @@ struct RowsHeartbeat {
 }
 
 impl HeartbeatLink for RowsHeartbeat {
+    fn explain(&self, reason: SessionDownReason) -> SessionDownReason {
+        match reason {
+            SessionDownReason::PoolerDetected { .. } => SessionDownReason::ConnectionLost {
+                message: "a lease row of this session is gone: deleted behind its back, or expired early (the server's clock stepped forward)".to_owned(),
+            },
+            other => other,
+        }
+    }
+
     fn heartbeat(&self) -> BoxFuture<'_, Result<Vec<SessionLock>, SessionDownReason>> {
         Box::pin(async move {
             let mut batch = self.inner.batch();

@@ -398,3 +398,41 @@ async fn an_application_holding_the_rest_of_the_pool_does_not_end_the_lease() {
     drop(lease);
     manager.shutdown().await;
 }
+
+/// A row deleted behind the session's back (an operator "unsticking" a lock) ends the
+/// session, said as a lease row gone, not as a pooler's doing; the node holds the name
+/// again once its next session takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_deleted_behind_the_sessions_back_ends_the_session() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let manager = LockManager::connect_pooled(pool(&pg.url(), 2), options("rows-deleted"))
+        .await
+        .unwrap();
+    let name = unique_name("rows-deleted");
+    let lease = manager.acquire(name.as_str()).await.unwrap();
+    let chosen_core::LockKey::Pair(a, b) = manager.key_for(&name) else {
+        panic!("names derive pair keys");
+    };
+    let packed = (i64::from(a) << 32) | i64::from(b as u32);
+    let deleted = admin
+        .execute(
+            "DELETE FROM chosen_lease WHERE form = 2 AND key = $1",
+            &[&packed],
+        )
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("the session ends");
+    assert!(!lease.is_valid());
+    assert!(reason.to_string().contains("lease row"), "{reason}");
+    drop(lease);
+    let again = tokio::time::timeout(Duration::from_secs(10), manager.acquire(name.as_str()))
+        .await
+        .expect("held again")
+        .unwrap();
+    drop(again);
+    manager.shutdown().await;
+}
