@@ -11,7 +11,8 @@
 //! 1. the new session takes a key of its own (one no other session uses) and listens
 //!    on a channel of its own, and goes idle, as between any two of its statements;
 //! 2. a second, short-lived connection to the same target (opened alongside the
-//!    session's) tries the key, reports its backend and server, and sends a
+//!    session's when no server is proven yet or the target names several hosts; else
+//!    once the session's probe found a server other than the proven one) tries the key, reports its backend and server, and sends a
 //!    notification on the session's channel;
 //! 3. the notification must reach the session while it is idle (only a backend bound
 //!    to the session's own connection sends it then: a transaction pooler holds it on

@@ -229,15 +229,17 @@ pub(super) async fn connect_inner(
 ) -> Result<Session> {
     let config = options.session_config();
     // The exclusion self-test's second connection: opened alongside the session's when
-    // no server is proven yet (so that the session is not left idle while it connects,
-    // and a multi-host URL is not walked twice in a row); on a reconnect, only once the
-    // probe found another server than the proven one, so that the reconnect the stop
-    // fences need fast races for no second connection slot.
+    // no server is proven yet, or the target names several hosts (so that the session is
+    // not left idle while it connects, and a multi-host URL is not walked twice in a
+    // row: a dead host first would cost each walk a whole connect timeout); to one host,
+    // on a reconnect, only once the probe found another server than the proven one, so
+    // that the reconnect the stop fences need fast races for no second connection slot.
     let cached = proven
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
-    let second = (options.exclusion_self_test && cached.is_none()).then(|| open_second(options));
+    let upfront = cached.is_none() || options.pg.get_hosts().len() > 1;
+    let second = (options.exclusion_self_test && upfront).then(|| open_second(options));
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(rustls::ClientConfig::clone(tls));
@@ -361,11 +363,16 @@ fn notification_wait(options: &ManagerOptions) -> std::time::Duration {
 
 /// The second connection's failure, said as what the self-test needs.
 fn second_connection_failed(error: &Error) -> Error {
-    Error::NotConnected(SessionDownReason::ConnectFailed {
-        message: format!(
+    let message = if matches!(error, Error::ConnectTimeout { .. }) {
+        format!(
+            "the exclusion self-test's second connection did not connect in time ({error}); the connect is tried again"
+        )
+    } else {
+        format!(
             "the exclusion self-test needs one more connection for a moment and got none ({error}); allow one more connection per node connecting (role CONNECTION LIMIT, max_connections, a pooler's pool size)"
-        ),
-    })
+        )
+    };
+    Error::NotConnected(SessionDownReason::ConnectFailed { message })
 }
 
 /// Steps 2 and 3 of the exclusion self-test (see [`crate::exclusion`]), once the
