@@ -19,10 +19,12 @@
 //! expects answers in; any error ends the session (its rows are deleted when the link
 //! is dropped, or expire), since after an error nobody knows what committed.
 //!
-//! Tokens come from a sequence (`chosen_lease_token`) drawn after every row of the
-//! batch was taken, with the server's timeline in the high bits as in the other mode:
-//! a later tenure of a key draws after the earlier one's rows were committed, so its
-//! token is larger.
+//! Tokens come from a one-row counter (`chosen_lease_counter`), drawn after every row
+//! of the batch was taken, as `greatest(counter + 1, the snapshot's next transaction
+//! id)` (above every token the advisory-lock mode issued on the server), with the
+//! server's timeline in the high bits as in the other mode: the counter's row lock
+//! orders the draws, and a later tenure of a key draws after the earlier one's rows
+//! were committed, so its token is larger.
 
 mod sql;
 
@@ -183,6 +185,13 @@ async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<S
         }
         if column(row, 1) != Some("off") {
             return Err(Error::Refused(SessionDownReason::ServerReadOnly));
+        }
+        if column(row, 2) != Some("t") {
+            // Closed (the checkout is not done), which rolls the application's
+            // transaction back: it gave the connection back to the pool inside it.
+            return Err(Error::Pool {
+                message: "a connection of the pool was inside an open transaction (its last user gave it back without COMMIT or ROLLBACK); it was closed, and the connect is tried again".to_owned(),
+            });
         }
         ensure_tables(client.client(), &options.lease_schema, &names).await?;
         let proven_at = crate::clock::now();
@@ -386,12 +395,9 @@ impl Inner {
                 *slot = Some(client.done());
                 Ok(answer)
             }
-            Ok(Err(e)) => {
-                if !e.is_closed() {
-                    *slot = Some(client.done());
-                }
-                Err(self.failed(e))
-            }
+            // Closed by the checkout: after a failed batch, the connection's state
+            // (an aborted transaction, a setting) is not known.
+            Ok(Err(e)) => Err(self.failed(e)),
             // Closed by the checkout, not given back with a statement in flight.
             Err(_) => Err(lost(format!(
                 "a lease statement got no answer within the lease timeout of {:?}",
@@ -401,6 +407,12 @@ impl Inner {
     }
 
     fn failed(&self, e: tokio_postgres::Error) -> Fault {
+        if error_text(&e).contains(sql::IN_TRANSACTION) {
+            return lost(
+                "the session's connection was inside a transaction it did not begin (an application's, left open on a pooled connection): closed; a new session takes another"
+                    .to_owned(),
+            );
+        }
         if error_text(&e).contains(sql::SERVER_CHANGED) {
             return lost(
                 "the pool's connection reached another server than the session's (a restart, a failover, another database): a new session reads its term"
@@ -413,8 +425,14 @@ impl Inner {
         }
     }
 
-    fn issue(&self, value: i64) -> FencingToken {
-        FencingToken::from_parts(self.timeline, u64::try_from(value).unwrap_or(0))
+    /// The token of counter value `value`, which must fit the 48 bits a token carries.
+    fn issue(&self, value: i64) -> Result<FencingToken, Fault> {
+        match u64::try_from(value) {
+            Ok(v) if v < 1 << 48 => Ok(FencingToken::from_parts(self.timeline, v)),
+            _ => Err(lost(format!(
+                "the lease token counter drew {value}, outside the 48 bits a token carries: set it back on a new timeline or token epoch (ManagerOptions::token_epoch)"
+            ))),
+        }
     }
 
     fn batch(&self) -> Batch {
@@ -585,7 +603,7 @@ impl Inner {
                     token_keys.len()
                 )));
             }
-            issued.first().map(|t| self.issue(*t))
+            issued.first().map(|t| self.issue(*t)).transpose()?
         };
         let tried = if tries.is_empty() {
             Vec::new()
@@ -672,7 +690,7 @@ impl Inner {
             let Some(entry) = out.iter_mut().find(|(o, _)| *o == key) else {
                 continue;
             };
-            let token = number::<i64>(row, 3).map(|t| self.issue(t));
+            let token = number::<i64>(row, 3).map(|t| self.issue(t)).transpose()?;
             if token.is_none() {
                 continue;
             }

@@ -436,3 +436,83 @@ async fn a_row_deleted_behind_the_sessions_back_ends_the_session() {
     drop(again);
     manager.shutdown().await;
 }
+
+/// A connection the application gave back to the pool inside an open transaction is
+/// not adopted (nothing of the session would ever commit): the connect says so and the
+/// next one takes another connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_left_in_a_transaction_is_not_adopted() {
+    let pg = PgCluster::start_local().unwrap();
+    let shared = pool(&pg.url(), 1);
+    {
+        let leaked = shared.get().await.unwrap();
+        leaked.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    }
+    let Err(error) = LockManager::connect_pooled(shared.clone(), options("rows-leaked")).await
+    else {
+        panic!("a connection inside a transaction is refused");
+    };
+    assert!(error.to_string().contains("open transaction"), "{error}");
+    assert!(error.is_transient(), "{error:?}");
+    let manager = LockManager::connect_pooled(shared, options("rows-leaked"))
+        .await
+        .unwrap();
+    let lease = manager
+        .acquire(unique_name("rows-leaked").as_str())
+        .await
+        .unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let visible: i64 = admin
+        .query_one("SELECT count(*) FROM chosen_lease", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(visible, 1, "the row is committed");
+    drop(lease);
+    manager.shutdown().await;
+}
+
+/// Managers whose connections default to a stricter isolation level win and draw
+/// tokens at the same moments without losing their sessions to serialization failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_default_isolation_does_not_end_sessions() {
+    let pg = PgCluster::start_local().unwrap();
+    let strict = || {
+        let mut config: tokio_postgres::Config = pg.url().parse().unwrap();
+        config.options("-c default_transaction_isolation=serializable");
+        Pool::builder(deadpool_postgres::Manager::new(
+            config,
+            tokio_postgres::NoTls,
+        ))
+        .max_size(2)
+        .build()
+        .unwrap()
+    };
+    let a = LockManager::connect_pooled(strict(), options("rows-strict-a"))
+        .await
+        .unwrap();
+    let b = LockManager::connect_pooled(strict(), options("rows-strict-b"))
+        .await
+        .unwrap();
+    let run = |m: LockManager, prefix: &'static str| async move {
+        for i in 0..30 {
+            let lease = m.acquire(format!("{prefix}-{i}").as_str()).await.unwrap();
+            lease.fencing_token().await.unwrap();
+            lease.release().await.unwrap();
+        }
+        m
+    };
+    let (a, b) = tokio::join!(run(a, "strict-a"), run(b, "strict-b"));
+    for m in [&a, &b] {
+        assert!(
+            matches!(
+                m.connection_status(),
+                chosen_core::ConnectionState::Connected { generation: 1, .. }
+            ),
+            "{:?}",
+            m.connection_status()
+        );
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -97,13 +97,14 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
 }
 
 /// Deletes rows that expired more than an hour ago (a crashed holder's, a name used
-/// once), a thousand of each table at most: run as a session opens, so that the tables
-/// do not grow with names nobody takes again.
+/// once), a thousand of each table at most, skipping rows another statement has locked
+/// (a try taking one over: no deadlock with it): run as a session opens, so that the
+/// tables do not grow with names nobody takes again.
 pub(super) fn sweep_sql(names: &Names) -> String {
     let Names { lease, fence, .. } = names;
     format!(
-        "DELETE FROM {lease} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {lease} WHERE expires_at < now() - interval '1 hour' LIMIT 1000)); \
-         DELETE FROM {fence} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {fence} WHERE expires_at < now() - interval '1 hour' LIMIT 1000))"
+        "DELETE FROM {lease} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {lease} WHERE expires_at < now() - interval '1 hour' LIMIT 1000 FOR UPDATE SKIP LOCKED)) AND expires_at < now() - interval '1 hour'; \
+         DELETE FROM {fence} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {fence} WHERE expires_at < now() - interval '1 hour' LIMIT 1000 FOR UPDATE SKIP LOCKED)) AND expires_at < now() - interval '1 hour'"
     )
 }
 
@@ -128,12 +129,21 @@ pub(super) fn open_sql(names: &Names) -> String {
 /// the advisory-lock mode issued before on this server are below it.
 const XMAX_SQL: &str = "pg_snapshot_xmax(pg_current_snapshot())::text::int8";
 
-/// Is the server a writable primary? Asked first: the term query fails on a standby.
-pub(super) const ROLE_SQL: &str =
-    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')";
+/// Is the server a writable primary, and is the connection outside any transaction?
+/// Asked first: the term query fails on a standby.
+pub(super) const ROLE_SQL: &str = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), transaction_timestamp() = statement_timestamp() AND pg_current_xact_id_if_assigned() IS NULL";
 
 /// The marker the guard's failure carries (see [`Batch::new`]).
 pub(super) const SERVER_CHANGED: &str = "chosen-lease-server-changed";
+
+/// The marker of a batch that did not begin its own transaction.
+pub(super) const IN_TRANSACTION: &str = "chosen-lease-in-transaction";
+
+/// True in the first statement of a transaction that has written nothing: a batch (or
+/// the connect's probe) on a connection an application left inside its own open
+/// transaction is refused.
+pub(super) const FRESH_SQL: &str =
+    "transaction_timestamp() = statement_timestamp() AND pg_current_xact_id_if_assigned() IS NULL";
 
 /// The identity of one session: the holder id and when it began (microseconds since
 /// the Unix epoch); ids are random, the pair is unique.
@@ -217,8 +227,10 @@ pub(super) struct Batch {
 }
 
 impl Batch {
-    /// A batch that first proves it runs on the session's server, writable, with the
-    /// session's timeouts: `statement_timeout` per statement, no wait for a row lock
+    /// A batch that first proves it runs on the session's server, writable, in a
+    /// transaction of its own at `READ COMMITTED` (a connection left inside an
+    /// application's open transaction would never commit it, and a stricter level would
+    /// fail concurrent token draws), with the session's timeouts: `statement_timeout` per statement, no wait for a row lock
     /// longer than that either, and a commit that waits for the local WAL flush (a
     /// token the server forgets in a crash could be issued again).
     /// The `search_path` is pinned for the batch (the application may set its own on a
@@ -227,7 +239,10 @@ impl Batch {
     pub(super) fn new(names: &Names, server: &str, statement_ms: u128) -> Self {
         Self {
             sql: format!(
-                "SELECT 'g', CASE WHEN {SERVER_SQL} = '{server}' THEN 1 ELSE ('{SERVER_CHANGED}:' || {SERVER_SQL})::int4 END, set_config('search_path', 'pg_catalog', true), set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true), set_config('idle_in_transaction_session_timeout', '0', true);"
+                "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+                 SELECT 'g', CASE WHEN {SERVER_SQL} = '{server}' THEN 1 ELSE ('{SERVER_CHANGED}:' || {SERVER_SQL})::int4 END, \
+                 CASE WHEN {FRESH_SQL} THEN 1 ELSE ('{IN_TRANSACTION}:' || statement_timestamp()::text)::int4 END, \
+                 set_config('search_path', 'pg_catalog', true), set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true);"
             ),
             names: names.clone(),
         }
@@ -264,13 +279,20 @@ impl Batch {
     /// each key and the token.
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
         let Names { lease, counter, .. } = &self.names;
-        self.push(&format!(
+        // The counter's row first, before any lease row, as every statement that locks
+        // both does (a try locks rows first, but only rows that expired, which a
+        // session's token statement locks only at the instant of the expiry: a deadlock
+        // there, rare, ends one session, never two holders).
+        let first = format!("SELECT 'o', v FROM {counter} FOR UPDATE");
+        let draw = format!(
             "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l), \
              t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE (SELECT count(*) FROM m) > 0 RETURNING c.v) \
              UPDATE {lease} l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
             keys_table(keys),
             me.matches("l")
-        ));
+        );
+        self.push(&first);
+        self.push(&draw);
     }
 
     /// Tries `keys`: a key with no row, or whose row expired by the server's clock, is
