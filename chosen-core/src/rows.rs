@@ -180,18 +180,18 @@ async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<S
         let row = rows(&role).next().ok_or_else(|| Error::Protocol {
             message: "the server answered the lease session's probe with no row".to_owned(),
         })?;
-        if column(row, 0) != Some("f") {
-            return Err(Error::Refused(SessionDownReason::ServerInRecovery));
-        }
-        if column(row, 1) != Some("off") {
-            return Err(Error::Refused(SessionDownReason::ServerReadOnly));
-        }
         if column(row, 2) != Some("t") {
             // Closed (the checkout is not done), which rolls the application's
             // transaction back: it gave the connection back to the pool inside it.
             return Err(Error::Pool {
                 message: "a connection of the pool was inside an open transaction (its last user gave it back without COMMIT or ROLLBACK); it was closed, and the connect is tried again".to_owned(),
             });
+        }
+        if column(row, 0) != Some("f") {
+            return Err(Error::Refused(SessionDownReason::ServerInRecovery));
+        }
+        if column(row, 1) != Some("off") {
+            return Err(Error::Refused(SessionDownReason::ServerReadOnly));
         }
         ensure_tables(client.client(), &options.lease_schema, &names).await?;
         let proven_at = crate::clock::now();
@@ -525,7 +525,8 @@ impl Inner {
                 _ => Fault::Query(timeout_error()),
             })?;
         let client = Checkout(Some(object));
-        match tokio::time::timeout_at(deadline, client.client().simple_query(statement)).await {
+        let statement = format!("{} {statement}", sql::read_head());
+        match tokio::time::timeout_at(deadline, client.client().simple_query(&statement)).await {
             Ok(Ok(answer)) => {
                 drop(client.done());
                 Ok(answer)
@@ -551,6 +552,14 @@ impl Inner {
         if !plan.unfence.is_empty() {
             batch.unfence(me, &plan.unfence);
         }
+        // The order of the statements: every lock of lease rows before the counter's
+        // (the try, then the token draws), and no wait for a row once the counter is
+        // held (the fence statements touch only the session's own fences): no two
+        // steps deadlock over the counter.
+        let tries = &plan.try_keys;
+        if !tries.is_empty() {
+            batch.try_keys(me, &self.node_id, self.ttl_ms, tries);
+        }
         let mut token_keys: Vec<LockKey> = plan
             .token_for
             .iter()
@@ -562,9 +571,7 @@ impl Inner {
         if !token_keys.is_empty() {
             batch.token(me, &token_keys);
         }
-        let tries = &plan.try_keys;
         if !tries.is_empty() {
-            batch.try_keys(me, &self.node_id, self.ttl_ms, tries);
             let fences: Vec<(LockKey, i64)> =
                 tries.iter().map(|k| (*k, sql::fence_column(*k))).collect();
             batch.tokens_for_wins(me, &fences);

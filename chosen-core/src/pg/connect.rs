@@ -238,7 +238,12 @@ pub(super) async fn connect_inner(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
-    let upfront = cached.is_none() || options.pg.get_hosts().len() > 1;
+    let targets = options
+        .pg
+        .get_hosts()
+        .len()
+        .max(options.pg.get_hostaddrs().len());
+    let upfront = cached.is_none() || targets > 1;
     let second = (options.exclusion_self_test && upfront).then(|| open_second(options));
     #[cfg(feature = "rustls")]
     if let Some(tls) = &options.tls {

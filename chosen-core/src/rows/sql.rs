@@ -242,7 +242,8 @@ impl Batch {
                 "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
                  SELECT 'g', CASE WHEN {SERVER_SQL} = '{server}' THEN 1 ELSE ('{SERVER_CHANGED}:' || {SERVER_SQL})::int4 END, \
                  CASE WHEN {FRESH_SQL} THEN 1 ELSE ('{IN_TRANSACTION}:' || statement_timestamp()::text)::int4 END, \
-                 set_config('search_path', 'pg_catalog', true), set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true);"
+                 set_config('search_path', 'pg_catalog', true), set_config('statement_timeout', '{statement_ms}', true), set_config('lock_timeout', '{statement_ms}', true), set_config('synchronous_commit', 'local', true), \
+                 CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN '' ELSE set_config('transaction_timeout', '0', true) END;"
             ),
             names: names.clone(),
         }
@@ -257,8 +258,10 @@ impl Batch {
     /// Deletes the session's rows of `keys`; answers `u` with each key deleted.
     pub(super) fn unlock(&mut self, me: Me, keys: &[LockKey]) {
         let lease = &self.names.lease;
+        // Locked in key order first, as a try locks them.
         self.push(&format!(
-            "DELETE FROM {lease} l USING {} WHERE l.form = k.form AND l.key = k.key AND {} RETURNING 'u', k.i",
+            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l) \
+             DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key RETURNING 'u', m.i",
             keys_table(keys),
             me.matches("l")
         ));
@@ -279,11 +282,10 @@ impl Batch {
     /// each key and the token.
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
         let Names { lease, counter, .. } = &self.names;
-        // The counter's row first, before any lease row, as every statement that locks
-        // both does (a try locks rows first, but only rows that expired, which a
-        // session's token statement locks only at the instant of the expiry: a deadlock
-        // there, rare, ends one session, never two holders).
-        let first = format!("SELECT 'o', v FROM {counter} FOR UPDATE");
+        // Its rows, then the counter: every statement locks lease rows before the
+        // counter, and none waits for a row once it holds the counter (see
+        // `Inner::perform` for the order of a step's statements), so none deadlocks
+        // over the two.
         let draw = format!(
             "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l), \
              t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE (SELECT count(*) FROM m) > 0 RETURNING c.v) \
@@ -291,7 +293,6 @@ impl Batch {
             keys_table(keys),
             me.matches("l")
         );
-        self.push(&first);
         self.push(&draw);
     }
 
@@ -410,6 +411,15 @@ impl Batch {
         self.push(&leases);
         self.push(&fences);
     }
+}
+
+/// The head of a read: a transaction of its own at `READ COMMITTED` (a connection left
+/// inside an application's transaction would answer from its old snapshot, and is
+/// closed instead).
+pub(super) fn read_head() -> String {
+    format!(
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; SELECT CASE WHEN {FRESH_SQL} THEN 1 ELSE ('{IN_TRANSACTION}:' || statement_timestamp()::text)::int4 END;"
+    )
 }
 
 /// Who holds each of `keys` (live rows only); answers `h` per key held.
