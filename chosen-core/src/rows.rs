@@ -540,6 +540,17 @@ impl Inner {
     async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
         let me = self.me;
         let mut batch = self.batch();
+        // The order of the statements: the try first, the one statement that waits for
+        // rows others hold; then the releases and the token statement, which skip a
+        // row another statement holds (a try taking it over) instead of waiting; then
+        // the counter, whose holder waits for no row after it (the fence statements
+        // touch only the session's own fences). So a step waits only in its try, for a
+        // step that is past its own try, or for the counter's holder, which waits for
+        // nothing: no two steps deadlock.
+        let tries = &plan.try_keys;
+        if !tries.is_empty() {
+            batch.try_keys(me, &self.node_id, self.ttl_ms, tries);
+        }
         let unlock: Vec<LockKey> = plan
             .unlock
             .iter()
@@ -551,14 +562,6 @@ impl Inner {
         }
         if !plan.unfence.is_empty() {
             batch.unfence(me, &plan.unfence);
-        }
-        // The order of the statements: every lock of lease rows before the counter's
-        // (the try, then the token draws), and no wait for a row once the counter is
-        // held (the fence statements touch only the session's own fences): no two
-        // steps deadlock over the counter.
-        let tries = &plan.try_keys;
-        if !tries.is_empty() {
-            batch.try_keys(me, &self.node_id, self.ttl_ms, tries);
         }
         let mut token_keys: Vec<LockKey> = plan
             .token_for

@@ -258,9 +258,11 @@ impl Batch {
     /// Deletes the session's rows of `keys`; answers `u` with each key deleted.
     pub(super) fn unlock(&mut self, me: Me, keys: &[LockKey]) {
         let lease = &self.names.lease;
-        // Locked in key order first, as a try locks them.
+        // Locked in key order, skipping (not waiting for) a row another statement has
+        // locked: only a try taking it over (it expired) can have, and the count of
+        // rows deleted then says the session lost it.
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l) \
+            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED) \
              DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key RETURNING 'u', m.i",
             keys_table(keys),
             me.matches("l")
@@ -282,12 +284,13 @@ impl Batch {
     /// each key and the token.
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
         let Names { lease, counter, .. } = &self.names;
-        // Its rows, then the counter: every statement locks lease rows before the
-        // counter, and none waits for a row once it holds the counter (see
-        // `Inner::perform` for the order of a step's statements), so none deadlocks
-        // over the two.
+        // Its rows (skipping one a try is taking over: the count then says the session
+        // lost it), then the counter. In a step, only the try waits for rows held by
+        // others, before anything else of the step locks one; after it, nothing waits
+        // but for the counter, whose holder waits for nothing (see `Inner::perform`):
+        // no two steps deadlock.
         let draw = format!(
-            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l), \
+            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED), \
              t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE (SELECT count(*) FROM m) > 0 RETURNING c.v) \
              UPDATE {lease} l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
             keys_table(keys),
@@ -298,7 +301,8 @@ impl Batch {
 
     /// Tries `keys`: a key with no row, or whose row expired by the server's clock, is
     /// taken (inserted, or its row overwritten), in key order; a key whose row is live
-    /// is not. Rows that look live are not even locked: a failed try writes nothing.
+    /// is not. Rows that look live are not even locked (nor their keys' advisory locks
+    /// tried): a failed try writes nothing.
     /// The new rows carry token 0 until [`Batch::tokens_for_wins`], which runs after
     /// every row of the batch is taken. Answers `k` per key: its index, whether it was
     /// won, whether a row was there before (an expired one: a takeover), and for a key
@@ -309,8 +313,8 @@ impl Batch {
             "WITH k AS (SELECT * FROM {}), \
              won AS (INSERT INTO {lease} AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
                  SELECT k.form, k.key, {}, {}, {}, 0, now(), now() + interval '{ttl_ms} milliseconds' FROM k \
-                 WHERE NOT EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now()) \
-                   AND CASE WHEN k.form = 2 THEN pg_try_advisory_xact_lock((k.key >> 32)::int4, ((k.key << 32) >> 32)::int4) \
+                 WHERE CASE WHEN EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now()) THEN false \
+                            WHEN k.form = 2 THEN pg_try_advisory_xact_lock((k.key >> 32)::int4, ((k.key << 32) >> 32)::int4) \
                             ELSE pg_try_advisory_xact_lock(k.key) END \
                  ORDER BY k.form, k.key \
                  ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
@@ -387,13 +391,14 @@ impl Batch {
     }
 
     /// Renews every live row of the session, leases and fences, to the server's clock
-    /// now plus the TTL; the rows are locked in key order first (as a try locks them),
-    /// and a row already expired is not renewed (someone may be taking it). Answers
+    /// now plus the TTL; the rows are locked in key order first, skipping one another
+    /// statement has locked (a try taking it over: it expired), and a row already
+    /// expired is not renewed (someone may be taking it): the answer then lacks it. Answers
     /// `l` per lease and `s` per fence renewed.
     pub(super) fn renew(&mut self, me: Me, ttl_ms: u128) {
         let Names { lease, fence, .. } = &self.names;
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key FROM {lease} l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE), \
+            "WITH m AS (SELECT l.form, l.key FROM {lease} l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE SKIP LOCKED), \
              r AS (UPDATE {lease} l SET expires_at = now() + interval '{ttl_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key RETURNING l.form, l.key), \
              s AS (UPDATE {fence} f SET expires_at = now() + interval '{ttl_ms} milliseconds' WHERE {} AND f.expires_at > now() RETURNING f.key) \
              SELECT 'l', r.form, r.key FROM r UNION ALL SELECT 's', 2, s.key FROM s",
@@ -406,7 +411,11 @@ impl Batch {
     pub(super) fn release_all(&mut self, me: Me) {
         let Names { lease, fence, .. } = &self.names;
         let (l, f) = (me.matches("l"), me.matches("f"));
-        let leases = format!("DELETE FROM {lease} l WHERE {l}");
+        // Best effort: a row a try is taking over is skipped, not waited for.
+        let leases = format!(
+            "WITH m AS (SELECT l.form, l.key FROM {lease} l WHERE {l} ORDER BY l.form, l.key FOR UPDATE SKIP LOCKED) \
+             DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key"
+        );
         let fences = format!("DELETE FROM {fence} f WHERE {f}");
         self.push(&leases);
         self.push(&fences);
