@@ -68,9 +68,11 @@ async fn contenders(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<
         let connecting: Vec<_> = batch
             .iter()
             .map(|i| {
+                // A thousand backends starting on two cores: a connect may take a while.
                 let options = ManagerOptions::from_url(url).map(|o| {
                     o.node_id(format!("scale-{i}"))
                         .term_grant_delay(Duration::ZERO)
+                        .connect_timeout(Duration::from_secs(30))
                 });
                 tokio::spawn(async move {
                     let options = options?;
@@ -78,7 +80,7 @@ async fn contenders(url: &str, admin: &tokio_postgres::Client, n: usize) -> Res<
                     let mut tries = 0;
                     loop {
                         match LockManager::connect(options.clone()).await {
-                            Err(e) if tries < 3 && e.is_transient() => tries += 1,
+                            Err(e) if tries < 5 && e.is_transient() => tries += 1,
                             other => break other,
                         }
                     }
