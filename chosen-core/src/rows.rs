@@ -542,7 +542,8 @@ impl Inner {
         let mut batch = self.batch();
         // The order of the statements: the try first, the one statement that waits for
         // rows others hold; then the releases and the token statement, which skip a
-        // row another statement holds (a try taking it over) instead of waiting; then
+        // row another statement holds (a try taking it over, or rarely one that found
+        // it live only as it conflicted: a false loss) instead of waiting; then
         // the counter, whose holder waits for no row after it (the fence statements
         // touch only the session's own fences). So a step waits only in its try, for a
         // step that is past its own try, or for the counter's holder, which waits for

@@ -259,8 +259,10 @@ impl Batch {
     pub(super) fn unlock(&mut self, me: Me, keys: &[LockKey]) {
         let lease = &self.names.lease;
         // Locked in key order, skipping (not waiting for) a row another statement has
-        // locked: only a try taking it over (it expired) can have, and the count of
-        // rows deleted then says the session lost it.
+        // locked, and the count of rows deleted then says the session lost it: a try
+        // taking it over (it expired), or, rarely, a try that found it live only as it
+        // conflicted (at a renewal racing the expiry, or a fresh take racing another
+        // node's): a false loss, which ends the session, never two holders.
         self.push(&format!(
             "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED) \
              DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key RETURNING 'u', m.i",
@@ -284,8 +286,8 @@ impl Batch {
     /// each key and the token.
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
         let Names { lease, counter, .. } = &self.names;
-        // Its rows (skipping one a try is taking over: the count then says the session
-        // lost it), then the counter. In a step, only the try waits for rows held by
+        // Its rows (skipping one another statement holds, as the unlock does: the count
+        // then says the session lost it), then the counter. In a step, only the try waits for rows held by
         // others, before anything else of the step locks one; after it, nothing waits
         // but for the counter, whose holder waits for nothing (see `Inner::perform`):
         // no two steps deadlock.
@@ -391,14 +393,16 @@ impl Batch {
     }
 
     /// Renews every live row of the session, leases and fences, to the server's clock
-    /// now plus the TTL; the rows are locked in key order first, skipping one another
-    /// statement has locked (a try taking it over: it expired), and a row already
-    /// expired is not renewed (someone may be taking it): the answer then lacks it. Answers
+    /// now plus the TTL; the rows are locked in key order first, waiting for a step
+    /// that holds one (its try locked it: a takeover, or a failed try, which keeps the
+    /// row locked until its step ends; such a step waits for nothing but the counter,
+    /// whose holder waits for no row: no cycle), and a row already expired is not
+    /// renewed (someone may be taking it): the answer then lacks it. Answers
     /// `l` per lease and `s` per fence renewed.
     pub(super) fn renew(&mut self, me: Me, ttl_ms: u128) {
         let Names { lease, fence, .. } = &self.names;
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key FROM {lease} l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE SKIP LOCKED), \
+            "WITH m AS (SELECT l.form, l.key FROM {lease} l WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE), \
              r AS (UPDATE {lease} l SET expires_at = now() + interval '{ttl_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key RETURNING l.form, l.key), \
              s AS (UPDATE {fence} f SET expires_at = now() + interval '{ttl_ms} milliseconds' WHERE {} AND f.expires_at > now() RETURNING f.key) \
              SELECT 'l', r.form, r.key FROM r UNION ALL SELECT 's', 2, s.key FROM s",
