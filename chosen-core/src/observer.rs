@@ -411,7 +411,13 @@ async fn read_holders(
     // A simple query with the keys inlined (numbers only): no prepared statement, which
     // a transaction pooler may not carry between its backends.
     match tokio::time::timeout_at(deadline, client.simple_query(&statement)).await {
-        Ok(answer) => parse_holders(&answer.map_err(Error::database)?, keys.len()),
+        Ok(Ok(answer)) => parse_holders(&answer, keys.len()),
+        Ok(Err(e)) => {
+            // Not given back after a failure either: it may be inside a transaction
+            // (an application's, left open: the lease-row read refuses it).
+            drop(deadpool_postgres::Object::take(client));
+            Err(Error::database(e))
+        }
         Err(_) => {
             // Not given back to the application's pool with a statement in flight
             // (a black-holed connection would stall its next user): closed.

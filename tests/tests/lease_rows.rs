@@ -516,3 +516,36 @@ async fn strict_default_isolation_does_not_end_sessions() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// An observer of lease rows does not read through a connection the application left
+/// inside a transaction (its snapshot would show an old holder): the read fails, that
+/// connection is closed, and the next read shows the holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_does_not_read_lease_rows_inside_a_leaked_transaction() {
+    let pg = PgCluster::start_local().unwrap();
+    let manager = LockManager::connect_pooled(pool(&pg.url(), 2), options("rows-watched"))
+        .await
+        .unwrap();
+    let name = unique_name("rows-watched");
+    let lease = manager.acquire(name.as_str()).await.unwrap();
+    let shared = pool(&pg.url(), 1);
+    {
+        let leaked = shared.get().await.unwrap();
+        leaked.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    }
+    let observer = Observer::new(
+        shared,
+        ObserverOptions::default()
+            .node_id("rows-watcher")
+            .lease_rows(true),
+    )
+    .unwrap();
+    assert!(observer.holders(&[name.as_str()]).await.is_err());
+    let holders = observer.holders(&[name.as_str()]).await.unwrap();
+    assert_eq!(
+        holders[0].as_ref().map(|h| h.node_id.as_str()),
+        Some("rows-watched")
+    );
+    drop(lease);
+    manager.shutdown().await;
+}

@@ -428,10 +428,11 @@ impl Batch {
 
 /// The head of a read: a transaction of its own at `READ COMMITTED` (a connection left
 /// inside an application's transaction would answer from its old snapshot, and is
-/// closed instead).
-pub(super) fn read_head() -> String {
+/// closed instead). Its one row is the text `r`: no read's answer takes it for one of
+/// its own (they are tagged, or numbered).
+pub(crate) fn read_head() -> String {
     format!(
-        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; SELECT CASE WHEN {FRESH_SQL} THEN 1 ELSE ('{IN_TRANSACTION}:' || statement_timestamp()::text)::int4 END;"
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; SELECT CASE WHEN {FRESH_SQL} THEN 'r' ELSE ('{IN_TRANSACTION}:' || statement_timestamp()::text)::int4::text END;"
     )
 }
 
@@ -444,14 +445,15 @@ pub(super) fn holders_sql(names: &Names, keys: &[LockKey]) -> String {
     )
 }
 
-/// An observer's read (see `observer::holders_sql`, whose columns it answers): the
-/// server's role first, then each key's live row.
+/// An observer's read (see `observer::holders_sql`, whose columns it answers), after
+/// [`read_head`]: the server's role first, then each key's live row.
 pub(crate) fn observer_sql(schema: &str, keys: &[LockKey]) -> String {
     let lease = Names::new(schema).lease;
     format!(
-        "SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
+        "{} SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
          UNION ALL \
          SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+        read_head(),
         keys_table(keys)
     )
 }
