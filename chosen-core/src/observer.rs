@@ -413,9 +413,20 @@ async fn read_holders(
     match tokio::time::timeout_at(deadline, client.simple_query(&statement)).await {
         Ok(Ok(answer)) => parse_holders(&answer, keys.len()),
         Ok(Err(e)) => {
-            // Not given back after a failure either: it may be inside a transaction
-            // (an application's, left open: the lease-row read refuses it).
-            drop(deadpool_postgres::Object::take(client));
+            // Not given back when it was inside a transaction (an application's, left
+            // open: the lease-row read refuses it), which the failure may have left
+            // aborted; a plain failure (missing tables, a privilege) leaves it clean.
+            let text = crate::fault::error_text(&e);
+            let in_transaction = text.contains(crate::rows::IN_TRANSACTION)
+                || e.code().is_some_and(|c| c.code().starts_with("25"));
+            if in_transaction || e.is_closed() {
+                drop(deadpool_postgres::Object::take(client));
+            }
+            if text.contains(crate::rows::IN_TRANSACTION) {
+                return Err(Error::Pool {
+                    message: "a connection of the pool was inside an open transaction (its last user gave it back without COMMIT or ROLLBACK); it was closed".to_owned(),
+                });
+            }
             Err(Error::database(e))
         }
         Err(_) => {

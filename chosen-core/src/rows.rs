@@ -51,7 +51,7 @@ use crate::table::{Backend as Holder, FenceCheck, Plan, TryOutcome};
 use crate::token::FencingToken;
 
 use sql::{Batch, Me, Names};
-pub(crate) use sql::{observer_sql, tables_sql};
+pub(crate) use sql::{IN_TRANSACTION, observer_sql, tables_sql};
 
 /// Locks as rows, on connections of `pool`.
 #[derive(Debug)]

@@ -137,7 +137,7 @@ pub(super) const ROLE_SQL: &str = "SELECT pg_is_in_recovery(), current_setting('
 pub(super) const SERVER_CHANGED: &str = "chosen-lease-server-changed";
 
 /// The marker of a batch that did not begin its own transaction.
-pub(super) const IN_TRANSACTION: &str = "chosen-lease-in-transaction";
+pub(crate) const IN_TRANSACTION: &str = "chosen-lease-in-transaction";
 
 /// True in the first statement of a transaction that has written nothing: a batch (or
 /// the connect's probe) on a connection an application left inside its own open
