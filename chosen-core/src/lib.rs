@@ -29,6 +29,8 @@ mod options;
 mod pg;
 #[cfg(feature = "deadpool")]
 mod rows;
+#[cfg(feature = "deadpool")]
+mod rows_step;
 mod shared;
 #[cfg(test)]
 mod sim;

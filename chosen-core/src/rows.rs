@@ -47,9 +47,10 @@ use crate::info::HolderInfo;
 use crate::key::{LockKey, SessionLock};
 use crate::options::ManagerOptions;
 use crate::status::SessionDownReason;
-use crate::table::{Backend as Holder, FenceCheck, Plan, TryOutcome};
+use crate::table::Plan;
 use crate::token::FencingToken;
 
+use crate::rows_step::{self, Answer, Steps, Tried, Win, lost};
 use sql::{Batch, Me, Names};
 pub(crate) use sql::{IN_TRANSACTION, observer_sql, tables_sql};
 
@@ -358,10 +359,6 @@ fn index(row: &SimpleQueryRow, i: usize, len: usize) -> Option<usize> {
         .filter(|i| *i < len)
 }
 
-fn lost(message: String) -> Fault {
-    Fault::Lost(SessionDownReason::ConnectionLost { message })
-}
-
 impl Inner {
     /// Runs one batch on the session's connection (a new one of the pool when it has
     /// none), after the batches sent before it, within the lease timeout (the wait for
@@ -422,16 +419,6 @@ impl Inner {
         match classify(e) {
             Fault::Lost(reason) => Fault::Lost(reason),
             Fault::Query(e) => lost(format!("a lease statement failed: {}", error_text(&e))),
-        }
-    }
-
-    /// The token of counter value `value`, which must fit the 48 bits a token carries.
-    fn issue(&self, value: i64) -> Result<FencingToken, Fault> {
-        match u64::try_from(value) {
-            Ok(v) if v < 1 << 48 => Ok(FencingToken::from_parts(self.timeline, v)),
-            _ => Err(lost(format!(
-                "the lease token counter drew {value}, outside the 48 bits a token carries: set it back on a new timeline or token epoch (ManagerOptions::token_epoch)"
-            ))),
         }
     }
 
@@ -539,6 +526,7 @@ impl Inner {
     /// Carries out a plan in one transaction.
     async fn perform(&self, plan: &Plan) -> Result<Done, Fault> {
         let me = self.me;
+        let steps = Steps::of(plan);
         let mut batch = self.batch();
         // The order of the statements: the try first, the one statement that waits for
         // rows others hold; then the releases and the token statement, which skip a
@@ -548,179 +536,80 @@ impl Inner {
         // touch only the session's own fences). So a step waits only in its try, for a
         // step that is past its own try, or for the counter's holder, which waits for
         // nothing: no two steps deadlock.
-        let tries = &plan.try_keys;
-        if !tries.is_empty() {
-            batch.try_keys(me, &self.node_id, self.ttl_ms, tries);
+        if !steps.tries.is_empty() {
+            batch.try_keys(
+                me,
+                (&self.node_id, crate::key::node_hash(&self.node_id)),
+                self.ttl_ms,
+                &steps.tries,
+            );
         }
-        let unlock: Vec<LockKey> = plan
-            .unlock
-            .iter()
-            .chain(&plan.unlock_quiet)
-            .copied()
-            .collect();
-        if !unlock.is_empty() {
-            batch.unlock(me, &unlock);
+        if !steps.unlock.is_empty() {
+            batch.unlock(
+                me,
+                &steps.unlock,
+                &steps.hand,
+                crate::table::HAND_OVER_HOLD.as_millis(),
+            );
         }
-        if !plan.unfence.is_empty() {
-            batch.unfence(me, &plan.unfence);
+        if !steps.unfence.is_empty() {
+            batch.unfence(me, &steps.unfence);
         }
-        let mut token_keys: Vec<LockKey> = plan
-            .token_for
-            .iter()
-            .chain(&plan.token_read)
-            .copied()
-            .collect();
-        token_keys.sort_unstable();
-        token_keys.dedup();
-        if !token_keys.is_empty() {
-            batch.token(me, &token_keys);
+        if !steps.token.is_empty() {
+            batch.token(me, &steps.token);
         }
-        if !tries.is_empty() {
-            let fences: Vec<(LockKey, i64)> =
-                tries.iter().map(|k| (*k, sql::fence_column(*k))).collect();
+        if !steps.tries.is_empty() {
+            let fences: Vec<(LockKey, i64)> = steps
+                .tries
+                .iter()
+                .map(|k| (*k, sql::fence_column(*k)))
+                .collect();
             batch.tokens_for_wins(me, &fences);
         }
-        if !plan.fence.is_empty() {
-            batch.fence(me, &self.node_id, self.ttl_ms, &plan.fence);
+        if !steps.fence.is_empty() {
+            batch.fence(me, &self.node_id, self.ttl_ms, &steps.fence);
         }
-        if !plan.check.is_empty() {
-            batch.check(me, &plan.check);
+        if !steps.check.is_empty() {
+            batch.check(me, &steps.check);
         }
         let answer = self.run(&batch.sql).await?;
-
-        // Releases: every key must have been the session's.
-        let unlocked = tagged(&answer, "u").count();
-        if unlocked != unlock.len() {
-            return Err(lost(format!(
-                "the server says this session held {unlocked} of the {} leases it released: a row expired and was taken, or was deleted behind its back",
-                unlock.len()
-            )));
-        }
-        let unfenced = tagged(&answer, "v").count();
-        if unfenced != plan.unfence.len() {
-            return Err(lost(format!(
-                "the server says this session held {unfenced} of the {} stop fences it released",
-                plan.unfence.len()
-            )));
-        }
-        let token = if token_keys.is_empty() {
-            None
-        } else {
-            let issued: Vec<i64> = tagged(&answer, "t").filter_map(|r| number(r, 2)).collect();
-            if issued.len() != token_keys.len() {
-                return Err(lost(format!(
-                    "the session holds {} of the {} leases it draws a token for: a row expired or was deleted behind its back",
-                    issued.len(),
-                    token_keys.len()
-                )));
-            }
-            issued.first().map(|t| self.issue(*t)).transpose()?
-        };
-        let tried = if tries.is_empty() {
-            Vec::new()
-        } else {
-            self.tried(&answer, tries)?
-        };
-        let seen_held = tagged(&answer, "k")
-            .filter(|r| column(r, 2) == Some("t") && column(r, 3) == Some("t"))
-            .filter_map(|r| index(r, 1, tries.len()).map(|i| tries[i]))
-            .collect();
-        let fenced = if plan.fence.is_empty() {
-            Vec::new()
-        } else {
-            let taken: std::collections::HashSet<i64> =
-                tagged(&answer, "f").filter_map(|r| number(r, 1)).collect();
-            plan.fence
-                .iter()
-                .map(|k| (*k, taken.contains(&sql::fence_column(*k))))
-                .collect()
-        };
-        let checked = if plan.check.is_empty() {
-            Vec::new()
-        } else {
-            let mut out: Vec<(LockKey, FenceCheck)> = plan
-                .check
-                .iter()
-                .map(|k| (*k, FenceCheck::Failed))
-                .collect();
-            for row in tagged(&answer, "c") {
-                if let Some(at) = index(row, 1, out.len()) {
-                    out[at].1 = match number::<i32>(row, 2) {
-                        None => FenceCheck::Clear,
-                        Some(by) => FenceCheck::Held { by: Some(by) },
-                    };
-                }
-            }
-            out
-        };
-        Ok(Done {
-            token,
-            tried: Ok(tried),
-            registered: Vec::new(),
-            seen_held,
-            senders: Vec::new(),
-            fenced,
-            checked,
-        })
+        rows_step::interpret(&steps, &parse(&answer, &steps), self.timeline)
     }
+}
 
-    /// The try's answers: `k` rows per key, `w` rows per key won (with its token and
-    /// the holder of its stop fence).
-    fn tried(
-        &self,
-        answer: &[SimpleQueryMessage],
-        keys: &[LockKey],
-    ) -> Result<Vec<(LockKey, TryOutcome)>, Fault> {
-        let mut out: Vec<(LockKey, TryOutcome)> =
-            keys.iter().map(|k| (*k, TryOutcome::Failed)).collect();
-        let mut won = 0;
-        for row in tagged(answer, "k") {
-            let Some(at) = index(row, 1, keys.len()) else {
-                continue;
-            };
-            out[at].1 = if column(row, 2) == Some("t") {
-                won += 1;
-                TryOutcome::Won(None)
-            } else {
-                TryOutcome::Held {
-                    by: number::<i32>(row, 4).map(|pid| Holder {
-                        pid,
-                        start: number(row, 5),
-                    }),
-                }
-            };
-        }
-        let mut tokens = 0;
-        for row in tagged(answer, "w") {
-            let (Some(form), Some(k)) = (number::<i16>(row, 1), number::<i64>(row, 2)) else {
-                continue;
-            };
-            let Some(key) = sql::key_of(form, k) else {
-                continue;
-            };
-            let Some(entry) = out.iter_mut().find(|(o, _)| *o == key) else {
-                continue;
-            };
-            let token = number::<i64>(row, 3).map(|t| self.issue(t)).transpose()?;
-            if token.is_none() {
-                continue;
-            }
-            tokens += 1;
-            entry.1 = match number::<i32>(row, 4) {
-                Some(by) => TryOutcome::WonFenced {
-                    token,
-                    by: Some(by),
-                },
-                None => TryOutcome::Won(token),
-            };
-        }
-        if out.iter().any(|(_, o)| matches!(o, TryOutcome::Failed)) || tokens != won {
-            return Err(lost(format!(
-                "the try statement answered {won} keys won and {tokens} tokens for {} keys",
-                keys.len()
-            )));
-        }
-        Ok(out)
+/// A batch's rows as its statements' answers (see the tags of [`Batch`]'s statements).
+fn parse(answer: &[SimpleQueryMessage], steps: &Steps) -> Answer {
+    let tries = steps.tries.len();
+    Answer {
+        unlocked: tagged(answer, "u").count(),
+        unfenced: tagged(answer, "v").count(),
+        tokens: tagged(answer, "t").filter_map(|r| number(r, 2)).collect(),
+        tried: tagged(answer, "k")
+            .filter_map(|r| {
+                Some(Tried {
+                    at: index(r, 1, tries)?,
+                    won: column(r, 2) == Some("t"),
+                    existed: column(r, 3) == Some("t"),
+                    holder: number(r, 4),
+                    start: number(r, 5),
+                })
+            })
+            .collect(),
+        wins: tagged(answer, "w")
+            .filter_map(|r| {
+                Some(Win {
+                    key: sql::key_of(number(r, 1)?, number(r, 2)?)?,
+                    token: number(r, 3),
+                    fenced_by: number(r, 4),
+                })
+            })
+            .collect(),
+        fenced: tagged(answer, "f")
+            .filter_map(|r| sql::key_of(2, number(r, 1)?))
+            .collect(),
+        checked: tagged(answer, "c")
+            .filter_map(|r| Some((index(r, 1, steps.check.len())?, number(r, 2))))
+            .collect(),
     }
 }
 
@@ -739,12 +628,7 @@ struct RowsHeartbeat {
 
 impl HeartbeatLink for RowsHeartbeat {
     fn explain(&self, reason: SessionDownReason) -> SessionDownReason {
-        match reason {
-            SessionDownReason::PoolerDetected { .. } => SessionDownReason::ConnectionLost {
-                message: "a lease row of this session is gone: deleted behind its back, or expired early (the server's clock stepped forward)".to_owned(),
-            },
-            other => other,
-        }
+        rows_step::explain(reason)
     }
 
     fn heartbeat(&self) -> BoxFuture<'_, Result<Vec<SessionLock>, SessionDownReason>> {

@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use chosen_core::{Error, Leadership, LockManager, ManagerOptions, Observer, ObserverOptions};
+use chosen_core::{
+    Election, Error, Leadership, LockManager, ManagerOptions, Observer, ObserverOptions,
+};
 use chosen_tests::{PgBouncer, PgCluster, connect_admin, in_ci, unique_name};
 use deadpool_postgres::Pool;
 
@@ -551,4 +553,110 @@ async fn an_observer_does_not_read_lease_rows_inside_a_leaked_transaction() {
     );
     drop(lease);
     manager.shutdown().await;
+}
+
+/// `hand_over_to` in the lease-row mode: the release keeps the row for the named node
+/// (no announcement reaches a pool, so the others' hold is at the server), which takes
+/// it at its next poll while every other node polls too; a row kept for a node that is
+/// not there is taken by another once the hold is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_rows_hand_over_to_the_named_node_through_a_transaction_pooler() {
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer(
+        &pg,
+        "lease_rows_hand_over_to_the_named_node_through_a_transaction_pooler",
+    ) else {
+        return;
+    };
+    let name = unique_name("rows-hand");
+    let nodes = ["rows-ha", "rows-hb", "rows-hc"];
+    let mut elections = Vec::new();
+    let mut managers = Vec::new();
+    for node in nodes {
+        let m = LockManager::connect_pooled(pool(&bouncer.url(), 2), options(node))
+            .await
+            .unwrap();
+        elections.push((node, Election::start(&m, name.as_str()).unwrap()));
+        managers.push(m);
+    }
+    let leader = |limit: Duration| {
+        let elections = &elections;
+        async move {
+            let t0 = Instant::now();
+            loop {
+                let leading: Vec<&str> = elections
+                    .iter()
+                    .filter(|(_, e)| e.leadership().is_leader())
+                    .map(|(n, _)| *n)
+                    .collect();
+                assert!(leading.len() <= 1, "two leaders: {leading:?}");
+                if let [one] = leading.as_slice() {
+                    return (*one).to_owned();
+                }
+                assert!(t0.elapsed() < limit, "nobody leads after {limit:?}");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    };
+    let mut took = Vec::new();
+    for round in 0..6 {
+        let from = leader(Duration::from_secs(10)).await;
+        let to = nodes
+            .iter()
+            .cycle()
+            .skip(round + 1)
+            .find(|n| **n != from)
+            .unwrap();
+        let t0 = Instant::now();
+        elections
+            .iter()
+            .find(|(n, _)| *n == from)
+            .unwrap()
+            .1
+            .hand_over_to(to);
+        let next = loop {
+            let now = leader(Duration::from_secs(5)).await;
+            if now != from {
+                break now;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        assert_eq!(
+            next, *to,
+            "round {round}: handed from {from} to {to}, {next} took it"
+        );
+        took.push(t0.elapsed());
+        // Settled before the next round.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    took.sort();
+    eprintln!("LEASE ROWS hand-over to a named node: {took:?}");
+    assert!(took[took.len() - 1] < Duration::from_secs(2), "{took:?}");
+    // Kept for a node that is not there: another takes it once the hold is over.
+    let from = leader(Duration::from_secs(5)).await;
+    let t0 = Instant::now();
+    elections
+        .iter()
+        .find(|(n, _)| *n == from)
+        .unwrap()
+        .1
+        .hand_over_to("rows-nobody");
+    loop {
+        let now = leader(Duration::from_secs(10)).await;
+        if now != from {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let after = t0.elapsed();
+    assert!(
+        after >= Duration::from_millis(900),
+        "taken {after:?} after a hand-over to nobody: before the hold ended"
+    );
+    for (_, e) in &elections {
+        e.shutdown().await;
+    }
+    for m in managers {
+        m.shutdown().await;
+    }
 }

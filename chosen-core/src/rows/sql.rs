@@ -26,8 +26,10 @@ CREATE TABLE IF NOT EXISTS {lease} (
     token int8 NOT NULL,
     taken_at timestamptz NOT NULL,
     expires_at timestamptz NOT NULL,
+    hand_to int8,
     PRIMARY KEY (form, key)
 );
+ALTER TABLE {lease} ADD COLUMN IF NOT EXISTS hand_to int8;
 CREATE INDEX IF NOT EXISTS chosen_lease_holder ON {lease} (holder, holder_start);
 CREATE TABLE IF NOT EXISTS {fence} (
     key int8 NOT NULL,
@@ -255,18 +257,40 @@ impl Batch {
         self.sql.push(';');
     }
 
-    /// Deletes the session's rows of `keys`; answers `u` with each key deleted.
-    pub(super) fn unlock(&mut self, me: Me, keys: &[LockKey]) {
+    /// Deletes the session's rows of `keys`, except those handed over to one node
+    /// (`hand`: the key and the node's hash), which are kept for that node for `hold_ms`
+    /// (held by no session: holder 0); answers `u` with each key released.
+    pub(super) fn unlock(
+        &mut self,
+        me: Me,
+        keys: &[LockKey],
+        hand: &[(LockKey, u64)],
+        hold_ms: u128,
+    ) {
         let lease = &self.names.lease;
+        let cols: Vec<(i16, i64)> = keys.iter().map(|k| columns(*k)).collect();
+        let hands: Vec<String> = keys
+            .iter()
+            .map(|k| {
+                hand.iter()
+                    .find(|(h, _)| h == k)
+                    .map_or_else(|| "NULL".to_owned(), |(_, to)| (*to as i64).to_string())
+            })
+            .collect();
+        let hands = format!("ARRAY[{}]::int8[]", hands.join(","));
         // Locked in key order, skipping (not waiting for) a row another statement has
-        // locked, and the count of rows deleted then says the session lost it: a try
+        // locked, and the count of rows released then says the session lost it: a try
         // taking it over (it expired), or, rarely, a try that found it live only as it
         // conflicted (at a renewal racing the expiry, or a fresh take racing another
         // node's): a false loss, which ends the session, never two holders.
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED) \
-             DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key RETURNING 'u', m.i",
-            keys_table(keys),
+            "WITH m AS (SELECT l.form, l.key, k.i, k.hand FROM {lease} l JOIN unnest({}, {}, {}) WITH ORDINALITY AS k(form, key, hand, i) ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED), \
+             d AS (DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NULL RETURNING m.i), \
+             h AS (UPDATE {lease} l SET holder = 0, holder_start = 0, node_id = '', hand_to = m.hand, expires_at = now() + interval '{hold_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NOT NULL RETURNING m.i) \
+             SELECT 'u', i FROM d UNION ALL SELECT 'u', i FROM h",
+            array(cols.iter().map(|c| c.0), "int2"),
+            array(cols.iter().map(|c| c.1), "int8"),
+            hands,
             me.matches("l")
         ));
     }
@@ -301,26 +325,34 @@ impl Batch {
         self.push(&draw);
     }
 
-    /// Tries `keys`: a key with no row, or whose row expired by the server's clock, is
-    /// taken (inserted, or its row overwritten), in key order; a key whose row is live
-    /// is not. Rows that look live are not even locked (nor their keys' advisory locks
-    /// tried): a failed try writes nothing.
+    /// Tries `keys`: a key with no row, whose row expired by the server's clock, or
+    /// whose row a release kept for this node (`node_hash`, a hand-over), is taken
+    /// (inserted, or its row overwritten), in key order; a key whose row is live (or
+    /// kept for another node) is not. Rows that look live are not even locked (nor
+    /// their keys' advisory locks tried): a failed try writes nothing.
     /// The new rows carry token 0 until [`Batch::tokens_for_wins`], which runs after
     /// every row of the batch is taken. Answers `k` per key: its index, whether it was
     /// won, whether a row was there before (an expired one: a takeover), and for a key
     /// not won the live holder the statement saw (id, start).
-    pub(super) fn try_keys(&mut self, me: Me, node: &str, ttl_ms: u128, keys: &[LockKey]) {
+    pub(super) fn try_keys(
+        &mut self,
+        me: Me,
+        (node, node_hash): (&str, u64),
+        ttl_ms: u128,
+        keys: &[LockKey],
+    ) {
+        let mine = node_hash as i64;
         let lease = &self.names.lease;
         self.push(&format!(
             "WITH k AS (SELECT * FROM {}), \
              won AS (INSERT INTO {lease} AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
                  SELECT k.form, k.key, {}, {}, {}, 0, now(), now() + interval '{ttl_ms} milliseconds' FROM k \
-                 WHERE CASE WHEN EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now()) THEN false \
+                 WHERE CASE WHEN EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now() AND c.hand_to IS DISTINCT FROM {mine}) THEN false \
                             WHEN k.form = 2 THEN pg_try_advisory_xact_lock((k.key >> 32)::int4, ((k.key << 32) >> 32)::int4) \
                             ELSE pg_try_advisory_xact_lock(k.key) END \
                  ORDER BY k.form, k.key \
-                 ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
-                 WHERE l.expires_at <= now() \
+                 ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at, hand_to = NULL \
+                 WHERE l.expires_at <= now() OR l.hand_to = {mine} \
                  RETURNING l.form, l.key) \
              SELECT 'k', k.i, w.key IS NOT NULL, c.key IS NOT NULL, \
                     CASE WHEN w.key IS NULL AND c.expires_at > now() THEN c.holder END, \
@@ -436,11 +468,12 @@ pub(crate) fn read_head() -> String {
     )
 }
 
-/// Who holds each of `keys` (live rows only); answers `h` per key held.
+/// Who holds each of `keys` (live rows only, not those kept for a hand-over's target);
+/// answers `h` per key held.
 pub(super) fn holders_sql(names: &Names, keys: &[LockKey]) -> String {
     let lease = &names.lease;
     format!(
-        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now() AND l.hand_to IS NULL",
         keys_table(keys)
     )
 }
@@ -452,7 +485,7 @@ pub(crate) fn observer_sql(schema: &str, keys: &[LockKey]) -> String {
     format!(
         "{} SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
          UNION ALL \
-         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now()",
+         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now() AND l.hand_to IS NULL",
         read_head(),
         keys_table(keys)
     )
@@ -462,7 +495,7 @@ pub(crate) fn observer_sql(schema: &str, keys: &[LockKey]) -> String {
 pub(super) fn cluster_sql(names: &Names) -> String {
     let lease = &names.lease;
     format!(
-        "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM {lease} l WHERE l.expires_at > now() ORDER BY l.form, l.key"
+        "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM {lease} l WHERE l.expires_at > now() AND l.hand_to IS NULL ORDER BY l.form, l.key"
     )
 }
 
