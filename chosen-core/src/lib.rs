@@ -29,7 +29,7 @@ mod options;
 mod pg;
 #[cfg(feature = "deadpool")]
 mod rows;
-#[cfg(feature = "deadpool")]
+#[cfg(any(test, feature = "deadpool"))]
 mod rows_step;
 mod shared;
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //! statement of a session the server ended fails as a lost connection; dropping the
 //! link closes the session at once.
 
+mod rows;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -95,6 +97,8 @@ struct Inner {
     last_failure: Option<Instant>,
     /// How it keeps advisory locks.
     lie: Lie,
+    /// Its sessions hold lease rows, not advisory locks (the lease-row mode).
+    rows: Option<rows::RowsState>,
 }
 
 #[derive(Debug)]
@@ -134,6 +138,7 @@ impl SimServer {
                 last_failure: None,
                 terminated: BTreeMap::new(),
                 lie: Lie::Not,
+                rows: None,
             }),
             healed: tokio::sync::Notify::new(),
         })
@@ -146,9 +151,78 @@ impl SimServer {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The backend holding `key` exclusively, if any.
+    /// From now on, sessions hold lease rows (the lease-row mode): set before any
+    /// node connects.
+    pub(crate) fn lease_rows(&self) {
+        self.lock().rows = Some(rows::RowsState::default());
+    }
+
+    /// The backend holding `key` exclusively (in the lease-row mode, the session whose
+    /// live row it is), if any.
     pub(crate) fn holder_of(&self, key: LockKey) -> Option<i32> {
-        self.lock().model.excl.get(&key).copied()
+        let inner = self.lock();
+        if inner.rows.is_some() {
+            let now = inner.now();
+            return inner.model.live_row(key, now).map(|r| r.holder);
+        }
+        inner.model.excl.get(&key).copied()
+    }
+
+    /// Whether session `id` (a backend, or a lease-row holder) still holds `key` at the
+    /// server, whether or not its client knows.
+    pub(crate) fn holds(&self, id: i32, key: LockKey) -> bool {
+        self.holder_of(key) == Some(id)
+    }
+
+    /// Whether session `id` still lives at the server holding what it held: a backend
+    /// not ended (its locks go with it), or a lease-row holder whose row of `key` is
+    /// live.
+    pub(crate) fn session_lives(&self, id: i32, key: LockKey) -> bool {
+        if self.lock().rows.is_some() {
+            self.holds(id, key)
+        } else {
+            self.is_alive(id)
+        }
+    }
+
+    /// The sessions of node `node_id` whose client has not closed them: its backends,
+    /// or in the lease-row mode its holder ids.
+    pub(crate) fn sessions_of(&self, node_id: &str) -> Vec<i32> {
+        {
+            let inner = self.lock();
+            if let Some(rows) = &inner.rows {
+                return rows
+                    .holders
+                    .iter()
+                    .filter(|(_, (n, open))| n == node_id && *open)
+                    .map(|(h, _)| *h)
+                    .collect();
+            }
+        }
+        self.backends_of(node_id)
+    }
+
+    /// Rows expire `after` their last renewal at most, whatever their sessions ask (a
+    /// server that breaks the timing invariant).
+    pub(crate) fn rows_expire_after(&self, after: Duration) {
+        if let Some(rows) = &mut self.lock().rows {
+            rows.max_ttl = Some(T::try_from(after.as_micros()).unwrap_or(T::MAX));
+        }
+    }
+
+    /// Lease-row batches stop failing by themselves (each failure ends a session: in a
+    /// fleet that must stay quiet, they would look like flapping).
+    pub(crate) fn calm(&self) {
+        if let Some(rows) = &mut self.lock().rows {
+            rows.calm = true;
+        }
+    }
+
+    /// The server's wall clock steps forward by `by` (the lease-row mode's expiries
+    /// are by it).
+    pub(crate) fn step_clock(&self, by: Duration) {
+        let by = i64::try_from(by.as_micros()).unwrap_or(i64::MAX);
+        self.lock().model.clock += by;
     }
 
     /// When a statement last failed with its session intact (a fault no node chose).
@@ -231,6 +305,14 @@ impl SimServer {
         if inner.model.end_backend(pid, now, true).is_none() {
             return;
         }
+        // A pooled connection of the lease-row mode: what is in flight on it fails, the
+        // next batch takes another connection; no lock is freed, nothing to hear.
+        if inner.rows.is_some() {
+            if let Some(conn) = inner.conns.remove(&pid) {
+                conn.ended.cancel();
+            }
+            return;
+        }
         let latency = inner.latency();
         let Some(conn) = inner.conns.get_mut(&pid) else {
             return;
@@ -311,6 +393,10 @@ impl SimServer {
                 model.timeline += 1;
                 model.xid = model.xid.saturating_sub(lag);
                 model.age_unknown_until = now + unknown;
+                // The standby had not replayed the last `lag` of history: some 20 ms
+                // of rows each (a lost renewal, a lost take).
+                let down_at = model.ended.unwrap_or(now);
+                model.lose_recent_rows(down_at, (lag * 20 * MS).min(SEC));
             }
         });
     }
@@ -510,7 +596,7 @@ pub(crate) struct SimBackend {
     server: Arc<SimServer>,
     seed: u64,
     /// The node's process died: it connects no more.
-    dead: AtomicBool,
+    dead: Arc<AtomicBool>,
     /// The identity of the server the exclusion self-test last passed on.
     proven: Mutex<Option<String>>,
 }
@@ -520,7 +606,7 @@ impl SimBackend {
         Self {
             server,
             seed,
-            dead: AtomicBool::new(false),
+            dead: Arc::new(AtomicBool::new(false)),
             proven: Mutex::new(None),
         }
     }
@@ -531,6 +617,13 @@ impl SimBackend {
     /// runtime) never reach the server again, as a dead process sends nothing.
     pub(crate) fn die(&self, node_id: &str) {
         self.dead.store(true, Ordering::Release);
+        if let Some(rows) = &mut self.server.lock().rows {
+            for (node, open) in rows.holders.values_mut() {
+                if node == node_id {
+                    *open = false;
+                }
+            }
+        }
         for pid in self.server.backends_of(node_id) {
             self.server.close(pid);
         }
@@ -604,6 +697,55 @@ impl Backend for SimBackend {
                 }
             };
             tokio::time::sleep(down).await;
+            let term = Term {
+                timeline: connected.high,
+                age: connected.term_age.map(Duration::from_micros),
+                identity: connected.identity.clone(),
+                first_token: FencingToken::from_parts(connected.high, connected.first_xid),
+                system_id: connected.system.to_string(),
+                read_at: crate::clock::now(),
+            };
+            // The lease-row mode: no self-test (no advisory lock is trusted), a holder
+            // id for the session, the connection its first pooled one.
+            let holder = {
+                let mut inner = self.server.lock();
+                inner
+                    .rows
+                    .is_some()
+                    .then(|| inner.new_holder(&options.node_id))
+            };
+            if let Some(holder) = holder {
+                let (events_tx, events_rx) = mpsc::unbounded_channel();
+                let session = Arc::new(rows::RowsSession {
+                    server: Arc::clone(&self.server),
+                    holder,
+                    start: rows::session_start(connected.ready),
+                    node_id: options.node_id.clone(),
+                    identity: connected.identity.clone(),
+                    high: connected.high,
+                    ttl: T::try_from(options.server_release_after.as_micros()).unwrap_or(T::MAX),
+                    timeout: options.lease_timeout,
+                    stop_budget: options.stop_budget,
+                    dead: Arc::clone(&self.dead),
+                    conn: Mutex::new(Some(connected.pid)),
+                    turn: tokio::sync::Mutex::new(()),
+                });
+                drop(events);
+                return Ok(Session::new(
+                    Box::new(rows::SimRowsLink {
+                        session,
+                        _events: events_tx,
+                    }),
+                    Opened {
+                        backend_pid: holder,
+                        server: "simulated".into(),
+                        generation: Generation::new(generation),
+                        events: events_rx,
+                        proven_at: sent,
+                        term,
+                    },
+                ));
+            }
             // The exclusion self-test, once per server identity (as the PostgreSQL
             // backend runs it), in no time of its own.
             let mut proven = self
@@ -621,14 +763,6 @@ impl Backend for SimBackend {
                 *proven = Some(connected.identity.clone());
             }
             drop(proven);
-            let term = Term {
-                timeline: connected.high,
-                age: connected.term_age.map(Duration::from_micros),
-                identity: connected.identity.clone(),
-                first_token: FencingToken::from_parts(connected.high, connected.first_xid),
-                system_id: connected.system.to_string(),
-                read_at: crate::clock::now(),
-            };
             let link = SimLink {
                 server: Arc::clone(&self.server),
                 pid: connected.pid,
@@ -650,6 +784,10 @@ impl Backend for SimBackend {
 
     fn seed(&self) -> Option<u64> {
         Some(self.seed)
+    }
+
+    fn holds_rows(&self) -> bool {
+        self.server.lock().rows.is_some()
     }
 
     fn forget_proven(&self) {

@@ -259,8 +259,12 @@ impl History {
         let id = self.next_id;
         self.starts += 1;
         for (on, (pid, _)) in self.finished_standing(name) {
-            let lives =
-                pid.is_some_and(|pid| self.server.as_ref().is_some_and(|s| s.is_alive(pid)));
+            let lives = pid.is_some_and(|pid| {
+                let key = self.keys.get(name).copied();
+                self.server
+                    .as_ref()
+                    .is_some_and(|s| key.is_some_and(|k| s.session_lives(pid, k)))
+            });
             if on == node {
                 self.violations.push(format!(
                     "{name}: child {id} starts again on {node}, where the one-shot child \
@@ -350,7 +354,7 @@ impl History {
             let server = self.server.as_ref()?;
             server
                 .holder_of(*k)
-                .filter(|pid| server.backends_of(node).contains(pid))
+                .filter(|pid| server.sessions_of(node).contains(pid))
         });
         self.note(format!(
             "{name}: one-shot child {id} finished on {node} (lock held by backend {pid:?})"
@@ -386,7 +390,7 @@ impl History {
         self.finished_standing(name)
             .into_iter()
             .map(|(on, _)| on)
-            .find(|on| server.backends_of(on).contains(&holder))
+            .find(|on| server.sessions_of(on).contains(&holder))
     }
 
     fn end(&mut self, name: &'static str, id: u64) {
@@ -1149,9 +1153,31 @@ struct Outcome {
 /// keeps a cut-off holder from acting once another node is granted.
 const RELEASE_AFTER: Duration = Duration::from_secs(7);
 
-async fn run(seed: u64, release_after: Duration) -> Outcome {
+/// Which way the nodes hold their locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Session advisory locks on a dedicated connection each.
+    Advisory,
+    /// Lease rows through a pool (`LockManager::connect_pooled`).
+    Rows,
+}
+
+/// The server's wall clock steps forward by at most this (the managers' safety margin,
+/// the default), at most once in a row's lifetime: the lease-row mode's expiries are
+/// by it.
+const CLOCK_STEP_MAX: Duration = Duration::from_secs(1);
+
+async fn run(seed: u64, release_after: Duration, mode: Mode) -> Outcome {
     let mut rng = Rng::new(seed);
     let server = SimServer::new(seed);
+    if mode == Mode::Rows {
+        server.lease_rows();
+        if release_after < RELEASE_AFTER {
+            server.rows_expire_after(release_after);
+        }
+    }
+    // The server's clock steps no sooner than a row's lifetime after its last step.
+    let mut next_clock_step = Instant::now();
     // As chosen sets its session up: the server ends a silent session after
     // `server_release_after` (7 s by default).
     server.reap_idle(release_after, Duration::from_millis(250));
@@ -1168,7 +1194,7 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
     history
         .lock()
         .unwrap()
-        .note(format!("{count} nodes, {shape:?}"));
+        .note(format!("{count} nodes, {shape:?}, {mode:?}"));
     let mut nodes: Vec<Node> = (0..count)
         .map(|i| Node {
             id: format!("n{i}"),
@@ -1200,6 +1226,18 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
     let mut server_back = Instant::now();
     for step in 0..STEPS {
         tokio::time::sleep(rng.millis(0, 2_000)).await;
+        if mode == Mode::Rows && rng.below(8) == 0 && Instant::now() >= next_clock_step {
+            let by = rng.millis(1, CLOCK_STEP_MAX.as_millis() as u64);
+            let mut h = history.lock().unwrap();
+            h.note(format!(
+                "FAULT the server's clock steps {} ms forward",
+                by.as_millis()
+            ));
+            h.disturb();
+            drop(h);
+            server.step_clock(by);
+            next_clock_step = Instant::now() + release_after + Duration::from_secs(1);
+        }
         if rng.below(STEPS.into()) == 0 && Instant::now() >= server_back {
             // Now and then the server restarts, or fails over to a standby.
             let down = rng.millis(200, 4_000);
@@ -1310,7 +1348,9 @@ async fn run(seed: u64, release_after: Duration) -> Outcome {
             }
         }
     }
-    tokio::time::sleep_until(faults_until.max(Instant::now()) + QUIET_AFTER).await;
+    tokio::time::sleep_until(faults_until.max(Instant::now())).await;
+    server.calm();
+    tokio::time::sleep(QUIET_AFTER).await;
     history.lock().unwrap().quiet_from = Some(Instant::now());
     tokio::time::sleep(SETTLE - QUIET_AFTER).await;
     {
@@ -1391,13 +1431,13 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok()?.parse().ok()
 }
 
-fn run_seed(seed: u64, release_after: Duration) -> Outcome {
+fn run_seed(seed: u64, release_after: Duration, mode: Mode) -> Outcome {
     tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .expect("a runtime")
-        .block_on(run(seed, release_after))
+        .block_on(run(seed, release_after, mode))
 }
 
 /// The acting check sees two children act at once when the server ends a silent
@@ -1407,7 +1447,7 @@ fn run_seed(seed: u64, release_after: Duration) -> Outcome {
 fn the_fleet_check_fails_when_the_server_releases_a_session_before_its_lease_expires() {
     let failing: Vec<u64> = (0..20)
         .filter(|seed| {
-            run_seed(*seed, Duration::from_secs(2))
+            run_seed(*seed, Duration::from_secs(2), Mode::Advisory)
                 .violations
                 .iter()
                 .any(|v| v.contains("act"))
@@ -1416,6 +1456,23 @@ fn the_fleet_check_fails_when_the_server_releases_a_session_before_its_lease_exp
     assert!(
         failing.len() >= 5,
         "two children acting at once in only {failing:?} of 20 seeds"
+    );
+}
+
+/// The same in the lease-row mode: rows that expire 2 s after their renewal, while
+/// their holders trust them for 3 s, are taken over while the holder still acts.
+#[test]
+fn the_lease_row_fleet_check_fails_when_rows_expire_before_their_holder_stops() {
+    let failing = (0..40)
+        .map(|seed| run_seed(seed, Duration::from_secs(2), Mode::Rows))
+        .find(|out| !out.violations.is_empty())
+        .map(|out| out.violations);
+    let violations = failing.expect("no seed of 40 found a row taken too early");
+    assert!(
+        violations
+            .iter()
+            .any(|v| v.contains("taken over") || v.contains("at once")),
+        "{violations:?}"
     );
 }
 
@@ -1436,7 +1493,7 @@ fn first_failing_without(guard: super::Guard, what: &str) -> Option<u64> {
     log_to_tests("chosen_core::sim::fleet=info");
     let _off = super::switch_off(&[guard]);
     let found = (0..40).find_map(|seed| {
-        run_seed(seed, RELEASE_AFTER)
+        run_seed(seed, RELEASE_AFTER, Mode::Advisory)
             .violations
             .into_iter()
             .find(|v| v.contains(what))
@@ -1512,9 +1569,9 @@ fn the_fleet_check_fails_when_group_members_move_between_nodes_that_stayed() {
 /// A seed's run is a function of the seed: run twice, its log is the same.
 #[test]
 fn a_fleet_run_replays_exactly() {
-    for seed in [3, 11] {
-        let a = run_seed(seed, RELEASE_AFTER);
-        let b = run_seed(seed, RELEASE_AFTER);
+    for (seed, mode) in [(3, Mode::Advisory), (11, Mode::Advisory), (5, Mode::Rows)] {
+        let a = run_seed(seed, RELEASE_AFTER, mode);
+        let b = run_seed(seed, RELEASE_AFTER, mode);
         assert!(
             a.log.len() > 50,
             "seed {seed}: a short run ({} lines)",
@@ -1534,6 +1591,21 @@ fn a_fleet_run_replays_exactly() {
 
 #[test]
 fn the_fleet_holds_over_many_seeds() {
+    fleet_holds(Mode::Advisory);
+}
+
+/// The same fleet, every node holding its locks as lease rows through a pool: rows
+/// outlive connections, expire by the server's (stepping) clock, are taken over only
+/// once their holder stopped, and batches fail before and after they commit, or commit
+/// after their client gave them up.
+#[test]
+fn the_fleet_holds_in_the_lease_row_mode() {
+    fleet_holds(Mode::Rows);
+}
+
+/// Runs the seeds `CHOSEN_FLEET_FIRST..+CHOSEN_FLEET_SEEDS` (or `CHOSEN_FLEET_SEED`
+/// alone) in `mode`, and fails with every failing seed.
+fn fleet_holds(mode: Mode) {
     let replay = env_u64("CHOSEN_FLEET_SEED");
     // Reports go through tracing, to the test's output. A replay shows the managers'
     // own logs too, with the virtual time of each line.
@@ -1558,7 +1630,7 @@ fn the_fleet_holds_over_many_seeds() {
     let mut failures = Vec::new();
     let (mut starts, mut overlaps, mut gap) = (0, 0, 0);
     for seed in first..first + count {
-        let out = run_seed(seed, RELEASE_AFTER);
+        let out = run_seed(seed, RELEASE_AFTER, mode);
         if replay.is_some() {
             for line in &out.log {
                 tracing::info!("{line}");
@@ -1572,7 +1644,7 @@ fn the_fleet_holds_over_many_seeds() {
         }
     }
     tracing::info!(
-        "fleet: seeds {first}..{}, {:.1} s: {starts} child starts, {overlaps} starts while \
+        "fleet ({mode:?}): seeds {first}..{}, {:.1} s: {starts} child starts, {overlaps} starts while \
          another node's child was still stopping, {gap} acting at once in the known gap \
          (the earlier one's session terminated; greater token), {} failing seeds",
         first + count,

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::{SEC, T, epoch_us};
 use crate::engine::TryFailed;
 use crate::key::{LockKey, SessionLock};
+use crate::rows_step::{Answer, Steps, Tried, Win};
 use crate::table::{Backend as Seen, FenceCheck, Plan, TryOutcome};
 use crate::token::FencingToken;
 
@@ -165,6 +166,29 @@ pub(crate) struct Server {
     pub(crate) discarded: Vec<(i32, T)>,
     /// Backends the server ended (not their clients), and when.
     pub(crate) ended_by_server: BTreeMap<i32, T>,
+    /// The lease-row mode's tables: the lease of each key, and the stop fences (by
+    /// fence key and holder), with their expiry by the server's wall clock.
+    pub(crate) rows: BTreeMap<LockKey, Row>,
+    pub(crate) fence_rows: BTreeMap<(LockKey, i32), i64>,
+}
+
+/// A row of `chosen_lease`: its holder (a session id, not a backend), when that session
+/// began, and when the row expires by the server's wall clock (microseconds, as
+/// [`Server::wall`] counts them).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Row {
+    pub(crate) holder: i32,
+    pub(crate) start: i64,
+    pub(crate) expires: i64,
+    /// When it was taken (virtual time).
+    pub(crate) taken: T,
+    /// Kept by a release for a hand-over's target (by node hash): held by no session
+    /// (holder 0), only that node may take it before it expires.
+    pub(crate) hand_to: Option<u64>,
+    /// A promotion lost some of its renewals: it expires earlier than its holder's
+    /// client may think (the new term's hold, not the row, keeps that holder's tenure
+    /// apart from the next).
+    pub(crate) shortened: bool,
 }
 
 impl Server {
@@ -199,6 +223,8 @@ impl Server {
             fences: Vec::new(),
             discarded: Vec::new(),
             ended_by_server: BTreeMap::new(),
+            rows: BTreeMap::new(),
+            fence_rows: BTreeMap::new(),
         }
     }
 
@@ -608,6 +634,215 @@ impl Server {
     /// Did another client ever release this backend's locks?
     pub(crate) fn was_discarded(&self, pid: i32) -> bool {
         self.discarded.iter().any(|(p, _)| *p == pid)
+    }
+}
+
+/// The lease-row mode: the statements of `rows::sql` on the model of its tables.
+impl Server {
+    /// The server's wall clock at virtual time `now` (what `now()` answers).
+    pub(crate) fn wall(&self, now: T) -> i64 {
+        now as i64 + self.clock
+    }
+
+    /// The live row of `key` at `now` that a session holds (not one kept for a
+    /// hand-over's target), if any.
+    pub(crate) fn live_row(&self, key: LockKey, now: T) -> Option<Row> {
+        let wall = self.wall(now);
+        self.rows
+            .get(&key)
+            .copied()
+            .filter(|r| r.expires > wall && r.hand_to.is_none())
+    }
+
+    /// A token from the counter: above every one drawn before, and above every
+    /// transaction id (`greatest(v + 1, xmax)`; one number space here).
+    fn draw(&mut self) -> u64 {
+        self.xid += 1;
+        self.xid
+    }
+
+    /// One batch of session `holder` (which began at `start`) at `now`, its rows living
+    /// `ttl` past it: the statements in the batch's order, all at one instant (the
+    /// model has no row locks, so no statement skips a row another one holds). The
+    /// rows taken over, with their holders, are in `taken_over`.
+    pub(crate) fn execute_rows(
+        &mut self,
+        (holder, start, node_hash): (i32, i64, u64),
+        steps: &Steps,
+        now: T,
+        ttl: T,
+        taken_over: &mut Vec<(LockKey, Row)>,
+    ) -> Answer {
+        let wall = self.wall(now);
+        let expires = wall + ttl as i64;
+        let mut answer = Answer::default();
+        // The try, in key order: a key with no live row is taken (an expired one
+        // overwritten), with token 0 until the tokens of the wins are drawn.
+        let mut order: Vec<(usize, LockKey)> = steps.tries.iter().copied().enumerate().collect();
+        order.sort_by_key(|(_, k)| *k);
+        let mut won = Vec::new();
+        for (at, key) in order {
+            let before = self.rows.get(&key).copied();
+            match before.filter(|r| r.expires > wall && r.hand_to != Some(node_hash)) {
+                Some(live) => answer.tried.push(Tried {
+                    at,
+                    won: false,
+                    existed: true,
+                    holder: Some(live.holder),
+                    start: Some(live.start),
+                }),
+                None => {
+                    if let Some(old) = before {
+                        taken_over.push((key, old));
+                    }
+                    self.rows.insert(
+                        key,
+                        Row {
+                            holder,
+                            start,
+                            expires,
+                            taken: now,
+                            hand_to: None,
+                            shortened: false,
+                        },
+                    );
+                    won.push(key);
+                    answer.tried.push(Tried {
+                        at,
+                        won: true,
+                        existed: before.is_some(),
+                        holder: None,
+                        start: None,
+                    });
+                }
+            }
+        }
+        answer.tried.sort_by_key(|t| t.at);
+        // The releases: the session's rows of the keys, live or not; a key handed over
+        // is kept for its target for the hand-over's hold.
+        for key in &steps.unlock {
+            if self.rows.get(key).is_some_and(|r| r.holder == holder) {
+                match steps.hand.iter().find(|(k, _)| k == key) {
+                    Some((_, to)) => {
+                        let hold = crate::table::HAND_OVER_HOLD.as_micros() as i64;
+                        self.rows.insert(
+                            *key,
+                            Row {
+                                holder: 0,
+                                start: 0,
+                                expires: wall + hold,
+                                taken: now,
+                                hand_to: Some(*to),
+                                shortened: false,
+                            },
+                        );
+                    }
+                    None => {
+                        self.rows.remove(key);
+                    }
+                }
+                answer.unlocked += 1;
+            }
+        }
+        for key in &steps.unfence {
+            if self
+                .fence_rows
+                .remove(&(key.stop_fence(), holder))
+                .is_some()
+            {
+                answer.unfenced += 1;
+            }
+        }
+        // One token for the keys the session still holds live.
+        let held = steps
+            .token
+            .iter()
+            .filter(|k| self.live_row(**k, now).is_some_and(|r| r.holder == holder))
+            .count();
+        if held > 0 {
+            let token = self.draw();
+            answer.tokens = vec![token as i64; held];
+        }
+        // One token for the keys won, drawn after all of them were taken, and who else
+        // holds a live fence of each.
+        if !won.is_empty() {
+            let token = self.draw() as i64;
+            for key in won {
+                let fenced_by = self.other_fence(key, holder, wall);
+                answer.wins.push(Win {
+                    key,
+                    token: Some(token),
+                    fenced_by,
+                });
+            }
+        }
+        for key in &steps.fence {
+            self.fence_rows.insert((key.stop_fence(), holder), expires);
+            answer.fenced.push(key.stop_fence());
+        }
+        for (at, key) in steps.check.iter().enumerate() {
+            answer
+                .checked
+                .push((at, self.other_fence(*key, holder, wall)));
+        }
+        answer
+    }
+
+    /// Another session's live stop fence of `key`, if any.
+    fn other_fence(&self, key: LockKey, holder: i32, wall: i64) -> Option<i32> {
+        let fence = key.stop_fence();
+        self.fence_rows
+            .range((fence, i32::MIN)..=(fence, i32::MAX))
+            .find(|((_, h), expires)| *h != holder && **expires > wall)
+            .map(|((_, h), _)| *h)
+    }
+
+    /// The heartbeat: every live row of `holder`, leases and fences, renewed to `ttl`
+    /// past `now`; the answer lacks a row that expired (someone may be taking it).
+    pub(crate) fn renew_rows(&mut self, holder: i32, now: T, ttl: T) -> Vec<SessionLock> {
+        let wall = self.wall(now);
+        let expires = wall + ttl as i64;
+        let mut locks = Vec::new();
+        for (key, row) in &mut self.rows {
+            if row.holder == holder && row.expires > wall {
+                row.expires = expires;
+                locks.push(SessionLock {
+                    key: *key,
+                    exclusive: true,
+                });
+            }
+        }
+        for ((fence, h), until) in &mut self.fence_rows {
+            if *h == holder && *until > wall {
+                *until = expires;
+                locks.push(SessionLock {
+                    key: *fence,
+                    exclusive: false,
+                });
+            }
+        }
+        locks
+    }
+
+    /// Deletes every row of `holder`.
+    pub(crate) fn release_rows(&mut self, holder: i32) {
+        self.rows.retain(|_, r| r.holder != holder);
+        self.fence_rows.retain(|(_, h), _| *h != holder);
+    }
+
+    /// A standby promoted with the last `lost` of the old primary's history not
+    /// replayed: rows taken since are gone (what was there before is not known: none),
+    /// and every other row's last renewals are lost, its expiry that much earlier.
+    pub(crate) fn lose_recent_rows(&mut self, now: T, lost: T) {
+        let since = now.saturating_sub(lost);
+        self.rows.retain(|_, r| r.taken < since);
+        for row in self.rows.values_mut() {
+            row.expires -= lost as i64;
+            row.shortened |= lost > 0;
+        }
+        for until in self.fence_rows.values_mut() {
+            *until -= lost as i64;
+        }
     }
 }
 
