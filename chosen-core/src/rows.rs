@@ -544,19 +544,15 @@ impl Inner {
                 &steps.tries,
             );
         }
+        let hold_ms = crate::table::HAND_OVER_HOLD.as_millis();
         if !steps.unlock.is_empty() {
-            batch.unlock(
-                me,
-                &steps.unlock,
-                &steps.hand,
-                crate::table::HAND_OVER_HOLD.as_millis(),
-            );
+            batch.unlock(me, &steps.unlock, &steps.hand, hold_ms, false);
         }
         if !steps.unfence.is_empty() {
             batch.unfence(me, &steps.unfence);
         }
         if !steps.token.is_empty() {
-            batch.token(me, &steps.token);
+            batch.token(me, &steps.token, false);
         }
         if !steps.tries.is_empty() {
             let fences: Vec<(LockKey, i64)> = steps
@@ -573,7 +569,44 @@ impl Inner {
             batch.check(me, &steps.check);
         }
         let answer = self.run(&batch.sql).await?;
-        rows_step::interpret(&steps, &parse(&answer, &steps), self.timeline)
+        let mut parsed = parse(&answer, &steps);
+        // A release or token draw that skipped a row of the session another statement
+        // had locked is tried again, waiting for it, in a transaction of its own: only
+        // a row that is really gone then ends the session.
+        let released: Vec<usize> = tagged(&answer, "u")
+            .filter_map(|r| index(r, 1, steps.unlock.len()))
+            .collect();
+        let unlock: Vec<LockKey> = (0..steps.unlock.len())
+            .filter(|i| !released.contains(i))
+            .map(|i| steps.unlock[i])
+            .collect();
+        let token: &[LockKey] = if parsed.tokens.len() < steps.token.len() {
+            &steps.token
+        } else {
+            &[]
+        };
+        if !unlock.is_empty() || !token.is_empty() {
+            debug!(
+                holder = me.holder,
+                releases = unlock.len(),
+                tokens = token.len(),
+                "a lease step skipped rows another statement had locked: trying them again"
+            );
+            let hand: Vec<(LockKey, u64)> = steps
+                .hand
+                .iter()
+                .filter(|(k, _)| unlock.contains(k))
+                .copied()
+                .collect();
+            let mut again = self.batch();
+            again.retry(me, (&unlock, &hand, hold_ms), token);
+            let answer = self.run(&again.sql).await?;
+            parsed.unlocked += tagged(&answer, "u").count();
+            if !token.is_empty() {
+                parsed.tokens = tagged(&answer, "t").filter_map(|r| number(r, 2)).collect();
+            }
+        }
+        rows_step::interpret(&steps, &parsed, self.timeline)
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use chosen_core::{
-    Election, Error, Leadership, LockManager, ManagerOptions, Observer, ObserverOptions,
+    Election, Error, Leadership, LockKey, LockManager, ManagerOptions, Observer, ObserverOptions,
 };
 use chosen_tests::{PgBouncer, PgCluster, connect_admin, in_ci, unique_name};
 use deadpool_postgres::Pool;
@@ -659,4 +659,106 @@ async fn lease_rows_hand_over_to_the_named_node_through_a_transaction_pooler() {
     for m in managers {
         m.shutdown().await;
     }
+}
+
+/// A release, and a token draw, that meet the session's row locked by another statement
+/// (here an open transaction holding it `FOR UPDATE`, as another node's try holds a row
+/// it found live only as it conflicted) wait for that transaction and go on, instead of
+/// taking the row for gone and ending the session: the manager's other leases stay
+/// valid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_or_token_draw_waits_for_a_statement_holding_its_row() {
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer(
+        &pg,
+        "a_release_or_token_draw_waits_for_a_statement_holding_its_row",
+    ) else {
+        return;
+    };
+    let (name, other) = (unique_name("rows-locked"), unique_name("rows-kept"));
+    let a = LockManager::connect_pooled(pool(&bouncer.url(), 2), options("rows-locked-a"))
+        .await
+        .unwrap();
+    let lease = a.acquire(name.as_str()).await.unwrap();
+    let kept = a.acquire(other.as_str()).await.unwrap();
+    let LockKey::Pair(x, y) = lease.key() else {
+        panic!("a named lock has a two-int4 key");
+    };
+    let packed = (i64::from(x) << 32) | i64::from(y as u32);
+    let mut admin = connect_admin(&pg.url()).await.unwrap();
+    let tx = admin.transaction().await.unwrap();
+    let locked = tx
+        .query(
+            "SELECT 1 FROM public.chosen_lease WHERE form = 2 AND key = $1 FOR UPDATE",
+            &[&packed],
+        )
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 1, "the lease's row");
+    let releasing = tokio::spawn(async move { lease.release().await });
+    // Shorter than the lease timeout (1 s), which bounds every wait for a row.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), releasing)
+        .await
+        .expect("the release ends")
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(kept.is_valid(), "the session went on");
+    assert!(
+        a.try_acquire(name.as_str()).await.unwrap().is_some(),
+        "the released name is free"
+    );
+    // The same for a token draw: a hand-off to a waiter of the same manager keeps the
+    // row and grants it without a token; the first read of it draws one. (A lease held
+    // throughout tells whether the session went on: a name is had again on a new
+    // session too.)
+    let witness = a
+        .acquire(unique_name("rows-witness").as_str())
+        .await
+        .unwrap();
+    let before = kept.fencing_token().await.unwrap();
+    let waiter = tokio::spawn({
+        let (a, other) = (a.clone(), other.clone());
+        async move { a.acquire(other.as_str()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kept.release().await.unwrap();
+    let kept = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the local waiter gets the name")
+        .unwrap()
+        .unwrap();
+    let LockKey::Pair(x, y) = kept.key() else {
+        panic!("a named lock has a two-int4 key");
+    };
+    let packed = (i64::from(x) << 32) | i64::from(y as u32);
+    let tx = admin.transaction().await.unwrap();
+    tx.query(
+        "SELECT 1 FROM public.chosen_lease WHERE form = 2 AND key = $1 FOR UPDATE",
+        &[&packed],
+    )
+    .await
+    .unwrap();
+    let reading = tokio::spawn(async move {
+        let token = kept.fencing_token().await;
+        (kept, token)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.unwrap();
+    let (kept, token) = tokio::time::timeout(Duration::from_secs(5), reading)
+        .await
+        .expect("the token read ends")
+        .unwrap();
+    assert!(token.unwrap() > before);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(kept.is_valid(), "the session went on after the token draw");
+    assert!(
+        witness.is_valid(),
+        "the session went on after the token draw"
+    );
+    drop(witness);
+    drop(kept);
+    a.shutdown().await;
 }

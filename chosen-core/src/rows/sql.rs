@@ -260,13 +260,17 @@ impl Batch {
     /// Deletes the session's rows of `keys`, except those handed over to one node
     /// (`hand`: the key and the node's hash), which are kept for that node for `hold_ms`
     /// (held by no session: holder 0); answers `u` with each key released.
+    /// `wait`: wait for a row another statement has locked instead of skipping it (see
+    /// [`Batch::retry`]).
     pub(super) fn unlock(
         &mut self,
         me: Me,
         keys: &[LockKey],
         hand: &[(LockKey, u64)],
         hold_ms: u128,
+        wait: bool,
     ) {
+        let skip = if wait { "" } else { " SKIP LOCKED" };
         let lease = &self.names.lease;
         let cols: Vec<(i16, i64)> = keys.iter().map(|k| columns(*k)).collect();
         let hands: Vec<String> = keys
@@ -279,12 +283,12 @@ impl Batch {
             .collect();
         let hands = format!("ARRAY[{}]::int8[]", hands.join(","));
         // Locked in key order, skipping (not waiting for) a row another statement has
-        // locked, and the count of rows released then says the session lost it: a try
-        // taking it over (it expired), or, rarely, a try that found it live only as it
-        // conflicted (at a renewal racing the expiry, or a fresh take racing another
-        // node's): a false loss, which ends the session, never two holders.
+        // locked: a try taking it over (it expired), or, rarely, a try that found it
+        // live only as it conflicted (at a renewal racing the expiry, or a fresh take
+        // racing another node's). What was skipped is released again by `retry`, which
+        // waits; only a row still not the session's then ends the session.
         self.push(&format!(
-            "WITH m AS (SELECT l.form, l.key, k.i, k.hand FROM {lease} l JOIN unnest({}, {}, {}) WITH ORDINALITY AS k(form, key, hand, i) ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED), \
+            "WITH m AS (SELECT l.form, l.key, k.i, k.hand FROM {lease} l JOIN unnest({}, {}, {}) WITH ORDINALITY AS k(form, key, hand, i) ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l{skip}), \
              d AS (DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NULL RETURNING m.i), \
              h AS (UPDATE {lease} l SET holder = 0, holder_start = 0, node_id = '', hand_to = m.hand, expires_at = now() + interval '{hold_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NOT NULL RETURNING m.i) \
              SELECT 'u', i FROM d UNION ALL SELECT 'u', i FROM h",
@@ -308,21 +312,44 @@ impl Batch {
     /// A fresh token, from the counter, for keys the session holds (their rows locked
     /// in key order first, so that they cannot be taken meanwhile): answers `t` with
     /// each key and the token.
-    pub(super) fn token(&mut self, me: Me, keys: &[LockKey]) {
+    /// `wait`: wait for a row another statement has locked instead of skipping it (see
+    /// [`Batch::retry`]).
+    pub(super) fn token(&mut self, me: Me, keys: &[LockKey], wait: bool) {
         let Names { lease, counter, .. } = &self.names;
-        // Its rows (skipping one another statement holds, as the unlock does: the count
-        // then says the session lost it), then the counter. In a step, only the try waits for rows held by
+        let skip = if wait { "" } else { " SKIP LOCKED" };
+        // Its rows (skipping one another statement holds, as the unlock does, for
+        // `retry` to wait for), then the counter. In a step, only the try waits for rows held by
         // others, before anything else of the step locks one; after it, nothing waits
         // but for the counter, whose holder waits for nothing (see `Inner::perform`):
         // no two steps deadlock.
         let draw = format!(
-            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l SKIP LOCKED), \
+            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l{skip}), \
              t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE (SELECT count(*) FROM m) > 0 RETURNING c.v) \
              UPDATE {lease} l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
             keys_table(keys),
             me.matches("l")
         );
         self.push(&draw);
+    }
+
+    /// The second chance of a step whose release or token draw skipped a row of the
+    /// session that another statement had locked (a try that found it live only as it
+    /// conflicted, or one taking it over as it expired): in a transaction of its own,
+    /// which holds no other row, those statements wait for that statement's
+    /// transaction (within `lock_timeout`) and then see the row as it committed: still
+    /// the session's (a try that failed), or another's (the session lost it).
+    pub(super) fn retry(
+        &mut self,
+        me: Me,
+        (unlock, hand, hold_ms): (&[LockKey], &[(LockKey, u64)], u128),
+        token: &[LockKey],
+    ) {
+        if !unlock.is_empty() {
+            self.unlock(me, unlock, hand, hold_ms, true);
+        }
+        if !token.is_empty() {
+            self.token(me, token, true);
+        }
     }
 
     /// Tries `keys`: a key with no row, whose row expired by the server's clock, or
