@@ -92,6 +92,10 @@ struct Inner {
     ttl_ms: u128,
     /// `lease_timeout`: how long one batch may take, the wait for a connection included.
     timeout: Duration,
+    /// How long a release keeps a row handed over for its target (see
+    /// [`Steps::hand`]): the hand-over's hold, or twice the poll interval, whichever is
+    /// longer, so that a target polling at the fleet's interval tries within it.
+    hold_ms: u128,
     timeline: u16,
     /// The session's connection of the pool, kept between batches (so that an
     /// application holding every other connection cannot starve the renewals;
@@ -244,6 +248,11 @@ async fn open(pool: Pool, options: &ManagerOptions, generation: u64) -> Result<S
         server,
         ttl_ms: options.server_release_after.as_millis(),
         timeout: options.lease_timeout,
+        hold_ms: options
+            .poll_interval
+            .saturating_mul(2)
+            .max(crate::table::HAND_OVER_HOLD)
+            .as_millis(),
         timeline: term.timeline,
         conn: tokio::sync::Mutex::new(Some(client.done())),
     });
@@ -273,15 +282,16 @@ async fn ensure_tables(client: &tokio_postgres::Client, schema: &str, names: &Na
         (
             row.and_then(|r| column(r, 0)) == Some("t"),
             row.and_then(|r| column(r, 1)) == Some("t"),
+            row.and_then(|r| column(r, 2)) == Some("t"),
         )
     };
     let check = sql::tables_usable_sql(names);
     let answer = client.simple_query(&check).await.map_err(Error::database)?;
-    let (mut exist, mut writable) = usable(&answer);
+    let (mut exist, mut writable, mut current) = usable(&answer);
     if !exist {
         let created = client.batch_execute(&sql::tables_sql(schema)).await;
         let again = client.simple_query(&check).await.map_err(Error::database)?;
-        (exist, writable) = usable(&again);
+        (exist, writable, current) = usable(&again);
         if !exist {
             let why = created
                 .err()
@@ -289,6 +299,27 @@ async fn ensure_tables(client: &tokio_postgres::Client, schema: &str, names: &Na
             return Err(Error::Refused(SessionDownReason::ConnectFailed {
                 message: format!(
                     "the lease tables ({schema}.chosen_lease, chosen_lease_fence, chosen_lease_counter) are missing and could not be created{why}: run chosen_core::lease_tables_sql({schema:?}) as a migration, or grant this role CREATE on the schema"
+                ),
+            }));
+        }
+    }
+    if !current {
+        // Made by an earlier version: add what this one needs (every statement of it
+        // names `hand_to`).
+        let upgraded = client.batch_execute(&sql::upgrade_sql(names)).await;
+        if upgraded.is_err() {
+            // Left in the aborted transaction otherwise.
+            let _ = client.batch_execute("ROLLBACK").await;
+        }
+        let again = client.simple_query(&check).await.map_err(Error::database)?;
+        (_, writable, current) = usable(&again);
+        if !current {
+            let why = upgraded
+                .err()
+                .map_or_else(String::new, |e| format!(" ({})", error_text(&e)));
+            return Err(Error::Refused(SessionDownReason::ConnectFailed {
+                message: format!(
+                    "the lease table {schema}.chosen_lease was made by an earlier version and lacks its hand_to column, which could not be added{why}: run chosen_core::lease_tables_sql({schema:?}) again as a migration (it adds it), as the table's owner"
                 ),
             }));
         }
@@ -544,7 +575,7 @@ impl Inner {
                 &steps.tries,
             );
         }
-        let hold_ms = crate::table::HAND_OVER_HOLD.as_millis();
+        let hold_ms = self.hold_ms;
         if !steps.unlock.is_empty() {
             batch.unlock(me, &steps.unlock, &steps.hand, hold_ms, false);
         }

@@ -266,6 +266,43 @@ async fn the_lease_row_mode_says_what_is_wrong() {
         error.to_string().contains("GRANT SELECT, INSERT"),
         "{error}"
     );
+    // A lease table made by an earlier version (no `hand_to`): a role that does not own
+    // it is told to run the migration again; the owner's connect adds the column.
+    admin
+        .batch_execute(
+            "GRANT INSERT, UPDATE, DELETE ON chosen_lease, chosen_lease_fence TO rows_reader; \
+             GRANT UPDATE ON chosen_lease_counter TO rows_reader; \
+             ALTER TABLE chosen_lease DROP COLUMN hand_to",
+        )
+        .await
+        .unwrap();
+    let mut config: tokio_postgres::Config = pg.url().parse().unwrap();
+    config.user("rows_reader").password("rows-secret");
+    let writer = Pool::builder(deadpool_postgres::Manager::new(
+        config,
+        tokio_postgres::NoTls,
+    ))
+    .max_size(1)
+    .build()
+    .unwrap();
+    let Err(error) = LockManager::connect_pooled(writer, options("rows-writer")).await else {
+        panic!("a lease table without hand_to, which this role may not alter");
+    };
+    assert!(
+        error.to_string().contains("hand_to") && error.to_string().contains("lease_tables_sql"),
+        "{error}"
+    );
+    let owner = LockManager::connect_pooled(pool(&pg.url(), 1), options("rows-owner"))
+        .await
+        .expect("the owner's connect adds the column");
+    assert!(
+        owner
+            .try_acquire(unique_name("rows-upgraded").as_str())
+            .await
+            .unwrap()
+            .is_some()
+    );
+    owner.shutdown().await;
     // A schema that is not a plain identifier.
     let Err(error) = LockManager::connect_pooled(
         pool(&pg.url(), 1),
@@ -761,4 +798,53 @@ async fn a_release_or_token_draw_waits_for_a_statement_holding_its_row() {
     drop(witness);
     drop(kept);
     a.shutdown().await;
+}
+
+/// A row some other writer took over while it still named a hand-over's target (a node
+/// of an earlier version, whose try does not clear `hand_to`) is that writer's: the
+/// target does not take it, and reads show its holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_taken_over_that_still_names_a_target_is_not_the_targets() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let name = unique_name("rows-mixed");
+    let a = LockManager::connect_pooled(pool(&pg.url(), 2), options("rows-mixed-a"))
+        .await
+        .unwrap();
+    let t = LockManager::connect_pooled(pool(&pg.url(), 2), options("rows-mixed-t"))
+        .await
+        .unwrap();
+    let lease = a.acquire(name.as_str()).await.unwrap();
+    let LockKey::Pair(x, y) = lease.key() else {
+        panic!("a named lock has a two-int4 key");
+    };
+    let key = (i64::from(x) << 32) | i64::from(y as u32);
+    // Handed to a node that does not ask for it within the hold: kept for it.
+    lease.hand_over("rows-mixed-t").await.unwrap();
+    // An earlier version's try, as node rows-old (holder 4242): it overwrites the row
+    // once the hold is over, leaving `hand_to`, live for a minute.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let taken = admin
+        .execute(
+            "INSERT INTO public.chosen_lease AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
+             VALUES (2, $1, 4242, 1, 'rows-old', 0, now(), now() + interval '60 seconds') \
+             ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at \
+             WHERE l.expires_at <= now()",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    assert_eq!(taken, 1, "the other writer took the row");
+    assert!(
+        t.try_acquire(name.as_str()).await.unwrap().is_none(),
+        "a row another writer holds live is not the named node's"
+    );
+    let holder = t
+        .holder(name.as_str())
+        .await
+        .unwrap()
+        .expect("its holder is shown");
+    assert_eq!(holder.node_id, "rows-old");
+    a.shutdown().await;
+    t.shutdown().await;
 }

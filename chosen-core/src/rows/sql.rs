@@ -70,8 +70,9 @@ impl Names {
 }
 
 /// Are the tables there, and may this role read and write them? One row: the tables
-/// exist (`t`/`f`), then whether every privilege needed is granted (`t`/`f`; NULL when
-/// a table is missing).
+/// exist (`t`/`f`), whether every privilege needed is granted (`t`/`f`; NULL when a
+/// table is missing), and whether the lease table has the columns of this version
+/// (`hand_to`, added after the first).
 pub(super) fn tables_usable_sql(names: &Names) -> String {
     let Names {
         lease,
@@ -91,10 +92,21 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
     format!(
         "SELECT to_regclass('{lease}') IS NOT NULL AND to_regclass('{fence}') IS NOT NULL AND to_regclass('{counter}') IS NOT NULL, \
          CASE WHEN to_regclass('{lease}') IS NOT NULL AND to_regclass('{fence}') IS NOT NULL AND to_regclass('{counter}') IS NOT NULL THEN \
-             {} AND {} AND {} END",
+             {} AND {} AND {} END, \
+         EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = to_regclass('{lease}') AND attname = 'hand_to' AND NOT attisdropped)",
         may(lease, &write),
         may(fence, &write),
         may(counter, &["SELECT", "UPDATE"]),
+    )
+}
+
+/// Adds the columns later versions added to a lease table made before them, in a
+/// transaction of its own that waits at most 2 s for the table's lock (a waiting
+/// `ALTER TABLE` would hold up every other node's statements behind it).
+pub(super) fn upgrade_sql(names: &Names) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = '2s'; ALTER TABLE {} ADD COLUMN IF NOT EXISTS hand_to int8; COMMIT",
+        names.lease
     )
 }
 
@@ -374,12 +386,12 @@ impl Batch {
             "WITH k AS (SELECT * FROM {}), \
              won AS (INSERT INTO {lease} AS l (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
                  SELECT k.form, k.key, {}, {}, {}, 0, now(), now() + interval '{ttl_ms} milliseconds' FROM k \
-                 WHERE CASE WHEN EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now() AND c.hand_to IS DISTINCT FROM {mine}) THEN false \
+                 WHERE CASE WHEN EXISTS (SELECT 1 FROM {lease} c WHERE c.form = k.form AND c.key = k.key AND c.expires_at > now() AND (c.hand_to IS DISTINCT FROM {mine} OR c.holder <> 0)) THEN false \
                             WHEN k.form = 2 THEN pg_try_advisory_xact_lock((k.key >> 32)::int4, ((k.key << 32) >> 32)::int4) \
                             ELSE pg_try_advisory_xact_lock(k.key) END \
                  ORDER BY k.form, k.key \
                  ON CONFLICT (form, key) DO UPDATE SET holder = excluded.holder, holder_start = excluded.holder_start, node_id = excluded.node_id, token = 0, taken_at = excluded.taken_at, expires_at = excluded.expires_at, hand_to = NULL \
-                 WHERE l.expires_at <= now() OR l.hand_to = {mine} \
+                 WHERE l.expires_at <= now() OR (l.hand_to = {mine} AND l.holder = 0) \
                  RETURNING l.form, l.key) \
              SELECT 'k', k.i, w.key IS NOT NULL, c.key IS NOT NULL, \
                     CASE WHEN w.key IS NULL AND c.expires_at > now() THEN c.holder END, \
@@ -495,12 +507,16 @@ pub(crate) fn read_head() -> String {
     )
 }
 
+/// A row a release kept for a hand-over's target: held by no session (holder 0). Only
+/// both together say so (a row some other writer took over may still carry `hand_to`).
+const KEPT: &str = "(l.holder = 0 AND l.hand_to IS NOT NULL)";
+
 /// Who holds each of `keys` (live rows only, not those kept for a hand-over's target);
 /// answers `h` per key held.
 pub(super) fn holders_sql(names: &Names, keys: &[LockKey]) -> String {
     let lease = &names.lease;
     format!(
-        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now() AND l.hand_to IS NULL",
+        "SELECT 'h', k.i, l.node_id, l.holder, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now() AND NOT {KEPT}",
         keys_table(keys)
     )
 }
@@ -512,7 +528,7 @@ pub(crate) fn observer_sql(schema: &str, keys: &[LockKey]) -> String {
     format!(
         "{} SELECT 0::int8, pg_is_in_recovery()::text, NULL::int4, NULL::text, NULL::int8 \
          UNION ALL \
-         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now() AND l.hand_to IS NULL",
+         SELECT k.i, l.node_id, l.holder, NULL::text, l.holder_start FROM {} JOIN {lease} l ON l.form = k.form AND l.key = k.key WHERE l.expires_at > now() AND NOT {KEPT}",
         read_head(),
         keys_table(keys)
     )
@@ -522,7 +538,7 @@ pub(crate) fn observer_sql(schema: &str, keys: &[LockKey]) -> String {
 pub(super) fn cluster_sql(names: &Names) -> String {
     let lease = &names.lease;
     format!(
-        "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM {lease} l WHERE l.expires_at > now() AND l.hand_to IS NULL ORDER BY l.form, l.key"
+        "SELECT 'h', l.form, l.key, l.node_id, l.holder, l.holder_start FROM {lease} l WHERE l.expires_at > now() AND NOT {KEPT} ORDER BY l.form, l.key"
     )
 }
 

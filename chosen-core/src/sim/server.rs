@@ -186,9 +186,9 @@ pub(crate) struct Row {
     /// (holder 0), only that node may take it before it expires.
     pub(crate) hand_to: Option<u64>,
     /// A promotion lost some of its renewals: it expires earlier than its holder's
-    /// client may think (the new term's hold, not the row, keeps that holder's tenure
-    /// apart from the next).
+    /// client may think, by `lost` at most (microseconds).
     pub(crate) shortened: bool,
+    pub(crate) lost: T,
 }
 
 impl Server {
@@ -651,7 +651,7 @@ impl Server {
         self.rows
             .get(&key)
             .copied()
-            .filter(|r| r.expires > wall && r.hand_to.is_none())
+            .filter(|r| r.expires > wall && !(r.holder == 0 && r.hand_to.is_some()))
     }
 
     /// A token from the counter: above every one drawn before, and above every
@@ -683,7 +683,9 @@ impl Server {
         let mut won = Vec::new();
         for (at, key) in order {
             let before = self.rows.get(&key).copied();
-            match before.filter(|r| r.expires > wall && r.hand_to != Some(node_hash)) {
+            // Kept for this node: a row held by no session (holder 0) naming it.
+            let kept_for_me = |r: &Row| r.holder == 0 && r.hand_to == Some(node_hash);
+            match before.filter(|r| r.expires > wall && !kept_for_me(r)) {
                 Some(live) => answer.tried.push(Tried {
                     at,
                     won: false,
@@ -704,6 +706,7 @@ impl Server {
                             taken: now,
                             hand_to: None,
                             shortened: false,
+                            lost: 0,
                         },
                     );
                     won.push(key);
@@ -734,6 +737,7 @@ impl Server {
                                 taken: now,
                                 hand_to: Some(*to),
                                 shortened: false,
+                                lost: 0,
                             },
                         );
                     }
@@ -839,6 +843,7 @@ impl Server {
         for row in self.rows.values_mut() {
             row.expires -= lost as i64;
             row.shortened |= lost > 0;
+            row.lost += lost;
         }
         for until in self.fence_rows.values_mut() {
             *until -= lost as i64;

@@ -76,8 +76,8 @@
 //! later holder's greater token (its rows are not kept by the session kept open, as
 //! advisory locks are). Besides: a row is taken over only once its holder's client
 //! stopped trusting it (the send time of its last answered heartbeat plus the lease
-//! timeout) plus the stop budget, unless a promotion shortened it (the new term's hold
-//! keeps those apart, which the grants' check asserts); tokens of a key strictly
+//! timeout) plus the stop budget, less what a promotion lost of its renewals (the new
+//! term's hold keeps those apart, which the grants' check asserts); tokens of a key strictly
 //! increase across tenures, with no excuse of a session ended at the server.
 //!
 //! Findings counted apart: a grant on a session the server had already ended (the
@@ -3552,12 +3552,13 @@ impl Sim {
                     self.freezes[idx].server_ended = true;
                 }
             }
+            // Less what a promotion lost of its renewals (the new term's hold keeps
+            // the next grant back then).
             if row.shortened {
                 self.stats.shortened_takeovers += 1;
-                continue;
             }
             if let Some(until) = self.trust.get(&row.holder).copied()
-                && self.now < until + self.t.stop_budget
+                && self.now + row.lost < until + self.t.stop_budget
             {
                 self.violation(format!(
                     "the row of {key} held by session {} is taken over {} ms after that holder's client stopped trusting it (at {:.3} ms), within its stop budget",

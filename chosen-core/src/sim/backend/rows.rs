@@ -87,13 +87,12 @@ impl Inner {
             let Some(rows) = &self.rows else {
                 return;
             };
-            // A promotion lost its last renewals: the new term's hold keeps the next
-            // grant back (what the fleet's acting check sees).
-            if row.shortened {
-                continue;
-            }
+            // A promotion lost its last renewals: it may be taken that much sooner
+            // (the new term's hold keeps the next grant back, which the fleet's acting
+            // check sees).
+            let lost = Duration::from_micros(row.lost);
             if let Some((until, budget)) = rows.trust.get(&row.holder)
-                && now < *until + *budget
+                && now + lost < *until + *budget
             {
                 self.violations.push(format!(
                     "the row of {key} held by {} is taken over at {:?}, {:?} after that holder's client stopped trusting it (at {:?}), within its stop budget of {budget:?}",
