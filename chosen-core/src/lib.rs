@@ -65,7 +65,10 @@ pub use options::ManagerOptions;
 /// The tables of the lease-row mode ([`LockManager::connect_pooled`]) in `schema`
 /// (`public` unless [`ManagerOptions::lease_schema`] says otherwise), for a migration:
 /// a manager creates them when they are missing and its role may, and otherwise says to
-/// run this. `schema` must be a plain identifier (letters, digits, `_`).
+/// run this. Running it again is cheap and safe while a fleet runs: it creates only what
+/// is missing (columns a later version added included), checked first, so it waits for
+/// no statement of the fleet on tables that are up to date. `schema` must be a plain
+/// identifier (letters, digits, `_`).
 ///
 /// ```
 /// let sql = chosen_core::lease_tables_sql("public");

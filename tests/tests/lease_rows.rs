@@ -848,3 +848,34 @@ async fn a_row_taken_over_that_still_names_a_target_is_not_the_targets() {
     a.shutdown().await;
     t.shutdown().await;
 }
+
+/// Running the migration again on tables that are up to date waits for no statement
+/// of the fleet: with a writer's transaction open on the lease table (a renewal, a
+/// try), `lease_tables_sql` returns at once instead of queueing a table lock that
+/// every later renewal would wait behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_the_migration_again_waits_for_no_statement_of_the_fleet() {
+    let pg = PgCluster::start_local().unwrap();
+    let admin = connect_admin(&pg.url()).await.unwrap();
+    let migration = chosen_core::lease_tables_sql("public");
+    admin.batch_execute(&migration).await.unwrap();
+    let mut writer = connect_admin(&pg.url()).await.unwrap();
+    let tx = writer.transaction().await.unwrap();
+    tx.batch_execute(
+        "INSERT INTO public.chosen_lease (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
+         VALUES (1, 42, 7, 7, 'writer', 0, now(), now() + interval '1 minute')",
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    admin
+        .batch_execute(&format!("SET statement_timeout = '2s'; {migration}"))
+        .await
+        .expect("the migration waits for no lock the writer holds");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    tx.rollback().await.unwrap();
+}

@@ -8,15 +8,28 @@ use crate::key::LockKey;
 
 /// The tables of the lease-row mode in `schema` (see
 /// [`lease_tables_sql`](crate::lease_tables_sql)): the leases, the stop fences, and the
-/// one-row counter tokens are drawn from.
+/// one-row counter tokens are drawn from. Each object is created (and the counter's row
+/// written) only when missing, checked first: a `CREATE ... IF NOT EXISTS` on a table
+/// that exists still takes a lock on it, which would queue behind a renewal's open
+/// transaction and hold every later statement of the fleet behind it, so running the
+/// migration again on tables that are up to date waits for nothing.
 pub(crate) fn tables_sql(schema: &str) -> String {
+    let names = Names::new(schema);
+    let upgrade = add_columns_sql(&names);
     let Names {
         lease,
         fence,
         counter,
-    } = Names::new(schema);
+    } = names;
+    let index = |name: &str| format!("\"{schema}\".{name}");
+    let (lease_index, fence_index) = (
+        index("chosen_lease_holder"),
+        index("chosen_lease_fence_holder"),
+    );
     format!(
         "
+DO $chosen$ BEGIN
+IF to_regclass('{lease}') IS NULL THEN
 CREATE TABLE IF NOT EXISTS {lease} (
     form int2 NOT NULL,
     key int8 NOT NULL,
@@ -29,8 +42,11 @@ CREATE TABLE IF NOT EXISTS {lease} (
     hand_to int8,
     PRIMARY KEY (form, key)
 );
-ALTER TABLE {lease} ADD COLUMN IF NOT EXISTS hand_to int8;
+END IF;
+IF to_regclass('{lease_index}') IS NULL THEN
 CREATE INDEX IF NOT EXISTS chosen_lease_holder ON {lease} (holder, holder_start);
+END IF;
+IF to_regclass('{fence}') IS NULL THEN
 CREATE TABLE IF NOT EXISTS {fence} (
     key int8 NOT NULL,
     holder int4 NOT NULL,
@@ -39,12 +55,21 @@ CREATE TABLE IF NOT EXISTS {fence} (
     expires_at timestamptz NOT NULL,
     PRIMARY KEY (key, holder, holder_start)
 );
+END IF;
+IF to_regclass('{fence_index}') IS NULL THEN
 CREATE INDEX IF NOT EXISTS chosen_lease_fence_holder ON {fence} (holder, holder_start);
+END IF;
+IF to_regclass('{counter}') IS NULL THEN
 CREATE TABLE IF NOT EXISTS {counter} (
     one bool PRIMARY KEY DEFAULT true CHECK (one),
     v int8 NOT NULL
 );
+END IF;
+IF NOT EXISTS (SELECT 1 FROM {counter}) THEN
 INSERT INTO {counter} (one, v) VALUES (true, 0) ON CONFLICT DO NOTHING;
+END IF;
+END $chosen$;
+{upgrade};
 "
     )
 }
@@ -100,13 +125,27 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
     )
 }
 
-/// Adds the columns later versions added to a lease table made before them, in a
-/// transaction of its own that waits at most 2 s for the table's lock (a waiting
-/// `ALTER TABLE` would hold up every other node's statements behind it).
+/// Adds the columns later versions added to a lease table made before them: only when
+/// one is missing (`ALTER TABLE` locks the table against every statement even when it
+/// has nothing to do, so running the migration again costs nothing then).
+fn add_columns_sql(names: &Names) -> String {
+    let lease = &names.lease;
+    format!(
+        "DO $chosen$ BEGIN \
+           IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = '{lease}'::regclass AND attname = 'hand_to' AND NOT attisdropped) THEN \
+             ALTER TABLE {lease} ADD COLUMN IF NOT EXISTS hand_to int8; \
+           END IF; \
+         END $chosen$"
+    )
+}
+
+/// [`add_columns_sql`] at connect, in a transaction of its own that waits at most
+/// 100 ms for the table's lock: a waiting `ALTER TABLE` holds up every other node's
+/// statements behind it in the lock's queue.
 pub(super) fn upgrade_sql(names: &Names) -> String {
     format!(
-        "BEGIN; SET LOCAL lock_timeout = '2s'; ALTER TABLE {} ADD COLUMN IF NOT EXISTS hand_to int8; COMMIT",
-        names.lease
+        "BEGIN; SET LOCAL lock_timeout = '100ms'; {}; COMMIT",
+        add_columns_sql(names)
     )
 }
 
@@ -302,7 +341,7 @@ impl Batch {
         self.push(&format!(
             "WITH m AS (SELECT l.form, l.key, k.i, k.hand FROM {lease} l JOIN unnest({}, {}, {}) WITH ORDINALITY AS k(form, key, hand, i) ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l{skip}), \
              d AS (DELETE FROM {lease} l USING m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NULL RETURNING m.i), \
-             h AS (UPDATE {lease} l SET holder = 0, holder_start = 0, node_id = '', hand_to = m.hand, expires_at = now() + interval '{hold_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NOT NULL RETURNING m.i) \
+             h AS (UPDATE {lease} l SET holder = 0, holder_start = 0, node_id = '', hand_to = m.hand, expires_at = clock_timestamp() + interval '{hold_ms} milliseconds' FROM m WHERE l.form = m.form AND l.key = m.key AND m.hand IS NOT NULL RETURNING m.i) \
              SELECT 'u', i FROM d UNION ALL SELECT 'u', i FROM h",
             array(cols.iter().map(|c| c.0), "int2"),
             array(cols.iter().map(|c| c.1), "int8"),
@@ -329,13 +368,16 @@ impl Batch {
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey], wait: bool) {
         let Names { lease, counter, .. } = &self.names;
         let skip = if wait { "" } else { " SKIP LOCKED" };
+        // After a wait, the transaction's start (`now()`) is stale: a row is live by
+        // the clock.
+        let now = if wait { "clock_timestamp()" } else { "now()" };
         // Its rows (skipping one another statement holds, as the unlock does, for
         // `retry` to wait for), then the counter. In a step, only the try waits for rows held by
         // others, before anything else of the step locks one; after it, nothing waits
         // but for the counter, whose holder waits for nothing (see `Inner::perform`):
         // no two steps deadlock.
         let draw = format!(
-            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > now() ORDER BY l.form, l.key FOR UPDATE OF l{skip}), \
+            "WITH m AS (SELECT l.form, l.key, k.i FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} AND l.expires_at > {now} ORDER BY l.form, l.key FOR UPDATE OF l{skip}), \
              t AS (UPDATE {counter} c SET v = greatest(c.v + 1, {XMAX_SQL}) WHERE (SELECT count(*) FROM m) > 0 RETURNING c.v) \
              UPDATE {lease} l SET token = t.v FROM m, t WHERE l.form = m.form AND l.key = m.key RETURNING 't', m.i, t.v",
             keys_table(keys),
@@ -347,15 +389,28 @@ impl Batch {
     /// The second chance of a step whose release or token draw skipped a row of the
     /// session that another statement had locked (a try that found it live only as it
     /// conflicted, or one taking it over as it expired): in a transaction of its own,
-    /// which holds no other row, those statements wait for that statement's
-    /// transaction (within `lock_timeout`) and then see the row as it committed: still
-    /// the session's (a try that failed), or another's (the session lost it).
+    /// which first locks every one of those rows in key order (holding no other row
+    /// while it waits), those statements wait for that statement's transaction (within
+    /// `lock_timeout`) and then see the row as it committed: still the session's (a try
+    /// that failed), or another's (the session lost it).
     pub(super) fn retry(
         &mut self,
         me: Me,
         (unlock, hand, hold_ms): (&[LockKey], &[(LockKey, u64)], u128),
         token: &[LockKey],
     ) {
+        // Every row of both first, in key order, in one statement: a release that held
+        // its rows while the token draw waited for another step's try, which waited
+        // for those rows, would deadlock.
+        let mut all: Vec<LockKey> = unlock.iter().chain(token).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        let lease = &self.names.lease;
+        self.push(&format!(
+            "SELECT count(*) FROM (SELECT 1 FROM {lease} l JOIN {} ON l.form = k.form AND l.key = k.key WHERE {} ORDER BY l.form, l.key FOR UPDATE OF l) AS locked",
+            keys_table(&all),
+            me.matches("l")
+        ));
         if !unlock.is_empty() {
             self.unlock(me, unlock, hand, hold_ms, true);
         }

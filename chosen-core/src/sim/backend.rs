@@ -393,10 +393,11 @@ impl SimServer {
                 model.timeline += 1;
                 model.xid = model.xid.saturating_sub(lag);
                 model.age_unknown_until = now + unknown;
-                // The standby had not replayed the last `lag` of history: some 20 ms
-                // of rows each (a lost renewal, a lost take).
+                // The standby had not replayed the last `lag` of history: some 160 ms
+                // of rows each, up to 8 s (lost renewals, lost takes: longer than a
+                // row's slack, so that only the new term's hold keeps tenures apart).
                 let down_at = model.ended.unwrap_or(now);
-                model.lose_recent_rows(down_at, (lag * 20 * MS).min(SEC));
+                model.lose_recent_rows(down_at, (lag * 160 * MS).min(8 * SEC));
             }
         });
     }

@@ -3848,10 +3848,12 @@ impl Sim {
                 server.timeline += 1;
                 server.xid = server.xid.saturating_sub(lag);
                 // The lease-row mode: the standby had not replayed the last `lag` of
-                // history, some 20 ms of rows each (a lost renewal, a lost take).
+                // history, some 160 ms of rows each, up to 8 s (lost renewals, lost
+                // takes: longer than a row's slack, so that only the new term's hold
+                // keeps tenures apart).
                 if self.cfg.rows {
                     let down_at = server.ended.unwrap_or(now);
-                    server.lose_recent_rows(down_at, (lag * 20 * MS).min(SEC));
+                    server.lose_recent_rows(down_at, (lag * 160 * MS).min(8 * SEC));
                 }
                 // The end-of-recovery checkpoint takes a while: until it is done, the
                 // term query cannot tell when the term began.
