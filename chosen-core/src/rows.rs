@@ -307,10 +307,6 @@ async fn ensure_tables(client: &tokio_postgres::Client, schema: &str, names: &Na
         // Made by an earlier version: add what this one needs (every statement of it
         // names `hand_to`).
         let upgraded = client.batch_execute(&sql::upgrade_sql(names)).await;
-        if upgraded.is_err() {
-            // Left in the aborted transaction otherwise.
-            let _ = client.batch_execute("ROLLBACK").await;
-        }
         let again = client.simple_query(&check).await.map_err(Error::database)?;
         (_, writable, current) = usable(&again);
         if !current {

@@ -878,4 +878,59 @@ async fn running_the_migration_again_waits_for_no_statement_of_the_fleet() {
         started.elapsed()
     );
     tx.rollback().await.unwrap();
+    // On a table made before `hand_to`, the column is added without queueing the fleet
+    // behind the table's lock for long: a read meanwhile waits 100 ms at most per try,
+    // and once the writer is done, the column is there.
+    admin
+        .batch_execute("ALTER TABLE public.chosen_lease DROP COLUMN hand_to")
+        .await
+        .unwrap();
+    let tx = writer.transaction().await.unwrap();
+    tx.batch_execute(
+        "INSERT INTO public.chosen_lease (form, key, holder, holder_start, node_id, token, taken_at, expires_at) \
+         VALUES (1, 43, 7, 7, 'writer', 0, now(), now() + interval '1 minute')",
+    )
+    .await
+    .unwrap();
+    let migrating = tokio::spawn({
+        let url = pg.url();
+        let migration = migration.clone();
+        async move {
+            let client = connect_admin(&url).await.unwrap();
+            client.batch_execute(&migration).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let reader = connect_admin(&pg.url()).await.unwrap();
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let read = Instant::now();
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            reader.simple_query("SELECT count(*) FROM public.chosen_lease"),
+        )
+        .await
+        .expect("a read queued behind the migration's table lock")
+        .unwrap();
+        slowest = slowest.max(read.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        slowest < Duration::from_millis(600),
+        "a read waited {slowest:?}"
+    );
+    tx.rollback().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), migrating)
+        .await
+        .expect("the migration ends")
+        .unwrap()
+        .expect("the column is added once the writer is done");
+    let has = admin
+        .query(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = 'public.chosen_lease'::regclass AND attname = 'hand_to' AND NOT attisdropped",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(has.len(), 1, "hand_to is there");
 }

@@ -127,26 +127,33 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
 
 /// Adds the columns later versions added to a lease table made before them: only when
 /// one is missing (`ALTER TABLE` locks the table against every statement even when it
-/// has nothing to do, so running the migration again costs nothing then).
+/// has nothing to do, so running the migration again costs nothing then). A waiting
+/// `ALTER TABLE` would hold every later statement of the fleet behind it in the lock's
+/// queue, renewals included: it waits at most 100 ms at a time, 20 times, a moment
+/// apart, and then fails with a message saying to run it again.
 fn add_columns_sql(names: &Names) -> String {
     let lease = &names.lease;
     format!(
         "DO $chosen$ BEGIN \
            IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = '{lease}'::regclass AND attname = 'hand_to' AND NOT attisdropped) THEN \
-             ALTER TABLE {lease} ADD COLUMN IF NOT EXISTS hand_to int8; \
+             PERFORM pg_catalog.set_config('lock_timeout', '100ms', true); \
+             FOR attempt IN 1..20 LOOP \
+               BEGIN \
+                 ALTER TABLE {lease} ADD COLUMN IF NOT EXISTS hand_to int8; \
+                 RETURN; \
+               EXCEPTION WHEN lock_not_available THEN \
+                 PERFORM pg_catalog.pg_sleep(0.1); \
+               END; \
+             END LOOP; \
+             RAISE EXCEPTION 'chosen: could not add the hand_to column to {lease}: its lock was never free for 100 ms (a long transaction on the table?); run lease_tables_sql again'; \
            END IF; \
          END $chosen$"
     )
 }
 
-/// [`add_columns_sql`] at connect, in a transaction of its own that waits at most
-/// 100 ms for the table's lock: a waiting `ALTER TABLE` holds up every other node's
-/// statements behind it in the lock's queue.
+/// [`add_columns_sql`] at connect.
 pub(super) fn upgrade_sql(names: &Names) -> String {
-    format!(
-        "BEGIN; SET LOCAL lock_timeout = '100ms'; {}; COMMIT",
-        add_columns_sql(names)
-    )
+    add_columns_sql(names)
 }
 
 /// Deletes rows that expired more than an hour ago (a crashed holder's, a name used
@@ -368,9 +375,9 @@ impl Batch {
     pub(super) fn token(&mut self, me: Me, keys: &[LockKey], wait: bool) {
         let Names { lease, counter, .. } = &self.names;
         let skip = if wait { "" } else { " SKIP LOCKED" };
-        // After a wait, the transaction's start (`now()`) is stale: a row is live by
-        // the clock.
-        let now = if wait { "clock_timestamp()" } else { "now()" };
+        // A row is live by the clock: the transaction's start (`now()`) is stale after
+        // a wait (the try's, or the retry's).
+        let now = "clock_timestamp()";
         // Its rows (skipping one another statement holds, as the unlock does, for
         // `retry` to wait for), then the counter. In a step, only the try waits for rows held by
         // others, before anything else of the step locks one; after it, nothing waits
