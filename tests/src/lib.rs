@@ -120,6 +120,28 @@ pub fn prompt_options(url: &str, node: &str) -> chosen_core::ManagerOptions {
     unheld_options(url, node).poll_interval(std::time::Duration::from_millis(100))
 }
 
+/// The one node of `elections` that leads, once one does, and how long that took;
+/// fails on two leaders at once, or on nobody leading within `limit`.
+pub async fn leader_of(
+    elections: &[(&str, chosen_core::Election)],
+    limit: std::time::Duration,
+) -> (String, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let leading: Vec<&str> = elections
+            .iter()
+            .filter(|(_, e)| e.leadership().is_leader())
+            .map(|(n, _)| *n)
+            .collect();
+        assert!(leading.len() <= 1, "two leaders: {leading:?}");
+        if let [one] = leading.as_slice() {
+            return ((*one).to_owned(), t0.elapsed());
+        }
+        assert!(t0.elapsed() < limit, "nobody leads after {limit:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
 /// `true` when running in CI (`CI=true`, as `.ci/run` is run): there no test may skip
 /// itself for a missing tool.
 #[must_use]

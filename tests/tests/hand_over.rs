@@ -11,27 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chosen_core::{Election, LockManager, Singleton, SingletonOptions};
-use chosen_tests::{PgCluster, unheld_options, unique_name};
+use chosen_tests::{PgCluster, leader_of, unheld_options, unique_name};
 
 fn pct(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
-}
-
-async fn leader_of(elections: &[(&str, Election)], limit: Duration) -> (String, Duration) {
-    let t0 = Instant::now();
-    loop {
-        let leading: Vec<&str> = elections
-            .iter()
-            .filter(|(_, e)| e.leadership().is_leader())
-            .map(|(n, _)| *n)
-            .collect();
-        assert!(leading.len() <= 1, "two leaders: {leading:?}");
-        if let [one] = leading.as_slice() {
-            return ((*one).to_owned(), t0.elapsed());
-        }
-        assert!(t0.elapsed() < limit, "nobody leads after {limit:?}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

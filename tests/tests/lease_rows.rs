@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use chosen_core::{
     Election, Error, Leadership, LockKey, LockManager, ManagerOptions, Observer, ObserverOptions,
 };
-use chosen_tests::{PgBouncer, PgCluster, connect_admin, in_ci, unique_name};
+use chosen_tests::{PgBouncer, PgCluster, connect_admin, in_ci, leader_of, unique_name};
 use deadpool_postgres::Pool;
 
 fn pool(url: &str, size: usize) -> Pool {
@@ -616,25 +616,7 @@ async fn lease_rows_hand_over_to_the_named_node_through_a_transaction_pooler() {
         elections.push((node, Election::start(&m, name.as_str()).unwrap()));
         managers.push(m);
     }
-    let leader = |limit: Duration| {
-        let elections = &elections;
-        async move {
-            let t0 = Instant::now();
-            loop {
-                let leading: Vec<&str> = elections
-                    .iter()
-                    .filter(|(_, e)| e.leadership().is_leader())
-                    .map(|(n, _)| *n)
-                    .collect();
-                assert!(leading.len() <= 1, "two leaders: {leading:?}");
-                if let [one] = leading.as_slice() {
-                    return (*one).to_owned();
-                }
-                assert!(t0.elapsed() < limit, "nobody leads after {limit:?}");
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        }
-    };
+    let leader = async |limit: Duration| leader_of(&elections, limit).await.0;
     let mut took = Vec::new();
     for round in 0..6 {
         let from = leader(Duration::from_secs(10)).await;

@@ -720,7 +720,7 @@ impl Backend for SimBackend {
                 let session = Arc::new(rows::RowsSession {
                     server: Arc::clone(&self.server),
                     holder,
-                    start: rows::session_start(connected.ready),
+                    start: epoch_us(connected.ready),
                     node_id: options.node_id.clone(),
                     identity: connected.identity.clone(),
                     high: connected.high,

@@ -105,7 +105,7 @@ use crate::table::{
 use crate::token::FencingToken;
 
 use crate::rows_step::{self, Answer, Steps};
-use crate::sim::server::{Backend, Coming, Executed, Notice, Reply, Row, Server};
+use crate::sim::server::{Backend, Coming, Connected, Executed, Notice, Reply, Row, Server};
 
 /// An announcement as the checks know it: its sender, the sender's start, when the
 /// server sent it and when it arrived (a waiter's try may win on it without the grace
@@ -3230,28 +3230,10 @@ impl Sim {
                 attempt,
                 handshake,
             } => {
-                let Some(c) = self.server.connect(n, inst, self.now, handshake) else {
-                    self.send_down(n, inst, Down::Refused { attempt }, self.now);
-                    return;
-                };
-                self.pid_owners.insert(c.pid, (n, inst));
-                self.push(c.ready + self.t.release, Ev::IdleCheck { pid: c.pid });
-                self.send_down(
-                    n,
-                    inst,
-                    Down::Connected {
-                        attempt,
-                        pid: c.pid,
-                        proven_at: c.ready,
-                        term_age: c.term_age,
-                        high: c.high,
-                        identity: c.identity,
-                        system: c.system,
-                        first_xid: c.first_xid,
-                        unepoched: c.unepoched,
-                    },
-                    c.ready,
-                );
+                if let Some(c) = self.accept(n, inst, attempt, handshake) {
+                    let pid = c.pid;
+                    self.send_connected(n, inst, attempt, pid, c);
+                }
             }
             Up::Batch { gn, pid, stmts } => {
                 let Some(b) = self.server.backends.get(&pid).copied() else {
@@ -3304,6 +3286,39 @@ impl Sim {
         }
     }
 
+    /// The server takes node `n`'s connect: the new backend (its idle timer started),
+    /// or `None` when it is down (the node hears it refused).
+    fn accept(&mut self, n: usize, inst: u32, attempt: u64, handshake: T) -> Option<Connected> {
+        let Some(c) = self.server.connect(n, inst, self.now, handshake) else {
+            self.send_down(n, inst, Down::Refused { attempt }, self.now);
+            return None;
+        };
+        self.pid_owners.insert(c.pid, (n, inst));
+        self.push(c.ready + self.t.release, Ev::IdleCheck { pid: c.pid });
+        Some(c)
+    }
+
+    /// Tells node `n` its session `pid` (a backend, or a lease-row holder) is open, with
+    /// what the connect's queries found.
+    fn send_connected(&mut self, n: usize, inst: u32, attempt: u64, pid: i32, c: Connected) {
+        self.send_down(
+            n,
+            inst,
+            Down::Connected {
+                attempt,
+                pid,
+                proven_at: c.ready,
+                term_age: c.term_age,
+                high: c.high,
+                identity: c.identity,
+                system: c.system,
+                first_xid: c.first_xid,
+                unepoched: c.unepoched,
+            },
+            c.ready,
+        );
+    }
+
     /// A node's message at the server in the lease-row mode: the connect opens a
     /// session (a holder id) on a pooled connection; a batch or a heartbeat runs as
     /// one transaction on the session's connection (a new one of the pool once that
@@ -3317,12 +3332,9 @@ impl Sim {
                 attempt,
                 handshake,
             } => {
-                let Some(c) = self.server.connect(n, inst, self.now, handshake) else {
-                    self.send_down(n, inst, Down::Refused { attempt }, self.now);
+                let Some(c) = self.accept(n, inst, attempt, handshake) else {
                     return;
                 };
-                self.pid_owners.insert(c.pid, (n, inst));
-                self.push(c.ready + self.t.release, Ev::IdleCheck { pid: c.pid });
                 let holder = self.next_holder;
                 self.next_holder += 1;
                 self.pid_owners.insert(holder, (n, inst));
@@ -3339,22 +3351,7 @@ impl Sim {
                         opened_on,
                     },
                 );
-                self.send_down(
-                    n,
-                    inst,
-                    Down::Connected {
-                        attempt,
-                        pid: holder,
-                        proven_at: c.ready,
-                        term_age: c.term_age,
-                        high: c.high,
-                        identity: c.identity,
-                        system: c.system,
-                        first_xid: c.first_xid,
-                        unepoched: c.unepoched,
-                    },
-                    c.ready,
-                );
+                self.send_connected(n, inst, attempt, holder, c);
             }
             Up::Batch {
                 gn,

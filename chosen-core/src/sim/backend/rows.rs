@@ -24,7 +24,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::{Conn, Inner, SimServer, epoch_us};
+use super::{Conn, Inner, SimServer};
 use crate::backend::{BoxFuture, ConnEvent, HeartbeatLink, HolderAnswer, Link};
 use crate::engine::Done;
 use crate::fault::Fault;
@@ -451,9 +451,4 @@ impl HeartbeatLink for SimRowsHeartbeat {
             }
         })
     }
-}
-
-/// `backend_start`-like start of a session opened at virtual time `now`.
-pub(super) fn session_start(now: T) -> i64 {
-    epoch_us(now)
 }
