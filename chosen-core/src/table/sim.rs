@@ -813,6 +813,10 @@ struct Freeze {
     to: T,
     /// The server ended the node's session while it was frozen.
     server_ended: bool,
+    /// The server's wall clock when the freeze began, and the latest it read during the
+    /// freeze (a backward step of it makes a row expired meanwhile look live again).
+    wall_from: i64,
+    wall_peak: i64,
 }
 
 /// What a run counted.
@@ -1511,8 +1515,13 @@ impl Sim {
                 // the freeze marks it too, see `check_takeovers`.)
                 if self.cfg.rows {
                     let inst = self.nodes[n].inst;
-                    let from = self.server.wall(self.freezes[idx].from);
-                    let until = self.server.wall(self.now + self.t.stop_budget);
+                    // By the server's clock as it read then: a row that expired before
+                    // a backward step of it during the freeze expired all the same.
+                    let from = self.freezes[idx].wall_from;
+                    let until = self
+                        .server
+                        .wall(self.now + self.t.stop_budget)
+                        .max(self.freezes[idx].wall_peak);
                     let mine = |h: i32| {
                         self.rows_sessions
                             .get(&h)
@@ -4027,6 +4036,8 @@ impl Sim {
                         from: self.now,
                         to: self.now + d,
                         server_ended: false,
+                        wall_from: self.server.wall(self.now),
+                        wall_peak: self.server.wall(self.now),
                     });
                     self.nodes[n].frozen = Some(self.freezes.len() - 1);
                     self.push(self.now + d, Ev::Thaw { n });
@@ -4202,6 +4213,13 @@ impl Sim {
     fn step_clock(&mut self, step: i64) {
         self.fault("clock_step");
         self.log(|| format!("FAULT the server's clock steps {} ms", step / 1000));
+        let wall = self.server.wall(self.now);
+        for node in &self.nodes {
+            if let Some(idx) = node.frozen {
+                let freeze = &mut self.freezes[idx];
+                freeze.wall_peak = freeze.wall_peak.max(wall);
+            }
+        }
         self.server.clock += step;
     }
 
