@@ -67,8 +67,9 @@ pub use options::ManagerOptions;
 /// a manager creates them when they are missing and its role may, and otherwise says to
 /// run this. Running it again is cheap and safe while a fleet runs: it creates only what
 /// is missing (columns a later version added included), checked first, so it waits for
-/// no statement of the fleet on tables that are up to date. `schema` must be a plain
-/// identifier (letters, digits, `_`).
+/// no statement of the fleet on tables that are up to date. Where it adds a column, run
+/// it in a transaction of its own: the table's lock is held until that transaction
+/// commits. `schema` must be a plain identifier (letters, digits, `_`).
 ///
 /// ```
 /// let sql = chosen_core::lease_tables_sql("public");

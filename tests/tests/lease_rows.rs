@@ -915,4 +915,27 @@ async fn running_the_migration_again_waits_for_no_statement_of_the_fleet() {
         .await
         .unwrap();
     assert_eq!(has.len(), 1, "hand_to is there");
+    // Inside a migration tool's own transaction, its lock timeout is its own again after.
+    admin
+        .batch_execute("ALTER TABLE public.chosen_lease DROP COLUMN hand_to")
+        .await
+        .unwrap();
+    let answer = admin
+        .simple_query(&format!(
+            "BEGIN; SET LOCAL lock_timeout = '5s'; {migration}; SHOW lock_timeout; COMMIT"
+        ))
+        .await
+        .unwrap();
+    let shown: Vec<&str> = answer
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        ["5s"],
+        "the caller's lock_timeout after the migration"
+    );
 }

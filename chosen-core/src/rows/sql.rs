@@ -130,21 +130,25 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
 /// has nothing to do, so running the migration again costs nothing then). A waiting
 /// `ALTER TABLE` would hold every later statement of the fleet behind it in the lock's
 /// queue, renewals included: it waits at most 100 ms at a time, 20 times, a moment
-/// apart, and then fails with a message saying to run it again.
+/// apart, and then fails with a message saying to run it again. The caller's
+/// `lock_timeout` is put back after (a migration tool may run this inside a longer
+/// transaction of its own).
 fn add_columns_sql(names: &Names) -> String {
     let lease = &names.lease;
     format!(
-        "DO $chosen$ BEGIN \
+        "DO $chosen$ DECLARE before text := pg_catalog.current_setting('lock_timeout'); BEGIN \
            IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = '{lease}'::regclass AND attname = 'hand_to' AND NOT attisdropped) THEN \
              PERFORM pg_catalog.set_config('lock_timeout', '100ms', true); \
              FOR attempt IN 1..20 LOOP \
                BEGIN \
                  ALTER TABLE {lease} ADD COLUMN IF NOT EXISTS hand_to int8; \
+                 PERFORM pg_catalog.set_config('lock_timeout', before, true); \
                  RETURN; \
                EXCEPTION WHEN lock_not_available THEN \
                  PERFORM pg_catalog.pg_sleep(0.1); \
                END; \
              END LOOP; \
+             PERFORM pg_catalog.set_config('lock_timeout', before, true); \
              RAISE EXCEPTION 'chosen: could not add the hand_to column to {lease}: its lock was never free for 100 ms (a long transaction on the table?); run lease_tables_sql again'; \
            END IF; \
          END $chosen$"
