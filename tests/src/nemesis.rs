@@ -395,7 +395,10 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         let kind = dealt_now.pop().expect("BUG: dealt from a full deck");
         dealt += 1;
         // Aim at nodes that hold something, so that every fault takes a lease away.
-        let holders = holders(&events.lock().expect("events lock"));
+        // Right after a fault the fleet may hold nothing yet (a lease row is taken over
+        // only once it expired, ~6 s): wait, bounded, for a holder to aim at.
+        let holders =
+            wait_any_holder(&events, config.timing.release + Duration::from_secs(10)).await;
         let candidates: Vec<usize> = (0..nodes.len())
             .filter(|i| holders.contains(&nodes[*i].id))
             .collect();
@@ -796,6 +799,18 @@ fn write_history(path: &str, events: &[Event], faults: &[FaultRecord]) -> io::Re
 }
 
 /// Waits until every singleton has a running child (bounded); `false` on timeout.
+/// The nodes holding something, once one does or `limit` passed (then maybe none).
+async fn wait_any_holder(events: &Shared<Vec<Event>>, limit: Duration) -> HashSet<String> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let now = holders(&events.lock().expect("events lock"));
+        if !now.is_empty() || std::time::Instant::now() >= deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn wait_all_held(events: &Shared<Vec<Event>>, singletons: usize, limit: Duration) -> bool {
     let deadline = std::time::Instant::now() + limit;
     while std::time::Instant::now() < deadline {
