@@ -728,6 +728,17 @@ pub struct PgBouncer {
     child: Child,
 }
 
+/// PgBouncer's settings: listening on `port`, in front of the server on
+/// `server_port`. `server_login_retry = 1`: after a failed login (a server restarting
+/// behind it), it tries again within a second, not its default 15 s.
+fn bouncer_ini(dir: &Path, port: u16, server_port: u16, pool_mode: &str, pool_size: u32) -> String {
+    format!(
+        "[databases]\n* = host=127.0.0.1 port={server_port}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\nauth_type = plain\nauth_file = {}\npool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 2000\nignore_startup_parameters = extra_float_digits,options\nserver_login_retry = 1\nlogfile = {}\npidfile =\n",
+        dir.join("userlist.txt").display(),
+        dir.join("pgbouncer.log").display(),
+    )
+}
+
 impl PgBouncer {
     /// Starts PgBouncer with `pool_mode` (`session` or `transaction`) and at most
     /// `pool_size` server connections, in front of `cluster`.
@@ -758,12 +769,7 @@ impl PgBouncer {
         )?;
         fs::write(
             dir.join("pgbouncer.ini"),
-            format!(
-                "[databases]\n* = host=127.0.0.1 port={}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\nauth_type = plain\nauth_file = {}\npool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 2000\nignore_startup_parameters = extra_float_digits,options\nlogfile = {}\npidfile =\n",
-                local.port,
-                dir.join("userlist.txt").display(),
-                dir.join("pgbouncer.log").display(),
-            ),
+            bouncer_ini(&dir, port, local.port, pool_mode, pool_size),
         )?;
         if let Some(r) = &local.run_as {
             chown(&dir, r)?;

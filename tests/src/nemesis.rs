@@ -149,10 +149,11 @@ impl Deck {
     }
 
     /// The kinds for nodes holding lease rows through a transaction pooler: the
-    /// process faults and black holes. Left out: cuts (a pool opens a new connection
-    /// and the session goes on: no loss to check), `terminate_backend` (no session of
-    /// its own to end), latency (the pooler's queue adds its own), and the server
-    /// faults (the pooler in front is not restarted or moved with the server yet).
+    /// process faults, black holes, and the server behind the pooler restarted or
+    /// stopped for a while. Left out: cuts (a pool opens a new connection and the
+    /// session goes on: no loss to check), `terminate_backend` (no session of its own
+    /// to end), latency (the pooler's queue adds its own) and the failover (the pooler
+    /// in front is not moved to the promoted server yet).
     #[must_use]
     pub fn lease_rows() -> Self {
         let kinds = [
@@ -160,6 +161,9 @@ impl Deck {
             "sigstop_short",
             "sigstop_long",
             "blackhole",
+            "restart_fast",
+            "restart_immediate",
+            "server_down",
             "sigterm",
         ];
         let mut deck = Self::full();
@@ -174,15 +178,13 @@ impl Deck {
                 "a lease session has no backend of its own",
             ),
             ("latency", "not yet judged through the pooler's queue"),
+            (
+                "failover",
+                "the pooler in front is not moved to the promoted server yet",
+            ),
         ];
         for (kind, reason) in why {
             deck.left_out.push((kind, reason.to_owned()));
-        }
-        for kind in LOCAL_ONLY_KINDS {
-            deck.left_out.push((
-                kind,
-                "the pooler in front is not restarted or moved with the server yet".to_owned(),
-            ));
         }
         deck
     }

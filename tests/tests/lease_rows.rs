@@ -939,3 +939,147 @@ async fn running_the_migration_again_waits_for_no_statement_of_the_fleet() {
         "the caller's lock_timeout after the migration"
     );
 }
+
+/// The server behind the pooler restarted, cleanly and then as after a crash, while a
+/// node holds a name: the holder's session ends (its pool now reaches a server with
+/// another start time), the name is held again soon after, every tenure's token is
+/// larger than the one before, and at no sampled instant do two nodes hold a valid
+/// lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_pooler() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let pg = PgCluster::start_local().unwrap();
+    let Some(bouncer) = bouncer(
+        &pg,
+        "lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_pooler",
+    ) else {
+        return;
+    };
+    let pg = Arc::new(Mutex::new(pg));
+    let name = unique_name("rows-restart");
+    let stop = Arc::new(AtomicBool::new(false));
+    // Each contender's lease while it holds one, and every tenure: (node, token, when).
+    let held: Arc<Mutex<[Option<Arc<chosen_core::Lease>>; 2]>> = Arc::default();
+    let tenures: Arc<Mutex<Vec<(usize, chosen_core::FencingToken, Instant)>>> = Arc::default();
+    let mut managers = Vec::new();
+    let mut contenders = Vec::new();
+    for i in 0..2 {
+        let manager = LockManager::connect_pooled(
+            pool(&bouncer.url(), 2),
+            options(&format!("rows-restart-{i}")),
+        )
+        .await
+        .unwrap();
+        managers.push(manager.clone());
+        let (name, stop, held, tenures) = (
+            name.clone(),
+            Arc::clone(&stop),
+            Arc::clone(&held),
+            Arc::clone(&tenures),
+        );
+        contenders.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let Ok(lease) = manager.acquire(name.as_str()).await else {
+                    break;
+                };
+                let lease = Arc::new(lease);
+                // The token is read while the lease is valid; a session that ended
+                // at once gives none, and the tenure is not counted.
+                if let Ok(token) = lease.fencing_token().await {
+                    tenures.lock().unwrap().push((i, token, Instant::now()));
+                }
+                held.lock().unwrap()[i] = Some(Arc::clone(&lease));
+                tokio::select! {
+                    _ = lease.lost() => {}
+                    () = async {
+                        while !stop.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    } => {}
+                }
+                held.lock().unwrap()[i] = None;
+            }
+        }));
+    }
+    // Never two valid leases at one instant.
+    let both = Arc::new(AtomicBool::new(false));
+    let sampler = tokio::spawn({
+        let (stop, held, both) = (Arc::clone(&stop), Arc::clone(&held), Arc::clone(&both));
+        async move {
+            while !stop.load(Ordering::SeqCst) {
+                let valid = held
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .flatten()
+                    .filter(|l| l.is_valid())
+                    .count();
+                if valid > 1 {
+                    both.store(true, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    let wait_tenure_after = |since: Instant| {
+        let tenures = Arc::clone(&tenures);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if tenures.lock().unwrap().iter().any(|t| t.2 > since) {
+                    return Instant::now() - since;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no node held the name within 30 s of {since:?}: {:?}",
+                    tenures.lock().unwrap()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let began = Instant::now() - Duration::from_secs(1);
+    wait_tenure_after(began).await;
+    for mode in ["fast", "immediate"] {
+        let before = tenures.lock().unwrap().len();
+        let at = Instant::now();
+        let server = Arc::clone(&pg);
+        tokio::task::spawn_blocking(move || server.lock().unwrap().restart(mode))
+            .await
+            .unwrap()
+            .unwrap();
+        let again = wait_tenure_after(at).await;
+        eprintln!(
+            "LEASE ROWS held again {} ms after a {mode} restart began",
+            again.as_millis()
+        );
+        assert!(tenures.lock().unwrap().len() > before);
+        // Let the new tenure run a while before the next restart.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    sampler.await.unwrap();
+    // A contender waiting in `acquire` returns when its manager shuts down.
+    for m in managers {
+        tokio::time::timeout(Duration::from_secs(10), m.shutdown())
+            .await
+            .expect("a manager shuts down");
+    }
+    for c in contenders {
+        tokio::time::timeout(Duration::from_secs(10), c)
+            .await
+            .expect("a contender stops")
+            .unwrap();
+    }
+    assert!(
+        !both.load(Ordering::SeqCst),
+        "two nodes held a valid lease at once"
+    );
+    let tenures = tenures.lock().unwrap().clone();
+    assert!(tenures.len() >= 3, "{tenures:?}");
+    for pair in tenures.windows(2) {
+        assert!(pair[1].1 > pair[0].1, "a token went backwards: {tenures:?}");
+    }
+}
