@@ -749,6 +749,25 @@ impl PgBouncer {
     /// server binaries, see [`PgClusterBuilder::start`]; the message names the command
     /// to run), or when it does not start.
     pub fn start(cluster: &PgCluster, pool_mode: &str, pool_size: u32) -> io::Result<Self> {
+        let port = cluster
+            .port()
+            .ok_or_else(|| io::Error::other("PgBouncer tests need a local cluster"))?;
+        Self::start_to(cluster, port, pool_mode, pool_size)
+    }
+
+    /// As [`start`](Self::start), but PgBouncer connects to `server_port` on
+    /// loopback (a proxy in front of `cluster`, which a failover moves to the promoted
+    /// server, as a virtual IP or a DNS name would be).
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_to(
+        cluster: &PgCluster,
+        server_port: u16,
+        pool_mode: &str,
+        pool_size: u32,
+    ) -> io::Result<Self> {
         let Inner::Local(local) = &cluster.inner else {
             return Err(io::Error::other("PgBouncer tests need a local cluster"));
         };
@@ -769,7 +788,7 @@ impl PgBouncer {
         )?;
         fs::write(
             dir.join("pgbouncer.ini"),
-            bouncer_ini(&dir, port, local.port, pool_mode, pool_size),
+            bouncer_ini(&dir, port, server_port, pool_mode, pool_size),
         )?;
         if let Some(r) = &local.run_as {
             chown(&dir, r)?;

@@ -149,11 +149,11 @@ impl Deck {
     }
 
     /// The kinds for nodes holding lease rows through a transaction pooler: the
-    /// process faults, black holes, and the server behind the pooler restarted or
-    /// stopped for a while. Left out: cuts (a pool opens a new connection and the
-    /// session goes on: no loss to check), `terminate_backend` (no session of its own
-    /// to end), latency (the pooler's queue adds its own) and the failover (the pooler
-    /// in front is not moved to the promoted server yet).
+    /// process faults, black holes, and the server behind the pooler restarted,
+    /// stopped for a while, or failed over to its standby (the server's address, which
+    /// the pooler connects to, moved to the promoted one). Left out: cuts (a pool opens
+    /// a new connection and the session goes on: no loss to check), `terminate_backend`
+    /// (no session of its own to end) and latency (the pooler's queue adds its own).
     #[must_use]
     pub fn lease_rows() -> Self {
         let kinds = [
@@ -165,6 +165,7 @@ impl Deck {
             "restart_immediate",
             "server_down",
             "sigterm",
+            "failover",
         ];
         let mut deck = Self::full();
         deck.kinds.retain(|k| kinds.contains(k));
@@ -178,10 +179,6 @@ impl Deck {
                 "a lease session has no backend of its own",
             ),
             ("latency", "not yet judged through the pooler's queue"),
-            (
-                "failover",
-                "the pooler in front is not moved to the promoted server yet",
-            ),
         ];
         for (kind, reason) in why {
             deck.left_out.push((kind, reason.to_owned()));
@@ -298,11 +295,17 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     };
     // Where the proxies forward to, and the deck: everything against a local cluster.
     // Lease rows: through a transaction pooler in front of the local cluster, which
-    // the proxies forward to (its URL's port is the one they replace).
+    // the proxies forward to (its URL's port is the one they replace). The pooler
+    // reaches the server through a proxy of its own, the server's address, which a
+    // failover moves to the promoted standby (as a virtual IP or a DNS name would).
+    let mut server_front = None;
     let bouncer = match (config.lease_rows, port) {
-        (true, Some(_)) => {
+        (true, Some(server_port)) => {
+            let address = FaultProxy::start(([127, 0, 0, 1], server_port).into()).await?;
             let c = cluster.lock().expect("cluster lock");
-            Some(crate::PgBouncer::start(&c, "transaction", 8)?)
+            let bouncer = crate::PgBouncer::start_to(&c, address.addr().port(), "transaction", 8)?;
+            server_front = Some(address);
+            Some(bouncer)
         }
         (true, None) => {
             return Err(io::Error::other(
@@ -398,13 +401,16 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         dealt += 1;
         // Aim at nodes that hold something, so that every fault takes a lease away.
         // Right after a fault the fleet may hold nothing yet (a lease row is taken over
-        // only once it expired, ~6 s): wait, bounded, for a holder to aim at.
-        let holders =
-            wait_any_holder(&events, config.timing.release + Duration::from_secs(10)).await;
-        let candidates: Vec<usize> = (0..nodes.len())
-            .filter(|i| holders.contains(&nodes[*i].id))
-            .collect();
+        // only once it expired, ~7 s at the defaults): wait, bounded, for a holder to
+        // aim at; none by then is a problem of its own.
+        let running_now: Vec<(String, u32)> =
+            nodes.iter().map(|n| (n.id.clone(), n.instance)).collect();
+        let limit = config.timing.release + Duration::from_secs(10);
+        let candidates = wait_for_holders(&events, &running_now, limit).await;
         let target = if candidates.is_empty() {
+            problems.lock().expect("problems lock").push(format!(
+                "no node held anything for {limit:?} before a {kind} fault"
+            ));
             rng.below(nodes.len() as u64) as usize
         } else {
             candidates[rng.below(candidates.len() as u64) as usize]
@@ -565,8 +571,15 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
         }
         if let Some(promoted) = promoted_to {
             let new_port = promoted.port().expect("local cluster");
+            // The server's address moves: behind a pooler, the pooler's; else each
+            // node's.
+            if let Some(address) = &server_front {
+                address.set_upstream(([127, 0, 0, 1], new_port).into());
+            }
             for n in &nodes {
-                n.proxy.set_upstream(([127, 0, 0, 1], new_port).into());
+                if server_front.is_none() {
+                    n.proxy.set_upstream(([127, 0, 0, 1], new_port).into());
+                }
                 n.proxy.set(ProxyMode::Pass);
             }
             record.healed_us = monotonic_us();
@@ -800,19 +813,51 @@ fn write_history(path: &str, events: &[Event], faults: &[FaultRecord]) -> io::Re
     std::fs::write(path, text)
 }
 
-/// Waits until every singleton has a running child (bounded); `false` on timeout.
-/// The nodes holding something, once one does or `limit` passed (then maybe none).
-async fn wait_any_holder(events: &Shared<Vec<Event>>, limit: Duration) -> HashSet<String> {
+/// The indexes of the nodes, each given by its id and the instance that runs now,
+/// whose process runs at least one child right now, once one does or `limit` passed
+/// (then none). Judged by that instance's own events: a killed instance that held
+/// something does not count for its successor.
+async fn wait_for_holders(
+    events: &Shared<Vec<Event>>,
+    nodes: &[(String, u32)],
+    limit: Duration,
+) -> Vec<usize> {
     let deadline = std::time::Instant::now() + limit;
     loop {
-        let now = holders(&events.lock().expect("events lock"));
-        if !now.is_empty() || std::time::Instant::now() >= deadline {
-            return now;
+        let holding: Vec<usize> = {
+            let events = events.lock().expect("events lock");
+            (0..nodes.len())
+                .filter(|i| {
+                    let (id, instance) = &nodes[*i];
+                    let mut on: HashMap<&str, bool> = HashMap::new();
+                    for e in events
+                        .iter()
+                        .filter(|e| e.node == *id && e.instance == *instance)
+                    {
+                        if let Some(s) = &e.singleton {
+                            match e.event.as_str() {
+                                "child_started" => {
+                                    on.insert(s, true);
+                                }
+                                "child_stopped" | "lease_lost" => {
+                                    on.insert(s, false);
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    on.values().any(|v| *v)
+                })
+                .collect()
+        };
+        if !holding.is_empty() || std::time::Instant::now() >= deadline {
+            return holding;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
+/// Waits until every singleton has a running child (bounded); `false` on timeout.
 async fn wait_all_held(events: &Shared<Vec<Event>>, singletons: usize, limit: Duration) -> bool {
     let deadline = std::time::Instant::now() + limit;
     while std::time::Instant::now() < deadline {
@@ -861,15 +906,6 @@ fn group_loads(events: &[Event]) -> HashMap<String, usize> {
         }
     }
     loads
-}
-
-/// Nodes whose latest process instance runs at least one child right now.
-fn holders(events: &[Event]) -> HashSet<String> {
-    running(events)
-        .into_iter()
-        .filter(|(_, on)| *on)
-        .map(|((n, _), _)| n.to_owned())
-        .collect()
 }
 
 /// How many singletons have a running child right now.
@@ -1042,5 +1078,23 @@ mod tests {
                 .contains("terminate_backend (permission denied)")
         );
         assert_eq!(Deck::full().kinds, FAULT_KINDS.to_vec());
+    }
+
+    #[test]
+    fn the_lease_row_deck_deals_the_server_faults_and_says_why_it_leaves_out_the_rest() {
+        let deck = Deck::lease_rows();
+        for kind in LOCAL_ONLY_KINDS {
+            assert!(deck.deals(kind), "{kind} is dealt behind the pooler");
+        }
+        for kind in FAULT_KINDS {
+            let left_out = deck.left_out.iter().any(|(k, _)| *k == kind);
+            assert!(
+                deck.deals(kind) != left_out,
+                "{kind} is either dealt or left out with a reason: {deck}"
+            );
+        }
+        for kind in ["cut", "terminate_backend", "latency"] {
+            assert!(!deck.deals(kind), "{kind}: {deck}");
+        }
     }
 }

@@ -963,6 +963,9 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
     // Each contender's lease while it holds one, and every tenure: (node, token, when).
     let held: Arc<Mutex<[Option<Arc<chosen_core::Lease>>; 2]>> = Arc::default();
     let tenures: Arc<Mutex<Vec<(usize, chosen_core::FencingToken, Instant)>>> = Arc::default();
+    // Set when two nodes held a valid lease at once: checked at each grant (before any
+    // await, where an overlap would begin) and by a sampler in between.
+    let both = Arc::new(AtomicBool::new(false));
     let mut managers = Vec::new();
     let mut contenders = Vec::new();
     for i in 0..2 {
@@ -973,11 +976,12 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
         .await
         .unwrap();
         managers.push(manager.clone());
-        let (name, stop, held, tenures) = (
+        let (name, stop, held, tenures, both) = (
             name.clone(),
             Arc::clone(&stop),
             Arc::clone(&held),
             Arc::clone(&tenures),
+            Arc::clone(&both),
         );
         contenders.push(tokio::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
@@ -985,12 +989,18 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
                     break;
                 };
                 let lease = Arc::new(lease);
+                {
+                    let mut held = held.lock().unwrap();
+                    if held.iter().flatten().any(|l| l.is_valid()) && lease.is_valid() {
+                        both.store(true, Ordering::SeqCst);
+                    }
+                    held[i] = Some(Arc::clone(&lease));
+                }
                 // The token is read while the lease is valid; a session that ended
                 // at once gives none, and the tenure is not counted.
                 if let Ok(token) = lease.fencing_token().await {
                     tenures.lock().unwrap().push((i, token, Instant::now()));
                 }
-                held.lock().unwrap()[i] = Some(Arc::clone(&lease));
                 tokio::select! {
                     _ = lease.lost() => {}
                     () = async {
@@ -1004,7 +1014,6 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
         }));
     }
     // Never two valid leases at one instant.
-    let both = Arc::new(AtomicBool::new(false));
     let sampler = tokio::spawn({
         let (stop, held, both) = (Arc::clone(&stop), Arc::clone(&held), Arc::clone(&both));
         async move {
@@ -1043,7 +1052,6 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
     let began = Instant::now() - Duration::from_secs(1);
     wait_tenure_after(began).await;
     for mode in ["fast", "immediate"] {
-        let before = tenures.lock().unwrap().len();
         let at = Instant::now();
         let server = Arc::clone(&pg);
         tokio::task::spawn_blocking(move || server.lock().unwrap().restart(mode))
@@ -1055,7 +1063,12 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
             "LEASE ROWS held again {} ms after a {mode} restart began",
             again.as_millis()
         );
-        assert!(tenures.lock().unwrap().len() > before);
+        // About 2 s here (the restart, then the old session's rows expire): generous
+        // for a loaded machine.
+        assert!(
+            again < Duration::from_secs(15),
+            "held again only {again:?} after a {mode} restart"
+        );
         // Let the new tenure run a while before the next restart.
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
@@ -1078,7 +1091,6 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
         "two nodes held a valid lease at once"
     );
     let tenures = tenures.lock().unwrap().clone();
-    assert!(tenures.len() >= 3, "{tenures:?}");
     for pair in tenures.windows(2) {
         assert!(pair[1].1 > pair[0].1, "a token went backwards: {tenures:?}");
     }

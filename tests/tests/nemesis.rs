@@ -25,8 +25,8 @@ async fn nemesis_never_finds_two_holders() {
 
 /// The lease-row mode through a transaction pooler (PgBouncer): nodes killed, frozen
 /// past the rows' lifetime, black-holed and stopped gracefully, and the server behind
-/// the pooler restarted (cleanly and as after a crash) or stopped for a while; the
-/// checker's verdict and the takeover times, per fault kind.
+/// the pooler restarted (cleanly and as after a crash), stopped for a while, or failed
+/// over to its standby; the checker's verdict and the takeover times, per fault kind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_row_nemesis_never_finds_two_holders() {
     let mut config = NemesisConfig::from_env();
