@@ -776,8 +776,13 @@ impl PgBouncer {
             packages::find_in([Path::new("/usr/sbin"), Path::new("/usr/bin")], "pgbouncer")
                 .or_else(|_| packages::find_on_path("pgbouncer"))
         })?;
-        let dir = local.base.join(format!(
-            "pgbouncer-{}",
+        // Beside the cluster's directory, not in it: a failover drops the first
+        // cluster while PgBouncer goes on (with its settings and log). Named as the
+        // clusters' are, so that it is swept as theirs are if this process dies.
+        let root = local.base.parent().unwrap_or(&local.base);
+        let dir = root.join(format!(
+            "c-{}-pgbouncer-{}",
+            std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
         fs::create_dir_all(&dir)?;

@@ -533,7 +533,10 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                     .expect("BUG: a standby is made after every failover");
                 // The targeted holder is cut off first (its sockets silent): it never
                 // hears of the failover and trusts its leases until its own deadline,
-                // which the promoted server's term hold must outlast.
+                // which the promoted server's term hold must outlast. (Lease rows: a
+                // fast stop ships the primary's last WAL to the standby, so the
+                // promoted server has every renewal and the rows' expiry alone keeps
+                // holders apart; failovers that lose renewals are the simulations'.)
                 node.proxy.set(ProxyMode::BlackHole);
                 record.at_us = monotonic_us();
                 tokio::task::spawn_blocking(move || old.lock().expect("cluster lock").stop("fast"))

@@ -963,8 +963,8 @@ async fn lease_rows_keep_one_holder_across_server_restarts_behind_a_transaction_
     // Each contender's lease while it holds one, and every tenure: (node, token, when).
     let held: Arc<Mutex<[Option<Arc<chosen_core::Lease>>; 2]>> = Arc::default();
     let tenures: Arc<Mutex<Vec<(usize, chosen_core::FencingToken, Instant)>>> = Arc::default();
-    // Set when two nodes held a valid lease at once: checked at each grant (before any
-    // await, where an overlap would begin) and by a sampler in between.
+    // Set when two nodes held a valid lease at once: checked as soon as a contender
+    // sees its grant (before it awaits anything) and by a sampler every 5 ms.
     let both = Arc::new(AtomicBool::new(false));
     let mut managers = Vec::new();
     let mut contenders = Vec::new();
