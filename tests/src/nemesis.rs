@@ -340,6 +340,21 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     } else {
         None
     };
+    // Lease rows: the standby streams through a proxy of its own, which the failover
+    // black-holes for a moment before the primary dies, so that the promoted server
+    // lacks the last renewals and takeovers (as an asynchronous standby can) and the
+    // new term's hold is what keeps holders apart.
+    let replication = match (&standby, &server_front) {
+        (Some(s), Some(_)) => {
+            let primary = cluster.lock().expect("cluster lock").port();
+            let front =
+                FaultProxy::start(([127, 0, 0, 1], primary.expect("a local cluster")).into())
+                    .await?;
+            stream_through(s, &front).await?;
+            Some(front)
+        }
+        _ => None,
+    };
     let binary = test_binary("node")?;
     let events: Shared<Vec<Event>> = Arc::default();
     let problems: Shared<Vec<String>> = Arc::default();
@@ -533,18 +548,59 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                     .expect("BUG: a standby is made after every failover");
                 // The targeted holder is cut off first (its sockets silent): it never
                 // hears of the failover and trusts its leases until its own deadline,
-                // which the promoted server's term hold must outlast. (Lease rows: a
-                // fast stop ships the primary's last WAL to the standby, so the
-                // promoted server has every renewal and the rows' expiry alone keeps
-                // holders apart; failovers that lose renewals are the simulations'.)
+                // which the promoted server's term hold must outlast.
+                // With lease rows, the standby first falls behind: what the primary
+                // commits from now on is lost, and the primary then dies at once.
+                let lost = match &replication {
+                    Some(front) => {
+                        front.set(ProxyMode::BlackHole);
+                        // Longer than a lease timeout: a row the promoted server has
+                        // can expire before its holder stops trusting it.
+                        tokio::time::sleep(rng.millis(2000, 5000)).await;
+                        true
+                    }
+                    None => false,
+                };
+                // Where the primary's WAL ends, to check that the standby lacks some.
+                let primary_lsn: Option<String> = if lost {
+                    let admin = connect_admin(&direct_primary_url(&cluster))
+                        .await
+                        .map_err(io::Error::other)?;
+                    Some(
+                        admin
+                            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+                            .await
+                            .map_err(io::Error::other)?
+                            .get(0),
+                    )
+                } else {
+                    None
+                };
                 node.proxy.set(ProxyMode::BlackHole);
                 record.at_us = monotonic_us();
-                tokio::task::spawn_blocking(move || old.lock().expect("cluster lock").stop("fast"))
+                let mode = if lost { "immediate" } else { "fast" };
+                tokio::task::spawn_blocking(move || old.lock().expect("cluster lock").stop(mode))
                     .await
                     .map_err(io::Error::other)??;
                 let admin = connect_admin(&promoted.url())
                     .await
                     .map_err(io::Error::other)?;
+                if let Some(primary_lsn) = primary_lsn {
+                    let behind: f64 = admin
+                        .query_one(
+                            "SELECT pg_wal_lsn_diff($1::text::pg_lsn, pg_last_wal_replay_lsn())::float8",
+                            &[&primary_lsn],
+                        )
+                        .await
+                        .map_err(io::Error::other)?
+                        .get(0);
+                    if behind <= 0.0 {
+                        problems.lock().expect("problems lock").push(
+                            "failover: the standby had every commit of the primary (nothing was lost)"
+                                .to_owned(),
+                        );
+                    }
+                }
                 let done: bool = admin
                     .query_one("SELECT pg_promote(true, 60)", &[])
                     .await
@@ -594,13 +650,17 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
             tokio::time::sleep(Duration::from_millis(1500)).await;
             wait_all_held(&events, all_held, Duration::from_secs(30)).await;
             let primary = Arc::clone(&cluster);
-            standby = Some(
-                tokio::task::spawn_blocking(move || {
-                    primary.lock().expect("cluster lock").start_standby()
-                })
-                .await
-                .map_err(io::Error::other)??,
-            );
+            let next = tokio::task::spawn_blocking(move || {
+                primary.lock().expect("cluster lock").start_standby()
+            })
+            .await
+            .map_err(io::Error::other)??;
+            if let Some(front) = &replication {
+                front.set_upstream(([127, 0, 0, 1], new_port).into());
+                front.set(ProxyMode::Pass);
+                stream_through(&next, front).await?;
+            }
+            standby = Some(next);
         }
         faults.push(record);
         tokio::time::sleep(rng.millis(1000, 2500)).await;
@@ -814,6 +874,66 @@ fn write_history(path: &str, events: &[Event], faults: &[FaultRecord]) -> io::Re
         .map(|(t, l)| format!("{t} {l}\n"))
         .collect();
     std::fs::write(path, text)
+}
+
+/// The URL of the local primary itself (not of a pooler in front of it).
+fn direct_primary_url(cluster: &Mutex<PgCluster>) -> String {
+    cluster.lock().expect("cluster lock").url()
+}
+
+/// Points `standby`'s replication at `front` (a proxy to its primary) and waits, at
+/// most 30 s, until it streams through it.
+async fn stream_through(standby: &PgCluster, front: &FaultProxy) -> io::Result<()> {
+    let admin = connect_admin(&standby.url())
+        .await
+        .map_err(io::Error::other)?;
+    let conninfo: String = admin
+        .query_one("SELECT current_setting('primary_conninfo')", &[])
+        .await
+        .map_err(io::Error::other)?
+        .get(0);
+    let port = front.addr().port();
+    let rerouted: Vec<String> = conninfo
+        .split_whitespace()
+        .map(|part| {
+            if part.starts_with("port=") {
+                format!("port={port}")
+            } else {
+                part.to_owned()
+            }
+        })
+        .collect();
+    let rerouted = rerouted.join(" ").replace('\'', "''");
+    // Two statements: `ALTER SYSTEM` runs outside any transaction block.
+    for statement in [
+        format!("ALTER SYSTEM SET primary_conninfo = '{rerouted}'"),
+        "SELECT pg_reload_conf()".to_owned(),
+    ] {
+        admin
+            .batch_execute(&statement)
+            .await
+            .map_err(io::Error::other)?;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let streaming: bool = admin
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_wal_receiver WHERE status = 'streaming' AND sender_port = $1)",
+                &[&i32::from(port)],
+            )
+            .await
+            .map_err(io::Error::other)?
+            .get(0);
+        if streaming {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(io::Error::other(format!(
+                "the standby does not stream through its proxy (port {port}) within 30 s"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The indexes of the nodes, each given by its id and the instance that runs now,
