@@ -1490,10 +1490,15 @@ fn log_to_tests(filter: &str) {
 }
 
 fn first_failing_without(guard: super::Guard, what: &str) -> Option<u64> {
+    first_failing_without_in(guard, what, Mode::Advisory)
+}
+
+/// As [`first_failing_without`], with every node in `mode`.
+fn first_failing_without_in(guard: super::Guard, what: &str, mode: Mode) -> Option<u64> {
     log_to_tests("chosen_core::sim::fleet=info");
     let _off = super::switch_off(&[guard]);
     let found = (0..40).find_map(|seed| {
-        run_seed(seed, RELEASE_AFTER, Mode::Advisory)
+        run_seed(seed, RELEASE_AFTER, mode)
             .violations
             .into_iter()
             .find(|v| v.contains(what))
@@ -1551,6 +1556,13 @@ fn the_fleet_check_fails_when_a_child_that_cannot_start_does_not_give_up() {
 fn the_fleet_check_fails_when_a_new_server_term_does_not_hold_grants() {
     let guard = super::Guard::Engine(crate::table::Protection::TermHold);
     let seed = first_failing_without(guard, "at once");
+    assert!(seed.is_some(), "no seed of 40 had two act at once");
+}
+
+#[test]
+fn the_lease_row_fleet_check_fails_when_a_new_server_term_does_not_hold_grants() {
+    let guard = super::Guard::Engine(crate::table::Protection::TermHold);
+    let seed = first_failing_without_in(guard, "at once", Mode::Rows);
     assert!(seed.is_some(), "no seed of 40 had two act at once");
 }
 
