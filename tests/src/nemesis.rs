@@ -554,9 +554,11 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 let lost = match &replication {
                     Some(front) => {
                         front.set(ProxyMode::BlackHole);
-                        // Longer than a lease timeout: a row the promoted server has
-                        // can expire before its holder stops trusting it.
-                        tokio::time::sleep(rng.millis(2000, 5000)).await;
+                        // Long enough (at the defaults: rows live 7 s, a lease is
+                        // trusted 3 s) that a row the promoted server has can expire
+                        // before its cut-off holder stops trusting it: only the new
+                        // term's hold keeps the next grant back.
+                        tokio::time::sleep(rng.millis(6000, 9000)).await;
                         true
                     }
                     None => false,
@@ -588,7 +590,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 if let Some(primary_lsn) = primary_lsn {
                     let behind: f64 = admin
                         .query_one(
-                            "SELECT pg_wal_lsn_diff($1::text::pg_lsn, pg_last_wal_replay_lsn())::float8",
+                            "SELECT pg_wal_lsn_diff($1::text::pg_lsn, pg_last_wal_receive_lsn())::float8",
                             &[&primary_lsn],
                         )
                         .await
@@ -596,7 +598,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                         .get(0);
                     if behind <= 0.0 {
                         problems.lock().expect("problems lock").push(
-                            "failover: the standby had every commit of the primary (nothing was lost)"
+                            "failover: the standby had received all of the primary's WAL (nothing was lost)"
                                 .to_owned(),
                         );
                     }
@@ -635,11 +637,25 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
             if let Some(address) = &server_front {
                 address.set_upstream(([127, 0, 0, 1], new_port).into());
             }
-            for n in &nodes {
+            for (i, n) in nodes.iter().enumerate() {
                 if server_front.is_none() {
                     n.proxy.set_upstream(([127, 0, 0, 1], new_port).into());
                 }
-                n.proxy.set(ProxyMode::Pass);
+                // Lease rows: the targeted holder stays cut off past its lease's
+                // deadline, acting on what it last renewed while the others reach
+                // the promoted server, whose rows lack the last seconds.
+                if i != target || replication.is_none() {
+                    n.proxy.set(ProxyMode::Pass);
+                }
+            }
+            if replication.is_some() {
+                let until = record.at_us
+                    + (config.timing.lease_timeout + Duration::from_secs(1)).as_micros() as u64;
+                let now = monotonic_us();
+                if until > now {
+                    tokio::time::sleep(Duration::from_micros(until - now)).await;
+                }
+                nodes[target].proxy.set(ProxyMode::Pass);
             }
             record.healed_us = monotonic_us();
             direct_url = promoted.url();
@@ -892,18 +908,9 @@ async fn stream_through(standby: &PgCluster, front: &FaultProxy) -> io::Result<(
         .await
         .map_err(io::Error::other)?
         .get(0);
+    // A later keyword wins in a connection string: the proxy's port is appended.
     let port = front.addr().port();
-    let rerouted: Vec<String> = conninfo
-        .split_whitespace()
-        .map(|part| {
-            if part.starts_with("port=") {
-                format!("port={port}")
-            } else {
-                part.to_owned()
-            }
-        })
-        .collect();
-    let rerouted = rerouted.join(" ").replace('\'', "''");
+    let rerouted = format!("{conninfo} port={port}").replace('\'', "''");
     // Two statements: `ALTER SYSTEM` runs outside any transaction block.
     for statement in [
         format!("ALTER SYSTEM SET primary_conninfo = '{rerouted}'"),
