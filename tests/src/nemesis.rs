@@ -340,12 +340,13 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
     } else {
         None
     };
-    // Lease rows: the standby streams through a proxy of its own, which the failover
-    // black-holes for a moment before the primary dies, so that the promoted server
-    // lacks the last renewals and takeovers (as an asynchronous standby can) and the
-    // new term's hold is what keeps holders apart.
-    let replication = match (&standby, &server_front) {
-        (Some(s), Some(_)) => {
+    // The standby streams through a proxy of its own, which the failover black-holes
+    // for a while before the primary dies, so that the promoted server lacks the last
+    // commits (as an asynchronous standby can: lease rows' renewals and takeovers,
+    // advisory locks' token draws) and the new term's hold is what keeps holders
+    // apart.
+    let replication = match &standby {
+        Some(s) => {
             let primary = cluster.lock().expect("cluster lock").port();
             let front =
                 FaultProxy::start(([127, 0, 0, 1], primary.expect("a local cluster")).into())
@@ -549,7 +550,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 // The targeted holder is cut off first (its sockets silent): it never
                 // hears of the failover and trusts its leases until its own deadline,
                 // which the promoted server's term hold must outlast.
-                // With lease rows, the standby first falls behind: what the primary
+                // The standby first falls behind: what the primary
                 // commits from now on is lost, and the primary then dies at once.
                 let lost = match &replication {
                     Some(front) => {
@@ -641,7 +642,7 @@ pub async fn run(config: &NemesisConfig) -> io::Result<Report> {
                 if server_front.is_none() {
                     n.proxy.set_upstream(([127, 0, 0, 1], new_port).into());
                 }
-                // Lease rows: the targeted holder stays cut off past its lease's
+                // The targeted holder stays cut off past its lease's
                 // deadline, acting on what it last renewed while the others reach
                 // the promoted server, whose rows lack the last seconds.
                 if i != target || replication.is_none() {
