@@ -306,7 +306,7 @@ async fn ensure_tables(client: &tokio_postgres::Client, schema: &str, names: &Na
     if !current {
         // Made by an earlier version: add what this one needs (every statement of it
         // names `hand_to`).
-        let upgraded = client.batch_execute(&sql::upgrade_sql(names)).await;
+        let upgraded = client.batch_execute(&sql::add_columns_sql(names)).await;
         let again = client.simple_query(&check).await.map_err(Error::database)?;
         (_, writable, current) = usable(&again);
         if !current {

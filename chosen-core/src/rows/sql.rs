@@ -125,7 +125,8 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
     )
 }
 
-/// Adds the columns later versions added to a lease table made before them: only when
+/// Adds the columns later versions added to a lease table made before them (in the
+/// migration, and at an owner's connect): only when
 /// one is missing (`ALTER TABLE` locks the table against every statement even when it
 /// has nothing to do, so running the migration again costs nothing then). A waiting
 /// `ALTER TABLE` would hold every later statement of the fleet behind it in the lock's
@@ -133,7 +134,7 @@ pub(super) fn tables_usable_sql(names: &Names) -> String {
 /// apart, and then fails with a message saying to run it again. The caller's
 /// `lock_timeout` is put back after (a migration tool may run this inside a longer
 /// transaction of its own).
-fn add_columns_sql(names: &Names) -> String {
+pub(super) fn add_columns_sql(names: &Names) -> String {
     let lease = &names.lease;
     format!(
         "DO $chosen$ DECLARE before text := pg_catalog.current_setting('lock_timeout'); BEGIN \
@@ -153,11 +154,6 @@ fn add_columns_sql(names: &Names) -> String {
            END IF; \
          END $chosen$"
     )
-}
-
-/// [`add_columns_sql`] at connect.
-pub(super) fn upgrade_sql(names: &Names) -> String {
-    add_columns_sql(names)
 }
 
 /// Deletes rows that expired more than an hour ago (a crashed holder's, a name used
